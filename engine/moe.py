@@ -1,0 +1,120 @@
+"""The Mixture-of-Experts seam: one ``expert_ffn`` and a routed block that takes the expert executor.
+
+Canonical order (the contract the expert-workers issue depends on; do not change it without a new
+protocol version):
+
+1. Routing, in fp32: ``probs = softmax(router_logits)`` over all experts of the layer ([T, E]). Each
+   token's top-k experts are chosen by descending probability, ties broken by the lower expert index
+   (a stable sort of ``-probs``). Slot ``j`` (0..k-1) is the j-th ranked expert. If ``norm_topk_prob``
+   the k weights are divided by their sum.
+2. Work list: the experts that received at least one token, in ascending expert index; for each, its
+   rows are the token indices routed to it, ascending. This is ``route()``'s ``work``.
+3. Execution: ``executor(layer, x, work)`` returns, for each work item in order, the array
+   ``expert_ffn(x[rows], W_e)`` of shape [len(rows), D] in fp32 — the unweighted expert output, computed
+   on exactly those rows (BLAS results may depend on the batch shape, so never on more or fewer rows).
+   A remote executor sends x's needed rows and the (row, expert) pairs and must return these arrays
+   bit for bit.
+4. Combination, on the node that routed: ``out = 0``; for slot j = 0..k-1 in order:
+   ``out += w[:, j, None] * Y[:, j, :]`` where ``Y[t, j]`` is token t's output from its j-th expert.
+   The summation order is therefore fixed per token (slot order), independent of how experts were
+   spread over workers.
+
+``expert_ffn`` is SwiGLU: ``down(silu(x @ gate.T) * (x @ up.T))`` with weights in Hugging Face layout
+(``gate``/``up``: [I, D], ``down``: [D, I]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+# One work item: (expert index, ascending row indices into x).
+WorkItem = tuple[int, np.ndarray]
+# executor(layer, x [T, D], work) -> one [len(rows), D] fp32 array per work item, in order.
+ExpertExecutor = Callable[[int, np.ndarray, Sequence[WorkItem]], list[np.ndarray]]
+# weights(layer, expert) -> (gate [I, D], up [I, D], down [D, I]) as fp32 arrays.
+ExpertWeightsFn = Callable[[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    # [..] -> [..]
+    return x / (np.float32(1.0) + np.exp(-x))
+
+
+def expert_ffn(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    """SwiGLU feed-forward: [n, D] -> [n, D]. The one implementation every path calls."""
+    h = silu(x @ gate.T)  # [n, I]
+    h *= x @ up.T  # [n, I]
+    return h @ down.T  # [n, D]
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """The outcome of routing T tokens: slot experts/weights and the canonical work list."""
+
+    experts: np.ndarray  # [T, k] int64, slot order
+    weights: np.ndarray  # [T, k] fp32
+    work: list[WorkItem]  # ascending expert, ascending rows
+
+
+def route(router_logits: np.ndarray, top_k: int, norm_topk_prob: bool) -> Routing:
+    """Canonical routing (steps 1-2 of the module contract). [T, E] -> Routing."""
+    logits = router_logits.astype(np.float32, copy=False)
+    m = logits.max(axis=-1, keepdims=True)
+    e = np.exp(logits - m)
+    probs = e / e.sum(axis=-1, keepdims=True)  # [T, E]
+    experts = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]  # [T, k]
+    weights = np.take_along_axis(probs, experts, axis=-1)  # [T, k]
+    if norm_topk_prob:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    flat = experts.reshape(-1)
+    order = np.argsort(flat, kind="stable")  # groups by expert, ascending token within each
+    tokens = order // top_k
+    sorted_experts = flat[order]
+    bounds = np.flatnonzero(np.diff(sorted_experts)) + 1
+    work: list[WorkItem] = []
+    for chunk_tokens, chunk_experts in zip(np.split(tokens, bounds), np.split(sorted_experts, bounds)):
+        if len(chunk_tokens):
+            work.append((int(chunk_experts[0]), chunk_tokens.astype(np.int64)))
+    return Routing(experts=experts, weights=weights.astype(np.float32), work=work)
+
+
+def local_executor(weights: ExpertWeightsFn) -> ExpertExecutor:
+    """An executor that runs every work item in this process with ``expert_ffn``."""
+
+    def run(layer: int, x: np.ndarray, work: Sequence[WorkItem]) -> list[np.ndarray]:
+        return [expert_ffn(x[rows], *weights(layer, expert)) for expert, rows in work]
+
+    return run
+
+
+def combine(routing: Routing, outputs: Sequence[np.ndarray], t: int, d: int) -> np.ndarray:
+    """Step 4: weighted sum of per-(row, expert) outputs in slot order. -> [T, D] fp32."""
+    top_k = routing.experts.shape[1]
+    # Y[t, j] gathered from the work outputs: position of (t, expert) inside its work item.
+    y = np.empty((t, top_k, d), dtype=np.float32)  # [T, k, D]
+    for (expert, rows), out in zip(routing.work, outputs):
+        slots = np.argmax(routing.experts[rows] == expert, axis=-1)  # [n]
+        y[rows, slots] = out
+    acc = np.zeros((t, d), dtype=np.float32)
+    for j in range(top_k):
+        acc += routing.weights[:, j, None] * y[:, j, :]
+    return acc
+
+
+def moe_block(
+    x: np.ndarray,
+    router_logits: np.ndarray,
+    top_k: int,
+    norm_topk_prob: bool,
+    executor: ExpertExecutor,
+    layer: int,
+) -> np.ndarray:
+    """Routed-experts output for one layer: [T, D] -> [T, D]. Shared experts are added by the caller."""
+    routing = route(router_logits, top_k, norm_topk_prob)
+    outputs = executor(layer, x, routing.work)
+    if len(outputs) != len(routing.work):
+        raise RuntimeError(f"expert executor returned {len(outputs)} outputs for {len(routing.work)} items")
+    return combine(routing, outputs, x.shape[0], x.shape[1])

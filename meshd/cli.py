@@ -1,0 +1,139 @@
+"""Command-line entry point: parses SPEC's commands and dispatches each to ``meshd.commands.<name>``.
+
+Each command module exposes ``run(args: argparse.Namespace) -> int``. Errors derived from
+``meshd.errors.MeshdError`` become one line on stderr with their exit code; argparse usage errors exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from meshd import __version__
+from meshd.errors import EXIT_USAGE, MeshdError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # One readable line, exit 2 (SPEC), instead of argparse's usage dump.
+        sys.stderr.write(f"meshd: {message}\n")
+        raise SystemExit(EXIT_USAGE)
+
+
+def _add_state_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--state-dir", metavar="DIR", help="state directory (default: $MESHD_STATE_DIR, "
+                   "$STATE_DIRECTORY, ~/.local/state/meshd)")
+
+
+def _add_logging(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-format", choices=["json", "pretty"], help="log format (default: pretty on a "
+                   "terminal, json otherwise)")
+    p.add_argument("--log-level", metavar="LEVEL", help="debug, info, warning, error (default: info)")
+
+
+def _add_networking(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML config file with the same keys as the long flags")
+    _add_state_dir(p)
+    p.add_argument("--listen", metavar="HOST:PORT", help="QUIC (UDP) address (default 0.0.0.0:9336)")
+    p.add_argument("--api", metavar="HOST:PORT", help="OpenAI API address (default 127.0.0.1:9337)")
+    join = p.add_mutually_exclusive_group()
+    join.add_argument("--join", metavar="TOKEN", help="invite token to join a mesh (also $MESHD_JOIN)")
+    join.add_argument("--join-file", metavar="FILE", help="file holding an invite token "
+                      "(also $MESHD_JOIN_FILE)")
+    p.add_argument("--mesh-name", metavar="NAME", help="name of the mesh this node creates if it has none")
+    p.add_argument("--no-mdns", action="store_true", default=None, help="do not announce or browse mDNS")
+    p.add_argument("--api-key-file", metavar="FILE", help="file with API bearer keys, one per line")
+    _add_logging(p)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="meshd", description="A private mesh of machines serving models.")
+    parser.add_argument("--version", action="version", version=f"meshd {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    p = sub.add_parser("serve", help="run a node that serves models and/or expert shards")
+    _add_networking(p)
+    p.add_argument("--model", action="append", metavar="SPEC", help="model to serve: PATH, tiny, or "
+                   "openai:URL, optionally NAME=SPEC (repeatable)")
+    p.add_argument("--experts", action="append", metavar="SPEC", help="expert shards to hold for other "
+                   "nodes: PATH[@LAYERS/EXPERTS] (repeatable)")
+    p.add_argument("--remote-experts", choices=["off", "on", "prefer"], help="hand routed experts to "
+                   "workers (default off)")
+
+    p = sub.add_parser("client", help="run a headless node: joins, serves nothing, exposes the API")
+    _add_networking(p)
+
+    p = sub.add_parser("invite", help="ask the running daemon for an invite token")
+    _add_state_dir(p)
+    p.add_argument("--ttl", metavar="DURATION", default="24h", help="validity, e.g. 30m, 24h, 7d "
+                   "(default 24h)")
+    p.add_argument("--uses", metavar="N", type=int, default=1, help="how many nodes may join with it "
+                   "(default 1)")
+
+    p = sub.add_parser("join", help="make the running daemon join a mesh")
+    _add_state_dir(p)
+    p.add_argument("token", metavar="TOKEN")
+
+    p = sub.add_parser("status", help="show this node, its mesh, peers and models")
+    _add_state_dir(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser("ban", help="revoke a member mesh-wide (needs the mesh admin key)")
+    _add_state_dir(p)
+    p.add_argument("node_id", metavar="NODE_ID")
+
+    p = sub.add_parser("generate", help="generate text with a model in this process")
+    p.add_argument("--model", required=True, metavar="SPEC")
+    p.add_argument("--prompt", required=True, metavar="TEXT")
+    p.add_argument("--max-tokens", type=int, default=64, metavar="N")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    p.add_argument("--top-k", type=int, default=0, metavar="K")
+    p.add_argument("--seed", type=int, default=None, metavar="S")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_state_dir(p)
+
+    p = sub.add_parser("model", help="model utilities")
+    msub = p.add_subparsers(dest="model_command", metavar="SUBCOMMAND", parser_class=_Parser)
+    msub.required = True
+    c = msub.add_parser("create-tiny", help="write the synthetic tiny MoE checkpoint to DIR")
+    c.add_argument("dir", metavar="DIR")
+    c.add_argument("--arch", choices=["qwen3_moe", "mixtral"], default="qwen3_moe")
+    c.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("identity", help="print this node's id")
+    _add_state_dir(p)
+    return parser
+
+
+_COMMAND_MODULES = {
+    "serve": "meshd.commands.serve",
+    "client": "meshd.commands.serve",
+    "invite": "meshd.commands.invite",
+    "join": "meshd.commands.join",
+    "status": "meshd.commands.status",
+    "ban": "meshd.commands.ban",
+    "generate": "meshd.commands.generate",
+    "model": "meshd.commands.model",
+    "identity": "meshd.commands.identity",
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        module = importlib.import_module(_COMMAND_MODULES[args.command])
+        return int(module.run(args))
+    except MeshdError as e:
+        sys.stderr.write(f"meshd: {e}\n")
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,19 @@
+"""Every buffer, queue, cache and size bound in meshd, with units and the reason for its value.
+
+One module so that limits are reviewed together. Sections per subsystem; add, do not scatter.
+"""
+
+from __future__ import annotations
+
+# --- credentials / identity -------------------------------------------------------------------
+MAX_CREDENTIAL_BYTES = 4096  # a genesis or member certificate is ~400 B; refuse anything 10x larger
+
+# --- framing / transport (issue 2) ------------------------------------------------------------
+
+# --- membership / gossip (issue 3) ------------------------------------------------------------
+
+# --- API / tunnel (issue 5) -------------------------------------------------------------------
+
+# --- engine (issue 4) -------------------------------------------------------------------------
+
+# --- expert RPC (issue 6) ---------------------------------------------------------------------
