@@ -131,13 +131,18 @@ class ControlServer:
         try:
             while True:
                 try:
-                    line = await reader.readline()
-                except ValueError:  # longer than the limit: answer and hang up (the rest is unread)
+                    line = await reader.readuntil(b"\n")
+                except asyncio.IncompleteReadError as e:
+                    line = e.partial  # a last request without its newline, or b"" at EOF
+                    if not line:
+                        break
+                except asyncio.LimitOverrunError:
+                    # Longer than the limit: skip the rest of that line, answer, and carry on.
+                    if not await _skip_line(reader):
+                        break
                     writer.write(_encode({"ok": False, "error": "request too large"}))
                     await writer.drain()
-                    break
-                if not line:
-                    break
+                    continue
                 reply = await self.dispatch(line)
                 writer.write(_encode(reply))
                 await writer.drain()
@@ -171,6 +176,18 @@ class ControlServer:
             log.exception("control_command_failed", cmd=name)
             return {"ok": False, "error": f"internal error in {name!r} (see the daemon's log)"}
         return {"ok": True, **result}
+
+
+async def _skip_line(reader: asyncio.StreamReader) -> bool:
+    """Discard input up to and including the next newline. False if the stream ended first."""
+    while True:
+        try:
+            await reader.readuntil(b"\n")
+            return True
+        except asyncio.LimitOverrunError as e:
+            await reader.readexactly(max(1, e.consumed))
+        except asyncio.IncompleteReadError:
+            return False
 
 
 def _encode(obj: dict[str, Any]) -> bytes:

@@ -27,15 +27,16 @@ def run(args: argparse.Namespace) -> int:
         log.info("config_note", note=note)
     state = StateDir(config.state_dir)
     state.lock()  # held for the life of the process: one daemon per state dir
+    if config.has_join and not state.has_credentials():
+        # Fail now (exit 2) on a missing/empty join file rather than found a stray mesh; the
+        # membership service re-reads it on every attempt.
+        config.read_join_token()
     identity, created = state.load_or_create_identity()
     if created:
         log.info("identity_created", node_id=identity.node_id, path=str(state.identity_path))
     creds = state.load_credentials(identity)
     if creds is None:
         if config.has_join:
-            # Fail now (exit 2) on a missing/empty join file rather than found a stray mesh; the
-            # membership service re-reads it on every attempt.
-            config.read_join_token()
             log.info("waiting_to_join", node_id=identity.node_id)
         else:
             creds = create_mesh(identity, config.mesh_name, int(time.time()), PROTOCOL_MIN, PROTOCOL_MAX)
