@@ -126,8 +126,9 @@ class Daemon:
         self.credentials = creds
         if self.transport is not None:
             self.transport.set_credentials(creds)
-        log.info("mesh_credentials_set", mesh_id=creds.mesh_id, mesh_name=creds.genesis.name,
-                 admin=creds.is_admin)
+        log.info(
+            "mesh_credentials_set", mesh_id=creds.mesh_id, mesh_name=creds.genesis.name, admin=creds.is_admin
+        )
         for callback in list(self.on_credentials):
             try:
                 callback(creds)
@@ -230,8 +231,10 @@ class Daemon:
         if self.credentials is None:
             return "joining a mesh"
         st = self.status()
-        return (f"running: mesh {st['mesh_name']} ({st['mesh_id']}), {len(st['peers'])} peers, "
-                f"{len(st['models'])} models")
+        return (
+            f"running: mesh {st['mesh_name']} ({st['mesh_id']}), {len(st['peers'])} peers, "
+            f"{len(st['models'])} models"
+        )
 
     def _notify_status(self) -> None:
         if self.notifier.enabled:
@@ -261,9 +264,15 @@ class Daemon:
                 self.phase = "running" if self.credentials else "joining"
                 self._write_run()
                 self.notifier.notify(READY=1, STATUS=self._status_line())
-                log.info("daemon_ready", node_id=self.node_id, mesh_id=self.mesh_id, role=self.config.role,
-                         quic=str(self.quic_address) if self.quic_address else None,
-                         api=str(self.api_address) if self.api_address else None, pid=os.getpid())
+                log.info(
+                    "daemon_ready",
+                    node_id=self.node_id,
+                    mesh_id=self.mesh_id,
+                    role=self.config.role,
+                    quic=str(self.quic_address) if self.quic_address else None,
+                    api=str(self.api_address) if self.api_address else None,
+                    pid=os.getpid(),
+                )
                 self._spawn(self._watchdog())
                 self._spawn(self._status_refresher())
                 await self._stop.wait()
@@ -332,7 +341,7 @@ class Daemon:
             remaining = max(0.1, deadline - time.monotonic())
             try:
                 await asyncio.wait_for(stop(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("stop_timed_out", component=name, budget_s=round(remaining, 2))
             except Exception:
                 log.exception("stop_failed", component=name)
@@ -357,4 +366,3 @@ class Daemon:
         while True:
             await asyncio.sleep(STATUS_REFRESH_S)
             self._notify_status()
-

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from meshd.config import HostPort, load_config
 from meshd.cli import build_parser
+from meshd.config import HostPort, load_config
 from meshd.control import ControlError, ControlServer, NoDaemon, request
 from meshd.daemon import Daemon
 from meshd.errors import RuntimeFailure
@@ -60,8 +60,10 @@ def test_control_protocol(tmp_path: Path) -> None:
                 await request(tmp_path / "control.sock", "broken")
             with pytest.raises(RuntimeFailure, match="unknown command 'nope'"):
                 await request(tmp_path / "control.sock", "nope")
-            replies = await _raw(tmp_path / "control.sock",
-                                 b'{"cmd":"echo","n":1}\nnot json\n[1]\n{"cmd":5}\n{"cmd":"echo","n":2}\n')
+            replies = await _raw(
+                tmp_path / "control.sock",
+                b'{"cmd":"echo","n":1}\nnot json\n[1]\n{"cmd":5}\n{"cmd":"echo","n":2}\n',
+            )
             assert [r["ok"] for r in replies] == [True, False, False, False, True]
             assert replies[0]["got"] == {"n": 1} and replies[4]["got"] == {"n": 2}
             assert replies[1]["error"] == "request is not JSON"
@@ -130,13 +132,29 @@ class RecordingService:
         self.calls.append(f"stop {self.name}")
 
     def status(self) -> dict[str, Any]:
-        return {"models": [{"name": f"m-{self.name}", "fingerprint": "f", "kind": "local"}],
-                "peers": [], "extra": 1}
+        return {
+            "models": [{"name": f"m-{self.name}", "fingerprint": "f", "kind": "local"}],
+            "peers": [],
+            "extra": 1,
+        }
 
 
-def _daemon(tmp_path: Path, services: list[Any], with_creds: bool = True, argv: tuple[str, ...] = ()) -> Daemon:
-    args = build_parser().parse_args(["serve", "--state-dir", str(tmp_path), "--listen", "127.0.0.1:0",
-                                      "--api", "127.0.0.1:0", "--no-mdns", *argv])
+def _daemon(
+    tmp_path: Path, services: list[Any], with_creds: bool = True, argv: tuple[str, ...] = ()
+) -> Daemon:
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--state-dir",
+            str(tmp_path),
+            "--listen",
+            "127.0.0.1:0",
+            "--api",
+            "127.0.0.1:0",
+            "--no-mdns",
+            *argv,
+        ]
+    )
     config = load_config(args, {"HOME": str(tmp_path)}, "serve")
     state = StateDir(tmp_path)
     ident, _ = state.load_or_create_identity()
@@ -169,8 +187,14 @@ def test_daemon_starts_in_order_stops_in_reverse_and_merges_status(tmp_path: Pat
 
 def test_service_start_failure_undoes_started_services(tmp_path: Path) -> None:
     calls: list[str] = []
-    daemon = _daemon(tmp_path, [RecordingService("a", calls), RecordingService("b", calls, fail_start=True),
-                                RecordingService("c", calls)])
+    daemon = _daemon(
+        tmp_path,
+        [
+            RecordingService("a", calls),
+            RecordingService("b", calls, fail_start=True),
+            RecordingService("c", calls),
+        ],
+    )
     with pytest.raises(RuntimeFailure, match="b failed to start: port in use"):
         asyncio.run(daemon.run())
     assert calls == ["start a", "start b", "stop a"]

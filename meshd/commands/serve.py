@@ -41,8 +41,13 @@ def run(args: argparse.Namespace) -> int:
         else:
             creds = create_mesh(identity, config.mesh_name, int(time.time()), PROTOCOL_MIN, PROTOCOL_MAX)
             state.store_credentials(creds)
-            log.info("mesh_created", mesh_id=creds.mesh_id, mesh_name=creds.genesis.name,
-                     node_id=identity.node_id, state_dir=str(state.path))
+            log.info(
+                "mesh_created",
+                mesh_id=creds.mesh_id,
+                mesh_name=creds.genesis.name,
+                node_id=identity.node_id,
+                state_dir=str(state.path),
+            )
     elif config.has_join:
         log.info("join_ignored", reason="already a member", mesh_id=creds.mesh_id)
     daemon = Daemon(config, state, identity, creds, services=build_services(config))
