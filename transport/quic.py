@@ -165,6 +165,8 @@ class Stream:
 
     async def end(self) -> None:
         """Finish the sending side without a frame (no-op if already ended)."""
+        if self._error is not None:
+            raise self._error
         if not self._sent_end:
             self._sent_end = True
             await self._conn.write(self.stream_id, b"", True)
@@ -364,16 +366,19 @@ class _Connection(QuicConnectionProtocol):
 
     async def write(self, stream_id: int, data: bytes, end: bool) -> None:
         limit = self.mesh.config.stream_send_buffer_bytes
+        stream = self.streams.get(stream_id)
         while True:
             if self.closed:
                 raise TransportError(f"connection closed: {self.close_reason or 'closed'}")
-            stream = self.streams.get(stream_id)
             if stream is not None and stream._error is not None:
                 raise stream._error
             if self._pending_send_bytes(stream_id) <= limit:
                 break
             await self._wait_progress()
-        self._quic.send_stream_data(stream_id, data, end_stream=end)
+        try:
+            self._quic.send_stream_data(stream_id, data, end_stream=end)
+        except ValueError as e:  # aioquic: the stream was reset or finished meanwhile
+            raise TransportError(f"stream closed: {e}") from None
         self._transmit_soon()
 
     def reset_stream(self, stream_id: int, code: int) -> None:
@@ -399,13 +404,6 @@ class _Connection(QuicConnectionProtocol):
             self.last_rx = self._loop.time()
             if self.remote_address is None:
                 self.remote_address = (str(addr[0]), int(addr[1]))
-            if self._refuse_at_start is not None:
-                code, reason = self._refuse_at_start
-                self._refuse_at_start = None
-                self._quic.receive_datagram(bytes(data), addr, now=self._loop.time())
-                self.mesh._count(f"refused_{code.name.lower()}")
-                self.close_with(code, reason)
-                return
             super().datagram_received(data, addr)
         except Exception as e:  # noqa: BLE001 - a network callback never raises
             self.mesh._count("internal_errors")
@@ -458,6 +456,10 @@ class _Connection(QuicConnectionProtocol):
         elif isinstance(event, qe.HandshakeCompleted):
             if self.is_client:
                 self._start_client_handshake()
+            elif self._refuse_at_start is not None:
+                # Refused once TLS is up, so that the client gets our code and reason (an application
+                # close sent during the TLS handshake loses both).
+                raise RemoteProtocolError(*self._refuse_at_start)
         elif isinstance(event, qe.StreamReset):
             stream = self.streams.pop(event.stream_id, None)
             if stream is not None:
