@@ -181,7 +181,8 @@ def test_daemon_starts_in_order_stops_in_reverse_and_merges_status(tmp_path: Pat
     assert seen["run"]["api"] == "127.0.0.1:12345"
     st = seen["status"]
     assert [m["name"] for m in st["models"]] == ["m-membership", "m-api"]
-    assert st["services"] == {"membership": {"extra": 1}, "api": {"extra": 1}}
+    assert st["services"]["membership"] == {"extra": 1} and st["services"]["api"] == {"extra": 1}
+    assert st["services"]["transport"]["connected_peers"] == 0
     assert not daemon.state.run_path.exists() and not daemon.state.control_path.exists()
 
 
