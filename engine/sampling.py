@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-MAX_TOP_LOGPROBS = 20  # OpenAI's cap for top_logprobs; bounds per-token work and response size
+from transport.limits import MAX_TOP_LOGPROBS
 
 
 @dataclass(frozen=True, slots=True)

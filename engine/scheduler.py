@@ -30,13 +30,15 @@ from typing import Any
 import numpy as np
 import structlog
 
+from transport.limits import MAX_ACTIVE_SEQUENCES
+
 from engine.generate import DecodeState, GenerationStats, TokenEvent, check_request, context_length
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 
 log = structlog.get_logger("engine.scheduler")
 
-DEFAULT_MAX_ACTIVE = 8  # concurrent sequences per model; each holds a KV cache (memory bound)
+DEFAULT_MAX_ACTIVE = MAX_ACTIVE_SEQUENCES
 
 
 class Busy(Exception):

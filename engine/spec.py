@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-MAX_SPEC_CHARS = 4096  # a path or URL longer than this is a mistake, not a model
+from transport.limits import MAX_MODEL_SPEC_CHARS
+
+MAX_SPEC_CHARS = MAX_MODEL_SPEC_CHARS
 # Served names: what OpenAI clients put in "model". No leading '/', '.', '~' so a path is never a name.
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 

@@ -15,5 +15,9 @@ MAX_CREDENTIAL_BYTES = 4096  # a genesis or member certificate is ~400 B; refuse
 # --- API / tunnel (issue 5) -------------------------------------------------------------------
 
 # --- engine (issue 4) -------------------------------------------------------------------------
+# generation / scheduling (engine-gen)
+MAX_ACTIVE_SEQUENCES = 8  # sequences a Scheduler runs at once per model: each holds a KV cache; more waits as 429
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's cap); bounds per-token work and response size
+MAX_MODEL_SPEC_CHARS = 4096  # a --model SPEC (path or URL) longer than this is a mistake
 
 # --- expert RPC (issue 6) ---------------------------------------------------------------------

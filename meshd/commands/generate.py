@@ -68,7 +68,7 @@ def load_model(path: Path, name: str, stream: Any = None) -> Any:
             ticker.start()
     try:
         return Model.load(path, **kwargs)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError) as e:
         raise UsageError(f"cannot load model from {path}: {e}") from None
     except Exception as e:  # the loader's own error types (e.g. CheckpointError) name the file and key
         if type(e).__module__.startswith("engine"):
@@ -83,7 +83,18 @@ def load_model(path: Path, name: str, stream: Any = None) -> Any:
             bar.close()
 
 
+def _quiet_logs() -> None:
+    # stdout carries the result (one JSON object with --json): engine logs go to stderr, warnings only.
+    import logging
+
+    import structlog
+
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+                        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+
+
 def run(args: argparse.Namespace) -> int:
+    _quiet_logs()
     from engine.generate import GenerationStats, generate
     from engine.sampling import SamplingParams
     from engine.spec import parse_model_spec, resolve_checkpoint
