@@ -258,3 +258,30 @@ def test_admission_checks_first_refusal_wins(tmp_path: Path) -> None:
     daemon.admission_checks.insert(0, boom)
     assert daemon.admit("n", cert) == "internal error"  # fails closed
     assert HostPort("::1", 1).__str__() == "[::1]:1"
+
+
+class HangingService(RecordingService):
+    async def stop(self) -> None:
+        self.calls.append(f"stop {self.name}")
+        await asyncio.sleep(3600)
+
+
+def test_hanging_stop_is_bounded_by_the_shutdown_budget(tmp_path: Path) -> None:
+    import dataclasses
+
+    calls: list[str] = []
+    daemon = _daemon(tmp_path, [RecordingService("a", calls), HangingService("stuck", calls)])
+    daemon.config = dataclasses.replace(daemon.config, shutdown_timeout_s=0.5)
+
+    async def main() -> tuple[int, float]:
+        task = asyncio.create_task(daemon.run())
+        while daemon.phase != "running":
+            await asyncio.sleep(0.01)
+        start = time.monotonic()
+        daemon.request_stop()
+        return await task, time.monotonic() - start
+
+    code, took = asyncio.run(main())
+    assert code == 0 and took < 2.0
+    assert calls == ["start a", "start stuck", "stop stuck", "stop a"]  # the others still stopped
+    assert not daemon.state.control_path.exists() and not daemon.state.run_path.exists()
