@@ -294,6 +294,8 @@ class Daemon:
                 await service.start(self)
             except MeshdError:
                 raise
+            except OSError as e:  # a port in use, a missing file: the environment, not a bug
+                raise RuntimeFailure(f"{service.name} failed to start: {e.strerror or e}") from e
             except Exception as e:
                 log.exception("service_start_failed", service=service.name)
                 raise RuntimeFailure(f"{service.name} failed to start: {e}") from e
