@@ -285,3 +285,38 @@ def test_hanging_stop_is_bounded_by_the_shutdown_budget(tmp_path: Path) -> None:
     assert code == 0 and took < 2.0
     assert calls == ["start a", "start stuck", "stop stuck", "stop a"]  # the others still stopped
     assert not daemon.state.control_path.exists() and not daemon.state.run_path.exists()
+
+
+def test_human_status_lists_models_and_peers() -> None:
+    from meshd.commands.status import format_status
+
+    st = {
+        "node_id": "a" * 32,
+        "mesh_id": "b" * 32,
+        "mesh_name": "home",
+        "state": "running",
+        "version": "0.1.0",
+        "protocol": 1,
+        "quic": "0.0.0.0:9336",
+        "api": "127.0.0.1:9337",
+        "role": "serve",
+        "admin": False,
+        "models": [{"name": "tiny", "fingerprint": "f00d", "kind": "local"}],
+        "peers": [
+            {
+                "node_id": "c" * 32,
+                "addrs": ["10.0.0.2:9336"],
+                "state": "alive",
+                "rtt_ms": 1.25,
+                "models": ["qwen"],
+                "experts": [],
+                "version": "0.1.0",
+                "last_seen_s": 0.4,
+            }
+        ],
+    }
+    text = format_status(st)
+    assert "mesh      home (" + "b" * 32 + ")" in text
+    assert "models    1" in text and "tiny" in text and "f00d" in text
+    row = next(line for line in text.splitlines() if line.strip().startswith("c" * 32))
+    assert row.split()[1:] == ["alive", "1.2", "0.4", "10.0.0.2:9336", "qwen"]
