@@ -320,3 +320,42 @@ def test_human_status_lists_models_and_peers() -> None:
     assert "models    1" in text and "tiny" in text and "f00d" in text
     row = next(line for line in text.splitlines() if line.strip().startswith("c" * 32))
     assert row.split()[1:] == ["alive", "1.2", "0.4", "10.0.0.2:9336", "qwen"]
+
+
+class SlowService(RecordingService):
+    async def start(self, daemon: Daemon) -> None:
+        await asyncio.sleep(0.5)  # e.g. loading a large model
+
+
+def test_slow_start_extends_the_systemd_start_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    import meshd.daemon
+
+    monkeypatch.setattr(meshd.daemon, "STARTUP_EXTEND_EVERY_S", 0.1)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(tmp_path / "notify"))
+    sock.setblocking(False)
+    daemon = _daemon(tmp_path / "st", [SlowService("slow", [])])
+    daemon.notifier = SdNotifier({"NOTIFY_SOCKET": str(tmp_path / "notify")})
+
+    async def main() -> None:
+        task = asyncio.create_task(daemon.run())
+        while daemon.phase != "running":
+            await asyncio.sleep(0.01)
+        daemon.request_stop()
+        await task
+
+    asyncio.run(main())
+    msgs = []
+    while True:
+        try:
+            msgs.append(sock.recv(4096).decode())
+        except BlockingIOError:
+            break
+    sock.close()
+    ready = next(i for i, m in enumerate(msgs) if "READY=1" in m.split("\n"))
+    extends = [i for i, m in enumerate(msgs) if m.startswith("EXTEND_TIMEOUT_USEC=60000000")]
+    assert len(extends) >= 2 and max(extends) < ready  # only while starting
