@@ -47,6 +47,8 @@ from transport.quic import MeshTransport, TransportConfig
 log = structlog.get_logger(__name__)
 
 STATUS_REFRESH_S = 15.0  # how often STATUS= is refreshed for systemctl status
+STARTUP_EXTEND_EVERY_S = 20.0  # while services start (a model may load for minutes), ask systemd ...
+STARTUP_EXTEND_S = 60.0  # ... for this much more start time: a live loop may start as long as it needs
 
 
 class Service(Protocol):
@@ -254,11 +256,14 @@ class Daemon:
         self.phase = "starting"
         self.started_at = time.monotonic()
         self.notifier.notify(STATUS="starting")
+        extender = loop.create_task(self._extend_startup())
         try:
             await self._start_all()
         except BaseException:
+            extender.cancel()
             await self._stop_all()
             raise
+        extender.cancel()
         try:
             if not self._stop.is_set():
                 self.phase = "running" if self.credentials else "joining"
@@ -294,6 +299,8 @@ class Daemon:
                 await service.start(self)
             except MeshdError:
                 raise
+            except OSError as e:  # a port in use, a missing file: the environment, not a bug
+                raise RuntimeFailure(f"{service.name} failed to start: {e.strerror or e}") from e
             except Exception as e:
                 log.exception("service_start_failed", service=service.name)
                 raise RuntimeFailure(f"{service.name} failed to start: {e}") from e
@@ -355,6 +362,13 @@ class Daemon:
         while True:  # pinged from the loop itself: a stuck loop stops the pings and systemd restarts us
             self.notifier.notify(WATCHDOG=1)
             await asyncio.sleep(interval)
+
+    async def _extend_startup(self) -> None:
+        if not self.notifier.enabled:
+            return
+        while True:
+            await asyncio.sleep(STARTUP_EXTEND_EVERY_S)
+            self.notifier.notify(EXTEND_TIMEOUT_USEC=int(STARTUP_EXTEND_S * 1e6), STATUS="starting services")
 
     async def _status_refresher(self) -> None:
         if not self.notifier.enabled:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import time
+from types import FrameType
 
 import structlog
 
@@ -20,7 +22,12 @@ from transport.credentials import create_mesh
 log = structlog.get_logger("meshd.serve")
 
 
+def _stop_during_startup(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # the CLI turns it into exit 0; Daemon.run installs the real handlers
+
+
 def run(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _stop_during_startup)
     config = load_config(args, os.environ, role=args.command)
     setup_logging(config.log_format, config.log_level)
     for note in config.notes:
