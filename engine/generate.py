@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.sampling import Sampler, SamplingParams, log_softmax, top_n
+from engine.sampling import Sampler, SamplingParams, logsumexp, top_n
 from engine.tokenizer import Tokenizer
 
 __all__ = ["DecodeState", "GenerationStats", "SamplingParams", "TokenEvent", "context_length", "generate",
@@ -111,22 +111,23 @@ class DecodeState:
 
     def step(self, logits: np.ndarray) -> TokenEvent:
         """Pick the next token from ``logits`` [V] and return its event (with finish_reason if it ends)."""
-        lp = log_softmax(logits)
+        lse = logsumexp(logits)
         tok = self.sampler.pick(logits)
         self.tokens.append(tok)
-        top = tuple(top_n(lp, self.params.top_logprobs))
+        logprob = float(logits[tok]) - lse
+        top = tuple(top_n(logits, self.params.top_logprobs, offset=lse))
         if tok in self.eos_ids and not self.params.ignore_eos:
             text, stopped = self._scan(self.detok.flush(), final=True)
-            return self._finish(tok, text, float(lp[tok]), top, "stop")
+            return self._finish(tok, text, logprob, top, "stop")
         text, stopped = self._scan(self.detok.add(tok), final=False)
         if stopped:
-            return self._finish(tok, text, float(lp[tok]), top, "stop")
+            return self._finish(tok, text, logprob, top, "stop")
         full = len(self.tokens) >= self.params.max_tokens or (
             self.n_ctx is not None and self.n_prompt + len(self.tokens) >= self.n_ctx)
         if full:
             more, stopped = self._scan(self.detok.flush(), final=True)
-            return self._finish(tok, text + more, float(lp[tok]), top, "stop" if stopped else "length")
-        return TokenEvent(tok, text, float(lp[tok]), top)
+            return self._finish(tok, text + more, logprob, top, "stop" if stopped else "length")
+        return TokenEvent(tok, text, logprob, top)
 
     def cancelled(self) -> TokenEvent:
         """The terminal event for a cancelled sequence (held text is dropped: nobody is listening)."""

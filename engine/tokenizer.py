@@ -194,8 +194,9 @@ class Tokenizer:
         self.chat_template_source = chat_template
         self._template: jinja2.Template | None = None
         self.eos_ids: frozenset[int] = frozenset(eos_ids)
-        self._special_ids = frozenset(
-            i for i, tok in hf.get_added_tokens_decoder().items() if tok.special)
+        added = hf.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, tok in added.items() if tok.special)
+        self._added_ids = frozenset(added)
         dec = json.loads(hf.to_str()).get("decoder") or {}
         self._byte_level = _mentions(dec, "ByteLevel")
         self._byte_fallback = _mentions(dec, "ByteFallback")
@@ -267,7 +268,7 @@ class Tokenizer:
         piece = self._hf.id_to_token(int(token_id))
         if piece is None:
             return b""
-        if token_id in self._special_ids or self._hf.get_added_tokens_decoder().get(int(token_id)):
+        if token_id in self._added_ids:
             return piece.encode("utf-8")
         if self._byte_level and all(c in _BYTE_DECODER for c in piece):
             return bytes(_BYTE_DECODER[c] for c in piece)

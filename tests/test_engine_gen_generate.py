@@ -52,7 +52,7 @@ def test_greedy_logprobs_are_the_models(tok: Tokenizer) -> None:
     for ev in evs:
         lp = log_softmax(logits)
         assert ev.token_id == int(np.argmax(logits))
-        assert ev.logprob == pytest.approx(float(lp[ev.token_id]), abs=1e-9)
+        assert ev.logprob == pytest.approx(float(lp[ev.token_id]), abs=1e-5)
         assert ev.top_logprobs[0][0] == ev.token_id and len(ev.top_logprobs) == 3
         logits = ref.forward(np.array([ev.token_id]), cache)[-1]
 
@@ -64,7 +64,7 @@ def test_logprobs_ignore_temperature(tok: Tokenizer) -> None:
     cache = ref.new_cache()
     logits = ref.forward(np.array(tok.encode(PROMPT)), cache)[-1]
     for ev in evs:
-        assert ev.logprob == pytest.approx(float(log_softmax(logits)[ev.token_id]), abs=1e-9)
+        assert ev.logprob == pytest.approx(float(log_softmax(logits)[ev.token_id]), abs=1e-5)
         logits = ref.forward(np.array([ev.token_id]), cache)[-1]
 
 
