@@ -9,8 +9,9 @@ submit from inside the loop). ``handle.cancel()`` ends the request within one de
 
 Each iteration of the scheduler thread, in this order: (1) end cancelled requests, (2) prefill at most
 one newly admitted request (so a long prompt delays running ones by one prefill, not many), (3) one
-decode step for every running sequence: ``model.forward_batch`` when two or more are running, else
-``model.forward``. Events come from ``engine.generate.DecodeState``, the same state machine ``generate``
+decode step for every running sequence: one ``model.forward_batch`` over all of them where it pays,
+else one ``model.forward`` per sequence (``batching="auto"`` compares measured step times; ``"always"``
+and ``"never"`` force a mode). Events come from ``engine.generate.DecodeState``, the same state machine ``generate``
 uses, so a request's tokens do not depend on what else is running (given a model whose batched step
 equals its single step). A model exception ends the affected requests with an ``error`` event.
 """
@@ -54,6 +55,8 @@ class SchedulerClosed(Exception):
 
 
 _END = object()
+_COST_EMA = 0.2  # weight of the newest step time in the per-batch-size moving average
+_EXPLORE_EVERY = 32  # every n-th batching decision tries the other mode, so estimates track the load
 
 
 class RequestHandle:
@@ -133,9 +136,14 @@ class Scheduler:
     """Runs requests for one model on a background thread. Call ``close()`` when done."""
 
     def __init__(self, model: Any, tokenizer: Tokenizer, max_active: int = DEFAULT_MAX_ACTIVE,
-                 *, executor: Any = None, name: str = "model") -> None:
+                 *, executor: Any = None, name: str = "model", batching: str = "auto") -> None:
         if max_active < 1:
             raise ValueError("max_active must be at least 1")
+        if batching not in ("auto", "always", "never"):
+            raise ValueError("batching must be auto, always or never")
+        self.batching = batching
+        self._cost: dict[int, float] = {}  # moving average of decode-step seconds per batch size
+        self._decisions = 0
         self.model = model
         self.tokenizer = tokenizer
         self.max_active = max_active
@@ -256,12 +264,40 @@ class Scheduler:
             return
         self._emit(s, ev)
 
+    def _forward_one(self, tok: int, cache: Any) -> np.ndarray:
+        ids = np.asarray([tok], dtype=np.int64)
+        if self.executor is None:
+            return np.asarray(self.model.forward(ids, cache))[-1]
+        return np.asarray(self.model.forward(ids, cache, executor=self.executor))[-1]
+
+    def _forward_batch(self, ids: np.ndarray, caches: list[Any]) -> np.ndarray:
+        if self.executor is None:
+            return np.asarray(self.model.forward_batch(ids, caches))
+        return np.asarray(self.model.forward_batch(ids, caches, executor=self.executor))
+
+    def _note_cost(self, b: int, seconds: float) -> None:
+        old = self._cost.get(b)
+        self._cost[b] = seconds if old is None else old + _COST_EMA * (seconds - old)
+
+    def _use_batch(self, b: int) -> bool:
+        """Batch the decode step of b >= 2 sequences only where it pays (an MoE batch touches more experts,
+        so a batched step can cost as much as b single steps). Decided from moving averages of measured
+        step times; each mode is re-tried every ``_EXPLORE_EVERY`` decisions so the estimate follows load."""
+        if self.batching != "auto":
+            return self.batching == "always"
+        cb, c1 = self._cost.get(b), self._cost.get(1)
+        if cb is None:
+            return True
+        if c1 is None:
+            return False
+        self._decisions += 1
+        batch = cb < b * c1
+        return (not batch) if self._decisions % _EXPLORE_EVERY == 0 else batch
+
     def _decode_step(self) -> None:
         with self._lock:
             seqs = [s for s in self._running if s.state is not None and s.state.tokens and
                     s.state.finish_reason is None]
-        if not seqs:
-            return
         live = []
         for s in seqs:
             if s.handle.cancelled:
@@ -270,22 +306,30 @@ class Scheduler:
                 live.append(s)
         if not live:
             return
+        self.steps += 1
+        if len(live) == 1 or not self._use_batch(len(live)):
+            for s in live:  # one single-token forward each; events go out as soon as each is ready
+                if s.handle.cancelled:
+                    self._end(s, s.state.cancelled())  # type: ignore[union-attr]
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    logits = self._forward_one(s.state.last_token, s.cache)  # type: ignore[union-attr]
+                    dt = time.perf_counter() - t0
+                    self._note_cost(1, dt)
+                    ev = s.state.step(logits)  # type: ignore[union-attr]
+                except Exception as e:  # a model failure must reach the client, not kill the thread
+                    self._fail([s], e)
+                    continue
+                s.handle.stats.decode_s += time.perf_counter() - t0
+                self._emit(s, ev)
+            return
         t0 = time.perf_counter()
         ids = np.asarray([s.state.last_token for s in live], dtype=np.int64)  # type: ignore[union-attr]
         try:
-            if len(live) == 1:
-                if self.executor is None:
-                    logits = np.asarray(self.model.forward(ids, live[0].cache))[-1:]
-                else:
-                    logits = np.asarray(self.model.forward(ids, live[0].cache, executor=self.executor))[-1:]
-            else:
-                if self.executor is None:
-                    logits = np.asarray(self.model.forward_batch(ids, [s.cache for s in live]))
-                else:
-                    logits = np.asarray(self.model.forward_batch(ids, [s.cache for s in live],
-                                                                 executor=self.executor))
-                self.batched_steps += 1
-            self.steps += 1
+            logits = self._forward_batch(ids, [s.cache for s in live])
+            self._note_cost(len(live), time.perf_counter() - t0)
+            self.batched_steps += 1
             events = [s.state.step(logits[i]) for i, s in enumerate(live)]  # type: ignore[union-attr]
         except Exception as e:
             self._fail(live, e)

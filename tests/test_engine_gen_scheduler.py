@@ -44,9 +44,10 @@ def _params(i: int) -> SamplingParams:
     return SamplingParams(max_tokens=12 + i, ignore_eos=True, top_logprobs=2)
 
 
-def test_batched_decode_equals_unbatched(tok: Tokenizer, sched_factory) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("batching", ["always", "auto"])
+def test_batched_decode_equals_unbatched(tok: Tokenizer, sched_factory, batching: str) -> None:  # type: ignore[no-untyped-def]
     model = ToyModel(vocab_size=768, gate=threading.Event())
-    sched = sched_factory(model, tok, max_active=8)
+    sched = sched_factory(model, tok, max_active=8, batching=batching)
     handles = [sched.submit(tok.encode(p), _params(i)) for i, p in enumerate(PROMPTS)]
     model.gate.set()  # type: ignore[union-attr]  # all admitted before the first forward
     got = [list(h) for h in handles]
@@ -152,3 +153,29 @@ def test_close_cancels_and_refuses(tok: Tokenizer) -> None:
     assert list(h)[-1].finish_reason == "cancelled"
     with pytest.raises(SchedulerClosed):
         sched.submit([1], SamplingParams())
+
+
+def test_sequential_mode_gives_the_same_events(tok: Tokenizer, sched_factory) -> None:  # type: ignore[no-untyped-def]
+    model = ToyModel(vocab_size=768, gate=threading.Event())
+    sched = sched_factory(model, tok, max_active=8, batching="never")
+    handles = [sched.submit(tok.encode(p), _params(i)) for i, p in enumerate(PROMPTS)]
+    model.gate.set()  # type: ignore[union-attr]
+    for i, (p, h) in enumerate(zip(PROMPTS, handles)):
+        assert list(h) == list(generate(ToyModel(vocab_size=768), tok, tok.encode(p), _params(i)))
+    assert sched.batched_steps == 0 and all(kind == "forward" for kind, _ in model.calls)
+
+
+def test_batching_decision_follows_measured_cost(tok: Tokenizer, sched_factory) -> None:  # type: ignore[no-untyped-def]
+    sched = sched_factory(ToyModel(vocab_size=768), tok, max_active=8)
+    assert sched._use_batch(4)  # nothing measured: try batching first
+    sched._cost = {4: 3.0}
+    assert not sched._use_batch(4)  # then measure single steps
+    sched._cost = {1: 1.0, 4: 3.0}  # a batch of 4 costs less than 4 singles: batch
+    sched._decisions = 0
+    picks = [sched._use_batch(4) for _ in range(64)]
+    assert picks.count(True) == 62  # with an occasional re-check of the other mode
+    sched._cost = {1: 1.0, 4: 5.0}  # an MoE batch touching 4x the experts: run singles
+    picks = [sched._use_batch(4) for _ in range(64)]
+    assert picks.count(False) == 62
+    sched._note_cost(4, 0.0)
+    assert sched._cost[4] == pytest.approx(4.0)  # moving average, not the last sample
