@@ -66,3 +66,26 @@ def test_progress_render_and_throttle() -> None:
     bar(100)
     bar.close()
     assert out.getvalue().count("\r") == 3 and out.getvalue().endswith("100%  100/100 B  0.5s\n")
+
+
+class _FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_load_shows_progress_on_a_terminal_only(tmp_path: Path) -> None:
+    from engine.tiny import create_tiny
+    from meshd.commands.generate import load_model
+
+    d = create_tiny(tmp_path)
+    term = _FakeTerminal()
+    model = load_model(d, "tiny", stream=term, min_bytes=0)
+    assert model.config.vocab_size == 768
+    out = term.getvalue()
+    assert out.startswith("\rloading tiny [") and out.endswith("\n") and "100%" in out
+    pipe = io.StringIO()  # not a terminal: nothing drawn
+    load_model(d, "tiny", stream=pipe, min_bytes=0)
+    assert pipe.getvalue() == ""
+    big = _FakeTerminal()  # a terminal, but a small checkpoint under the default threshold
+    load_model(d, "tiny", stream=big)
+    assert big.getvalue() == ""

@@ -35,7 +35,7 @@ def _weight_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors") if f.is_file())
 
 
-def load_model(path: Path, name: str, stream: Any = None) -> Any:
+def load_model(path: Path, name: str, stream: Any = None, min_bytes: int = LARGE_CHECKPOINT_BYTES) -> Any:
     """``engine.model.Model.load(path)`` with a progress bar on ``stream`` if it is a terminal and the
     checkpoint is large. Raises ``UsageError`` for a checkpoint that cannot be loaded."""
     try:
@@ -44,7 +44,7 @@ def load_model(path: Path, name: str, stream: Any = None) -> Any:
         raise RuntimeFailure(f"the inference engine is not available in this build ({e})") from None
     stream = sys.stderr if stream is None else stream
     total = _weight_bytes(path)
-    show = total >= LARGE_CHECKPOINT_BYTES and hasattr(stream, "isatty") and stream.isatty()
+    show = total >= min_bytes and hasattr(stream, "isatty") and stream.isatty()
     bar = None
     kwargs: dict[str, Any] = {}
     ticker: threading.Thread | None = None
