@@ -155,6 +155,12 @@ def test_bad_requests_raise_before_iteration(tok: Tokenizer) -> None:
         generate(model, tok, [], SamplingParams())
     with pytest.raises(ValueError, match="max_tokens"):
         generate(model, tok, [1], SamplingParams(max_tokens=0))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        generate(model, tok, [1, 768], SamplingParams())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        generate(model, tok, [-1], SamplingParams())
+    with pytest.raises(ValueError, match="integers"):
+        generate(model, tok, [1, "2"], SamplingParams())  # type: ignore[list-item]
     assert model.calls == []
 
 
