@@ -7,8 +7,9 @@ handle`` from asyncio (events are handed to the loop with ``loop.call_soon_threa
 submit from inside the loop). ``handle.cancel()`` ends the request within one decode step with a
 ``cancelled`` event; a closed consumer loop cancels it too.
 
-Each iteration of the scheduler thread, in this order: (1) end cancelled requests, (2) prefill at most
-one newly admitted request (so a long prompt delays running ones by one prefill, not many), (3) one
+Each iteration of the scheduler thread, in this order: (1) end cancelled requests, (2) run one chunk
+(``PREFILL_CHUNK_TOKENS``) of the oldest prompt still being prefilled, so a long prompt delays running
+sequences by one chunk per step, not by its whole prefill, (3) one
 decode step for every running sequence: one ``model.forward_batch`` over all of them where it pays,
 else one ``model.forward`` per sequence (``batching="auto"`` compares measured step times; ``"always"``
 and ``"never"`` force a mode). Events come from ``engine.generate.DecodeState``, the same state machine ``generate``
@@ -25,13 +26,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import structlog
 
-from transport.limits import MAX_ACTIVE_SEQUENCES
+from transport.limits import MAX_ACTIVE_SEQUENCES, PREFILL_CHUNK_TOKENS
 
 from engine.generate import DecodeState, GenerationStats, TokenEvent, check_request, context_length
 from engine.sampling import SamplingParams
@@ -129,19 +130,22 @@ class _Seq:
     submitted: float
     state: DecodeState | None = None
     cache: Any = None
-    next_logits: np.ndarray | None = field(default=None, repr=False)
+    prefilled: int = 0  # prompt tokens already in the cache
+    prefill_s: float = 0.0
 
 
 class Scheduler:
     """Runs requests for one model on a background thread. Call ``close()`` when done."""
 
     def __init__(self, model: Any, tokenizer: Tokenizer, max_active: int = DEFAULT_MAX_ACTIVE,
-                 *, executor: Any = None, name: str = "model", batching: str = "auto") -> None:
+                 *, executor: Any = None, name: str = "model", batching: str = "auto",
+                 prefill_chunk: int = PREFILL_CHUNK_TOKENS) -> None:
         if max_active < 1:
             raise ValueError("max_active must be at least 1")
         if batching not in ("auto", "always", "never"):
             raise ValueError("batching must be auto, always or never")
         self.batching = batching
+        self.prefill_chunk = max(1, prefill_chunk)
         self._cost: dict[int, float] = {}  # moving average of decode-step seconds per batch size
         self._decisions = 0
         self.model = model
@@ -205,15 +209,18 @@ class Scheduler:
                     self._lock.wait()
                 if self._closed and not self._pending and not self._running:
                     return
-                running = list(self._running)
                 new = self._pending.popleft() if self._pending else None
                 if new is not None:
                     self._running.append(new)  # counted as admitted throughout (Busy stays exact)
+                running = list(self._running)
             for s in running:
                 if s.handle.cancelled:
                     self._end(s, s.state.cancelled() if s.state else TokenEvent(None, "", None, (), "cancelled"))
-            if new is not None:
-                self._prefill(new)
+            # The oldest admitted request whose prompt is not fully in its cache yet.
+            prefilling = next((s for s in running if not s.handle.cancelled and
+                               (s.state is None or not s.state.tokens)), None)
+            if prefilling is not None:
+                self._prefill_chunk(prefilling)
             self._decode_step()
 
     def _end(self, s: _Seq, ev: TokenEvent) -> None:
@@ -240,24 +247,31 @@ class Scheduler:
         for s in seqs:
             self._end(s, TokenEvent(None, "", None, (), "error", error=f"{type(e).__name__}: {e}"))
 
-    def _prefill(self, s: _Seq) -> None:
+    def _prefill_chunk(self, s: _Seq) -> None:
+        """Run the next ``PREFILL_CHUNK_TOKENS`` of a prompt; after the last chunk, pick the first token.
+
+        A long prompt therefore delays the running sequences by one chunk per decode step, not by its
+        whole prefill, and its own cancel is seen between chunks."""
         st = s.handle.stats
-        st.queue_s = time.perf_counter() - s.submitted
-        st.prompt_tokens = len(s.prompt_ids)
-        s.state = DecodeState(self.tokenizer, s.prompt_ids, s.params, self._n_ctx)
-        st.tokens = s.state.tokens
-        if s.handle.cancelled:
-            self._end(s, s.state.cancelled())
-            return
+        if s.state is None:
+            st.queue_s = time.perf_counter() - s.submitted
+            st.prompt_tokens = len(s.prompt_ids)
+            s.state = DecodeState(self.tokenizer, s.prompt_ids, s.params, self._n_ctx)
+            st.tokens = s.state.tokens
         t0 = time.perf_counter()
         try:
-            s.cache = self.model.new_cache()
-            ids = np.asarray(s.prompt_ids, dtype=np.int64)
+            if s.cache is None:
+                s.cache = self.model.new_cache()
+            end = min(s.prefilled + self.prefill_chunk, len(s.prompt_ids))
+            ids = np.asarray(s.prompt_ids[s.prefilled:end], dtype=np.int64)
             if self.executor is None:
                 logits = np.asarray(self.model.forward(ids, s.cache))[-1]
             else:
                 logits = np.asarray(self.model.forward(ids, s.cache, executor=self.executor))[-1]
-            st.prefill_s = time.perf_counter() - t0
+            s.prefilled = end
+            st.prefill_s += time.perf_counter() - t0
+            if end < len(s.prompt_ids):
+                return
             ev = s.state.step(logits)
         except Exception as e:  # a model failure must reach the client, not kill the thread
             self._fail([s], e)

@@ -179,3 +179,35 @@ def test_batching_decision_follows_measured_cost(tok: Tokenizer, sched_factory) 
     assert picks.count(False) == 62
     sched._note_cost(4, 0.0)
     assert sched._cost[4] == pytest.approx(4.0)  # moving average, not the last sample
+
+
+def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(tok: Tokenizer, sched_factory) -> None:  # type: ignore[no-untyped-def]
+    model = ToyModel(vocab_size=768)
+    sched = sched_factory(model, tok, max_active=2, prefill_chunk=8)
+    short = sched.submit([1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True))
+    next(iter(short))  # running
+    long_prompt = list(range(10, 60))  # 50 tokens -> 7 chunks
+    h = sched.submit(long_prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    got = list(h)
+    list(short)
+    # Same tokens as a one-shot prefill (the toy model's math is position-by-position).
+    assert got == list(generate(ToyModel(vocab_size=768), tok, long_prompt, SamplingParams(max_tokens=3,
+                                                                                           ignore_eos=True)))
+    prefill_calls = [n for kind, n in model.calls if kind == "forward" and n > 1]
+    assert prefill_calls[-7:] == [8, 8, 8, 8, 8, 8, 2]
+    # Decode steps of the running request happened between the chunks (it was not stalled).
+    first = next(i for i, c in enumerate(model.calls) if c == ("forward", 8))
+    last = max(i for i, c in enumerate(model.calls) if c == ("forward", 2))
+    assert any(n == 1 for _, n in model.calls[first:last])
+    assert h.stats.prefill_s > 0 and h.stats.prompt_tokens == 50
+
+
+def test_cancel_during_a_long_prefill(tok: Tokenizer, sched_factory) -> None:  # type: ignore[no-untyped-def]
+    gate = threading.Event()
+    model = ToyModel(vocab_size=768, gate=gate)
+    sched = sched_factory(model, tok, max_active=1, prefill_chunk=4)
+    h = sched.submit(list(range(1, 200)), SamplingParams(max_tokens=5, ignore_eos=True))
+    h.cancel()
+    gate.set()
+    assert [e.finish_reason for e in h] == ["cancelled"]
+    assert len(model.calls) <= 1  # at most the chunk already running
