@@ -355,6 +355,11 @@ def test_half_storage_matches_rounded_fp32(tmp_path: Path, dtype: str) -> None:
     b = Model.load(tmp_path / "f").forward(ids, Model.load(tmp_path / "f").new_cache())
     # Same fp32 values; only BLAS blocking over differently aligned buffers may differ.
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # Experts widened at load or on every use: the same bytes.
+    lazy = Model.load(tmp_path / "h", widen_experts=False)
+    eager = Model.load(tmp_path / "h", widen_experts=True)
+    assert not lazy.layers[0].experts_f32 and eager.layers[0].experts_f32
+    assert lazy.forward(ids, lazy.new_cache()).tobytes() == eager.forward(ids, eager.new_cache()).tobytes()
 
 
 def test_executor_seam(tiny: Path) -> None:
@@ -393,3 +398,24 @@ def test_bad_ids(tiny: Path) -> None:
     c = m.new_cache()
     with pytest.raises(ValueError, match="own cache"):
         m.forward_batch([1, 2], [c, c])
+
+
+@pytest.mark.parametrize("dtype", ["F32", "BF16"])
+def test_fused_expert_layout_matches_per_expert(tmp_path: Path, dtype: str) -> None:
+    ts = make_ckpt(tmp_path / "per", dtype=dtype)
+    fused = {k: v for k, v in ts.items() if ".mlp.experts." not in k}
+    for layer in (0, 2):
+        p = f"model.layers.{layer}.mlp.experts"
+        fused[f"{p}.gate_up_proj"] = np.stack(
+            [np.concatenate([ts[f"{p}.{e}.gate_proj.weight"], ts[f"{p}.{e}.up_proj.weight"]]) for e in range(4)])
+        fused[f"{p}.down_proj"] = np.stack([ts[f"{p}.{e}.down_proj.weight"] for e in range(4)])
+    make_ckpt(tmp_path / "fused", dtype=dtype, tensors=fused)
+    ids = [2, 7, 1, 8, 2, 8]
+    per = Model.load(tmp_path / "per")
+    want = per.forward(ids, per.new_cache())
+    for widen in (False, True):
+        m = Model.load(tmp_path / "fused", widen_experts=widen)
+        np.testing.assert_allclose(m.forward(ids, m.new_cache()), want, rtol=1e-5, atol=1e-5)
+        g, u, d = m.expert_weights(2, 3)
+        np.testing.assert_array_equal(g, per.expert_weights(2, 3)[0])
+        np.testing.assert_array_equal(d, per.expert_weights(2, 3)[2])
