@@ -288,8 +288,12 @@ class Model:
         return arr
 
     def forward(self, ids: Sequence[int] | np.ndarray, cache: KVCache,
-                executor: ExpertExecutor | None = None) -> np.ndarray:
-        """Run T new tokens after the cache's positions: [T] -> logits [T, V] fp32; appends T positions."""
+                executor: ExpertExecutor | None = None, *, last_only: bool = False) -> np.ndarray:
+        """Run T new tokens after the cache's positions: [T] -> logits [T, V] fp32; appends T positions.
+
+        ``last_only`` returns only the last position's logits ([1, V]), skipping the output head for the
+        others (a prefill that only needs the next token).
+        """
         arr = self._check_ids(ids)
         t, past = arr.shape[0], cache.length
         cache.reserve(past + t)
@@ -306,7 +310,7 @@ class Model:
             x = x + self._out(layer, att)
             x += self._mlp(i, layer, rmsnorm(x, layer.mlp_norm, self.config.rms_norm_eps), ex)
         cache.length = past + t
-        return self._logits(x)
+        return self._logits(x[-1:] if last_only else x)
 
     def forward_batch(self, ids: Sequence[int] | np.ndarray, caches: Sequence[KVCache],
                       executor: ExpertExecutor | None = None) -> np.ndarray:

@@ -419,3 +419,12 @@ def test_fused_expert_layout_matches_per_expert(tmp_path: Path, dtype: str) -> N
         g, u, d = m.expert_weights(2, 3)
         np.testing.assert_array_equal(g, per.expert_weights(2, 3)[0])
         np.testing.assert_array_equal(d, per.expert_weights(2, 3)[2])
+
+
+def test_last_only(tiny: Path) -> None:
+    m = Model.load(tiny)
+    c1, c2 = m.new_cache(), m.new_cache()
+    full = m.forward([4, 8, 15, 16], c1)
+    last = m.forward([4, 8, 15, 16], c2, last_only=True)
+    assert last.shape == (1, 40) and c2.length == 4
+    np.testing.assert_allclose(last[0], full[-1], rtol=1e-5, atol=1e-6)
