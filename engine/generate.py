@@ -18,6 +18,8 @@ machine shared by ``generate`` and ``engine.scheduler`` so that both produce ide
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -29,8 +31,8 @@ import numpy as np
 from engine.sampling import Sampler, SamplingParams, logsumexp, top_n
 from engine.tokenizer import Tokenizer
 
-__all__ = ["DecodeState", "GenerationStats", "SamplingParams", "TokenEvent", "context_length", "generate",
-           "check_request"]
+__all__ = ["DecodeState", "GenerationStats", "SamplingParams", "TokenEvent", "check_request",
+           "context_length", "forward_last", "generate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,10 +163,25 @@ class DecodeState:
         return TokenEvent(tok, text, logprob, top, reason)
 
 
-def _forward(model: Any, ids: np.ndarray, cache: Any, executor: Any) -> np.ndarray:
-    if executor is None:
-        return np.asarray(model.forward(ids, cache))
-    return np.asarray(model.forward(ids, cache, executor=executor))
+@functools.lru_cache(maxsize=32)
+def _accepts_last_only(model_type: type) -> bool:
+    try:
+        return "last_only" in inspect.signature(model_type.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def forward_last(model: Any, ids: Sequence[int] | np.ndarray, cache: Any, executor: Any = None) -> np.ndarray:
+    """Run ``ids`` after the cache and return the last position's logits [V] (fp32).
+
+    Uses ``forward(..., last_only=True)`` when the model has it, so a prefill skips the output head for
+    positions nobody reads."""
+    kwargs: dict[str, Any] = {}
+    if executor is not None:
+        kwargs["executor"] = executor
+    if _accepts_last_only(type(model)):
+        kwargs["last_only"] = True
+    return np.asarray(model.forward(np.asarray(ids, dtype=np.int64), cache, **kwargs))[-1]
 
 
 def generate(model: Any, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams,
@@ -187,7 +204,7 @@ def _run(model: Any, tokenizer: Tokenizer, prompt_ids: list[int], params: Sampli
         return
     t0 = time.perf_counter()
     cache = model.new_cache()
-    logits = _forward(model, np.asarray(prompt_ids, dtype=np.int64), cache, executor)[-1]
+    logits = forward_last(model, prompt_ids, cache, executor)
     stats.prefill_s = time.perf_counter() - t0
     t_decode = 0.0
     while True:
@@ -207,5 +224,5 @@ def _run(model: Any, tokenizer: Tokenizer, prompt_ids: list[int], params: Sampli
             yield state.cancelled()
             return
         t1 = time.perf_counter()
-        logits = _forward(model, np.asarray([ev.token_id], dtype=np.int64), cache, executor)[-1]
+        logits = forward_last(model, [ev.token_id], cache, executor)
         t_decode += time.perf_counter() - t1

@@ -47,7 +47,8 @@ class SamplingParams:
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {self.top_logprobs!r}")
+            raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, "
+                             f"got {self.top_logprobs!r}")
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

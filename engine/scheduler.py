@@ -9,12 +9,12 @@ submit from inside the loop). ``handle.cancel()`` ends the request within one de
 
 Each iteration of the scheduler thread, in this order: (1) end cancelled requests, (2) run one chunk
 (``PREFILL_CHUNK_TOKENS``) of the oldest prompt still being prefilled, so a long prompt delays running
-sequences by one chunk per step, not by its whole prefill, (3) one
-decode step for every running sequence: one ``model.forward_batch`` over all of them where it pays,
-else one ``model.forward`` per sequence (``batching="auto"`` compares measured step times; ``"always"``
-and ``"never"`` force a mode). Events come from ``engine.generate.DecodeState``, the same state machine ``generate``
-uses, so a request's tokens do not depend on what else is running (given a model whose batched step
-equals its single step). A model exception ends the affected requests with an ``error`` event.
+sequences by one chunk per step, not by its whole prefill, (3) one decode step for every running
+sequence: one ``model.forward_batch`` over all of them where it pays, else one ``model.forward`` per
+sequence (``batching="auto"`` compares measured step times; ``"always"`` and ``"never"`` force a mode).
+Events come from ``engine.generate.DecodeState``, the same state machine ``generate`` uses, so a
+request's tokens do not depend on what else is running (given a model whose batched step equals its
+single step). A model exception ends the affected requests with an ``error`` event.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ import structlog
 
 from transport.limits import MAX_ACTIVE_SEQUENCES, PREFILL_CHUNK_TOKENS
 
-from engine.generate import DecodeState, GenerationStats, TokenEvent, check_request, context_length
+from engine.generate import (DecodeState, GenerationStats, TokenEvent, check_request, context_length,
+                             forward_last)
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -215,7 +216,8 @@ class Scheduler:
                 running = list(self._running)
             for s in running:
                 if s.handle.cancelled:
-                    self._end(s, s.state.cancelled() if s.state else TokenEvent(None, "", None, (), "cancelled"))
+                    ev = s.state.cancelled() if s.state else TokenEvent(None, "", None, (), "cancelled")
+                    self._end(s, ev)
             # The oldest admitted request whose prompt is not fully in its cache yet.
             prefilling = next((s for s in running if not s.handle.cancelled and
                                (s.state is None or not s.state.tokens)), None)
@@ -263,11 +265,7 @@ class Scheduler:
             if s.cache is None:
                 s.cache = self.model.new_cache()
             end = min(s.prefilled + self.prefill_chunk, len(s.prompt_ids))
-            ids = np.asarray(s.prompt_ids[s.prefilled:end], dtype=np.int64)
-            if self.executor is None:
-                logits = np.asarray(self.model.forward(ids, s.cache))[-1]
-            else:
-                logits = np.asarray(self.model.forward(ids, s.cache, executor=self.executor))[-1]
+            logits = forward_last(self.model, s.prompt_ids[s.prefilled:end], s.cache, self.executor)
             s.prefilled = end
             st.prefill_s += time.perf_counter() - t0
             if end < len(s.prompt_ids):
@@ -279,10 +277,7 @@ class Scheduler:
         self._emit(s, ev)
 
     def _forward_one(self, tok: int, cache: Any) -> np.ndarray:
-        ids = np.asarray([tok], dtype=np.int64)
-        if self.executor is None:
-            return np.asarray(self.model.forward(ids, cache))[-1]
-        return np.asarray(self.model.forward(ids, cache, executor=self.executor))[-1]
+        return forward_last(self.model, [tok], cache, self.executor)
 
     def _forward_batch(self, ids: np.ndarray, caches: list[Any]) -> np.ndarray:
         if self.executor is None:

@@ -213,7 +213,8 @@ class Tokenizer:
         try:
             hf = _HFTokenizer.from_file(str(tok_path))
         except Exception as e:  # the Rust side raises plain Exception subclasses
-            raise TokenizerError(f"{tok_path}: cannot load ({str(e).splitlines()[0] if str(e) else e})") from None
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise TokenizerError(f"{tok_path}: cannot load ({first})") from None
         config = _read_json(d / "tokenizer_config.json") or {}
         template = None
         jinja_path = d / "chat_template.jinja"

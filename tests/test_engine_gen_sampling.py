@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from engine.sampling import Sampler, SamplingParams, _draw, log_softmax, logsumexp, top_k_mask, top_n, top_p_mask
+from engine.sampling import (Sampler, SamplingParams, _draw, log_softmax, logsumexp, top_k_mask, top_n,
+                             top_p_mask)
 
 
 def _draws(params: SamplingParams, logits: np.ndarray, n: int) -> list[int]:
@@ -28,7 +29,8 @@ def test_same_seed_same_tokens_other_seed_differs() -> None:
     assert a == b
     assert _draws(SamplingParams(temperature=1.0, seed=43), logits, 200) != a
     # No seed: fresh entropy each time.
-    assert _draws(SamplingParams(temperature=1.0), logits, 200) != _draws(SamplingParams(temperature=1.0), logits, 200)
+    fresh = SamplingParams(temperature=1.0)
+    assert _draws(fresh, logits, 200) != _draws(fresh, logits, 200)
 
 
 def test_distribution_matches_softmax_with_temperature() -> None:
@@ -82,7 +84,8 @@ def test_masks_match_naive(x: np.ndarray, k: int, top_p: float) -> None:
     if not np.array_equal(got, want):
         assert abs(int(got.sum()) - int(want.sum())) == 1
         smaller = min(int(got.sum()), int(want.sum()))
-        assert abs(np.sort(p)[::-1][:smaller].sum() - top_p) < 1e-9  # the smaller set reaches p up to rounding
+        # Only at a rounding tie: the smaller set reaches p up to rounding.
+        assert abs(np.sort(p)[::-1][:smaller].sum() - top_p) < 1e-9
 
 
 def test_logprobs_and_top_n() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,8 +24,11 @@ def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     return Tokenizer.load(create_tiny(tmp_path_factory.mktemp("tiny")))
 
 
+Make = Callable[..., Scheduler]
+
+
 @pytest.fixture
-def sched_factory() -> Iterator:  # type: ignore[type-arg]
+def sched_factory() -> Iterator[Make]:
     made: list[Scheduler] = []
 
     def make(*args: object, **kw: object) -> Scheduler:
@@ -45,7 +48,8 @@ def _params(i: int) -> SamplingParams:
 
 
 @pytest.mark.parametrize("batching", ["always", "auto"])
-def test_batched_decode_equals_unbatched(tok: Tokenizer, sched_factory, batching: str) -> None:  # type: ignore[no-untyped-def]
+def test_batched_decode_equals_unbatched(tok: Tokenizer, sched_factory: Make,
+                                        batching: str) -> None:
     model = ToyModel(vocab_size=768, gate=threading.Event())
     sched = sched_factory(model, tok, max_active=8, batching=batching)
     handles = [sched.submit(tok.encode(p), _params(i)) for i, p in enumerate(PROMPTS)]
@@ -58,7 +62,7 @@ def test_batched_decode_equals_unbatched(tok: Tokenizer, sched_factory, batching
     assert sched.batched_steps > 0 and max(batch_sizes) == len(PROMPTS)
 
 
-def test_busy_when_full(tok: Tokenizer, sched_factory) -> None:  # type: ignore[no-untyped-def]
+def test_busy_when_full(tok: Tokenizer, sched_factory: Make) -> None:
     gate = threading.Event()
     sched = sched_factory(ToyModel(vocab_size=768, gate=gate), tok, max_active=2)
     h1 = sched.submit([1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
@@ -72,7 +76,7 @@ def test_busy_when_full(tok: Tokenizer, sched_factory) -> None:  # type: ignore[
     assert len(list(sched.submit([1, 2], SamplingParams(max_tokens=2, ignore_eos=True)))) == 2
 
 
-def test_bad_request_is_value_error(tok: Tokenizer, sched_factory) -> None:  # type: ignore[no-untyped-def]
+def test_bad_request_is_value_error(tok: Tokenizer, sched_factory: Make) -> None:
     sched = sched_factory(ToyModel(vocab_size=768, max_positions=5), tok, max_active=1)
     with pytest.raises(ValueError, match="empty"):
         sched.submit([], SamplingParams())
@@ -81,7 +85,7 @@ def test_bad_request_is_value_error(tok: Tokenizer, sched_factory) -> None:  # t
     assert sched.active == 0
 
 
-def test_cancel_stops_within_one_decode_step(tok: Tokenizer, sched_factory) -> None:  # type: ignore[no-untyped-def]
+def test_cancel_stops_within_one_decode_step(tok: Tokenizer, sched_factory: Make) -> None:
     model = ToyModel(vocab_size=768)
     sched = sched_factory(model, tok, max_active=4)
     other = sched.submit(tok.encode("other"), SamplingParams(max_tokens=40, ignore_eos=True))
@@ -102,7 +106,7 @@ def test_cancel_stops_within_one_decode_step(tok: Tokenizer, sched_factory) -> N
     assert sched.active == 0
 
 
-def test_async_consumer_and_early_exit_cancels(tok: Tokenizer, sched_factory) -> None:  # type: ignore[no-untyped-def]
+def test_async_consumer_and_early_exit_cancels(tok: Tokenizer, sched_factory: Make) -> None:
     sched = sched_factory(ToyModel(vocab_size=768), tok, max_active=2)
     want = list(generate(ToyModel(vocab_size=768), tok, tok.encode("Rain"), SamplingParams(max_tokens=12,
                                                                                            ignore_eos=True)))
@@ -124,7 +128,7 @@ def test_async_consumer_and_early_exit_cancels(tok: Tokenizer, sched_factory) ->
     assert active == 0  # the abandoned request was cancelled, not run to 100k tokens
 
 
-def test_sync_iteration_of_async_handle_is_refused(tok: Tokenizer, sched_factory) -> None:  # type: ignore[no-untyped-def]
+def test_sync_iteration_of_async_handle_is_refused(tok: Tokenizer, sched_factory: Make) -> None:
     sched = sched_factory(ToyModel(vocab_size=768), tok, max_active=1)
 
     async def main() -> None:
@@ -136,7 +140,7 @@ def test_sync_iteration_of_async_handle_is_refused(tok: Tokenizer, sched_factory
     asyncio.run(main())
 
 
-def test_model_failure_ends_with_error_event(tok: Tokenizer, sched_factory) -> None:  # type: ignore[no-untyped-def]
+def test_model_failure_ends_with_error_event(tok: Tokenizer, sched_factory: Make) -> None:
     model = ToyModel(vocab_size=768, fail_after=3)
     sched = sched_factory(model, tok, max_active=2)
     evs = list(sched.submit([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True)))
@@ -155,7 +159,7 @@ def test_close_cancels_and_refuses(tok: Tokenizer) -> None:
         sched.submit([1], SamplingParams())
 
 
-def test_sequential_mode_gives_the_same_events(tok: Tokenizer, sched_factory) -> None:  # type: ignore[no-untyped-def]
+def test_sequential_mode_gives_the_same_events(tok: Tokenizer, sched_factory: Make) -> None:
     model = ToyModel(vocab_size=768, gate=threading.Event())
     sched = sched_factory(model, tok, max_active=8, batching="never")
     handles = [sched.submit(tok.encode(p), _params(i)) for i, p in enumerate(PROMPTS)]
@@ -165,7 +169,7 @@ def test_sequential_mode_gives_the_same_events(tok: Tokenizer, sched_factory) ->
     assert sched.batched_steps == 0 and all(kind == "forward" for kind, _ in model.calls)
 
 
-def test_batching_decision_follows_measured_cost(tok: Tokenizer, sched_factory) -> None:  # type: ignore[no-untyped-def]
+def test_batching_decision_follows_measured_cost(tok: Tokenizer, sched_factory: Make) -> None:
     sched = sched_factory(ToyModel(vocab_size=768), tok, max_active=8)
     assert sched._use_batch(4)  # nothing measured: try batching first
     sched._cost = {4: 3.0}
@@ -181,7 +185,7 @@ def test_batching_decision_follows_measured_cost(tok: Tokenizer, sched_factory) 
     assert sched._cost[4] == pytest.approx(4.0)  # moving average, not the last sample
 
 
-def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(tok: Tokenizer, sched_factory) -> None:  # type: ignore[no-untyped-def]
+def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(tok: Tokenizer, sched_factory: Make) -> None:
     model = ToyModel(vocab_size=768)
     sched = sched_factory(model, tok, max_active=2, prefill_chunk=8)
     short = sched.submit([1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True))
@@ -202,7 +206,7 @@ def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(tok: Tokenizer,
     assert h.stats.prefill_s > 0 and h.stats.prompt_tokens == 50
 
 
-def test_cancel_during_a_long_prefill(tok: Tokenizer, sched_factory) -> None:  # type: ignore[no-untyped-def]
+def test_cancel_during_a_long_prefill(tok: Tokenizer, sched_factory: Make) -> None:
     gate = threading.Event()
     model = ToyModel(vocab_size=768, gate=gate)
     sched = sched_factory(model, tok, max_active=1, prefill_chunk=4)

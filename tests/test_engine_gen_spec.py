@@ -54,8 +54,10 @@ def test_resolve(tmp_path: Path) -> None:
 
 
 def test_progress_render_and_throttle() -> None:
-    assert render("loading m", 0, 2_000_000_000, 0.0) == "loading m [..............................]   0%  0 B/2.0 GB  0.0s"
-    assert render("x", 1_000_000_000, 2_000_000_000, 1.25, width=10) == "x [#####.....]  50%  1.0/2.0 GB  1.2s"
+    assert render("loading m", 0, 2_000_000_000, 0.0) == (
+        "loading m [..............................]   0%  0 B/2.0 GB  0.0s")
+    assert render("x", 1_000_000_000, 2_000_000_000, 1.25, width=10) == (
+        "x [#####.....]  50%  1.0/2.0 GB  1.2s")
     now = [0.0]
     out = io.StringIO()
     bar = ProgressBar("l", out, total=100, clock=lambda: now[0])

@@ -51,7 +51,8 @@ def _reference(pieces: list[str], stops: list[str]) -> tuple[str, int]:
        st.lists(st.text(alphabet="ab\u00e9", min_size=1, max_size=4), min_size=1, max_size=3))
 def test_stop_strings_property(pieces: list[str], stops: list[str]) -> None:
     tok = _PieceTokenizer(pieces)
-    state = DecodeState(tok, [0], SamplingParams(max_tokens=len(pieces), stop=tuple(stops)), None)  # type: ignore[arg-type]
+    params = SamplingParams(max_tokens=len(pieces), stop=tuple(stops))
+    state = DecodeState(tok, [0], params, None)  # type: ignore[arg-type]
     want_text, want_n = _reference(pieces, stops)
     emitted, n = "", 0
     for i in range(len(pieces)):

@@ -64,7 +64,8 @@ def test_post_processor_bos_matches_transformers(tmp_path: Path) -> None:
     raw = build_tokenizer()
     bos = raw.token_to_id("<|endoftext|>")
     raw.post_processor = processors.TemplateProcessing(
-        single="<|endoftext|> $A", pair="<|endoftext|> $A <|endoftext|> $B", special_tokens=[("<|endoftext|>", bos)])
+        single="<|endoftext|> $A", pair="<|endoftext|> $A <|endoftext|> $B",
+        special_tokens=[("<|endoftext|>", bos)])
     raw.save(str(tmp_path / "tokenizer.json"))
     tok = Tokenizer.load(tmp_path)
     hf = _hf(tmp_path)

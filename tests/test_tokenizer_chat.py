@@ -129,7 +129,8 @@ def test_no_template_empty_chat_and_sandbox(tmp_path: Path) -> None:
 def test_chat_template_jinja_file_and_named_templates(tmp_path: Path) -> None:
     d = _write(tmp_path, "unused", None)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ 1 }}"}]
+    cfg["chat_template"] = [{"name": "tool_use", "template": "T"},
+                            {"name": "default", "template": "D{{ 1 }}"}]
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     assert Tokenizer.load(d).apply_chat_template([{"role": "user", "content": "x"}], tokenize=False) == "D1"
     (d / "chat_template.jinja").write_text("J{{ messages[0]['content'] }}")
