@@ -10,7 +10,8 @@ generated token, the last one carrying ``finish_reason``:
 - ``"length"``: ``max_tokens`` were generated or the context is full.
 - ``"cancelled"``: ``cancel`` was set; checked between steps, so at most one more forward runs. This
   event has ``token_id=None``.
-- ``"error"``: only from the scheduler, with ``error`` set.
+- ``"error"``: only from the scheduler, with ``error`` set (``generate`` raises instead, e.g.
+  ``FloatingPointError`` for non-finite logits).
 
 The concatenated ``text`` of all events is the generated text. ``DecodeState`` is the per-sequence state
 machine shared by ``generate`` and ``engine.scheduler`` so that both produce identical events.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -120,6 +122,8 @@ class DecodeState:
     def step(self, logits: np.ndarray) -> TokenEvent:
         """Pick the next token from ``logits`` [V] and return its event (with finish_reason if it ends)."""
         lse = logsumexp(logits)
+        if not math.isfinite(lse):
+            raise FloatingPointError("the model produced non-finite logits (NaN or +inf)")
         tok = self.sampler.pick(logits)
         self.tokens.append(tok)
         logprob = float(logits[tok]) - lse

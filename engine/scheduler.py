@@ -214,16 +214,22 @@ class Scheduler:
                 if new is not None:
                     self._running.append(new)  # counted as admitted throughout (Busy stays exact)
                 running = list(self._running)
-            for s in running:
-                if s.handle.cancelled:
-                    ev = s.state.cancelled() if s.state else TokenEvent(None, "", None, (), "cancelled")
-                    self._end(s, ev)
-            # The oldest admitted request whose prompt is not fully in its cache yet.
-            prefilling = next((s for s in running if not s.handle.cancelled and
-                               (s.state is None or not s.state.tokens)), None)
-            if prefilling is not None:
-                self._prefill_chunk(prefilling)
-            self._decode_step()
+            try:
+                for s in running:
+                    if s.handle.cancelled:
+                        ev = s.state.cancelled() if s.state else TokenEvent(None, "", None, (), "cancelled")
+                        self._end(s, ev)
+                # The oldest admitted request whose prompt is not fully in its cache yet.
+                prefilling = next((s for s in running if not s.handle.cancelled and
+                                   (s.state is None or not s.state.tokens)), None)
+                if prefilling is not None:
+                    self._prefill_chunk(prefilling)
+                self._decode_step()
+            except Exception as e:  # a bug here must not leave every client waiting forever
+                log.exception("scheduler_step_failed", model=self.name)
+                with self._lock:
+                    victims = list(self._running)
+                self._fail(victims, e)
 
     def _end(self, s: _Seq, ev: TokenEvent) -> None:
         s.handle.stats.finish_reason = ev.finish_reason
@@ -255,12 +261,12 @@ class Scheduler:
         A long prompt therefore delays the running sequences by one chunk per decode step, not by its
         whole prefill, and its own cancel is seen between chunks."""
         st = s.handle.stats
+        t0 = time.perf_counter()
         if s.state is None:
             st.queue_s = time.perf_counter() - s.submitted
             st.prompt_tokens = len(s.prompt_ids)
             s.state = DecodeState(self.tokenizer, s.prompt_ids, s.params, self._n_ctx)
             st.tokens = s.state.tokens
-        t0 = time.perf_counter()
         try:
             if s.cache is None:
                 s.cache = self.model.new_cache()

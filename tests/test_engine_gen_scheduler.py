@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from engine_gen_toy import ToyModel
 
@@ -215,3 +216,34 @@ def test_cancel_during_a_long_prefill(tok: Tokenizer, sched_factory: Make) -> No
     gate.set()
     assert [e.finish_reason for e in h] == ["cancelled"]
     assert len(model.calls) <= 1  # at most the chunk already running
+
+
+class _NaNModel(ToyModel):
+    def forward(self, ids, cache, executor=None, *, last_only=False):  # type: ignore[no-untyped-def]
+        out = super().forward(ids, cache, executor, last_only=last_only)
+        if cache.length > 4:
+            out[-1, 3] = np.nan
+        return out
+
+
+def test_non_finite_logits_end_with_an_error(tok: Tokenizer, sched_factory: Make) -> None:
+    sched = sched_factory(_NaNModel(vocab_size=768), tok, max_active=1)
+    evs = list(sched.submit([1, 2], SamplingParams(max_tokens=20, ignore_eos=True)))
+    assert evs[-1].finish_reason == "error" and "non-finite" in (evs[-1].error or "")
+    assert all(e.logprob is None or np.isfinite(e.logprob) for e in evs)
+    with pytest.raises(FloatingPointError):
+        list(generate(_NaNModel(vocab_size=768), tok, [1, 2], SamplingParams(max_tokens=20, ignore_eos=True)))
+
+
+def test_an_internal_failure_does_not_hang_clients(tok: Tokenizer, sched_factory: Make,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    sched = sched_factory(ToyModel(vocab_size=768), tok, max_active=2)
+
+    def broken(*a: object, **k: object) -> None:
+        raise KeyError("bug")
+
+    monkeypatch.setattr("engine.scheduler.DecodeState", broken)
+    evs = list(sched.submit([1, 2], SamplingParams(max_tokens=3)))
+    assert evs[-1].finish_reason == "error" and "bug" in (evs[-1].error or "")
+    monkeypatch.undo()
+    assert len(list(sched.submit([1, 2], SamplingParams(max_tokens=3, ignore_eos=True)))) == 3

@@ -136,15 +136,20 @@ def run(args: argparse.Namespace) -> int:
     tokens: list[int] = []
     logprobs: list[float] = []
     finish = None
-    for ev in events:
-        if ev.token_id is not None:
-            tokens.append(ev.token_id)
-            logprobs.append(float(ev.logprob) if ev.logprob is not None else float("nan"))
-        text.append(ev.text)
-        finish = ev.finish_reason
-        if not args.json and ev.text:
-            sys.stdout.write(ev.text)
-            sys.stdout.flush()
+    try:
+        for ev in events:
+            if ev.token_id is not None:
+                tokens.append(ev.token_id)
+                logprobs.append(float(ev.logprob) if ev.logprob is not None else 0.0)
+            text.append(ev.text)
+            finish = ev.finish_reason
+            if not args.json and ev.text:
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+    except (ValueError, FloatingPointError, RuntimeError, MemoryError) as e:
+        if not args.json:
+            sys.stdout.write("\n")
+        raise RuntimeFailure(f"generation failed after {len(tokens)} tokens: {e}") from None
     if args.json:
         out = {"model": spec.name, "prompt_tokens": prompt_ids, "tokens": tokens, "text": "".join(text),
                "logprobs": logprobs, "finish_reason": finish,
