@@ -97,12 +97,19 @@ class RequestHandle:
     def __iter__(self) -> Iterator[TokenEvent]:
         if self._sync is None:
             raise TypeError("this request was submitted from an event loop: use `async for`")
-        while not self._done:
-            item = self._sync.get()
-            if item is _END:
-                self._done = True
-                return
-            yield item
+        return self
+
+    def __next__(self) -> TokenEvent:
+        """Blocks for the next event (threads). Leaving early does not cancel: call ``cancel()``."""
+        if self._sync is None:
+            raise TypeError("this request was submitted from an event loop: use `async for`")
+        if self._done:
+            raise StopIteration
+        item = self._sync.get()
+        if item is _END:
+            self._done = True
+            raise StopIteration
+        return item  # type: ignore[no-any-return]
 
     def __aiter__(self) -> AsyncIterator[TokenEvent]:
         if self._async is None:

@@ -135,7 +135,7 @@ def test_sync_iteration_of_async_handle_is_refused(tok: Tokenizer, sched_factory
     async def main() -> None:
         h = sched.submit([1, 2], SamplingParams(max_tokens=1))
         with pytest.raises(TypeError):
-            iter(h).__next__()
+            iter(h)
         [ev async for ev in h]
 
     asyncio.run(main())
@@ -189,11 +189,12 @@ def test_batching_decision_follows_measured_cost(tok: Tokenizer, sched_factory: 
 def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(tok: Tokenizer, sched_factory: Make) -> None:
     model = ToyModel(vocab_size=768)
     sched = sched_factory(model, tok, max_active=2, prefill_chunk=8)
-    short = sched.submit([1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True))
-    next(iter(short))  # running
+    short = sched.submit([1, 2, 3], SamplingParams(max_tokens=1_000_000, ignore_eos=True))
+    next(iter(short))  # running (until cancelled below)
     long_prompt = list(range(10, 60))  # 50 tokens -> 7 chunks
     h = sched.submit(long_prompt, SamplingParams(max_tokens=3, ignore_eos=True))
     got = list(h)
+    short.cancel()
     list(short)
     # Same tokens as a one-shot prefill (the toy model's math is position-by-position).
     assert got == list(generate(ToyModel(vocab_size=768), tok, long_prompt, SamplingParams(max_tokens=3,
@@ -247,3 +248,4 @@ def test_an_internal_failure_does_not_hang_clients(tok: Tokenizer, sched_factory
     assert evs[-1].finish_reason == "error" and "bug" in (evs[-1].error or "")
     monkeypatch.undo()
     assert len(list(sched.submit([1, 2], SamplingParams(max_tokens=3, ignore_eos=True)))) == 3
+
