@@ -33,6 +33,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                        "mask_token")
 _REPLACEMENT = "\ufffd"
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 class TokenizerError(Exception):
@@ -292,7 +293,9 @@ class Tokenizer:
         """Render ``messages`` as transformers' ``apply_chat_template`` does; ids (default) or text.
 
         Extra keyword arguments become template variables (e.g. ``enable_thinking=False``), overriding the
-        special tokens of the same name. Raises ``ChatTemplateError`` (no template, or it raised).
+        special tokens of the same name. Messages drop keys whose value is None, and a message's reasoning
+        (``reasoning_content``, ``thinking`` or ``reasoning``) is visible under the first two names.
+        Raises ``ChatTemplateError`` (no template, or it raised).
         """
         if self.chat_template_source is None:
             raise ChatTemplateError("this model has no chat template (tokenizer_config.json chat_template)")
@@ -304,7 +307,13 @@ class Tokenizer:
         for m in messages:
             if not isinstance(m, Mapping):
                 raise ChatTemplateError("chat messages must be objects")
-            chat.append({k: v for k, v in m.items() if v is not None})
+            msg = {k: v for k, v in m.items() if v is not None}
+            # A message's reasoning under any of its common names is visible under all of them (as
+            # transformers does): templates read reasoning_content, gpt-oss style ones read thinking.
+            reasoning = next((msg[k] for k in _REASONING_FIELDS if k in msg), None)
+            if reasoning is not None:
+                msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}
+            chat.append(msg)
         variables = _plain({**self.special_tokens, **kwargs})
         try:
             text = self._template.render(messages=_plain(chat), tools=_plain(list(tools)) if tools else None,
