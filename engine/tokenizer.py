@@ -357,15 +357,19 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_ids[-_CONTEXT_IDS:])
         self._prefix = 0  # start of the window that is re-decoded
         self._read = len(self._ids)  # ids before this are already emitted
+        self._prefix_text: str | None = None  # decode of ids[prefix:read], cached while text is held
 
     def add(self, token_id: int) -> str:
         self._ids.append(int(token_id))
-        prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
+        if self._prefix_text is None:
+            self._prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
+        prefix_text = self._prefix_text
         full = self._tok.decode(self._ids[self._prefix:])
         if len(full) > len(prefix_text) and not full.endswith(_REPLACEMENT):
             new = full[len(prefix_text):]
             self._prefix = self._read
             self._read = len(self._ids)
+            self._prefix_text = None
             self._compact()
             return new
         return ""
@@ -374,6 +378,7 @@ class IncrementalDetokenizer:
         prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
         full = self._tok.decode(self._ids[self._prefix:])
         self._prefix = self._read = len(self._ids)
+        self._prefix_text = None
         return full[len(prefix_text):]
 
     def _compact(self) -> None:
