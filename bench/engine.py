@@ -74,7 +74,8 @@ def blas_kernel() -> str:
     for lib in libs:
         try:
             dll = ctypes.CDLL(lib)
-            for sym in ("scipy_openblas_get_corename64_", "scipy_openblas_get_corename", "openblas_get_corename"):
+            for sym in ("scipy_openblas_get_corename64_", "scipy_openblas_get_corename",
+                        "openblas_get_corename"):
                 fn = getattr(dll, sym, None)
                 if fn is not None:
                     fn.restype = ctypes.c_char_p
@@ -216,8 +217,9 @@ def main() -> None:
     w_mb = eng["weight_bytes"] / 2**20
     lines = [
         f"rounds={len(engs)} (best of each kept) load average {load0:.1f} -> {os.getloadavg()[0]:.1f}",
-        f"threads={args.threads} BLAS kernel={eng['blas']} OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')}"
-        f" numpy={eng['numpy']}" + (f" torch={ref['torch']} transformers={ref['transformers']}" if ref else ""),
+        f"threads={args.threads} BLAS kernel={eng['blas']}"
+        f" OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')} numpy={eng['numpy']}"
+        + (f" torch={ref['torch']} transformers={ref['transformers']}" if ref else ""),
         "",
         "| metric | numpy engine | transformers | ratio |",
         "| --- | --- | --- | --- |",

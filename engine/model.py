@@ -134,7 +134,9 @@ class _Loader:
     def ref(self, spec: families.Spec) -> TensorRef:
         key, shape = spec
         if key not in self.ckpt:
-            raise CheckpointError(f"{self.ckpt.directory}: missing tensor {key!r} (expected shape {list(shape)})")
+            raise CheckpointError(
+                f"{self.ckpt.directory}: missing tensor {key!r} (expected shape {list(shape)})"
+            )
         t = self.ckpt[key]
         if t.shape != shape:
             raise CheckpointError(
@@ -159,7 +161,9 @@ class _Loader:
                 continue
             if tied and key == "lm_head.weight":
                 continue  # some exporters keep the tied head; the embedding is used, as the reference does
-            raise CheckpointError(f"{self.ckpt.describe(key)} is not used by {self.ckpt.directory.name!r}'s model")
+            raise CheckpointError(
+                f"{self.ckpt.describe(key)} is not used by the {self.ckpt.directory.name!r} model"
+            )
 
 
 class Model:
@@ -237,9 +241,10 @@ class Model:
                 layer.experts.append(refs)
             layer.experts_f32 = dtypes == {"F32"} or widen_experts
             if layer.experts_f32:
+                refs = layer.experts
                 layer.experts = [
-                    (to_f32(g.data, g.dtype), to_f32(u.data, u.dtype), to_f32(d.data, d.dtype))  # type: ignore[union-attr]
-                    for g, u, d in layer.experts
+                    (to_f32(g.data, g.dtype), to_f32(u.data, u.dtype), to_f32(d.data, d.dtype))
+                    for g, u, d in refs  # type: ignore[union-attr]
                 ]
         shared = ld.group(families.shared_expert_tensors(cfg, i))
         if shared:
@@ -253,7 +258,8 @@ class Model:
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity)
 
     def expert_weights(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(gate [I, D], up [I, D], down [D, I]) of one routed expert, fp32 (widened here if stored narrower)."""
+        """(gate [I, D], up [I, D], down [D, I]) of one routed expert, fp32;
+        widened here if stored narrower and not widened at load.."""
         lay = self.layers[layer]
         if not lay.sparse:
             raise ValueError(f"layer {layer} has no routed experts")
@@ -262,7 +268,8 @@ class Model:
             return w  # type: ignore[return-value]
         if isinstance(w[0], TensorRef):
             return tuple(to_f32(r.data, r.dtype) for r in w)  # type: ignore[return-value,union-attr]
-        return tuple(to_f32(a, dt) for a, dt in zip(w, lay.expert_dtypes))  # type: ignore[return-value,arg-type]
+        out = tuple(to_f32(a, dt) for a, dt in zip(w, lay.expert_dtypes))  # type: ignore[arg-type]
+        return out  # type: ignore[return-value]
 
     @property
     def local_executor(self) -> ExpertExecutor:
@@ -300,13 +307,14 @@ class Model:
         cos, sin = self.rope.span(past, past + t)
         x = self.embed(arr)  # [T, D]
         ex = executor or self._local
+        window = self.config.sliding_window
         for i, layer in enumerate(self.layers):
             h = rmsnorm(x, layer.attn_norm, self.config.rms_norm_eps)
             q, k, v = self._qkv(layer, h, cos, sin)
             kc, vc = cache.k[i], cache.v[i]
             kc[:, past : past + t] = k.transpose(1, 0, 2)
             vc[:, past : past + t] = v.transpose(1, 0, 2)
-            att = attention(q, kc[:, : past + t], vc[:, : past + t], past, self.scale, self.config.sliding_window)
+            att = attention(q, kc[:, : past + t], vc[:, : past + t], past, self.scale, window)
             x = x + self._out(layer, att)
             x += self._mlp(i, layer, rmsnorm(x, layer.mlp_norm, self.config.rms_norm_eps), ex)
         cache.length = past + t
@@ -314,7 +322,10 @@ class Model:
 
     def forward_batch(self, ids: Sequence[int] | np.ndarray, caches: Sequence[KVCache],
                       executor: ExpertExecutor | None = None) -> np.ndarray:
-        """One decode step of B sequences: ids [B] (one new token each) -> logits [B, V]; appends to each cache."""
+        """One decode step of B sequences: ids [B] (one new token each) -> logits [B, V].
+
+        Each sequence has its own cache (any lengths); each gets one position appended.
+        """
         arr = self._check_ids(ids)
         b = arr.shape[0]
         if len(caches) != b:
