@@ -259,7 +259,7 @@ class Model:
 
     def expert_weights(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(gate [I, D], up [I, D], down [D, I]) of one routed expert, fp32;
-        widened here if stored narrower and not widened at load.."""
+        widened here if stored narrower and not widened at load."""
         lay = self.layers[layer]
         if not lay.sparse:
             raise ValueError(f"layer {layer} has no routed experts")
