@@ -43,6 +43,12 @@ def _rss_mb() -> float:
 
 
 def _peak_mb() -> float:
+    """VmHWM: this process image's peak RSS. (ru_maxrss would include the parent's RSS at fork time,
+    which Linux carries across exec.)"""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
