@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from transport.limits import ATTENTION_QUERY_BLOCK
+
 from .config import RopeConfig
 
 F32 = np.float32
@@ -116,8 +118,17 @@ def attention(
 ) -> np.ndarray:
     """Causal grouped-query attention for T new queries over L = past + T keys.
 
-    q [T, H, hd], k/v [KV, L, hd] (the cache, new keys already written) -> [T, H * hd].
+    q [T, H, hd], k/v [KV, L, hd] (the cache, new keys already written) -> [T, H * hd]. Long prompts are
+    processed in blocks of ``ATTENTION_QUERY_BLOCK`` queries so the score matrix stays bounded.
     """
+    t = q.shape[0]
+    if t > ATTENTION_QUERY_BLOCK:
+        out = np.empty((t, q.shape[1] * q.shape[2]), dtype=F32)
+        for a in range(0, t, ATTENTION_QUERY_BLOCK):
+            b = min(t, a + ATTENTION_QUERY_BLOCK)
+            # queries a..b-1 see keys up to past+b-1
+            out[a:b] = attention(q[a:b], k[:, : past + b], v[:, : past + b], past + a, scale, window)
+        return out
     t, h, hd = q.shape
     kv, length, _ = k.shape
     g = h // kv

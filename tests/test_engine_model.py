@@ -133,6 +133,20 @@ def test_attention_matches_loop(heads: int, kv: int, t: int, past: int, window: 
     np.testing.assert_allclose(got, naive_attention(q, k, v, past, hd**-0.5, window), rtol=1e-5, atol=1e-5)
 
 
+def test_attention_query_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt longer than one query block gives the same result as one block (bounded score memory)."""
+    from engine import ops
+
+    hd, t, past = 8, 11, 4
+    q = RNG.standard_normal((t, 6, hd)).astype(np.float32)
+    k = RNG.standard_normal((2, past + t, hd)).astype(np.float32)
+    v = RNG.standard_normal((2, past + t, hd)).astype(np.float32)
+    whole = attention(q, k, v, past, hd**-0.5, 6)
+    monkeypatch.setattr(ops, "ATTENTION_QUERY_BLOCK", 3)
+    np.testing.assert_allclose(attention(q, k, v, past, hd**-0.5, 6), whole, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(whole, naive_attention(q, k, v, past, hd**-0.5, 6), rtol=1e-5, atol=1e-5)
+
+
 # ----- checkpoint reader ------------------------------------------------------------------------------
 def test_reader_dtypes_and_zero_copy(tmp_path: Path) -> None:
     a = RNG.standard_normal((3, 5)).astype(np.float32)

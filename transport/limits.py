@@ -15,5 +15,8 @@ MAX_CREDENTIAL_BYTES = 4096  # a genesis or member certificate is ~400 B; refuse
 # --- API / tunnel (issue 5) -------------------------------------------------------------------
 
 # --- engine (issue 4) -------------------------------------------------------------------------
+# model forward pass (engine-model)
+# queries per attention score matrix: bounds it to H*256*L*4 bytes (48 MB at H=12 heads, L=4096)
+ATTENTION_QUERY_BLOCK = 256
 
 # --- expert RPC (issue 6) ---------------------------------------------------------------------
