@@ -396,6 +396,12 @@ def test_executor_seam(tiny: Path) -> None:
     def broken(layer, x, work):
         return base(layer, x, work)[:-1]
 
+    def misshaped(layer, x, work):
+        return [y[:, :-1] for y in base(layer, x, work)]
+
+    with pytest.raises(RuntimeError, match=r"expert executor returned float32\[\d+, 15\] for layer 0"):
+        m.forward([1, 2], m.new_cache(), executor=misshaped)
+
     c = m.new_cache()
     m.forward([1, 2], c)
     with pytest.raises(RuntimeError, match="expert executor returned"):
