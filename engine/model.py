@@ -34,6 +34,9 @@ log = structlog.get_logger(__name__)
 F32 = np.float32
 
 
+_PAGE = 4096
+
+
 def _available_bytes() -> int:
     """MemAvailable from /proc/meminfo (0 if unknown, which keeps narrow experts narrow)."""
     try:
@@ -124,10 +127,11 @@ class Layer:
 class _Loader:
     """Takes tensors out of a checkpoint by explicit key, checking shape, and tracks what was used."""
 
-    def __init__(self, ckpt: Checkpoint, progress: ProgressFn | None) -> None:
+    def __init__(self, ckpt: Checkpoint, progress: ProgressFn | None, prefetch: bool) -> None:
         self.ckpt = ckpt
         self.used: set[str] = set()
         self.progress = progress
+        self.prefetch = prefetch
         self.total = ckpt.nbytes
         self.done = 0
 
@@ -143,6 +147,9 @@ class _Loader:
                 f"{t.file}: tensor {key!r} has shape {list(t.shape)}, expected {list(shape)}"
             )
         self.used.add(key)
+        if self.prefetch and t.data.size:
+            # Fault the tensor's pages in now (one byte per page) rather than during the first forward.
+            t.data.reshape(-1).view(np.uint8)[::_PAGE].sum()
         self.done += t.nbytes
         if self.progress is not None:
             self.progress(self.done, self.total)
@@ -185,7 +192,7 @@ class Model:
     # ----- loading -----------------------------------------------------------------------------------
     @classmethod
     def load(cls, path: str | os.PathLike[str], progress: ProgressFn | None = None,
-             widen_experts: bool | None = None) -> Model:
+             widen_experts: bool | None = None, prefetch: bool | None = None) -> Model:
         """Load ``config.json`` and the safetensors weights of a checkpoint directory.
 
         fp32 tensors stay zero-copy views of the file mapping; fp16/bf16 tensors are widened to fp32 here.
@@ -193,7 +200,9 @@ class Model:
         whole model in fp32 takes at most half of the available memory), else on every use (slower, but
         the resident size stays the checkpoint's). Results are identical either way. Raises
         ``ConfigError`` or ``CheckpointError`` (message names the file and tensor key).
-        ``progress(done_bytes, total_bytes)`` is called as tensors are taken.
+        ``progress(done_bytes, total_bytes)`` is called as tensors are taken. ``prefetch`` (default: when
+        a progress callback is given) reads every page of the weights during the load, so the progress
+        reflects the disk and the first forward pass does not stall on page faults.
         """
         p = Path(path)
         cfg = ModelConfig.load(p)
@@ -201,7 +210,7 @@ class Model:
         if widen_experts is None:
             f32_bytes = sum(t.nbytes * 4 // t.data.itemsize for t in ckpt.values())
             widen_experts = f32_bytes <= _available_bytes() // 2
-        ld = _Loader(ckpt, progress)
+        ld = _Loader(ckpt, progress, progress is not None if prefetch is None else prefetch)
         g = families.global_tensors(cfg)
         embed = ld.ref(g["embed"])
         norm = ld.f32(g["norm"])
