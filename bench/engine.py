@@ -254,9 +254,11 @@ def main() -> None:
         for step in ("prefill", "decode"):
             for name, w in (("engine", ew), ("torch", tw)):
                 if w is not None:
-                    times.setdefault(f"{name}_{step}", []).append(float(w.ask(step)))  # type: ignore[arg-type]
+                    t = float(w.ask(step))  # type: ignore[arg-type]
+                    times.setdefault(f"{name}_{step}", []).append(t)
         for b in (1, 4, 8):
-            times.setdefault(f"engine_batch{b}", []).append(float(ew.ask(f"batch {b}")))  # type: ignore[arg-type]
+            t = float(ew.ask(f"batch {b}"))  # type: ignore[arg-type]
+            times.setdefault(f"engine_batch{b}", []).append(t)
     eng = dict(ew.ask("info"))  # type: ignore[arg-type]
     eng["prefill_tok_s"] = PROMPT_LEN / min(times["engine_prefill"])
     eng["decode_tok_s"] = DECODE_LEN / min(times["engine_decode"])
@@ -271,7 +273,8 @@ def main() -> None:
     rounds = max(1, args.rounds)
     w_mb = eng["weight_bytes"] / 2**20
     lines = [
-        f"rounds={rounds} alternating (best of each kept) load average {load0:.1f} -> {os.getloadavg()[0]:.1f}",
+        f"rounds={rounds} alternating (best of each kept)"
+        f" load average {load0:.1f} -> {os.getloadavg()[0]:.1f}",
         f"threads={args.threads} BLAS kernel={eng['blas']}"
         f" OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')} numpy={eng['numpy']}"
         + (f" torch={ref['torch']} transformers={ref['transformers']}" if ref else ""),
