@@ -451,3 +451,21 @@ def test_last_only(tiny: Path) -> None:
     last = m.forward([4, 8, 15, 16], c2, last_only=True)
     assert last.shape == (1, 40) and c2.length == 4
     np.testing.assert_allclose(last[0], full[-1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_moe_block_matches_per_token_loop(norm: bool) -> None:
+    from engine.moe import expert_ffn, moe_block
+
+    t, d, i, e, k = 6, 8, 5, 5, 2
+    x = RNG.standard_normal((t, d)).astype(np.float32)
+    logits = RNG.standard_normal((t, e)).astype(np.float32)
+    w = [tuple(RNG.standard_normal(s).astype(np.float32) for s in ((i, d), (i, d), (d, i))) for _ in range(e)]
+    got = moe_block(x, logits, k, norm, local_executor(lambda layer, ex: w[ex]), 0)
+    for row in range(t):
+        p = np.exp(logits[row] - logits[row].max())
+        p /= p.sum()
+        top = sorted(range(e), key=lambda j: -p[j])[:k]
+        wt = p[top] / (p[top].sum() if norm else 1.0)
+        ref = sum(wt[j] * expert_ffn(x[row : row + 1], *w[top[j]])[0] for j in range(k))
+        np.testing.assert_allclose(got[row], ref, rtol=1e-5, atol=1e-5)
