@@ -18,5 +18,10 @@ MAX_CREDENTIAL_BYTES = 4096  # a genesis or member certificate is ~400 B; refuse
 # model forward pass (engine-model)
 # queries per attention score matrix: bounds it to H*256*L*4 bytes (48 MB at H=12 heads, L=4096)
 ATTENTION_QUERY_BLOCK = 256
+# generation / scheduling (engine-gen)
+MAX_ACTIVE_SEQUENCES = 8  # sequences a Scheduler runs at once per model: each holds a KV cache; more waits as 429
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's cap); bounds per-token work and response size
+PREFILL_CHUNK_TOKENS = 512  # prompt tokens per scheduler step: bounds how long a new prompt stalls running streams
+MAX_MODEL_SPEC_CHARS = 4096  # a --model SPEC (path or URL) longer than this is a mistake
 
 # --- expert RPC (issue 6) ---------------------------------------------------------------------
