@@ -9,7 +9,8 @@ SIGTERM/SIGINT (exit 0).
 RPC (StreamType.RPC) commands, by payload prefix: ``echo:`` (reply = payload), ``sleep:S`` (reply after
 S seconds of silence), ``stats`` (JSON of stats and peers), ``call:`` (request ``echo:back`` from the
 caller and return its reply), ``fail`` (RpcError 7), ``crash`` (handler bug), ``hang`` (never answers;
-counts its cancellation in stats ``hang_cancelled``). HTTP_TUNNEL streams are echoed frame by frame.
+counts its cancellation in stats ``hang_cancelled``). HTTP_TUNNEL streams are echoed frame by frame;
+GOSSIP streams are a sink that answers the byte count at their end (for bulk benchmarks).
 """
 
 from __future__ import annotations
@@ -81,7 +82,14 @@ async def main(path: str) -> int:
             raise JoinRefused("invite expired")
         return b"joined:" + request
 
+    async def sink(peer: Peer, stream: Stream) -> None:
+        total = 0
+        while (chunk := await stream.recv()) is not None:
+            total += len(chunk)
+        await stream.send(str(total).encode(), end=True)
+
     mesh.on_rpc(StreamType.RPC, rpc)
+    mesh.on_stream(StreamType.GOSSIP, sink)
     mesh.on_stream(StreamType.HTTP_TUNNEL, tunnel)
     if config.get("join"):
         mesh.set_join_handler(join)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import ipaddress
 import os
 import random
 import socket
@@ -26,6 +27,7 @@ from aioquic.asyncio.server import QuicServer, serve
 from aioquic.quic import events as qe
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
+from aioquic.quic.recovery import QuicPacketPacer, QuicPacketRecovery
 
 from transport import ALPN, PROTOCOL_MAX, PROTOCOL_MIN, PROTOCOL_VERSION, limits
 from transport.credentials import MemberCert, MeshCredentials
@@ -98,18 +100,39 @@ class TransportConfig:
     stream_send_buffer_bytes: int = limits.STREAM_SEND_BUFFER_BYTES
     stream_recv_queue_bytes: int = limits.STREAM_RECV_QUEUE_BYTES
     max_datagram_size: int = 1350  # QUIC packet payload; 1350 fits common internet paths
+    loopback_datagram_size: int = 16384  # used instead when the peer is on loopback; 0 = never
+    # (the loopback MTU is 64 KiB; aioquic 1.x breaks above ~16 KiB: "Failed to parse frame")
     quic_max_data: int = 4 * 1024 * 1024  # initial connection flow-control window
     quic_max_stream_data: int = 1024 * 1024  # initial per-stream flow-control window
     log_interval_s: float = 10.0  # rate limit of debug logs about refused input
+    coalesce_transmit: bool = True  # defer sending to the end of the loop turn (fewer ACK-only packets)
 
     @classmethod
     def lan(cls) -> TransportConfig:
         return cls()
 
     @classmethod
-    def loopback(cls) -> TransportConfig:
-        """Larger packets: the loopback MTU is 64 KiB, so fewer packets and less crypto per byte."""
-        return replace(cls(), max_datagram_size=16384)
+    def wire_1350(cls) -> TransportConfig:
+        """Internet-sized packets even on loopback (to measure or test the general path)."""
+        return replace(cls(), loopback_datagram_size=0)
+
+
+class _CoarsePacer(QuicPacketPacer):
+    """aioquic's pacer, minus gaps shorter than the event loop can time.
+
+    On fast links aioquic asks for gaps of microseconds between packets; asyncio's timers (epoll has
+    millisecond resolution) turn each into a 1 ms sleep, which capped a 4 KiB round trip at ~1 ms
+    per packet. Gaps below ``PACING_GRANULARITY_S`` are sent at once; congestion control still applies.
+    """
+
+    def next_send_time(self, now: float) -> float | None:
+        at = super().next_send_time(now)
+        if at is not None and at - now < PACING_GRANULARITY_S:
+            return None
+        return at
+
+
+PACING_GRANULARITY_S = 0.002  # seconds: below this, pacing gaps are skipped (see _CoarsePacer)
 
 
 def _maybe_task(result: Any, tasks: set[asyncio.Task[Any]]) -> None:
@@ -143,6 +166,7 @@ class Stream:
         self._waiter: asyncio.Future[None] | None = None
         self._sent_end = False
         self._handler_task: asyncio.Task[Any] | None = None
+        self._app_done = False  # its user is finished; kept until aioquic discards the QUIC stream
 
     @property
     def peer(self) -> Peer | None:
@@ -173,9 +197,9 @@ class Stream:
             self._check_done()
 
     def _check_done(self) -> None:
-        """Drop the connection's bookkeeping once both directions ended (frees a stream slot)."""
+        """Free the stream's slot once both directions ended."""
         if self._sent_end and self._ended and not self._frames:
-            self._conn.streams.pop(self.stream_id, None)
+            self._app_done = True
 
     async def recv(self) -> bytes | None:
         """Next DATA payload; None at a clean end. Raises StreamReset, RemoteError or TransportError."""
@@ -207,6 +231,7 @@ class Stream:
         """Abort both directions; the peer's ``recv`` raises ``StreamReset(code)``."""
         self._conn.reset_stream(self.stream_id, code)
         self._set_error(StreamReset(code, "stream reset locally"))
+        self._app_done = True
 
     # -- called by the connection ----------------------------------------------------------------
 
@@ -308,6 +333,7 @@ class _Connection(QuicConnectionProtocol):
     ) -> None:
         super().__init__(quic)
         self.mesh = mesh
+        self._set_datagram_size(quic._max_datagram_size)
         self.is_client = is_client
         self.mode = mode
         self.expected_node_id = expected_node_id
@@ -328,7 +354,7 @@ class _Connection(QuicConnectionProtocol):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._refuse_at_start: tuple[ErrorCode, str] | None = None
         self._keepalive_uid = 0
-        self._remote_stream_max = -1  # highest peer-initiated stream id seen (ids only grow)
+        self._prune_at = 64  # prune finished streams from ``streams`` when it grows to this size
         mesh._conns.add(self)
         if not is_client:
             self._refuse_at_start = mesh._admission_capacity()
@@ -354,13 +380,12 @@ class _Connection(QuicConnectionProtocol):
     def open_stream(self, stream_type: StreamType) -> Stream:
         if not self.admitted:
             raise TransportError("connection not admitted")
-        mine = sum(1 for s in self.streams.values() if self._is_local(s.stream_id))
-        if mine >= self.mesh.config.max_streams_per_peer:
+        if self._open_streams(local=True) >= self.mesh.config.max_streams_per_peer:
             self.mesh._count("streams_refused_local_cap")
             raise TransportError("too many open streams to this peer")
         sid = self._quic.get_next_available_stream_id()
         stream = Stream(self, sid, stream_type, FrameDecoder(stream_type))
-        self.streams[sid] = stream
+        self._add_stream(stream)
         self._quic.send_stream_data(sid, encode_preamble(stream_type, PROTOCOL_VERSION))
         return stream
 
@@ -388,7 +413,9 @@ class _Connection(QuicConnectionProtocol):
                 self._quic.stop_stream(stream_id, code)
         except ValueError:
             pass  # already finished on our side
-        self.streams.pop(stream_id, None)
+        stream = self.streams.get(stream_id)
+        if stream is not None:
+            stream._app_done = True
         self._transmit_soon()
 
     def close_with(self, code: ErrorCode, reason: str) -> None:
@@ -399,12 +426,35 @@ class _Connection(QuicConnectionProtocol):
 
     # -- aioquic hooks (network callbacks: nothing may escape) -----------------------------------
 
+    def _set_datagram_size(self, size: int) -> None:
+        """Use ``size``-byte packets; rebuilds aioquic's loss recovery, so only before anything is sent."""
+        q = self._quic
+        q._max_datagram_size = size
+        q._loss = QuicPacketRecovery(
+            congestion_control_algorithm=q._configuration.congestion_control_algorithm,
+            initial_rtt=q._configuration.initial_rtt,
+            max_datagram_size=size,
+            peer_completed_address_validation=not q._is_client,
+            quic_logger=q._quic_logger,
+            send_probe=q._send_probe,
+            logger=q._logger,
+        )
+        q._loss._pacer = _CoarsePacer(max_datagram_size=size)
+
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         try:
             self.last_rx = self._loop.time()
             if self.remote_address is None:
                 self.remote_address = (str(addr[0]), int(addr[1]))
-            super().datagram_received(data, addr)
+                size = self.mesh.config.loopback_datagram_size
+                if not self.is_client and size and _is_loopback(self.remote_address[0]):
+                    self._set_datagram_size(size)
+            self._quic.receive_datagram(bytes(data), addr, now=self._loop.time())
+            self._process_events()
+            if self.mesh.config.coalesce_transmit:
+                self._transmit_soon()  # one transmit (and one ACK) for every datagram read this turn
+            else:
+                self.transmit()
         except Exception as e:  # noqa: BLE001 - a network callback never raises
             self.mesh._count("internal_errors")
             log.warning("transport_datagram_failed", error=repr(e))
@@ -461,8 +511,9 @@ class _Connection(QuicConnectionProtocol):
                 # close sent during the TLS handshake loses both).
                 raise RemoteProtocolError(*self._refuse_at_start)
         elif isinstance(event, qe.StreamReset):
-            stream = self.streams.pop(event.stream_id, None)
+            stream = self.streams.get(event.stream_id)
             if stream is not None:
+                stream._app_done = True
                 stream._set_error(StreamReset(event.error_code))
                 if stream._handler_task is not None:
                     stream._handler_task.cancel()
@@ -554,19 +605,20 @@ class _Connection(QuicConnectionProtocol):
         if not self.admitted:
             raise RemoteProtocolError(ErrorCode.NOT_ADMITTED, "stream opened before the handshake")
         stream = self.streams.get(stream_id)
+        if stream is not None and stream._app_done:
+            return  # late data for a stream we are done with or reset
         if stream is None:
-            if self._is_local(stream_id) or stream_id <= self._remote_stream_max:
-                return  # late data for a stream we are done with or reset
+            # aioquic only reports streams it has not discarded, so an unknown id is a new stream
+            if self._is_local(stream_id):
+                return
             if stream_id % 4 >= 2:
                 raise RemoteProtocolError(ErrorCode.PROTOCOL_ERROR, "unidirectional streams are not used")
-            self._remote_stream_max = stream_id
-            theirs = sum(1 for s in self.streams.values() if not self._is_local(s.stream_id))
-            if theirs >= self.mesh.config.max_streams_per_peer:
+            if self._open_streams(local=False) >= self.mesh.config.max_streams_per_peer:
                 self.mesh._count("streams_refused_cap")
                 self.reset_stream(stream_id, ErrorCode.TOO_MANY_STREAMS)
                 return
             stream = Stream(self, stream_id, None, FrameDecoder(None, (PROTOCOL_MIN, PROTOCOL_MAX)))
-            self.streams[stream_id] = stream
+            self._add_stream(stream)
         frames = stream._decoder.feed(data)
         if end:
             stream._decoder.feed_eof()
@@ -677,6 +729,17 @@ class _Connection(QuicConnectionProtocol):
 
     # -- helpers ---------------------------------------------------------------------------------
 
+    def _open_streams(self, local: bool) -> int:
+        return sum(1 for s in self.streams.values() if not s._app_done and self._is_local(s.stream_id) == local)
+
+    def _add_stream(self, stream: Stream) -> None:
+        if len(self.streams) >= self._prune_at:
+            live = self._quic._streams
+            for sid in [sid for sid, s in self.streams.items() if s._app_done and sid not in live]:
+                del self.streams[sid]
+            self._prune_at = max(64, 2 * len(self.streams))
+        self.streams[stream.stream_id] = stream
+
     def _is_local(self, stream_id: int) -> bool:
         return (stream_id & 1) == (0 if self.is_client else 1)
 
@@ -695,6 +758,13 @@ class _Connection(QuicConnectionProtocol):
         fut = self._progress
         if fut is not None and not fut.done():
             fut.set_result(None)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
 
 
 class MeshTransport:
@@ -749,12 +819,15 @@ class MeshTransport:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    def _quic_config(self, is_client: bool) -> QuicConfiguration:
+    def _quic_config(self, is_client: bool, loopback: bool = False) -> QuicConfiguration:
+        size = self.config.max_datagram_size
+        if loopback and self.config.loopback_datagram_size:
+            size = self.config.loopback_datagram_size
         cfg = QuicConfiguration(
             is_client=is_client,
             alpn_protocols=[ALPN],
             idle_timeout=self.config.idle_timeout_s,
-            max_datagram_size=self.config.max_datagram_size,
+            max_datagram_size=size,
             max_data=self.config.quic_max_data,
             max_stream_data=self.config.quic_max_stream_data,
         )
@@ -889,7 +962,7 @@ class MeshTransport:
             raise TransportError(f"cannot resolve {host}: {e}") from None
         family, _, _, _, sockaddr = infos[0]
         local = ("::", 0) if family == socket.AF_INET6 else ("0.0.0.0", 0)
-        quic = QuicConnection(configuration=self._quic_config(True))
+        quic = QuicConnection(configuration=self._quic_config(True, _is_loopback(str(sockaddr[0]))))
         _, protocol = await loop.create_datagram_endpoint(
             lambda: _Connection(
                 quic, mesh=self, is_client=True, mode=mode, expected_node_id=expected_node_id,
@@ -1035,5 +1108,5 @@ class MeshTransport:
             self._forget_stream(stream)
 
     def _forget_stream(self, stream: Stream) -> None:
-        """Drop our bookkeeping once the stream's user is done with it (aioquic keeps its own)."""
-        stream._conn.streams.pop(stream.stream_id, None)
+        """The stream's user is done with it: free its slot (late data for it is dropped)."""
+        stream._app_done = True
