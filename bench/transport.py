@@ -1,6 +1,6 @@
 """Loopback benchmark: meshd's QUIC transport against plain asyncio TCP and TLS over TCP.
 
-    python bench/transport.py [--mb 64] [--rtt-n 2000] [--variants]
+    python bench/transport.py [--mb 64] [--rtt-n 2000] [--quick] [--mode both|processes|inprocess]
 
 Each server runs in its own process (tests/transport_peer.py for QUIC, this file with ``--serve`` for
 TCP/TLS); the client runs here. Measures bulk MB/s on one stream (send N MiB in 64 KiB writes to a sink
@@ -60,7 +60,7 @@ def _tls_files(tmp: Path) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
-async def _serve_tcp(tls_dir: str | None) -> None:
+async def _serve_tcp(tls_dir: str | None, ready: asyncio.Future[int] | None = None) -> None:
     ctx = None
     if tls_dir:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -90,7 +90,11 @@ async def _serve_tcp(tls_dir: str | None) -> None:
             writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=ctx)
-    print(json.dumps({"port": server.sockets[0].getsockname()[1]}), flush=True)
+    port = server.sockets[0].getsockname()[1]
+    if ready is not None:
+        ready.set_result(port)
+    else:
+        print(json.dumps({"port": port}), flush=True)
     async with server:
         await server.serve_forever()
 
@@ -183,34 +187,66 @@ async def _quic_client(addr: tuple[str, int], node_id: str, creds: object, ident
         await mesh.close()
 
 
-def run_quic(tmp: Path, mb: int, n: int, overrides: dict, use_uvloop: bool) -> dict[str, float]:
-    import structlog
-
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
-    from transport_peer import PeerProcess, member_of, peer_config
-
+def _quic_pair(overrides: dict) -> tuple[object, object, object, object]:
     from transport.credentials import create_mesh
     from transport.identity import NodeIdentity
-    from transport.quic import TransportConfig
+    from transport_peer import member_of
 
     server_ident, client_ident = NodeIdentity.generate(), NodeIdentity.generate()
     creds = create_mesh(server_ident, "bench", int(time.time()), 1, 1)
-    proc = PeerProcess(
-        peer_config(server_ident, member_of(creds, server_ident), transport=overrides), tmp, use_uvloop
-    )
-    try:
-        tconfig = replace(TransportConfig(), **overrides)
-        coro = _quic_client(proc.addr, proc.node_id, member_of(creds, client_ident), client_ident, tconfig, mb, n)
-        if use_uvloop:
-            import uvloop
+    return server_ident, member_of(creds, server_ident), client_ident, member_of(creds, client_ident)
 
-            return uvloop.run(coro)
-        return asyncio.run(coro)
+
+def _run(coro: object, use_uvloop: bool) -> dict[str, float]:
+    if use_uvloop:
+        import uvloop
+
+        return uvloop.run(coro)  # type: ignore[arg-type]
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def run_quic(tmp: Path, mb: int, n: int, overrides: dict, use_uvloop: bool, inprocess: bool) -> dict[str, float]:
+    from transport_peer import PeerProcess, peer_config
+
+    from transport.quic import MeshTransport, TransportConfig
+
+    server_ident, server_creds, client_ident, client_creds = _quic_pair(overrides)
+    tconfig = replace(TransportConfig(), **overrides)
+    if inprocess:
+
+        async def both() -> dict[str, float]:
+            import transport_peer
+
+            server = MeshTransport(server_ident, server_creds, tconfig)  # type: ignore[arg-type]
+            transport_peer.serve_bench(server)
+            addr = await server.listen("127.0.0.1", 0)
+            try:
+                return await _quic_client(addr, server_ident.node_id, client_creds, client_ident, tconfig, mb, n)  # type: ignore[attr-defined]
+            finally:
+                await server.close()
+
+        return _run(both(), use_uvloop)
+    proc = PeerProcess(peer_config(server_ident, server_creds, transport=overrides), tmp, use_uvloop)  # type: ignore[arg-type]
+    try:
+        return _run(
+            _quic_client(proc.addr, proc.node_id, client_creds, client_ident, tconfig, mb, n), use_uvloop
+        )
     finally:
         proc.stop()
 
 
-def run_tcp(tmp: Path, tls: bool, mb: int, n: int) -> dict[str, float]:
+def run_tcp(tmp: Path, tls: bool, mb: int, n: int, inprocess: bool) -> dict[str, float]:
+    if inprocess:
+
+        async def both() -> dict[str, float]:
+            ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            server = asyncio.ensure_future(_serve_tcp(str(tmp) if tls else None, ready))
+            try:
+                return await _tcp_client(await ready, tls, mb, n)
+            finally:
+                server.cancel()
+
+        return asyncio.run(both())
     argv = [sys.executable, __file__, "--serve", str(tmp) if tls else ""]
     proc, info = _start(argv)
     try:
@@ -220,43 +256,60 @@ def run_tcp(tmp: Path, tls: bool, mb: int, n: int) -> dict[str, float]:
         proc.wait()
 
 
+VARIANTS: list[tuple[str, dict, bool]] = [
+    ("quic 1350 B, stock pacing", {"loopback_datagram_size": 0, "coarse_pacing": False,
+                                   "coalesce_transmit": False}, False),
+    ("quic 1350 B", {"loopback_datagram_size": 0}, False),
+    ("quic 16 KiB, no coalescing", {"coalesce_transmit": False}, False),
+    ("quic 16 KiB (default)", {}, False),
+    ("quic 16 KiB + uvloop", {}, True),
+]
+
+
+def table(title: str, rows: list[tuple[str, dict[str, float]]]) -> None:
+    tcp = rows[0][1]
+    print(f"\n{title}")
+    print(f"{'transport':28} {'bulk MB/s':>9} {'x TCP':>6} {'rtt med us':>10} {'p99 us':>8} {'x TCP':>6}"
+          f" {'stream med':>10} {'x TCP':>6}")
+    for name, r in rows:
+        line = (f"{name:28} {r['mb_s']:9.1f} {r['mb_s'] / tcp['mb_s']:6.3f} {r['rtt_median_us']:10.0f}"
+                f" {r['rtt_p99_us']:8.0f} {r['rtt_median_us'] / tcp['rtt_median_us']:6.2f}")
+        if "stream_rtt_median_us" in r:
+            line += f" {r['stream_rtt_median_us']:10.0f} {r['stream_rtt_median_us'] / tcp['rtt_median_us']:6.2f}"
+        print(line, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=64)
     ap.add_argument("--rtt-n", type=int, default=2000)
-    ap.add_argument("--variants", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="only the default QUIC variant")
+    ap.add_argument("--mode", choices=["both", "processes", "inprocess"], default="both")
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve is not None:
         asyncio.run(_serve_tcp(args.serve or None))
         return
+    import structlog
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
+    variants = [v for v in VARIANTS if v[0] == "quic 16 KiB (default)"] if args.quick else VARIANTS
+    modes = [("processes", False), ("inprocess", True)]
+    if args.mode != "both":
+        modes = [m for m in modes if m[0] == args.mode]
+    print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; {args.mb} MiB bulk, "
+          f"{args.rtt_n} round trips of 4 KiB")
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         _tls_files(tmp)
-        rows: list[tuple[str, dict[str, float]]] = []
-        rows.append(("tcp", run_tcp(tmp, False, args.mb, args.rtt_n)))
-        rows.append(("tls-tcp", run_tcp(tmp, True, args.mb, args.rtt_n)))
-        variants: list[tuple[str, dict, bool]] = [("quic default (1350 B)", {}, False)]
-        variants.append(("quic loopback preset", {"max_datagram_size": 16384}, False))
-        if args.variants:
-            variants += [
-                ("quic 1350 B + uvloop", {}, True),
-                ("quic 16 KiB + uvloop", {"max_datagram_size": 16384}, True),
-                ("quic 64000 B", {"max_datagram_size": 64000}, False),
-            ]
-        for name, overrides, uv in variants:
-            rows.append((name, run_quic(tmp, args.mb, args.rtt_n, overrides, uv)))
-    tcp = rows[0][1]
-    print(f"{'transport':26} {'bulk MB/s':>10} {'rtt med us':>11} {'rtt p99 us':>11} {'x TCP rtt':>9}"
-          f" {'stream med':>11} {'x TCP':>6}")
-    for name, r in rows:
-        line = (f"{name:26} {r['mb_s']:10.1f} {r['rtt_median_us']:11.0f} {r['rtt_p99_us']:11.0f}"
-                f" {r['rtt_median_us'] / tcp['rtt_median_us']:9.2f}")
-        if "stream_rtt_median_us" in r:
-            line += f" {r['stream_rtt_median_us']:11.0f} {r['stream_rtt_median_us'] / tcp['rtt_median_us']:6.2f}"
-        print(line)
-    print(f"bulk ratio quic/tcp: {rows[2][1]['mb_s'] / tcp['mb_s']:.2f} (default), "
-          f"{rows[3][1]['mb_s'] / tcp['mb_s']:.2f} (loopback preset)")
+        for mode, inproc in modes:
+            rows: list[tuple[str, dict[str, float]]] = []
+            rows.append(("tcp", run_tcp(tmp, False, args.mb, args.rtt_n, inproc)))
+            rows.append(("tls-tcp", run_tcp(tmp, True, args.mb, args.rtt_n, inproc)))
+            for name, overrides, uv in variants:
+                rows.append((name, run_quic(tmp, args.mb, args.rtt_n, overrides, uv, inproc)))
+            table(f"{mode} (client and server {'in one event loop' if inproc else 'in two processes'})", rows)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -301,6 +301,8 @@ def test_silent_stranger_garbage_and_early_streams_are_closed(
             assert stats.get("refused_protocol_error", 0) >= 1
             assert stats.get("refused_not_admitted", 0) >= 1
             assert stats.get("refused_handshake_timeout", 0) >= 1
+            assert stats.get("datagrams_garbage", 0) + stats.get("datagrams_dropped", 0) >= 250
+            assert stats.get("handshakes_tls_failed", 0) >= 1  # the wrong ALPN
         finally:
             await b.close()
 

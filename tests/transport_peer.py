@@ -43,6 +43,29 @@ def load(config: dict) -> tuple[NodeIdentity, MeshCredentials | None]:
     return identity, creds
 
 
+def serve_bench(mesh: MeshTransport) -> None:
+    """HTTP_TUNNEL streams echo frame by frame; GOSSIP streams sink and answer the byte count;
+    ``echo:`` RPCs (if no RPC handler is set yet) echo."""
+
+    async def tunnel(peer: Peer, stream: Stream) -> None:
+        while (chunk := await stream.recv()) is not None:
+            await stream.send(chunk)
+
+    async def sink(peer: Peer, stream: Stream) -> None:
+        total = 0
+        while (chunk := await stream.recv()) is not None:
+            total += len(chunk)
+        await stream.send(str(total).encode(), end=True)
+
+    async def echo(peer: Peer, request: bytes) -> bytes:
+        return request
+
+    mesh.on_stream(StreamType.HTTP_TUNNEL, tunnel)
+    mesh.on_stream(StreamType.GOSSIP, sink)
+    if StreamType.RPC not in mesh._rpc_handlers:
+        mesh.on_rpc(StreamType.RPC, echo)
+
+
 async def main(path: str) -> int:
     config = json.loads(Path(path).read_text())
     identity, creds = load(config)
@@ -73,24 +96,13 @@ async def main(path: str) -> int:
                 raise
         return b"unknown"
 
-    async def tunnel(peer: Peer, stream: Stream) -> None:
-        while (chunk := await stream.recv()) is not None:
-            await stream.send(chunk)
-
     async def join(pub: bytes, request: bytes) -> bytes:
         if request == b"bad":
             raise JoinRefused("invite expired")
         return b"joined:" + request
 
-    async def sink(peer: Peer, stream: Stream) -> None:
-        total = 0
-        while (chunk := await stream.recv()) is not None:
-            total += len(chunk)
-        await stream.send(str(total).encode(), end=True)
-
     mesh.on_rpc(StreamType.RPC, rpc)
-    mesh.on_stream(StreamType.GOSSIP, sink)
-    mesh.on_stream(StreamType.HTTP_TUNNEL, tunnel)
+    serve_bench(mesh)
     if config.get("join"):
         mesh.set_join_handler(join)
     host, port = config.get("listen", "127.0.0.1:0").rsplit(":", 1)

@@ -23,10 +23,12 @@ from typing import Any
 
 import structlog
 from aioquic.asyncio.protocol import QuicConnectionProtocol
-from aioquic.asyncio.server import QuicServer, serve
+from aioquic.asyncio.server import QuicServer
+from aioquic.buffer import Buffer
 from aioquic.quic import events as qe
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
+from aioquic.quic.packet import QuicPacketType, pull_quic_header
 from aioquic.quic.recovery import QuicPacketPacer, QuicPacketRecovery
 
 from transport import ALPN, PROTOCOL_MAX, PROTOCOL_MIN, PROTOCOL_VERSION, limits
@@ -106,6 +108,7 @@ class TransportConfig:
     quic_max_stream_data: int = 1024 * 1024  # initial per-stream flow-control window
     log_interval_s: float = 10.0  # rate limit of debug logs about refused input
     coalesce_transmit: bool = True  # defer sending to the end of the loop turn (fewer ACK-only packets)
+    coarse_pacing: bool = True  # skip pacing gaps asyncio cannot time (see _CoarsePacer)
 
     @classmethod
     def lan(cls) -> TransportConfig:
@@ -271,7 +274,7 @@ class Peer:
 
     @property
     def connected(self) -> bool:
-        return self._conn is not None and not self._conn.closed
+        return self._conn is not None and not self._conn.closing
 
     @property
     def address(self) -> Address | None:
@@ -283,7 +286,7 @@ class Peer:
 
     def _connection(self) -> _Connection:
         conn = self._conn
-        if conn is None or conn.closed:
+        if conn is None or conn.closing:
             raise TransportError(f"peer {self.node_id} is not connected")
         return conn
 
@@ -343,6 +346,7 @@ class _Connection(QuicConnectionProtocol):
         self.admitted = False
         self.admitted_at = 0.0
         self.closed = False
+        self.closing = False  # we or the peer began closing; no new streams
         self.close_code: int | None = None
         self.close_reason = ""
         self.remote_address: Address | None = None
@@ -393,7 +397,7 @@ class _Connection(QuicConnectionProtocol):
         limit = self.mesh.config.stream_send_buffer_bytes
         stream = self.streams.get(stream_id)
         while True:
-            if self.closed:
+            if self.closing:
                 raise TransportError(f"connection closed: {self.close_reason or 'closed'}")
             if stream is not None and stream._error is not None:
                 raise stream._error
@@ -419,7 +423,8 @@ class _Connection(QuicConnectionProtocol):
         self._transmit_soon()
 
     def close_with(self, code: ErrorCode, reason: str) -> None:
-        if not self.closed:
+        if not self.closing:
+            self.closing = True
             self.close_code = code
             self.close_reason = reason
             self.close(error_code=int(code), reason_phrase=reason[: limits.MAX_REFUSAL_REASON_BYTES])
@@ -439,7 +444,8 @@ class _Connection(QuicConnectionProtocol):
             send_probe=q._send_probe,
             logger=q._logger,
         )
-        q._loss._pacer = _CoarsePacer(max_datagram_size=size)
+        if self.mesh.config.coarse_pacing:
+            q._loss._pacer = _CoarsePacer(max_datagram_size=size)
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         try:
@@ -668,7 +674,15 @@ class _Connection(QuicConnectionProtocol):
         )
 
     def _on_terminated(self, event: qe.ConnectionTerminated) -> None:
+        if not self.is_client and not self.admitted and self.close_code is None:
+            # closed by the peer or by aioquic before admission: TLS failure (e.g. wrong ALPN) or a quitter
+            self.mesh._count("handshakes_abandoned" if event.frame_type is None else "handshakes_tls_failed")
+            self.mesh._ratelog.debug(
+                self._loop.time(), "connection_failed_before_admission", addr=self.remote_address,
+                code=event.error_code, reason=event.reason_phrase,
+            )
         self.closed = True
+        self.closing = True
         if self.close_code is None:
             self.close_code = event.error_code
             self.close_reason = event.reason_phrase
@@ -760,6 +774,35 @@ class _Connection(QuicConnectionProtocol):
             fut.set_result(None)
 
 
+class _MeshServer(QuicServer):
+    """aioquic's server, counting what it drops (garbage, packets for no connection)."""
+
+    def __init__(self, *, mesh: MeshTransport, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._mesh = mesh
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        mesh = self._mesh
+        try:
+            try:
+                header = pull_quic_header(
+                    Buffer(data=bytes(data)), host_cid_length=self._configuration.connection_id_length
+                )
+            except ValueError:
+                mesh._count("datagrams_garbage")
+                mesh._ratelog.debug(time.monotonic(), "datagram_garbage", addr=addr, size=len(data))
+                return
+            if header.destination_cid not in self._protocols and not (
+                header.packet_type == QuicPacketType.INITIAL and len(data) >= 1200
+            ):
+                mesh._count("datagrams_dropped")
+                mesh._ratelog.debug(time.monotonic(), "datagram_dropped", addr=addr, size=len(data))
+            super().datagram_received(data, addr)
+        except Exception as e:  # noqa: BLE001 - a network callback never raises
+            mesh._count("internal_errors")
+            log.warning("transport_server_datagram_failed", error=repr(e))
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
@@ -840,13 +883,20 @@ class MeshTransport:
 
     async def listen(self, host: str, port: int) -> Address:
         """Bind the QUIC server; returns the address actually bound."""
-        self._server = await serve(
-            host,
-            port,
-            configuration=self._quic_config(False),
-            create_protocol=partial(_Connection, mesh=self, is_client=False),
-        )
-        sockname = self._server._transport.get_extra_info("sockname")  # type: ignore[union-attr]
+        loop = asyncio.get_running_loop()
+        try:
+            transport, _ = await loop.create_datagram_endpoint(
+                lambda: _MeshServer(
+                    mesh=self,
+                    configuration=self._quic_config(False),
+                    create_protocol=partial(_Connection, mesh=self, is_client=False),
+                ),
+                local_addr=(host, port),
+            )
+        except OSError as e:
+            raise TransportError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        self._server = transport.get_protocol()  # type: ignore[assignment]
+        sockname = transport.get_extra_info("sockname")
         return (str(sockname[0]), int(sockname[1]))
 
     async def close(self) -> None:
@@ -1007,7 +1057,7 @@ class MeshTransport:
         if peer is None:
             peer = self._known[ev.node_id] = Peer(self, ev.node_id, ev.public_key)
         old = peer._conn
-        if old is not None and old is not conn and not old.closed:
+        if old is not None and old is not conn and not old.closing:
             if conn.admitted_at - old.admitted_at < self.config.simultaneous_dial_window_s:
                 # Simultaneous dials: both ends keep the connection dialled by the smaller node id.
                 def dialer(c: _Connection) -> str:
