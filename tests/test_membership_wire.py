@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshd.membership.wire import BlobKind, Frame, MsgType, RemoteProtocolError, decode_frame, encode_frame
-from transport.limits import MAX_GOSSIP_BLOBS, MAX_GOSSIP_FRAME_BYTES
+from transport.limits import MAX_GOSSIP_BLOBS, MAX_MEMBERSHIP_FRAME_BYTES
 
 
 def test_roundtrip() -> None:
@@ -36,7 +36,7 @@ def test_malformed_frames_are_refused_with_a_code(mutate, code) -> None:  # type
 
 def test_limits_checked_before_parsing() -> None:
     with pytest.raises(RemoteProtocolError, match="too large"):
-        decode_frame(b"\x01" * (MAX_GOSSIP_FRAME_BYTES + 1))
+        decode_frame(b"\x01" * (MAX_MEMBERSHIP_FRAME_BYTES + 1))
     many = encode_frame(Frame(MsgType.DELTA, blobs=[(BlobKind.RECORD, b"")] * (MAX_GOSSIP_BLOBS + 1)))
     with pytest.raises(RemoteProtocolError, match="too many blobs"):
         decode_frame(many)

@@ -8,7 +8,8 @@ document (``transport.credentials``) under domain ``node-record``, signed by the
      "addrs": ["host:port", ...], "role": "serve"|"client"|"worker", "proto": int, "sw": str,
      "models": [{"name", "kind", "fingerprint", "ctx"}],
      "experts": [{"model_fp", "layers": [first, last], "experts": [first, last], "capacity"}],
-     "cap": {"cpus": int, "ram_mb": int, "in_flight": int}, "api": "host:port" | null}
+     "cap": {"cpus": int, "ram_mb": int, "in_flight": int}, "api": "host:port" | null,
+     "admin": bool (holds the mesh admin key; optional, default false)}
 
 The embedded member certificate makes a record verifiable by any member, including ones that never
 connected to the node: a record is accepted only if the certificate was issued by this mesh's admin key,
@@ -104,6 +105,7 @@ class LocalInfo:
     experts: tuple[ExpertShard, ...] = ()
     capacity: Capacity = field(default_factory=Capacity)
     api: str | None = None
+    admin: bool = False  # holds the mesh admin key (can issue invites and bans)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +124,7 @@ class NodeRecord:
     experts: tuple[ExpertShard, ...]
     capacity: Capacity
     api: str | None
+    admin: bool
     encoded: bytes
 
     def to_json(self) -> dict[str, Any]:
@@ -130,7 +133,7 @@ class NodeRecord:
                 "addrs": list(self.addrs), "role": self.role, "proto": self.proto, "sw": self.software,
                 "models": [m.to_json() for m in self.models],
                 "experts": [e.to_json() for e in self.experts], "cap": self.capacity.to_json(),
-                "api": self.api}
+                "api": self.api, "admin": self.admin}
 
 
 def sign_record(identity: NodeIdentity, creds: MeshCredentials, info: LocalInfo, version: int,
@@ -141,7 +144,7 @@ def sign_record(identity: NodeIdentity, creds: MeshCredentials, info: LocalInfo,
         "cert": creds.cert.encoded.decode(), "ver": int(version), "leaving": bool(leaving),
         "addrs": list(info.addrs), "role": info.role, "proto": info.proto, "sw": info.software,
         "models": [m.to_json() for m in info.models], "experts": [e.to_json() for e in info.experts],
-        "cap": info.capacity.to_json(), "api": info.api,
+        "cap": info.capacity.to_json(), "api": info.api, "admin": info.admin,
     }
     _check_body(body)
     sig = identity.sign(RECORD_DOMAIN, canonical_json(body))
@@ -208,6 +211,8 @@ def _check_body(body: dict[str, Any]) -> tuple[Any, ...]:
     cap = _obj(body.get("cap"), "cap", {"cpus", "ram_mb", "in_flight"})
     capacity = Capacity(_int(cap["cpus"], "cpus"), _int(cap["ram_mb"], "ram_mb"),
                         _int(cap["in_flight"], "in_flight"))
+    if not isinstance(body.get("admin", False), bool):
+        raise RecordError("field 'admin' must be a boolean")
     if not isinstance(body.get("leaving"), bool):
         raise RecordError("field 'leaving' must be a boolean")
     return (
@@ -267,7 +272,8 @@ class RecordVerifier:
         addrs, role, proto, sw, models, experts, capacity, api, ver = parsed
         rec = NodeRecord(node_id=cert.node_id, public_key=cert.node_pub, version=ver,
                          leaving=body["leaving"], addrs=addrs, role=role, proto=proto, software=sw,
-                         models=models, experts=experts, capacity=capacity, api=api, encoded=data)
+                         models=models, experts=experts, capacity=capacity, api=api,
+                         admin=body.get("admin", False), encoded=data)
         self._cache[key] = rec
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
-from transport.limits import MAX_GOSSIP_BLOBS, MAX_GOSSIP_CLAIMS, MAX_GOSSIP_FRAME_BYTES, MAX_GOSSIP_JSON_BYTES
+from transport.limits import MAX_GOSSIP_BLOBS, MAX_GOSSIP_CLAIMS, MAX_MEMBERSHIP_FRAME_BYTES, MAX_GOSSIP_JSON_BYTES
 
 WIRE_VERSION = 1
 _HEAD = struct.Struct("!BBHI")
@@ -75,7 +75,7 @@ def encode_frame(frame: Frame) -> bytes:
 
 def decode_frame(data: bytes) -> Frame:
     """Parse one whole frame. Raises ``RemoteProtocolError`` for anything malformed."""
-    if len(data) > MAX_GOSSIP_FRAME_BYTES:
+    if len(data) > MAX_MEMBERSHIP_FRAME_BYTES:
         raise RemoteProtocolError(1, "frame too large")
     if len(data) < _HEAD.size:
         raise RemoteProtocolError(2, "truncated header")
