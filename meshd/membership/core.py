@@ -216,6 +216,12 @@ class Membership:
         """Start a gossip exchange with ``node_id`` now (e.g. right after joining through it)."""
         self._send(node_id, self._gossip_frame(), True)
 
+    def tell_revocations(self, node_id: str) -> None:
+        """Send our ban list straight to ``node_id`` (e.g. to the node just banned, before cutting it off)."""
+        if self._revocations is not None:
+            self._send(node_id, Frame(MsgType.DELTA, blobs=[(BlobKind.REVOCATIONS, self._revocations.encoded)]),
+                       False)
+
     # ----- views ------------------------------------------------------------------------------
     @property
     def revocations(self) -> Revocations | None:

@@ -81,6 +81,7 @@ DIAL_TIMEOUT_S = 2.0  # dialling a member from its record; failures are retried 
 DIAL_RETRY_S = 1.0  # do not redial a member that just failed more often than this
 JOIN_BACKOFF_MIN_S = 0.5  # issuer unreachable: retry after this, doubling ...
 JOIN_BACKOFF_MAX_S = 30.0  # ... up to this (with jitter)
+BAN_NOTICE_S = 0.3  # a banned node gets the ban list, then this long before we disconnect it
 LEAVE_FLUSH_S = 0.5  # on SIGTERM, how long we wait for the "leaving" record to go out
 
 
@@ -476,9 +477,10 @@ class MembershipService:
             if self.core is not None and ev.node_id == self.core.node_id:
                 if self.daemon is not None:
                     self.daemon.fail("this node was banned from the mesh")
-            elif t is not None:
+            elif t is not None and self.core is not None:
                 t.forget(ev.node_id)
-                self._spawn(t.disconnect(ev.node_id, "banned from the mesh"))
+                self.core.tell_revocations(ev.node_id)  # so it knows, stops, and stays out after a restart
+                self._spawn(self._cut_off(ev.node_id))
         elif isinstance(ev, LocalRefuted):
             log.info("membership_refuted", incarnation=ev.incarnation)
         else:
@@ -489,6 +491,11 @@ class MembershipService:
                 cb(ev)
             except Exception:  # noqa: BLE001 - another service's bug must not stop gossip
                 log.exception("membership_callback_failed")
+
+    async def _cut_off(self, node_id: str) -> None:
+        await asyncio.sleep(BAN_NOTICE_S)
+        if self.daemon is not None and self.daemon.transport is not None:
+            await self.daemon.transport.disconnect(node_id, "banned from the mesh")
 
     def _save_bans(self) -> None:
         core, daemon = self.core, self.daemon
