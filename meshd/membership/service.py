@@ -484,7 +484,7 @@ class MembershipService:
         elif isinstance(ev, LocalRefuted):
             log.info("membership_refuted", incarnation=ev.incarnation)
         else:
-            log.debug("membership_event", event=type(ev).__name__, **{
+            log.debug("membership_event", kind=type(ev).__name__, **{
                 k: getattr(ev, k) for k in ("node_id", "reason", "incarnation") if hasattr(ev, k)})
         for cb in list(self._callbacks):
             try:
