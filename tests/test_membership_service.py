@@ -16,7 +16,10 @@ from meshd.membership.records import ExpertShard, ModelInfo
 from meshd.membership.service import MembershipService, membership_of, parse_duration
 from meshd.state import StateDir
 from transport import PROTOCOL_MAX, PROTOCOL_MIN
+from discovery.invite import InviteToken, build_join_request
 from transport.credentials import create_mesh
+from transport.errors import JoinRefused
+from transport.identity import NodeIdentity
 
 
 @pytest.mark.parametrize(("text", "want"), [("90", 90), ("90s", 90), ("30m", 1800), ("24h", 86400),
@@ -59,6 +62,11 @@ def test_models_experts_and_load_reach_other_nodes(tmp_path: Path) -> None:
         ma = membership_of(a)
         assert ma is not None
         token = (await ma._cmd_invite({"ttl_s": 60, "uses": 1}))["token"]
+        # a joiner speaking a protocol outside the genesis range is refused with that reason
+        stranger = NodeIdentity.generate()
+        tok = InviteToken.decode((await ma._cmd_invite({"ttl_s": 60, "uses": 1}))["token"])
+        with pytest.raises(JoinRefused, match="protocol version 99 is outside the mesh's range 1..1"):
+            await ma._on_join(stranger.public_key, build_join_request(tok, stranger.public_key, 99))
         b = _daemon(tmp_path, "b", token=token)
         tb = asyncio.ensure_future(b.run())
         await _until(lambda: b.phase == "running")

@@ -59,7 +59,7 @@ from meshd.membership.records import (
 from meshd.state import write_atomic
 from transport import PROTOCOL_VERSION
 from transport.credentials import CredentialError, Genesis, MemberCert, MeshCredentials
-from transport.errors import HandshakeRefused, JoinRefused, TransportError
+from transport.errors import JoinRefused, TransportError
 from transport.identity import is_node_id, node_id_from_public_key
 from transport.limits import MAX_JOIN_MESSAGE_BYTES, MAX_JOIN_VIEW_RECORDS, MAX_REMEMBERED_PEERS
 from transport.streams import StreamType
