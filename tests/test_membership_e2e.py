@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
+from conftest import meshd_cmd, meshd_env
 from membership_nodes import Node, wait_for, write_token
 
 from discovery.invite import InviteToken
@@ -151,6 +153,12 @@ def test_bad_tokens_are_refused_with_reason_and_leave_nothing(tmp_path: Path) ->
         first = Node(tmp_path, "first").start(join_file=write_token(tmp_path / "first.tok", good)).wait_ready()
         others.append(first)
         _refused(tmp_path, "second", good, "invite token already used up", 1)
+        # only the admin key holder issues invites and bans; elsewhere the CLI says which node can
+        for argv in (["invite"], ["ban", "0" * 32]):
+            out = subprocess.run(meshd_cmd(*argv, "--state-dir", str(first.dir)), env=meshd_env(),
+                                 capture_output=True, text=True, timeout=30)
+            assert out.returncode == 1 and len(out.stderr.splitlines()) == 1, out.stderr
+            assert f"node {a.node_id}" in out.stderr and "admin key" in out.stderr
         # wrong mesh: a member of this mesh (with a live peer) is handed another mesh's token
         stranger = Node(tmp_path, "stranger").start().wait_ready()
         others.append(stranger)

@@ -85,6 +85,10 @@ BAN_NOTICE_S = 0.3  # a banned node gets the ban list, then this long before we 
 LEAVE_FLUSH_S = 0.5  # on SIGTERM, how long we wait for the "leaving" record to go out
 
 
+class IssuerUnreachable(RuntimeFailure):
+    """No address in the token answered (the join is retried, not refused)."""
+
+
 def membership_of(daemon: Daemon) -> MembershipService | None:
     """The daemon's membership service, if it runs one."""
     for s in daemon.services:
@@ -217,6 +221,32 @@ class MembershipService:
         else:
             self._install(daemon.credentials, view=None)
         self._task = asyncio.ensure_future(self._run())
+
+    async def _join_from_config(self) -> None:
+        """First attempt inline (a refusal aborts start with its reason); if the issuer is unreachable,
+        keep retrying in the background while the daemon runs in state ``joining``."""
+        assert self.daemon is not None  # noqa: S101
+        text = self.config.read_join_token()
+        if text is None:
+            raise UsageError("no join token configured")
+        reread = self.config.join_file is not None
+        try:
+            creds, view = await self._redeem(text, reread=reread, max_wait_s=0.0)
+        except IssuerUnreachable:
+            self._spawn(self._join_in_background(text, reread))
+            return
+        self.daemon.set_credentials(creds)
+        self._install(creds, view)
+
+    async def _join_in_background(self, text: str, reread: bool) -> None:
+        assert self.daemon is not None  # noqa: S101
+        try:
+            creds, view = await self._redeem(text, reread=reread)
+            self.daemon.set_credentials(creds)
+            self._install(creds, view)
+        except (UsageError, RuntimeFailure) as e:
+            if not self._stop_requested():
+                self.daemon.fail(str(e))
 
     async def stop(self) -> None:
         self._stopping = True
@@ -509,14 +539,6 @@ class MembershipService:
         return None
 
     # ----- joining -----------------------------------------------------------------------------
-    async def _join_from_config(self) -> None:
-        assert self.daemon is not None  # noqa: S101
-        text = self.config.read_join_token()
-        if text is None:
-            raise UsageError("no join token configured")
-        creds, view = await self._redeem(text, reread=self.config.join_file is not None)
-        self.daemon.set_credentials(creds)
-        self._install(creds, view)
 
     async def _redeem(self, text: str, reread: bool = False, max_wait_s: float | None = None
                       ) -> tuple[MeshCredentials, JoinResponse]:
@@ -550,7 +572,7 @@ class MembershipService:
                     continue
                 return self._accept_join(tok, reply), JoinResponse.decode(reply)
             if self._stop_requested() or (deadline is not None and self._now() >= deadline):
-                raise RuntimeFailure(f"issuer of the invite token unreachable: {last}")
+                raise IssuerUnreachable(f"issuer of the invite token unreachable: {last}")
             wait = delay * (0.5 + 0.5 * random.random())
             log.info("join_retry", issuer=tok.issuer_id, retry_in_s=round(wait, 2), error=last)
             until = self._now() + wait
