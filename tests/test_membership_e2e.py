@@ -110,6 +110,13 @@ def test_mesh_join_detect_leave_rejoin_ban(tmp_path: Path) -> None:
         assert all(c.node_id not in n.peer_states() for n in others)
         # the ban is persisted by the others too: a restarted member still refuses it
         assert (a.dir / "bans.json").exists() and (nodes[1].dir / "bans.json").exists()
+
+        # the node that switched meshes with `meshd join` restarts into its new mesh without a token
+        f.stop()
+        f.start()
+        f.wait_ready()
+        assert f.status()["mesh_id"] == a.status()["mesh_id"]  # type: ignore[index]
+        assert wait_for(lambda: a.peer_states().get(f.node_id) == "alive", 15.0) is not None
     finally:
         for n in nodes:
             n.stop()

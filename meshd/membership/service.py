@@ -142,6 +142,7 @@ class MembershipService:
         self._join_lock = asyncio.Lock()
         self._stopping = False
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._bg_join: asyncio.Task[None] | None = None
 
     # ----- public API for other services -------------------------------------------------------
     def set_local_models(self, models: list[ModelInfo]) -> None:
@@ -233,7 +234,7 @@ class MembershipService:
         try:
             creds, view = await self._redeem(text, reread=reread, max_wait_s=0.0)
         except IssuerUnreachable:
-            self._spawn(self._join_in_background(text, reread))
+            self._bg_join = asyncio.ensure_future(self._join_in_background(text, reread))
             return
         self.daemon.set_credentials(creds)
         self._install(creds, view)
@@ -262,7 +263,7 @@ class MembershipService:
             log.info("membership_left", incarnation=core.incarnation)
         if self._task is not None:
             self._task.cancel()
-        for task in [*self._senders.values(), *self._tasks]:
+        for task in [*self._senders.values(), *self._tasks, *([self._bg_join] if self._bg_join else [])]:
             task.cancel()
         if self._mdns is not None:
             await self._mdns.close()
@@ -698,6 +699,9 @@ class MembershipService:
             if creds is not None and self.core is not None and self.core.live_ids():
                 raise ControlError(f"{WRONG_MESH} (this node is a member of mesh {creds.mesh_id} "
                                    f"with {len(self.core.live_ids())} live peers)")
+            if self._bg_join is not None:  # a configured token still retrying: this one wins
+                self._bg_join.cancel()
+                self._bg_join = None
             self._stop_core_for_switch()
             try:
                 new, view = await self._redeem_any_mesh(text)
@@ -705,6 +709,10 @@ class MembershipService:
                 if creds is not None and self.core is None:
                     self._install(creds, None)
                 raise ControlError(str(e)) from None
+            admin_key = daemon.state.path / "admin.key"
+            if creds is not None and creds.admin is not None and admin_key.exists():
+                # the solo mesh we leave keeps its key aside; the new mesh's genesis must not meet it
+                admin_key.rename(daemon.state.path / f"admin-{creds.mesh_id}.key.old")
             daemon.set_credentials(new)
             for name in (PEERS_FILE, BANS_FILE):
                 with contextlib.suppress(FileNotFoundError):
