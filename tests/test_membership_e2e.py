@@ -108,6 +108,18 @@ def test_mesh_join_detect_leave_rejoin_ban(tmp_path: Path) -> None:
         assert code != 0 and "banned" in c.stderr_tail().splitlines()[-1]
         time.sleep(1.0)
         assert all(c.node_id not in n.peer_states() for n in others)
+        # even if it forgets its ban, every member refuses it at the handshake (admission hook)
+        (c.dir / "bans.json").unlink()
+        before = sum(v for k, v in a.status()["services"]["transport"].items()  # type: ignore[index]
+                     if k.startswith("refused_"))
+        c.start()
+        c.wait_ready()
+        time.sleep(3.0)
+        assert all(c.node_id not in n.peer_states() for n in others)
+        after = sum(v for k, v in a.status()["services"]["transport"].items()  # type: ignore[index]
+                    if k.startswith("refused_"))
+        assert after > before, "the banned node was never refused at the handshake"
+        c.stop()
         # the ban is persisted by the others too: a restarted member still refuses it
         assert (a.dir / "bans.json").exists() and (nodes[1].dir / "bans.json").exists()
 
