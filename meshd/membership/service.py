@@ -74,6 +74,7 @@ log = structlog.get_logger(__name__)
 PEERS_FILE = "peers.json"
 BANS_FILE = "bans.json"
 INVITES_FILE = "invites.json"
+PEERS_SAVE_DELAY_S = 2.0  # remembered peers are written at most this often (joins come in bursts)
 LOAD_REPUBLISH_S = 2.0  # in-flight counts change constantly; re-sign at most this often
 SEND_QUEUE_FRAMES = 64  # frames waiting per destination while we dial it; older ones are dropped
 SEND_TIMEOUT_S = 1.0  # one frame to a connected peer; a dead peer's frames are simply lost
@@ -143,6 +144,7 @@ class MembershipService:
         self._stopping = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._bg_join: asyncio.Task[None] | None = None
+        self._save_handle: asyncio.TimerHandle | None = None
 
     # ----- public API for other services -------------------------------------------------------
     def set_local_models(self, models: list[ModelInfo]) -> None:
@@ -253,6 +255,8 @@ class MembershipService:
         self._stopping = True
         if self._load_handle is not None:
             self._load_handle.cancel()
+        if self._save_handle is not None:
+            self._save_handle.cancel()
         core = self.core
         if core is not None and self.daemon is not None and self.daemon.transport is not None:
             core.leave(self._now())
@@ -345,6 +349,14 @@ class MembershipService:
             except (RecordError, AttributeError):
                 continue
         return out
+
+    def _schedule_save(self) -> None:
+        if self._save_handle is None and not self._stopping:
+            self._save_handle = asyncio.get_running_loop().call_later(PEERS_SAVE_DELAY_S, self._save_now)
+
+    def _save_now(self) -> None:
+        self._save_handle = None
+        self._save_peers()
 
     def _save_peers(self) -> None:
         core, daemon = self.core, self.daemon
@@ -495,7 +507,7 @@ class MembershipService:
         if isinstance(ev, PeerJoined):
             log.info("peer_joined", peer=ev.node_id, incarnation=ev.record.version, role=ev.record.role)
             self._dial_failed.pop(ev.node_id, None)
-            self._save_peers()
+            self._schedule_save()
         elif isinstance(ev, PeerDied):
             log.info("peer_died", peer=ev.node_id, incarnation=ev.incarnation)
             if t is not None:
