@@ -313,7 +313,8 @@ class Daemon:
     async def _start_transport(self) -> None:
         # ---- WIRING POINT (transport): the only place the daemon creates the QUIC transport. ----
         # Loopback-only nodes (tests, benches) use bigger packets: every peer is on the 64 KiB-MTU loopback.
-        tconfig = TransportConfig()  # loopback peers get big packets automatically (loopback_datagram_size)
+        listen_loopback = is_loopback(self.config.listen.host)
+        tconfig = TransportConfig.loopback() if listen_loopback else TransportConfig()
         transport = MeshTransport(self.identity, self.credentials, tconfig, admission=self.admit)
         try:
             host, port = await transport.listen(self.config.listen.host, self.config.listen.port)
