@@ -27,7 +27,7 @@ from aioquic.asyncio.server import QuicServer
 from aioquic.buffer import Buffer
 from aioquic.quic import events as qe
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import QuicConnection
+from aioquic.quic.connection import QuicConnection, QuicConnectionState
 from aioquic.quic.packet import QuicPacketType, pull_quic_header
 from aioquic.quic.recovery import QuicPacketPacer, QuicPacketRecovery
 
@@ -115,6 +115,11 @@ class TransportConfig:
         return cls()
 
     @classmethod
+    def loopback(cls) -> TransportConfig:
+        """Kept for callers of the first tag: loopback peers get 16 KiB packets automatically now."""
+        return cls()
+
+    @classmethod
     def wire_1350(cls) -> TransportConfig:
         """Internet-sized packets even on loopback (to measure or test the general path)."""
         return replace(cls(), loopback_datagram_size=0)
@@ -136,6 +141,13 @@ class _CoarsePacer(QuicPacketPacer):
 
 
 PACING_GRANULARITY_S = 0.002  # seconds: below this, pacing gaps are skipped (see _CoarsePacer)
+
+
+def backoff_delay_s(attempt: int, min_s: float, max_s: float, jitter: float) -> float:
+    """Delay before redial number ``attempt`` (0-based): ``min_s * 2**attempt`` capped at ``max_s``, times
+    ``0.5 + 0.5 * jitter`` for ``jitter`` in [0, 1) so that peers restarted together do not redial in step."""
+    base = min(min_s * (2.0 ** min(attempt, 60)), max_s)
+    return base * (0.5 + 0.5 * jitter)
 
 
 def _maybe_task(result: Any, tasks: set[asyncio.Task[Any]]) -> None:
@@ -347,6 +359,7 @@ class _Connection(QuicConnectionProtocol):
         self.admitted_at = 0.0
         self.closed = False
         self.closing = False  # we or the peer began closing; no new streams
+        self.finished = asyncio.Event()  # set once the connection ended (see _finish)
         self.close_code: int | None = None
         self.close_reason = ""
         self.remote_address: Address | None = None
@@ -428,6 +441,7 @@ class _Connection(QuicConnectionProtocol):
             self.close_code = code
             self.close_reason = reason
             self.close(error_code=int(code), reason_phrase=reason[: limits.MAX_REFUSAL_REASON_BYTES])
+            self._check_close_started()
 
     # -- aioquic hooks (network callbacks: nothing may escape) -----------------------------------
 
@@ -457,6 +471,7 @@ class _Connection(QuicConnectionProtocol):
                     self._set_datagram_size(size)
             self._quic.receive_datagram(bytes(data), addr, now=self._loop.time())
             self._process_events()
+            self._check_close_started()
             if self.mesh.config.coalesce_transmit:
                 self._transmit_soon()  # one transmit (and one ACK) for every datagram read this turn
             else:
@@ -674,22 +689,38 @@ class _Connection(QuicConnectionProtocol):
         )
 
     def _on_terminated(self, event: qe.ConnectionTerminated) -> None:
+        """aioquic's end of the connection (after the 3 PTO closing/draining period)."""
+        self._finish(event.error_code, event.frame_type, event.reason_phrase)
+        if self.is_client and self._transport is not None:
+            self._loop.call_later(0.05, self._transport.close)
+
+    def _check_close_started(self) -> None:
+        """React as soon as a close starts (aioquic reports it only after draining, 3 PTO later)."""
+        ce = self._quic._close_event
+        if ce is not None and not self.closed:
+            self._finish(ce.error_code, ce.frame_type, ce.reason_phrase)
+
+    def _finish(self, error_code: int, frame_type: int | None, reason_phrase: str) -> None:
+        """Everything the rest of meshd must learn when the connection ends. Runs once."""
+        if self.closed:
+            return
         if not self.is_client and not self.admitted and self.close_code is None:
             # closed by the peer or by aioquic before admission: TLS failure (e.g. wrong ALPN) or a quitter
-            self.mesh._count("handshakes_abandoned" if event.frame_type is None else "handshakes_tls_failed")
+            self.mesh._count("handshakes_abandoned" if frame_type is None else "handshakes_tls_failed")
             self.mesh._ratelog.debug(
                 self._loop.time(), "connection_failed_before_admission", addr=self.remote_address,
-                code=event.error_code, reason=event.reason_phrase,
+                code=error_code, reason=reason_phrase,
             )
         self.closed = True
         self.closing = True
+        self.finished.set()
         if self.close_code is None:
-            self.close_code = event.error_code
-            self.close_reason = event.reason_phrase
+            self.close_code = error_code
+            self.close_reason = reason_phrase
         for timer in self._timers:
             timer.cancel()
         self._timers.clear()
-        reason = event.reason_phrase or "connection closed"
+        reason = reason_phrase or "connection closed"
         err = TransportError(f"connection closed: {reason}")
         for stream in self.streams.values():
             stream._set_error(err)
@@ -698,18 +729,16 @@ class _Connection(QuicConnectionProtocol):
         for task in self._tasks:
             task.cancel()
         if not self.result.done():
-            app_close = event.frame_type is None
-            if app_close and event.error_code == ErrorCode.JOIN_REFUSED and self.mode is Mode.JOIN:
+            app_close = frame_type is None
+            if app_close and error_code == ErrorCode.JOIN_REFUSED and self.mode is Mode.JOIN:
                 self.result.set_exception(JoinRefused(reason))
-            elif app_close and event.error_code != ErrorCode.NO_ERROR:
-                self.result.set_exception(HandshakeRefused(reason, event.error_code))
+            elif app_close and error_code != ErrorCode.NO_ERROR:
+                self.result.set_exception(HandshakeRefused(reason, error_code))
             else:
                 self.result.set_exception(TransportError(f"connection failed: {reason}"))
             self.result.exception()  # mark retrieved: nobody may be waiting any more
         self._signal_progress()
         self.mesh._terminated(self)
-        if self.is_client and self._transport is not None:
-            self._loop.call_later(0.05, self._transport.close)
 
     # -- timers ----------------------------------------------------------------------------------
 
@@ -742,6 +771,17 @@ class _Connection(QuicConnectionProtocol):
         self._timers.append(self._loop.call_later(max(next_in, 0.01), self._guarded, self._tick))
 
     # -- helpers ---------------------------------------------------------------------------------
+
+    def discard(self) -> None:
+        """Forget a connection that never got a valid packet (no close is sent: there is nobody)."""
+        self.closed = self.closing = True
+        for timer in self._timers:
+            timer.cancel()
+        self._timers.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.mesh._conns.discard(self)
 
     def _open_streams(self, local: bool) -> int:
         return sum(1 for s in self.streams.values() if not s._app_done and self._is_local(s.stream_id) == local)
@@ -780,6 +820,13 @@ class _MeshServer(QuicServer):
     def __init__(self, *, mesh: MeshTransport, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._mesh = mesh
+        self._known_cids: set[bytes] = set()  # initial cids of connections that got past their first packet
+
+    def _connection_terminated(self, protocol: QuicConnectionProtocol) -> None:
+        for cid, proto in self._protocols.items():
+            if proto is protocol:
+                self._known_cids.discard(cid)
+        super()._connection_terminated(protocol)
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         mesh = self._mesh
@@ -792,12 +839,25 @@ class _MeshServer(QuicServer):
                 mesh._count("datagrams_garbage")
                 mesh._ratelog.debug(time.monotonic(), "datagram_garbage", addr=addr, size=len(data))
                 return
-            if header.destination_cid not in self._protocols and not (
-                header.packet_type == QuicPacketType.INITIAL and len(data) >= 1200
-            ):
-                mesh._count("datagrams_dropped")
-                mesh._ratelog.debug(time.monotonic(), "datagram_dropped", addr=addr, size=len(data))
+            cid = header.destination_cid
+            if cid not in self._protocols:
+                if not (header.packet_type == QuicPacketType.INITIAL and len(data) >= 1200):
+                    mesh._count("datagrams_dropped")
+                    mesh._ratelog.debug(time.monotonic(), "datagram_dropped", addr=addr, size=len(data))
+                elif mesh._pending_handshakes() >= mesh.config.max_pending_handshakes:
+                    mesh._count("refused_pending_handshakes")
+                    mesh._ratelog.debug(time.monotonic(), "connection_refused_pending_cap", addr=addr)
+                    return
             super().datagram_received(data, addr)
+            new = self._protocols.get(cid) if cid not in self._known_cids else None
+            if isinstance(new, _Connection):
+                if new._quic._state == QuicConnectionState.FIRSTFLIGHT:
+                    # an Initial that did not decrypt: forget the connection it would have created
+                    mesh._count("datagrams_garbage_initial")
+                    self._connection_terminated(new)
+                    new.discard()
+                else:
+                    self._known_cids.add(cid)
         except Exception as e:  # noqa: BLE001 - a network callback never raises
             mesh._count("internal_errors")
             log.warning("transport_server_datagram_failed", error=repr(e))
@@ -977,7 +1037,8 @@ class MeshTransport:
             task.cancel()
 
     async def _keeper(self, node_id: str, addrs: list[Address]) -> None:
-        delay = self.config.reconnect_min_s
+        cfg = self.config
+        attempt = 0
         while True:
             peer = self.peer(node_id)
             if peer is None:
@@ -989,15 +1050,16 @@ class MeshTransport:
                         self._count("reconnect_failures")
                         self._ratelog.debug(time.monotonic(), "reconnect_failed", peer=node_id, error=str(e))
                 if peer is None:
-                    await asyncio.sleep(delay * (0.5 + 0.5 * self._rng.random()))
-                    delay = min(delay * 2, self.config.reconnect_max_s)
+                    delay = backoff_delay_s(attempt, cfg.reconnect_min_s, cfg.reconnect_max_s, self._rng.random())
+                    attempt += 1
+                    await asyncio.sleep(delay)
                     continue
-            delay = self.config.reconnect_min_s
+            attempt = 0
             conn = peer._conn
             if conn is not None:
-                await conn._closed.wait()
-            else:
-                await asyncio.sleep(self.config.reconnect_min_s)
+                await conn.finished.wait()
+            # a short pause before redialling, so a peer that admits and then drops us is not hammered
+            await asyncio.sleep(backoff_delay_s(0, cfg.reconnect_min_s, cfg.reconnect_max_s, self._rng.random()))
 
     async def _dial(
         self, addr: Address, mode: Mode, expected_node_id: str | None, join_request: bytes | None
@@ -1042,13 +1104,15 @@ class MeshTransport:
     def _count(self, key: str) -> None:
         self.stats[key] = self.stats.get(key, 0) + 1
 
+    def _pending_handshakes(self) -> int:
+        return sum(1 for c in self._conns if not c.admitted and not c.closing and not c.is_client)
+
     def _admission_capacity(self) -> tuple[ErrorCode, str] | None:
         if self._closing:
             return (ErrorCode.SHUTDOWN, "node shutting down")
         if len(self._conns) > self.config.max_connections:
             return (ErrorCode.TOO_MANY_CONNECTIONS, "too many connections")
-        pending = sum(1 for c in self._conns if not c.admitted and not c.closed)
-        if pending > self.config.max_pending_handshakes:
+        if self._pending_handshakes() > self.config.max_pending_handshakes:
             return (ErrorCode.TOO_MANY_CONNECTIONS, "too many pending handshakes")
         return None
 
