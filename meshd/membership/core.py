@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import heapq
+import re
 import random
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -60,7 +61,7 @@ from meshd.membership.records import (
 )
 from meshd.membership.wire import BlobKind, Frame, MsgType, RemoteProtocolError, decode_frame, encode_frame
 from transport.credentials import MeshCredentials
-from transport.identity import NodeIdentity, is_node_id
+from transport.identity import NodeIdentity
 from transport.limits import (
     MAX_DIGEST_ENTRIES,
     MAX_GOSSIP_BLOBS,
@@ -69,6 +70,7 @@ from transport.limits import (
     MAX_PENDING_RELAYS,
 )
 
+is_node_id = re.compile(r"[0-9a-f]{32}\Z").match  # same shape check as transport.identity, but fast
 RANK = {"alive": 0, "suspect": 1, "dead": 2, "left": 3}
 REV_KEY = "~rev"
 _REV_BUCKET = 16
