@@ -353,3 +353,31 @@ def test_digest_exchange_converges_without_rumours() -> None:
     # converged: a further round sends only the digest, answered by nothing
     m.cores[a].sync_with(b, 5.0)
     assert m.pump(5.0) == 1
+
+
+def test_each_rumour_is_sent_exactly_retransmit_limit_times() -> None:
+    m = Mesh(4)
+    m.introduce_all()
+    a, b, c, d = m.names
+    ca = m.cores[a]
+    ca.update_local(1.0, models=(ModelInfo("x", "moe", "fpx", 1),))
+    limit = retransmit_limit(QUIET.retransmit_mult, ca.cluster_size())
+    carried = 0
+    for i in range(limit + 3):
+        ca.sync_with(b, 2.0 + i)
+        [(_, data)] = ca.messages_to_send()
+        carried += sum(1 for k, blob in decode_frame(data).blobs if blob == ca.local_record.encoded)
+    assert carried == limit
+
+
+def test_banned_node_is_told_directly() -> None:
+    m = Mesh(3)
+    m.introduce_all()
+    a, b, c = m.names
+    assert m.admin is not None
+    m.cores[a].apply_revocations(Revocations.sign(m.admin, m.creds0.mesh_id, 1, {b}), 1.0)
+    m.cores[a].messages_to_send()
+    m.cores[a].tell_revocations(b)
+    [(dest, data)] = m.cores[a].messages_to_send()
+    m.cores[b].receive(a, data, 1.0)
+    assert dest == b and m.take_events(b) == [NodeBanned(b, 1)] and m.cores[b].is_banned(b)
