@@ -465,10 +465,13 @@ class MembershipService:
         return None
 
     async def _on_gossip_stream(self, peer: Peer, stream: Stream) -> None:
-        while (data := await stream.recv()) is not None:
-            if self.core is not None and not self._stopping:
-                self.core.receive(peer.node_id, data, self._now())
-                self._flush()
+        try:
+            while (data := await stream.recv()) is not None:
+                if self.core is not None and not self._stopping:
+                    self.core.receive(peer.node_id, data, self._now())
+                    self._flush()
+        except TransportError as e:  # the sender went away mid-frame: gossip is lossy by design
+            log.debug("gossip_stream_failed", peer=peer.node_id, error=str(e))
 
     def _on_peer_up(self, peer: Peer) -> None:
         core = self.core
