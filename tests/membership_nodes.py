@@ -31,7 +31,7 @@ class Node:
         self.started_at = 0.0
         self.node_id: str | None = None
 
-    def start(self, join_file: Path | None = None) -> Node:
+    def start(self, join_file: Path | None = None, **env: str) -> Node:
         args = ["client", "--state-dir", str(self.dir), "--listen", self.listen, "--api", "127.0.0.1:0",
                 "--log-format", "json", *self.extra]
         if not self.mdns:
@@ -44,7 +44,7 @@ class Node:
             cmd = ["ip", "netns", "exec", self.netns, *cmd]
         self.started_at = time.monotonic()
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, env=meshd_env(), stdout=log, stderr=log)
+            self.proc = subprocess.Popen(cmd, env=meshd_env(**env), stdout=log, stderr=log)
         return self
 
     def wait_ready(self, timeout_s: float = 30.0) -> Node:

@@ -187,6 +187,13 @@ def test_bad_tokens_are_refused_with_reason_and_leave_nothing(tmp_path: Path) ->
         with pytest.raises(RuntimeFailure, match="another mesh"):
             first.ctl("join", timeout_s=30.0, token=foreign)
         assert first.status()["mesh_id"] == a.status()["mesh_id"]  # type: ignore[index]
+        # MESHD_JOIN works like --join (for unit files)
+        env_token = a.invite()
+        env_node = Node(tmp_path, "envjoin").start(MESHD_JOIN=env_token)
+        others.append(env_node)
+        env_node.wait_ready()
+        assert wait_for(lambda: a.peer_states().get(env_node.node_id) == "alive", 10.0) is not None
+        assert env_token[6:40] not in env_node.stderr_tail() + a.stderr_tail()  # tokens never logged
         # unreachable issuer: retried with backoff, joins once the issuer is back
         later = a.invite()
         a.stop()
