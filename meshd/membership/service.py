@@ -74,6 +74,7 @@ log = structlog.get_logger(__name__)
 PEERS_FILE = "peers.json"
 BANS_FILE = "bans.json"
 INVITES_FILE = "invites.json"
+STRANGER_SYNC_S = 1.0  # how often connected-but-not-alive members are sent our digest
 PEERS_SAVE_DELAY_S = 2.0  # remembered peers are written at most this often (joins come in bursts)
 LOAD_REPUBLISH_S = 2.0  # in-flight counts change constantly; re-sign at most this often
 SEND_QUEUE_FRAMES = 64  # frames waiting per destination while we dial it; older ones are dropped
@@ -145,6 +146,7 @@ class MembershipService:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._bg_join: asyncio.Task[None] | None = None
         self._save_handle: asyncio.TimerHandle | None = None
+        self._mdns_addrs: dict[str, list[tuple[str, int]]] = {}
 
     # ----- public API for other services -------------------------------------------------------
     def set_local_models(self, models: list[ModelInfo]) -> None:
@@ -392,13 +394,17 @@ class MembershipService:
 
     # ----- the loop ----------------------------------------------------------------------------
     async def _run(self) -> None:
+        next_check = 0.0
         while True:
             core = self.core
             if core is None:
                 await asyncio.sleep(0.1)
                 continue
             now = self._now()
-            due = core.get_timer()
+            if now >= next_check:
+                next_check = now + STRANGER_SYNC_S
+                self._sync_strangers(core, now)
+            due = min(core.get_timer(), next_check)
             if due <= now:
                 core.handle_timer(now)
                 self._flush()
@@ -406,6 +412,17 @@ class MembershipService:
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), due - now)
+
+    def _sync_strangers(self, core: Membership, now: float) -> None:
+        """Connected members we do not see as alive (a restarted node that knows nobody, a first sync
+        lost to a duplicate-connection close) get our digest, so the exchange that follows fixes it."""
+        if self.daemon is None or self.daemon.transport is None:
+            return
+        for peer in self.daemon.transport.peers():
+            view = core.member(peer.node_id)
+            if (view is None or view.state != "alive") and not core.is_banned(peer.node_id):
+                core.sync_with(peer.node_id, now)
+        self._flush()
 
     def _flush(self) -> None:
         core = self.core
@@ -455,6 +472,7 @@ class MembershipService:
             return None
         view = self.core.member(dest)
         addrs = [a for a in (_parse_addr(x) for x in (view.record.addrs if view else ())) if a]
+        addrs += [a for a in self._mdns_addrs.get(dest, []) if a not in addrs]
         for addr in addrs:
             try:
                 async with asyncio.timeout(DIAL_TIMEOUT_S):
@@ -491,11 +509,13 @@ class MembershipService:
 
     async def _connect_found(self, node_id: str, addrs: list[tuple[str, int]]) -> None:
         t = self.transport
+        self._mdns_addrs[node_id] = addrs
         existing = t.peer(node_id)
-        if existing is not None and existing.address in addrs:
-            return
-        if existing is not None:  # it moved (restarted on a new port): drop the stale connection
-            await t.disconnect(node_id, "address changed")
+        view = self.core.member(node_id) if self.core is not None else None
+        if existing is not None and view is not None and view.state == "alive":
+            return  # connected and healthy (an inbound connection's address is the peer's dial port)
+        if existing is not None:  # it restarted, maybe on a new port: drop the stale connection
+            await t.disconnect(node_id, "rediscovered on the LAN")
         for addr in addrs:
             try:
                 async with asyncio.timeout(DIAL_TIMEOUT_S):
