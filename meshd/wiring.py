@@ -15,7 +15,9 @@ from meshd.daemon import Service
 def build_services(config: DaemonConfig) -> list[Service]:
     """The services for ``config`` (``config.role`` is ``serve`` or ``client``)."""
     services: list[Service] = []
-    # membership / gossip / join (issue 3): services.append(MembershipService(config))
+    from meshd.membership.service import MembershipService
+
+    services.append(MembershipService(config))  # membership / gossip / join (issue 3)
     # models and expert shards (issue 4/6), only when config.role == "serve"
     # OpenAI API (issue 5): it calls daemon.set_api_address(host, port) once bound
     return services

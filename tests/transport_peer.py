@@ -9,7 +9,8 @@ SIGTERM/SIGINT (exit 0).
 RPC (StreamType.RPC) commands, by payload prefix: ``echo:`` (reply = payload), ``sleep:S`` (reply after
 S seconds of silence), ``stats`` (JSON of stats and peers), ``call:`` (request ``echo:back`` from the
 caller and return its reply), ``fail`` (RpcError 7), ``crash`` (handler bug), ``hang`` (never answers;
-counts its cancellation in stats ``hang_cancelled``). HTTP_TUNNEL streams are echoed frame by frame.
+counts its cancellation in stats ``hang_cancelled``). HTTP_TUNNEL streams are echoed frame by frame;
+GOSSIP streams are a sink that answers the byte count at their end (for bulk benchmarks).
 """
 
 from __future__ import annotations
@@ -42,6 +43,29 @@ def load(config: dict) -> tuple[NodeIdentity, MeshCredentials | None]:
     return identity, creds
 
 
+def serve_bench(mesh: MeshTransport) -> None:
+    """HTTP_TUNNEL streams echo frame by frame; GOSSIP streams sink and answer the byte count;
+    ``echo:`` RPCs (if no RPC handler is set yet) echo."""
+
+    async def tunnel(peer: Peer, stream: Stream) -> None:
+        while (chunk := await stream.recv()) is not None:
+            await stream.send(chunk)
+
+    async def sink(peer: Peer, stream: Stream) -> None:
+        total = 0
+        while (chunk := await stream.recv()) is not None:
+            total += len(chunk)
+        await stream.send(str(total).encode(), end=True)
+
+    async def echo(peer: Peer, request: bytes) -> bytes:
+        return request
+
+    mesh.on_stream(StreamType.HTTP_TUNNEL, tunnel)
+    mesh.on_stream(StreamType.GOSSIP, sink)
+    if StreamType.RPC not in mesh._rpc_handlers:
+        mesh.on_rpc(StreamType.RPC, echo)
+
+
 async def main(path: str) -> int:
     config = json.loads(Path(path).read_text())
     identity, creds = load(config)
@@ -72,17 +96,13 @@ async def main(path: str) -> int:
                 raise
         return b"unknown"
 
-    async def tunnel(peer: Peer, stream: Stream) -> None:
-        while (chunk := await stream.recv()) is not None:
-            await stream.send(chunk)
-
     async def join(pub: bytes, request: bytes) -> bytes:
         if request == b"bad":
             raise JoinRefused("invite expired")
         return b"joined:" + request
 
     mesh.on_rpc(StreamType.RPC, rpc)
-    mesh.on_stream(StreamType.HTTP_TUNNEL, tunnel)
+    serve_bench(mesh)
     if config.get("join"):
         mesh.set_join_handler(join)
     host, port = config.get("listen", "127.0.0.1:0").rsplit(":", 1)

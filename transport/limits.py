@@ -32,6 +32,27 @@ MAX_CONTROL_LINE_BYTES = 1 << 20  # one control request/reply line; status of a 
 MAX_CONTROL_CONNECTIONS = 64  # concurrent local CLI clients; more means something is looping
 
 # --- membership / gossip (issue 3) ------------------------------------------------------------
+MAX_RECORD_BYTES = 16 * 1024  # a signed node record with its cert is ~1.2 KB; 16 KB leaves room for
+#                               ~64 models and ~128 expert shards, and bounds what one peer can make us store
+MAX_RECORD_MODELS = 64  # served models listed in one record
+MAX_RECORD_EXPERTS = 128  # expert shard entries in one record
+MAX_RECORD_ADDRS = 16  # addresses in one record (all interfaces of a multi-homed host)
+MAX_RECORD_STRING_CHARS = 256  # any single string field in a record (names, fingerprints, addresses)
+MAX_REVOCATION_BYTES = 64 * 1024  # signed ban list; ~36 B per banned id -> ~1,700 bans
+MAX_BANNED_NODES = 1024  # entries in the ban list; a mesh banning more needs a new genesis
+MAX_MEMBERSHIP_FRAME_BYTES = 512 * 1024  # one membership frame (< MAX_GOSSIP_FRAME_BYTES); anti-entropy deltas carry up to 64 records
+MAX_GOSSIP_JSON_BYTES = 256 * 1024  # the JSON part of a frame (claims, digests, want lists)
+MAX_GOSSIP_BLOBS = 64  # records/ban lists in one frame; a larger sync continues next round
+MAX_GOSSIP_CLAIMS = 256  # suspect/dead claims in one frame
+MAX_DIGEST_ENTRIES = 4096  # (id, incarnation, state) triples in one anti-entropy digest reply
+MAX_PIGGYBACK_BYTES = 8 * 1024  # gossip piggybacked on one probe/ack, keeps probes small and fast
+MAX_MEMBERS = 10_000  # entries (incl. tombstones) one node keeps; beyond this, new records are dropped
+MAX_PENDING_RELAYS = 1024  # indirect probes this node relays for others at once
+MAX_VERIFY_CACHE = 8192  # verified-signature cache entries (avoid re-verifying the same record bytes)
+MAX_INVITE_TOKEN_CHARS = 4096  # a token is ~300 chars; refuse pasting a whole file
+MAX_JOIN_MESSAGE_BYTES = 60 * 1024  # join response (genesis, cert, first view); < MAX_JOIN_FRAME_BYTES
+MAX_JOIN_VIEW_RECORDS = 32  # records handed to a joiner (~40 KB); gossip fills in the rest
+MAX_REMEMBERED_PEERS = 64  # addresses kept in the state dir to rejoin after a restart without a token
 
 # --- API / tunnel (issue 5) -------------------------------------------------------------------
 

@@ -1,11 +1,19 @@
-"""`meshd join` (the membership issue implements it)."""
+"""`meshd join TOKEN`: make the running daemon join the token's mesh without restarting."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
-from meshd.errors import UsageError
+from meshd.control import call
+from meshd.state import CONTROL_SOCKET, resolve_state_dir
+
+JOIN_TIMEOUT_S = 40.0  # the daemon retries an unreachable issuer for up to 20 s
 
 
 def run(args: argparse.Namespace) -> int:
-    raise UsageError("'join' is not yet available in this build")
+    state_dir = resolve_state_dir(args.state_dir, os.environ)
+    reply = call(state_dir / CONTROL_SOCKET, "join", timeout_s=JOIN_TIMEOUT_S, token=args.token)
+    sys.stdout.write(f"joined mesh {reply['mesh_name']} ({reply['mesh_id']})\n")
+    return 0
