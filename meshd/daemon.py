@@ -41,6 +41,7 @@ from meshd.sdnotify import SdNotifier
 from meshd.state import StateDir
 from transport import PROTOCOL_VERSION
 from transport.credentials import MemberCert, MeshCredentials
+from transport.errors import TransportError
 from transport.identity import NodeIdentity
 from transport.quic import MeshTransport, TransportConfig
 
@@ -318,9 +319,10 @@ class Daemon:
         transport = MeshTransport(self.identity, self.credentials, tconfig, admission=self.admit)
         try:
             host, port = await transport.listen(self.config.listen.host, self.config.listen.port)
-        except OSError as e:
+        except (OSError, TransportError) as e:
             await transport.close()
-            raise RuntimeFailure(f"cannot listen on {self.config.listen} (UDP): {e.strerror or e}") from e
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).rsplit(": ", 1)[-1]
+            raise RuntimeFailure(f"cannot listen on {self.config.listen} (UDP): {reason}") from e
         self.transport = transport
         self.quic_address = HostPort(host, port)
         log.info("quic_listening", address=format_hostport(host, port))
