@@ -585,3 +585,25 @@ def test_disconnect_fires_peer_down_on_both_sides(mesh: MeshCredentials) -> None
             await b.close()
 
     asyncio.run(scenario())
+
+
+def test_nobody_answering_is_a_transport_error_and_ipv6_works(mesh: MeshCredentials) -> None:
+    async def scenario() -> None:
+        a, b = new_member(mesh), new_member(mesh)
+        silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # bound, reads nothing, says nothing
+        silent.bind(("127.0.0.1", 0))
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(TransportError) as err:
+                await b.connect(silent.getsockname())
+            assert not isinstance(err.value, HandshakeRefused) and "no answer" in str(err.value)
+            assert time.monotonic() - t0 < 4.0
+            addr = await a.listen("::1", 0)
+            peer = await b.connect(addr, expected_node_id=a.identity.node_id)
+            assert peer.address is not None and peer.address[0] == "::1"
+        finally:
+            silent.close()
+            await a.close()
+            await b.close()
+
+    asyncio.run(scenario())

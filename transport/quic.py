@@ -432,6 +432,22 @@ class _Connection(QuicConnectionProtocol):
         finally:
             self._signal_progress()
 
+    def error_received(self, exc: Exception) -> None:
+        """An ICMP error reported by the socket (e.g. nothing listens on that port)."""
+        try:
+            self.mesh._count("connect_unreachable")
+            if self.is_client and not self.admitted and not self.result.done():
+                self.result.set_exception(TransportError(f"{self._describe_remote()} unreachable: {exc}"))
+                self.close_with(ErrorCode.NO_ERROR, "unreachable")
+                self._finish(int(ErrorCode.NO_ERROR), None, "unreachable")
+        except Exception as e:  # noqa: BLE001 - a network callback never raises
+            log.warning("transport_error_received_failed", error=repr(e))
+
+    def _describe_remote(self) -> str:
+        if self.remote_address is None:
+            return "peer"
+        return f"{self.remote_address[0]}:{self.remote_address[1]}"
+
     def _handle_timer(self) -> None:
         try:
             super()._handle_timer()
@@ -698,6 +714,9 @@ class _Connection(QuicConnectionProtocol):
     def _deadline(self) -> None:
         if self.closed or self.admitted:
             return
+        if self.is_client and self.handshake is None and not self.result.done():
+            # TLS never completed: nobody (or no meshd) answers there; not a refusal
+            self.result.set_exception(TransportError(f"no answer from {self._describe_remote()}"))
         hs = self.handshake
         if hs is not None and (hs.done or hs.awaiting_join_reply):
             return  # the join handler has its own timeout
@@ -1044,14 +1063,19 @@ class MeshTransport:
         family, _, _, _, sockaddr = infos[0]
         local = ("::", 0) if family == socket.AF_INET6 else ("0.0.0.0", 0)
         quic = QuicConnection(configuration=self._quic_config(True, _is_loopback(str(sockaddr[0]))))
-        _, protocol = await loop.create_datagram_endpoint(
-            lambda: _Connection(
-                quic, mesh=self, is_client=True, mode=mode, expected_node_id=expected_node_id,
-                join_request=join_request,
-            ),
-            local_addr=local,
-            family=family,
-        )
+        try:
+            _, protocol = await loop.create_datagram_endpoint(
+                lambda: _Connection(
+                    quic, mesh=self, is_client=True, mode=mode, expected_node_id=expected_node_id,
+                    join_request=join_request,
+                ),
+                local_addr=local,
+                # Not a connected socket: a multi-homed server may answer from another address.
+                # So "nothing listens there" shows as "no answer" after handshake_timeout_s.
+                family=family,
+            )
+        except OSError as e:
+            raise TransportError(f"cannot reach {host}:{port}: {e.strerror or e}") from None
         conn: _Connection = protocol  # type: ignore[assignment]
         conn.remote_address = (str(sockaddr[0]), int(sockaddr[1]))
         conn.connect(sockaddr[:2] if family == socket.AF_INET else sockaddr)
