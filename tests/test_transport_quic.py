@@ -86,6 +86,9 @@ def test_two_members_exchange_rpcs(mesh: MeshCredentials, node_a: PeerProcess) -
             with pytest.raises(RemoteError) as err:
                 await peer.request(StreamType.RPC, b"crash", 5.0)
             assert err.value.code == ErrorCode.INTERNAL_ERROR
+            with pytest.raises(RemoteError) as err:  # a reply over the frame limit is the handler's bug
+                await peer.request(StreamType.RPC, b"big", 5.0)
+            assert err.value.code == ErrorCode.INTERNAL_ERROR
             with pytest.raises(StreamReset) as reset:  # nobody serves EXPERT on A
                 await peer.request(StreamType.EXPERT, b"x", 5.0)
             assert reset.value.code == ErrorCode.NO_HANDLER
