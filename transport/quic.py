@@ -993,6 +993,8 @@ class MeshTransport:
             return existing
         if self.credentials is None:
             raise TransportError("this node has no mesh credentials yet")
+        if self._closing:
+            raise TransportError("the transport is closed")
         conn = await self._dial(addr, Mode.MEMBER, expected_node_id, None)
         try:
             async with asyncio.timeout(self.config.connect_timeout_s):
@@ -1050,7 +1052,9 @@ class MeshTransport:
                     try:
                         peer = await self.connect(addr, expected_node_id=node_id)
                         break
-                    except (TransportError, OSError) as e:
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - the keeper must outlive any one failure
                         self._count("reconnect_failures")
                         self._ratelog.debug(time.monotonic(), "reconnect_failed", peer=node_id, error=str(e))
                 if peer is None:
