@@ -86,6 +86,9 @@ def test_two_members_exchange_rpcs(mesh: MeshCredentials, node_a: PeerProcess) -
             with pytest.raises(RemoteError) as err:
                 await peer.request(StreamType.RPC, b"crash", 5.0)
             assert err.value.code == ErrorCode.INTERNAL_ERROR
+            with pytest.raises(RemoteError) as err:  # a reply over the frame limit is the handler's bug
+                await peer.request(StreamType.RPC, b"big", 5.0)
+            assert err.value.code == ErrorCode.INTERNAL_ERROR
             with pytest.raises(StreamReset) as reset:  # nobody serves EXPERT on A
                 await peer.request(StreamType.EXPERT, b"x", 5.0)
             assert reset.value.code == ErrorCode.NO_HANDLER
@@ -483,10 +486,61 @@ def test_stream_and_connection_caps(mesh: MeshCredentials) -> None:
     asyncio.run(scenario())
 
 
-def test_send_buffer_is_bounded_and_a_stalled_reader_is_reset(mesh: MeshCredentials) -> None:
+def test_slow_reader_blocks_the_sender_with_bounded_buffers(mesh: MeshCredentials) -> None:
     async def scenario() -> None:
-        limit = 256 * 1024
-        server = new_member(mesh)
+        send_limit, window = 256 * 1024, 1024 * 1024
+        server = new_member(mesh, replace(FAST, quic_max_stream_data=window))
+        gate = asyncio.Event()
+        streams: list[Stream] = []
+        got: list[int] = []
+
+        async def slow_reader(peer: Peer, stream: Stream) -> None:
+            streams.append(stream)
+            await gate.wait()
+            total = 0
+            while (chunk := await stream.recv()) is not None:
+                total += len(chunk)
+            got.append(total)
+
+        server.on_stream(StreamType.EXPERT, slow_reader)
+        addr = await server.listen("127.0.0.1", 0)
+        client = new_member(mesh, replace(FAST, stream_send_buffer_bytes=send_limit))
+        try:
+            peer = await client.connect(addr)
+            stream = await peer.open_stream(StreamType.EXPERT)
+            conn = peer._conn
+            assert conn is not None
+            blob = b"x" * 65536
+            worst = [0]
+
+            async def send_all() -> None:
+                for _ in range(256):  # 16 MiB
+                    await stream.send(blob)
+                    worst[0] = max(worst[0], conn._pending_send_bytes(stream.stream_id))
+                await stream.end()
+
+            sender = asyncio.ensure_future(send_all())
+            await asyncio.sleep(1.0)
+            assert not sender.done()  # blocked: the reader has read nothing
+            [remote] = streams
+            assert remote._queued_bytes <= window + len(blob)  # receiver holds at most one window
+            assert worst[0] <= send_limit + len(blob) + 64  # sender holds at most its buffer
+            gate.set()
+            await asyncio.wait_for(sender, 20.0)
+            await _until(lambda: got == [256 * len(blob)], 10.0)
+        finally:
+            gate.set()
+            await client.close()
+            await server.close()
+
+    asyncio.run(scenario())
+
+
+def test_reader_queue_overflow_resets_the_stream(mesh: MeshCredentials) -> None:
+    """Safety net behind flow control: a queue limit below the window resets the stream."""
+
+    async def scenario() -> None:
+        server = new_member(mesh, replace(FAST, stream_recv_queue_bytes=256 * 1024))
         stalled = asyncio.Event()
 
         async def never_read(peer: Peer, stream: Stream) -> None:
@@ -494,20 +548,14 @@ def test_send_buffer_is_bounded_and_a_stalled_reader_is_reset(mesh: MeshCredenti
 
         server.on_stream(StreamType.EXPERT, never_read)
         addr = await server.listen("127.0.0.1", 0)
-        client = new_member(mesh, replace(FAST, stream_send_buffer_bytes=limit))
+        client = new_member(mesh)
         try:
             peer = await client.connect(addr)
             stream = await peer.open_stream(StreamType.EXPERT)
-            conn = peer._conn
-            assert conn is not None
-            blob = b"x" * 65536
-            worst = 0
             with pytest.raises(StreamReset) as err:
-                for _ in range(1000):  # 64 MiB: far beyond the receiver's 8 MiB queue
-                    await stream.send(blob)
-                    worst = max(worst, conn._pending_send_bytes(stream.stream_id))
+                for _ in range(1000):
+                    await stream.send(b"x" * 65536)
             assert err.value.code == ErrorCode.RECV_OVERFLOW
-            assert worst <= limit + len(blob) + 64
             assert server.stats["streams_reset_recv_overflow"] == 1
         finally:
             stalled.set()
@@ -535,6 +583,71 @@ def test_disconnect_fires_peer_down_on_both_sides(mesh: MeshCredentials) -> None
             assert a.peers() == [] and b.peers() == []
             with pytest.raises(TransportError):
                 await peer.request(StreamType.RPC, b"x", 1.0)
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(scenario())
+
+
+def test_nobody_answering_is_a_transport_error_and_ipv6_works(mesh: MeshCredentials) -> None:
+    async def scenario() -> None:
+        a, b = new_member(mesh), new_member(mesh)
+        silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # bound, reads nothing, says nothing
+        silent.bind(("127.0.0.1", 0))
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(TransportError) as err:
+                await b.connect(silent.getsockname())
+            assert not isinstance(err.value, HandshakeRefused) and "no answer" in str(err.value)
+            assert time.monotonic() - t0 < 4.0
+            addr = await a.listen("::1", 0)
+            peer = await b.connect(addr, expected_node_id=a.identity.node_id)
+            assert peer.address is not None and peer.address[0] == "::1"
+        finally:
+            silent.close()
+            await a.close()
+            await b.close()
+
+    asyncio.run(scenario())
+
+
+def test_server_stream_that_beats_the_accept_is_held_not_refused(
+    mesh: MeshCredentials, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reordering: the server may use the connection as soon as it admitted us, before our ACCEPT lands."""
+    from transport import quic as quic_mod
+
+    original = quic_mod._Connection._on_stream_data
+
+    def delay_accept(self: Any, stream_id: int, data: bytes, end: bool) -> None:
+        hs = self.handshake
+        if self.is_client and stream_id == 0 and hs is not None and hs.awaiting_accept and data:
+            self._loop.call_later(0.2, self._guarded, original, self, stream_id, data, end)
+            return
+        original(self, stream_id, data, end)
+
+    monkeypatch.setattr(quic_mod._Connection, "_on_stream_data", delay_accept)
+
+    async def scenario() -> None:
+        a, b = new_member(mesh), new_member(mesh)
+        got: list[bytes] = []
+
+        async def greet(peer: Peer) -> None:
+            stream = await peer.open_stream(StreamType.GOSSIP)
+            await stream.send(b"hello early", end=True)
+
+        async def gossip(peer: Peer, stream: Stream) -> None:
+            while (chunk := await stream.recv()) is not None:
+                got.append(chunk)
+
+        a.on_peer_up.append(greet)
+        b.on_stream(StreamType.GOSSIP, gossip)
+        addr = await a.listen("127.0.0.1", 0)
+        try:
+            peer = await b.connect(addr)
+            await _until(lambda: got == [b"hello early"], 3.0)
+            assert peer.connected and b.stats.get("refused_not_admitted", 0) == 0
         finally:
             await a.close()
             await b.close()
