@@ -1,0 +1,426 @@
+"""HTTP over the mesh: one ``StreamType.HTTP_TUNNEL`` stream per request on the existing peer connection.
+
+Wire format, version 1. Each transport frame (one ``Stream.send``) is ``version:u8 | type:u8 | payload``.
+``TunnelFrame`` is APPEND ONLY.
+
+    front node (client side)                 serving node (server side)
+    REQUEST_HEAD {"method","path"}  ->
+    BODY bytes ...                  ->
+    REQUEST_END                     ->
+                                    <-  HEARTBEAT (every TUNNEL_HEARTBEAT_INTERVAL_S while silent)
+                                    <-  RESPONSE_HEAD {"status","headers"}
+                                    <-  BODY bytes ... (backpressure: Stream.send awaits)
+                                    <-  ERROR {"status","message","type","code"}  (failure after the head)
+                                    <-  RESPONSE_END
+    CLOSE (end of stream)           ->
+
+The front resets the stream when its HTTP client goes away; the serving side watches its receive side
+the whole time, and anything arriving after REQUEST_END (reset, end, data) cancels the generation.
+The front treats silence longer than ``TUNNEL_HEARTBEAT_TIMEOUT_S`` as the serving node's death.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Protocol
+
+import structlog
+
+from meshd.api.errors import ApiError
+from meshd.api.reply import Reply
+from transport import limits
+
+log = structlog.get_logger(__name__)
+
+TUNNEL_VERSION = 1
+RESET_CANCELLED = 0x10  # stream reset code: the HTTP client went away
+RESET_PROTOCOL = 0x11  # stream reset code: the peer broke this protocol
+
+
+class TunnelFrame(IntEnum):
+    """Frame types. APPEND ONLY."""
+
+    REQUEST_HEAD = 1
+    BODY = 2
+    REQUEST_END = 3
+    RESPONSE_HEAD = 4
+    ERROR = 5
+    RESPONSE_END = 6
+    HEARTBEAT = 7
+    CLOSE = 8
+
+
+_JSON_FRAMES = {TunnelFrame.REQUEST_HEAD, TunnelFrame.RESPONSE_HEAD, TunnelFrame.ERROR}
+_EMPTY_FRAMES = {TunnelFrame.REQUEST_END, TunnelFrame.RESPONSE_END, TunnelFrame.HEARTBEAT, TunnelFrame.CLOSE}
+
+
+class TunnelProtocolError(Exception):
+    """A peer sent something this protocol does not allow. ``code`` is the stream reset code."""
+
+    def __init__(self, reason: str, code: int = RESET_PROTOCOL) -> None:
+        super().__init__(reason)
+        self.code = code
+
+
+def encode(ftype: TunnelFrame, payload: bytes | dict[str, Any] = b"") -> bytes:
+    if isinstance(payload, dict):
+        payload = json.dumps(payload, separators=(",", ":")).encode()
+    return bytes((TUNNEL_VERSION, int(ftype))) + payload
+
+
+def decode(data: bytes) -> tuple[TunnelFrame, Any]:
+    """Parse one frame: ``(type, payload)`` where JSON frames give a dict, BODY gives bytes, others None.
+
+    Raises ``TunnelProtocolError`` for anything else (never another exception)."""
+    if not isinstance(data, (bytes, bytearray)) or len(data) < 2:
+        raise TunnelProtocolError("short tunnel frame")
+    if len(data) > limits.TUNNEL_MAX_FRAME_BYTES:
+        raise TunnelProtocolError("tunnel frame too large")
+    if data[0] != TUNNEL_VERSION:
+        raise TunnelProtocolError(f"unsupported tunnel version {data[0]}")
+    try:
+        ftype = TunnelFrame(data[1])
+    except ValueError:
+        raise TunnelProtocolError(f"unknown tunnel frame type {data[1]}") from None
+    payload = bytes(data[2:])
+    if ftype == TunnelFrame.BODY:
+        return ftype, payload
+    if ftype in _EMPTY_FRAMES:
+        if payload:
+            raise TunnelProtocolError(f"{ftype.name} carries no payload")
+        return ftype, None
+    if len(payload) > limits.API_MAX_HEADER_BYTES:
+        raise TunnelProtocolError(f"{ftype.name} too large")
+    try:
+        obj = json.loads(payload)
+    except (ValueError, UnicodeDecodeError):
+        raise TunnelProtocolError(f"{ftype.name} is not JSON") from None
+    if not isinstance(obj, dict):
+        raise TunnelProtocolError(f"{ftype.name} is not an object")
+    if ftype == TunnelFrame.REQUEST_HEAD:
+        if obj.get("method") not in ("GET", "POST") or not isinstance(obj.get("path"), str) \
+                or not obj["path"].startswith("/"):
+            raise TunnelProtocolError("bad request head")
+    elif ftype == TunnelFrame.RESPONSE_HEAD:
+        status, headers = obj.get("status"), obj.get("headers", {})
+        if not isinstance(status, int) or isinstance(status, bool) or not 100 <= status <= 599 \
+                or not isinstance(headers, dict) \
+                or not all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
+            raise TunnelProtocolError("bad response head")
+    else:  # ERROR
+        status = obj.get("status")
+        if not isinstance(status, int) or isinstance(status, bool) or not isinstance(obj.get("message"), str):
+            raise TunnelProtocolError("bad error frame")
+    return ftype, obj
+
+
+class TunnelStream(Protocol):
+    """What the tunnel needs from ``transport.quic.Stream``."""
+
+    async def send(self, payload: bytes, end: bool = False) -> None: ...
+    async def recv(self) -> bytes | None: ...
+    def reset(self, code: int) -> None: ...
+
+
+class TunnelPeer(Protocol):
+    node_id: str
+
+    async def open_stream(self, stream_type: Any) -> TunnelStream: ...
+
+
+@dataclass
+class TunnelConfig:
+    connect_timeout_s: float = limits.TUNNEL_CONNECT_TIMEOUT_S
+    first_byte_timeout_s: float = limits.TUNNEL_FIRST_BYTE_TIMEOUT_S
+    heartbeat_interval_s: float = limits.TUNNEL_HEARTBEAT_INTERVAL_S
+    heartbeat_timeout_s: float = limits.TUNNEL_HEARTBEAT_TIMEOUT_S
+    max_response_bytes: int = limits.TUNNEL_MAX_RESPONSE_BYTES
+
+
+ByteCounter = Callable[[str, int], None]  # (direction "in"|"out", nbytes)
+
+
+def _nocount(direction: str, n: int) -> None:
+    return None
+
+
+class _Conn:
+    """One tunnel stream with byte counting and the heartbeat deadline on receive."""
+
+    def __init__(self, stream: TunnelStream, count: ByteCounter, recv_timeout_s: float | None) -> None:
+        self.stream = stream
+        self.count = count
+        self.recv_timeout_s = recv_timeout_s
+        self.last_send = time.monotonic()
+
+    async def send(self, ftype: TunnelFrame, payload: bytes | dict[str, Any] = b"", end: bool = False) -> None:
+        data = encode(ftype, payload)
+        self.count("out", len(data))
+        self.last_send = time.monotonic()
+        await self.stream.send(data, end)
+
+    async def recv(self, timeout_s: float | None = None) -> tuple[TunnelFrame, Any] | None:
+        t = timeout_s if timeout_s is not None else self.recv_timeout_s
+        data = await (asyncio.wait_for(self.stream.recv(), t) if t is not None else self.stream.recv())
+        if data is None:
+            return None
+        self.count("in", len(data))
+        return decode(data)
+
+
+# --- client side (front node) ---------------------------------------------------------------------
+
+class TunnelClient:
+    """Opens tunnelled requests to peers. ``stream_type`` is ``StreamType.HTTP_TUNNEL``."""
+
+    def __init__(self, stream_type: Any, config: TunnelConfig | None = None, count: ByteCounter = _nocount) -> None:
+        self.stream_type = stream_type
+        self.config = config or TunnelConfig()
+        self.count = count
+
+    async def request(self, peer: TunnelPeer, method: str, path: str, body: bytes = b"") -> Reply:
+        """Send one request; return once the response head arrived.
+
+        Raises ``ApiError``: 502 if the peer fails before the head (unreachable, reset, silent, broken
+        protocol), or the peer's own error status (404/429/503...) with its OpenAI-shaped message."""
+        cfg = self.config
+        try:
+            stream = await asyncio.wait_for(peer.open_stream(self.stream_type), cfg.connect_timeout_s)
+        except Exception as e:  # noqa: BLE001 - any transport failure means "try the next node"
+            raise ApiError(502, f"node {peer.node_id[:12]} is unreachable ({type(e).__name__})") from None
+        conn = _Conn(stream, self.count, cfg.heartbeat_timeout_s)
+        finished = False
+        try:
+            await conn.send(TunnelFrame.REQUEST_HEAD, {"method": method, "path": path})
+            for i in range(0, len(body), limits.TUNNEL_CHUNK_BYTES):
+                await conn.send(TunnelFrame.BODY, body[i:i + limits.TUNNEL_CHUNK_BYTES])
+            await conn.send(TunnelFrame.REQUEST_END)
+            deadline = time.monotonic() + cfg.first_byte_timeout_s
+            while True:
+                frame = await conn.recv()
+                if frame is None:
+                    raise TunnelProtocolError("stream ended before the response head")
+                ftype, obj = frame
+                if ftype == TunnelFrame.HEARTBEAT:
+                    if time.monotonic() > deadline:
+                        raise asyncio.TimeoutError
+                    continue
+                if ftype != TunnelFrame.RESPONSE_HEAD:
+                    raise TunnelProtocolError(f"expected RESPONSE_HEAD, got {ftype.name}")
+                break
+            status: int = obj["status"]
+            headers: dict[str, str] = obj.get("headers", {})
+            if status != 200:
+                data = await _collect(conn, 64 * 1024)
+                finished = True
+                try:
+                    payload: Any = json.loads(data)
+                except ValueError:
+                    payload = None
+                err = ApiError.from_payload(status, payload)
+                ra = headers.get("Retry-After")
+                if ra and ra.isdigit():
+                    err.retry_after_s = int(ra)
+                raise err
+        except ApiError:
+            _end(stream, finished)
+            raise
+        except (TunnelProtocolError, asyncio.TimeoutError, Exception) as e:  # noqa: BLE001
+            _end(stream, False)
+            reason = "went silent" if isinstance(e, asyncio.TimeoutError) else f"failed ({type(e).__name__}: {e})"
+            raise ApiError(502, f"node {peer.node_id[:12]} {reason} before answering") from None
+
+        state = {"done": False}
+
+        async def on_close() -> None:
+            if state["done"]:
+                with contextlib.suppress(Exception):
+                    await stream.send(encode(TunnelFrame.CLOSE), True)
+            else:
+                _end(stream, False)
+
+        reply = Reply(status, headers, _body(conn, peer.node_id, state), stream="event-stream" in
+                      headers.get("Content-Type", ""), node_id=headers.get("x-meshd-node", peer.node_id),
+                      route="tunnel", on_close=on_close)
+        return reply
+
+
+def _end(stream: TunnelStream, clean: bool) -> None:
+    if not clean:
+        with contextlib.suppress(Exception):
+            stream.reset(RESET_CANCELLED)
+
+
+async def _collect(conn: _Conn, limit: int) -> bytes:
+    buf = bytearray()
+    while True:
+        frame = await conn.recv()
+        if frame is None:
+            raise TunnelProtocolError("stream ended before RESPONSE_END")
+        ftype, obj = frame
+        if ftype == TunnelFrame.BODY:
+            buf += obj
+            if len(buf) > limit:
+                raise TunnelProtocolError("error body too large")
+        elif ftype == TunnelFrame.RESPONSE_END:
+            return bytes(buf)
+        elif ftype != TunnelFrame.HEARTBEAT:
+            raise TunnelProtocolError(f"unexpected {ftype.name}")
+
+
+async def _body(conn: _Conn, node_id: str, state: dict[str, bool]) -> AsyncIterator[bytes]:
+    short = node_id[:12]
+    while True:
+        try:
+            frame = await conn.recv()
+        except asyncio.TimeoutError:
+            raise ApiError(502, f"node {short} stopped responding mid-response") from None
+        except TunnelProtocolError as e:
+            raise ApiError(502, f"node {short} broke the tunnel protocol ({e})") from None
+        except Exception as e:  # noqa: BLE001 - reset or connection lost
+            raise ApiError(502, f"node {short} failed mid-response ({type(e).__name__})") from None
+        if frame is None:
+            raise ApiError(502, f"node {short} ended the response early")
+        ftype, obj = frame
+        if ftype == TunnelFrame.BODY:
+            yield obj
+        elif ftype == TunnelFrame.HEARTBEAT:
+            continue
+        elif ftype == TunnelFrame.RESPONSE_END:
+            state["done"] = True
+            return
+        elif ftype == TunnelFrame.ERROR:
+            err = ApiError(obj["status"], obj["message"], code=obj.get("code") if isinstance(obj.get("code"), str)
+                           else None, type_=obj.get("type") if isinstance(obj.get("type"), str) else None)
+            raise err
+        else:
+            raise ApiError(502, f"node {short} sent an unexpected {ftype.name}")
+
+
+# --- server side (serving node) -------------------------------------------------------------------
+
+Dispatch = Callable[[str, str, bytes], Awaitable[Reply]]  # (method, path, body) -> Reply, raises ApiError
+
+
+class TunnelServer:
+    """Serves tunnelled requests with ``dispatch`` (which answers from local backends only)."""
+
+    def __init__(self, dispatch: Dispatch, config: TunnelConfig | None = None, count: ByteCounter = _nocount,
+                 max_body_bytes: int = limits.API_MAX_BODY_BYTES) -> None:
+        self.dispatch = dispatch
+        self.config = config or TunnelConfig()
+        self.count = count
+        self.max_body_bytes = max_body_bytes
+        self.active = 0
+
+    async def handle(self, peer: Any, stream: TunnelStream) -> None:
+        """The ``on_stream(HTTP_TUNNEL)`` handler. Never raises."""
+        conn = _Conn(stream, self.count, None)
+        self.active += 1
+        try:
+            await self._handle(conn, getattr(peer, "node_id", "?"))
+        except TunnelProtocolError as e:
+            log.debug("tunnel_protocol_error", peer=getattr(peer, "node_id", "?"), reason=str(e))
+            _end(stream, False)
+        except Exception as e:  # noqa: BLE001 - a network callback never lets an exception escape
+            log.debug("tunnel_stream_failed", peer=getattr(peer, "node_id", "?"), error=type(e).__name__)
+            _end(stream, False)
+        finally:
+            self.active -= 1
+
+    async def _handle(self, conn: _Conn, peer_id: str) -> None:
+        frame = await conn.recv(self.config.first_byte_timeout_s)
+        if frame is None or frame[0] != TunnelFrame.REQUEST_HEAD:
+            raise TunnelProtocolError("expected REQUEST_HEAD")
+        head = frame[1]
+        body = bytearray()
+        while True:
+            frame = await conn.recv(self.config.first_byte_timeout_s)
+            if frame is None:
+                raise TunnelProtocolError("stream ended inside the request")
+            ftype, obj = frame
+            if ftype == TunnelFrame.REQUEST_END:
+                break
+            if ftype != TunnelFrame.BODY:
+                raise TunnelProtocolError(f"unexpected {ftype.name} in the request")
+            body += obj
+            if len(body) > self.max_body_bytes:
+                raise TunnelProtocolError("request body over the limit")
+        # From here on, anything on the receive side means the front gave up: cancel.
+        watcher = asyncio.create_task(conn.recv())
+        work = asyncio.create_task(self._respond(conn, head["method"], head["path"], bytes(body)))
+        try:
+            done, _ = await asyncio.wait({watcher, work}, return_when=asyncio.FIRST_COMPLETED)
+            if work not in done:
+                log.info("tunnel_cancelled", peer=peer_id, path=head["path"])
+                work.cancel()
+                with contextlib.suppress(BaseException):
+                    await work
+                return
+            work.result()
+            # Wait briefly for the front's CLOSE so the stream ends cleanly on both sides.
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(watcher, 5.0)
+        finally:
+            for t in (watcher, work):
+                t.cancel()
+                with contextlib.suppress(BaseException):
+                    await t
+
+    async def _respond(self, conn: _Conn, method: str, path: str, body: bytes) -> None:
+        beat = asyncio.create_task(self._heartbeat(conn))
+        reply: Reply | None = None
+        try:
+            try:
+                reply = await self.dispatch(method, path, body)
+            except ApiError as e:
+                await _stop(beat)
+                await conn.send(TunnelFrame.RESPONSE_HEAD, {"status": e.status, "headers": e.headers()})
+                await conn.send(TunnelFrame.BODY, e.body())
+                await conn.send(TunnelFrame.RESPONSE_END)
+                return
+            first = True
+            try:
+                async for chunk in reply.body:
+                    if first:
+                        await conn.send(TunnelFrame.RESPONSE_HEAD, {"status": reply.status, "headers": reply.headers})
+                        first = False
+                    for i in range(0, len(chunk), limits.TUNNEL_CHUNK_BYTES):
+                        await conn.send(TunnelFrame.BODY, chunk[i:i + limits.TUNNEL_CHUNK_BYTES])
+                await _stop(beat)
+                if first:
+                    await conn.send(TunnelFrame.RESPONSE_HEAD, {"status": reply.status, "headers": reply.headers})
+                await conn.send(TunnelFrame.RESPONSE_END)
+            except ApiError as e:
+                await _stop(beat)
+                if first:
+                    await conn.send(TunnelFrame.RESPONSE_HEAD, {"status": e.status, "headers": e.headers()})
+                    await conn.send(TunnelFrame.BODY, e.body())
+                else:
+                    await conn.send(TunnelFrame.ERROR, {"status": e.status, "message": e.message,
+                                                        "type": e.type, "code": e.code})
+                await conn.send(TunnelFrame.RESPONSE_END)
+        finally:
+            await _stop(beat)
+            if reply is not None:
+                await reply.aclose()
+
+    async def _heartbeat(self, conn: _Conn) -> None:
+        """While the reply is silent (thinking, or between slow tokens), prove this node is alive."""
+        interval = self.config.heartbeat_interval_s
+        while True:
+            await asyncio.sleep(max(0.01, conn.last_send + interval - time.monotonic()))
+            if time.monotonic() - conn.last_send >= interval:
+                await conn.send(TunnelFrame.HEARTBEAT)
+
+
+async def _stop(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
