@@ -62,9 +62,10 @@ class _Run:
         self.fail_after = opts.get("fail_after")
         self.cancelled = False
         self.finished = False
+        self.complete = False  # the last token was produced
 
     def cancel(self) -> None:
-        if not self.cancelled and not self.finished:
+        if not self.cancelled and not self.complete:
             self.src.cancelled += 1
         self.cancelled = True
         self._done()
@@ -89,6 +90,8 @@ class _Run:
                     await asyncio.sleep(self.delay_s)
                 else:
                     await asyncio.sleep(0)
+                if i == n - 1:
+                    self.complete = True
                 top = [(text, lp)] + [(WORDS[(tid + k) % len(WORDS)], lp - k) for k in range(1, 6)]
                 yield GenToken(tid, text, lp, top, "length" if i == n - 1 else None)
         finally:
@@ -129,7 +132,14 @@ def standin_backends(models: list[str], max_active: int = 64, token_delay_s: flo
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    import logging
+
+    import structlog
+
     from meshd.api.server import ApiConfig, ApiServer
+
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+                        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
     server = ApiServer(ApiConfig(node_id="standin-server"),
                        standin_backends(args.models.split(","), args.max_active, args.token_delay))
