@@ -174,3 +174,59 @@ class MemNode:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
+
+
+class NodeProcess:
+    """``tests/api_node.py`` as a real process (QUIC + API on loopback)."""
+
+    def __init__(self, creds: Path, *args: str) -> None:
+        import json as _json
+
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "api_node.py"), "--creds", str(creds), *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("READY "):
+            self.proc.kill()
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            raise RuntimeError(f"node did not start: {err[-2000:]}")
+        info = _json.loads(line[6:])
+        self.node_id: str = info["node_id"]
+        self.quic: int = info["quic"]
+        self.api: int = info["api"]
+        self.url = f"http://127.0.0.1:{self.api}/v1"
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.quic}@{self.node_id}"
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def wait_models(url: str, want: set[str], timeout: float = 10.0) -> set[str]:
+    """Poll ``url/models`` until it lists exactly ``want``; returns the last listing."""
+    import json as _json
+    import time as _time
+    import urllib.request
+
+    deadline = _time.monotonic() + timeout
+    got: set[str] = set()
+    while _time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            data = _json.loads(urllib.request.urlopen(url + "/models", timeout=2).read())
+            got = {m["id"] for m in data["data"]}
+            if got == want:
+                return got
+        _time.sleep(0.1)
+    return got

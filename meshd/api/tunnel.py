@@ -35,12 +35,13 @@ import structlog
 from meshd.api.errors import ApiError
 from meshd.api.reply import Reply
 from transport import limits
+from transport.framing import ErrorCode
 
 log = structlog.get_logger(__name__)
 
 TUNNEL_VERSION = 1
-RESET_CANCELLED = 0x10  # stream reset code: the HTTP client went away
-RESET_PROTOCOL = 0x11  # stream reset code: the peer broke this protocol
+RESET_CANCELLED = int(ErrorCode.CANCELLED)  # stream reset code: the HTTP client went away
+RESET_PROTOCOL = int(ErrorCode.PROTOCOL_ERROR)  # stream reset code: the peer broke this protocol
 
 
 class TunnelFrame(IntEnum):

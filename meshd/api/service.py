@@ -1,0 +1,139 @@
+"""The API as a daemon service: HTTP server on ``--api``, tunnel handler on the transport, peer directory.
+
+``ApiService(...)`` takes already-built parts so that the daemon, the test nodes and the bench wire it
+the same way. ``await start(daemon=None)`` binds and registers ``StreamType.HTTP_TUNNEL`` on the
+transport; ``stop()`` undoes it; ``status()`` is merged into ``meshd status --json``.
+
+Model SPECs handled here: ``openai:URL`` and ``NAME=openai:URL`` (external servers). Engine models
+(``PATH``, ``tiny``) come from the engine adapter (``meshd.api.engine_backend``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+
+from meshd.api.backends import Backend, OpenAIBackend
+from meshd.api.directory import TunnelDirectory
+from meshd.api.server import ApiConfig, ApiServer, ensure_safe_bind
+from meshd.api.tunnel import TunnelClient, TunnelConfig, TunnelServer
+from meshd.errors import UsageError
+from transport import limits
+
+log = structlog.get_logger(__name__)
+
+
+def split_spec(spec: str) -> tuple[str | None, str]:
+    """``NAME=SPEC`` -> (NAME, SPEC); a bare SPEC -> (None, SPEC). A Windows-less world: '=' before any '/'."""
+    name, sep, rest = spec.partition("=")
+    if sep and name and "/" not in name and ":" not in name:
+        return name, rest
+    return None, spec
+
+
+def openai_backend_from_spec(spec: str) -> OpenAIBackend | None:
+    """An ``OpenAIBackend`` for ``[NAME=]openai:URL``; None for other SPECs. Raises ``UsageError``."""
+    name, rest = split_spec(spec)
+    if not rest.startswith("openai:"):
+        return None
+    url = rest[len("openai:"):]
+    if not url.startswith(("http://", "https://")) or len(url) < 10:
+        raise UsageError(f"bad model SPEC '{spec}': expected openai:http://HOST:PORT/v1")
+    return OpenAIBackend(url, alias=name)
+
+
+def parse_host_port(text: str, default_port: int) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6]:PORT``; raises ``UsageError``."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = text, str(default_port)
+    host = host.strip("[]")
+    try:
+        p = int(port)
+    except ValueError:
+        raise UsageError(f"bad address '{text}': expected HOST:PORT") from None
+    if not host or not 0 <= p <= 65535:
+        raise UsageError(f"bad address '{text}': expected HOST:PORT")
+    return host, p
+
+
+class ApiService:
+    """See module docstring. ``transport`` is a ``MeshTransport`` (or None: this node alone)."""
+
+    name = "api"
+
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        host: str = "127.0.0.1",
+        port: int = 9337,
+        role: str = "serve",
+        api_keys: Sequence[bytes] = (),
+        backends: Sequence[Backend] = (),
+        transport: Any = None,
+        tunnel_config: TunnelConfig | None = None,
+        poll_interval_s: float = limits.TUNNEL_POLL_INTERVAL_S,
+    ) -> None:
+        ensure_safe_bind(host, bool(api_keys))
+        self.host, self.port = host, port
+        self.transport = transport
+        tcfg = tunnel_config or TunnelConfig()
+        self.tunnel_client = TunnelClient(_http_tunnel_type(), tcfg)
+        self.directory = TunnelDirectory(self._peers, self.tunnel_client, interval_s=poll_interval_s)
+        self.server = ApiServer(ApiConfig(node_id, role=role, api_keys=list(api_keys)), backends,
+                                mesh=self.directory, tunnel=self.tunnel_client)
+        self.tunnel_client.count = self.server.metrics.count_tunnel
+        self.tunnel_server = TunnelServer(self._dispatch_local, tcfg, self.server.metrics.count_tunnel)
+        self.address: tuple[str, int] | None = None
+
+    def _peers(self) -> list[Any]:
+        return list(self.transport.peers()) if self.transport is not None else []
+
+    async def _dispatch_local(self, method: str, path: str, body: bytes) -> Any:
+        return await self.server.dispatch(method, path, body, local_only=True)
+
+    def _peer_down(self, peer: Any) -> None:
+        self.directory.forget(peer.node_id)
+
+    def _peer_up(self, peer: Any) -> None:
+        self.directory.poke()
+
+    async def start(self, daemon: Any = None) -> None:
+        if self.transport is not None:
+            self.transport.on_stream(_http_tunnel_type(), self.tunnel_server.handle)
+            self.transport.on_peer_down.append(self._peer_down)
+            self.transport.on_peer_up.append(self._peer_up)
+        self.address = await self.server.start(self.host, self.port)
+        await self.directory.start()
+
+    async def stop(self) -> None:
+        await self.directory.stop()
+        await self.server.stop()
+        if self.transport is not None:
+            with contextlib.suppress(ValueError):
+                self.transport.on_peer_down.remove(self._peer_down)
+            with contextlib.suppress(ValueError):
+                self.transport.on_peer_up.remove(self._peer_up)
+
+    def status(self) -> dict[str, Any]:
+        st = self.server.status()
+        st["api_role"] = self.server.config.role
+        st["api_tunnels_active"] = self.tunnel_server.active
+        return st
+
+    def local_info(self) -> dict[str, Any]:
+        """What membership may advertise for this node: served models, role, load, API address."""
+        info = self.server.local_info()
+        return {"models": list(info.models), "role": info.role, "in_flight": info.in_flight,
+                "capacity": info.capacity,
+                "api": f"{self.address[0]}:{self.address[1]}" if self.address else None}
+
+
+def _http_tunnel_type() -> Any:
+    from transport.streams import StreamType
+
+    return StreamType.HTTP_TUNNEL
