@@ -171,3 +171,10 @@ def test_tunnel_decode_typed_prefix(ftype: TunnelFrame, payload: bytes) -> None:
     except TunnelProtocolError:
         return
     assert got == ftype
+
+
+def test_plan_puts_recently_failed_peers_last() -> None:
+    b, c = NodeInfo("b", "serve", ("m",), 0, 4), NodeInfo("c", "serve", ("m",), 3, 4)
+    stats = {"b": PeerStats(failed_at=100.0)}
+    assert [t.node_id for t in plan("m", None, [b, c], stats, now=110.0)] == ["c", "b"]
+    assert [t.node_id for t in plan("m", None, [b, c], stats, now=200.0)] == ["b", "c"]  # penalty expired

@@ -8,8 +8,9 @@ How a target list is built for a model (``plan``):
 2. Peers that serve it (never headless clients), not saturated, cheapest first, where
    ``cost_ms = rtt_ms + ttfb_ms * (1 + in_flight) / capacity`` (a peer's measured time to first byte,
    scaled by how many requests share its slots; 50 ms until measured), ties by node id.
-3. Saturated peers, then the overloaded local node: tried last rather than refusing at once.
-``model: "auto"`` (``choose_auto``): a model this node serves and has room for, the least loaded one;
+3. Saturated peers, then peers that failed a request in the last 30 s, then the overloaded local node:
+   tried last rather than refusing at once.
+``model: "auto"`` (``choose_auto``): a model this node serves and has room for (first by name);
 otherwise the model served by the most nodes (more nodes, more room), ties by name.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEFAULT_TTFB_MS = 50.0
+FAILURE_PENALTY_S = 30.0
 EWMA_ALPHA = 0.3
 
 
@@ -44,6 +46,11 @@ class PeerStats:
     ttfb_ms: float | None = None
     tok_per_s: float | None = None
     failures: int = 0
+    failed_at: float | None = None  # monotonic time of the last failure before the first byte
+
+    def penalized(self, now: float) -> bool:
+        """A peer that just failed goes after the others for ``FAILURE_PENALTY_S``."""
+        return self.failed_at is not None and now - self.failed_at < FAILURE_PENALTY_S
 
     def observe_ttfb(self, ms: float) -> None:
         self.ttfb_ms = ms if self.ttfb_ms is None else (1 - EWMA_ALPHA) * self.ttfb_ms + EWMA_ALPHA * ms
@@ -63,16 +70,21 @@ def _saturated(node: NodeInfo) -> bool:
 
 
 def plan(model: str, local: NodeInfo | None, peers: list[NodeInfo],
-         stats: dict[str, PeerStats] | None = None) -> list[Target]:
+         stats: dict[str, PeerStats] | None = None, now: float = 0.0) -> list[Target]:
     """Ordered targets for ``model`` (see module docstring). Empty: nobody serves it."""
     stats = stats or {}
+
+    def failed(node_id: str) -> bool:
+        st = stats.get(node_id)
+        return st is not None and st.penalized(now)
+
     out: list[Target] = []
     local_ok = local is not None and model in local.models
     if local_ok and local is not None and not _saturated(local):
         out.append(Target(local.node_id, True))
     servers = [p for p in peers if p.role != "client" and model in p.models
                and (local is None or p.node_id != local.node_id)]
-    servers.sort(key=lambda p: (_saturated(p), cost_ms(p, stats.get(p.node_id)), p.node_id))
+    servers.sort(key=lambda p: (failed(p.node_id), _saturated(p), cost_ms(p, stats.get(p.node_id)), p.node_id))
     out.extend(Target(p.node_id, False) for p in servers)
     if local_ok and local is not None and _saturated(local):
         out.append(Target(local.node_id, True))

@@ -174,7 +174,8 @@ class ApiServer:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "node_id": self.config.node_id, "role": self.config.role,
-                                  "models": sorted(self.local_models()), "in_flight": self.in_flight})
+                                  "models": sorted(self.local_models()), "in_flight": self.in_flight,
+                                  "backend_in_flight": self.local_info().in_flight})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -290,7 +291,7 @@ class ApiServer:
             if chosen is None:
                 raise ApiError(503, "no model is served anywhere in the mesh right now", code="no_models")
             model = chosen
-        targets = plan(model, local, peers, self.routes.stats)
+        targets = plan(model, local, peers, self.routes.stats, time.monotonic())
         if not targets:
             served = sorted(routable_models(local, peers))
             listing = ", ".join(served) if served else "none"
@@ -359,12 +360,17 @@ class ApiServer:
             bump(t.node_id, +1)
         try:
             reply = await self.tunnel.request(peer, "POST", path, body)
-        except ApiError:
-            self.routes.peer(t.node_id).failures += 1
+        except ApiError as e:
+            if e.status >= 500:
+                st = self.routes.peer(t.node_id)
+                st.failures += 1
+                st.failed_at = time.monotonic()
             if bump is not None:
                 bump(t.node_id, -1)
             raise
-        self.routes.peer(t.node_id).observe_ttfb((time.monotonic() - t0) * 1000.0)
+        st = self.routes.peer(t.node_id)
+        st.observe_ttfb((time.monotonic() - t0) * 1000.0)
+        st.failed_at = None
         inner = reply.on_close
 
         async def on_close() -> None:
