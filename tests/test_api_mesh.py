@@ -135,12 +135,22 @@ def test_client_disconnect_cancels_on_serving_node(mesh: dict[str, NodeProcess])
     assert _health(mesh["a"])["backend_in_flight"] == 0
 
 
-def test_silent_non_streaming_request_outlives_idle_timers(mesh: dict[str, NodeProcess]) -> None:
-    """5 s of silence before the first byte, with 2 s QUIC idle timeouts on every node."""
-    cl = openai.OpenAI(base_url=mesh["c"].url, api_key="x", max_retries=0, timeout=30)
-    r = cl.chat.completions.create(model="m1", messages=MSGS, max_tokens=3, seed=1,
-                                   extra_body={"standin": {"think_s": 5.0}})
-    assert r.choices[0].message.content == _ref(MSGS, 1, 3)
+def test_silent_non_streaming_request_outlives_idle_timers(tmp_path: Path) -> None:
+    """5 s of silence before the first byte, with 2 s QUIC idle timeouts and no directory polling."""
+    creds = make_mesh(tmp_path, 2)
+    timers = (*SHORT_TIMERS, "--poll", "100")
+    a = NodeProcess(creds[0][0], "--standin", "m1", *timers)
+    c = NodeProcess(creds[1][0], "--role", "client", "--connect", a.addr, *timers)
+    try:
+        assert wait_models(c.url, {"m1"}) == {"m1"}
+        time.sleep(2.5)  # longer than the idle timeout with nothing to send
+        cl = openai.OpenAI(base_url=c.url, api_key="x", max_retries=0, timeout=30)
+        r = cl.chat.completions.create(model="m1", messages=MSGS, max_tokens=3, seed=1,
+                                       extra_body={"standin": {"think_s": 5.0}})
+        assert r.choices[0].message.content == _ref(MSGS, 1, 3)
+    finally:
+        a.stop()
+        c.stop()
 
 
 def test_fifty_concurrent_streams_none_lost_or_mixed(mesh: dict[str, NodeProcess]) -> None:
