@@ -8,6 +8,7 @@ transport (started before any service), models before the API that routes to the
 
 from __future__ import annotations
 
+from meshd.api.service import ApiService
 from meshd.config import DaemonConfig
 from meshd.daemon import Service
 
@@ -18,4 +19,5 @@ def build_services(config: DaemonConfig) -> list[Service]:
     # membership / gossip / join (issue 3): services.append(MembershipService(config))
     # models and expert shards (issue 4/6), only when config.role == "serve"
     # OpenAI API (issue 5): it calls daemon.set_api_address(host, port) once bound
+    services.append(ApiService(config))
     return services

@@ -214,7 +214,7 @@ class NodeProcess:
                 self.proc.wait(5)
 
 
-def wait_models(url: str, want: set[str], timeout: float = 10.0) -> set[str]:
+def wait_models(url: str, want: set[str], timeout: float = 10.0, headers: dict[str, str] | None = None) -> set[str]:
     """Poll ``url/models`` until it lists exactly ``want``; returns the last listing."""
     import json as _json
     import time as _time
@@ -224,7 +224,8 @@ def wait_models(url: str, want: set[str], timeout: float = 10.0) -> set[str]:
     got: set[str] = set()
     while _time.monotonic() < deadline:
         with contextlib.suppress(OSError):
-            data = _json.loads(urllib.request.urlopen(url + "/models", timeout=2).read())
+            req = urllib.request.Request(url + "/models", headers=headers or {})
+            data = _json.loads(urllib.request.urlopen(req, timeout=2).read())
             got = {m["id"] for m in data["data"]}
             if got == want:
                 return got

@@ -18,7 +18,7 @@ import structlog
 
 from meshd.api.backends import Backend, OpenAIBackend
 from meshd.api.directory import TunnelDirectory
-from meshd.api.server import ApiConfig, ApiServer, ensure_safe_bind
+from meshd.api.server import ApiConfig, ApiServer, ensure_safe_bind, load_api_keys
 from meshd.api.tunnel import TunnelClient, TunnelConfig, TunnelServer
 from meshd.errors import UsageError
 from transport import limits
@@ -61,14 +61,16 @@ def parse_host_port(text: str, default_port: int) -> tuple[str, int]:
 
 
 class ApiService:
-    """See module docstring. ``transport`` is a ``MeshTransport`` (or None: this node alone)."""
+    """See module docstring. Built either from parts (``node_id=...``: tests, bench) or, in the daemon,
+    from ``DaemonConfig`` at ``start(daemon)`` (``ApiService(config)``)."""
 
     name = "api"
 
     def __init__(
         self,
+        config: Any = None,
         *,
-        node_id: str,
+        node_id: str | None = None,
         host: str = "127.0.0.1",
         port: int = 9337,
         role: str = "serve",
@@ -78,22 +80,44 @@ class ApiService:
         tunnel_config: TunnelConfig | None = None,
         poll_interval_s: float = limits.TUNNEL_POLL_INTERVAL_S,
     ) -> None:
-        ensure_safe_bind(host, bool(api_keys))
+        self.config = config
+        self.tunnel_config = tunnel_config or TunnelConfig()
+        self.poll_interval_s = poll_interval_s
+        self.address: tuple[str, int] | None = None
+        self.daemon: Any = None
+        self.server: ApiServer | None = None
+        if node_id is not None:
+            self._build(node_id, host, port, role, list(api_keys), list(backends), transport)
+
+    def _build(self, node_id: str, host: str, port: int, role: str, keys: list[bytes], backends: list[Backend],
+               transport: Any) -> None:
+        ensure_safe_bind(host, bool(keys))
         self.host, self.port = host, port
         self.transport = transport
-        tcfg = tunnel_config or TunnelConfig()
-        self.tunnel_client = TunnelClient(_http_tunnel_type(), tcfg)
-        self.directory = TunnelDirectory(self._peers, self.tunnel_client, interval_s=poll_interval_s)
-        self.server = ApiServer(ApiConfig(node_id, role=role, api_keys=list(api_keys)), backends,
+        self.tunnel_client = TunnelClient(_http_tunnel_type(), self.tunnel_config)
+        self.directory = TunnelDirectory(self._peers, self.tunnel_client, interval_s=self.poll_interval_s)
+        self.server = ApiServer(ApiConfig(node_id, role=role, api_keys=keys), backends,
                                 mesh=self.directory, tunnel=self.tunnel_client)
         self.tunnel_client.count = self.server.metrics.count_tunnel
-        self.tunnel_server = TunnelServer(self._dispatch_local, tcfg, self.server.metrics.count_tunnel)
-        self.address: tuple[str, int] | None = None
+        self.tunnel_server = TunnelServer(self._dispatch_local, self.tunnel_config, self.server.metrics.count_tunnel)
+
+    def _build_from_daemon(self, daemon: Any) -> None:
+        cfg = daemon.config
+        keys = load_api_keys(cfg.api_key_file) if cfg.api_key_file is not None else []
+        backends: list[Backend] = []
+        if cfg.role == "serve":
+            for spec in cfg.models:
+                b = openai_backend_from_spec(spec)
+                if b is not None:
+                    backends.append(b)
+            backends.extend(engine_backends(daemon))
+        self._build(daemon.node_id, cfg.api.host, cfg.api.port, cfg.role, keys, backends, daemon.transport)
 
     def _peers(self) -> list[Any]:
         return list(self.transport.peers()) if self.transport is not None else []
 
     async def _dispatch_local(self, method: str, path: str, body: bytes) -> Any:
+        assert self.server is not None
         return await self.server.dispatch(method, path, body, local_only=True)
 
     def _peer_down(self, peer: Any) -> None:
@@ -103,14 +127,39 @@ class ApiService:
         self.directory.poke()
 
     async def start(self, daemon: Any = None) -> None:
+        if self.server is None:
+            if daemon is None:
+                raise RuntimeError("ApiService needs node_id=... or a daemon")
+            self._build_from_daemon(daemon)
+        assert self.server is not None
+        self.daemon = daemon
         if self.transport is not None:
             self.transport.on_stream(_http_tunnel_type(), self.tunnel_server.handle)
             self.transport.on_peer_down.append(self._peer_down)
             self.transport.on_peer_up.append(self._peer_up)
         self.address = await self.server.start(self.host, self.port)
         await self.directory.start()
+        if daemon is not None:
+            daemon.set_api_address(*self.address)
+            daemon.control.register("api_connect", self._cmd_connect)
+
+    async def _cmd_connect(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Interim until membership connects peers: keep a connection to ``addr`` pinned to ``node_id``."""
+        from meshd.control import ControlError
+
+        addr, node_id = params.get("addr"), params.get("node_id")
+        if not isinstance(addr, str) or not isinstance(node_id, str) or self.transport is None:
+            raise ControlError("api_connect needs addr (HOST:PORT) and node_id")
+        try:
+            host, port = parse_host_port(addr, 9336)
+        except UsageError as e:
+            raise ControlError(str(e)) from None
+        self.transport.keep_connected(node_id, [(host, port)])
+        return {"connecting": node_id}
 
     async def stop(self) -> None:
+        if self.server is None:
+            return
         await self.directory.stop()
         await self.server.stop()
         if self.transport is not None:
@@ -120,17 +169,33 @@ class ApiService:
                 self.transport.on_peer_up.remove(self._peer_up)
 
     def status(self) -> dict[str, Any]:
+        if self.server is None:
+            return {}
         st = self.server.status()
-        st["api_role"] = self.server.config.role
-        st["api_tunnels_active"] = self.tunnel_server.active
+        st["role"] = self.server.config.role
+        st["tunnels_active"] = self.tunnel_server.active
+        st["peers_serving"] = {n.node_id: list(n.models) for n in self.directory.nodes()}
         return st
 
     def local_info(self) -> dict[str, Any]:
         """What membership may advertise for this node: served models, role, load, API address."""
+        assert self.server is not None
         info = self.server.local_info()
         return {"models": list(info.models), "role": info.role, "in_flight": info.in_flight,
                 "capacity": info.capacity,
                 "api": f"{self.address[0]}:{self.address[1]}" if self.address else None}
+
+
+def engine_backends(daemon: Any) -> list[Backend]:
+    """Backends for engine models (PATH, tiny) loaded by the engine's service, if it runs in this daemon.
+
+    A service that exposes ``api_backends() -> list[Backend]`` contributes them (the engine adapter)."""
+    out: list[Backend] = []
+    for svc in getattr(daemon, "services", []):
+        fn = getattr(svc, "api_backends", None)
+        if callable(fn):
+            out.extend(fn())
+    return out
 
 
 def _http_tunnel_type() -> Any:
