@@ -54,7 +54,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node,
     ext = StandInProcess("ext-model")
     keyfile = tmp / "keys"
     keyfile.write_text("# comment\nkey-one\nkey-two\n")
-    a = start_node(tmp / "a", "--model", f"openai:{ext.url}", "--model", f"alias=openai:{ext.url}")
+    a = start_node(tmp / "a", "--model", f"openai:{ext.url}", "--model", f"alias=openai:{ext.url}",
+                   "--model", "tiny")
     make_member(tmp / "a", tmp / "b")
     b = start_node(tmp / "b", "--api-key-file", str(keyfile), command="client")
     try:
@@ -68,7 +69,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node,
 
 def test_daemon_serves_external_models_locally(pair: tuple[Node, Node, Path]) -> None:
     a, _, _ = pair
-    assert wait_models(api_url(a), {"ext-model", "alias"}) == {"ext-model", "alias"}
+    assert wait_models(api_url(a), {"ext-model", "alias", "tiny"}) == {"ext-model", "alias", "tiny"}
     cl = openai.OpenAI(base_url=api_url(a), api_key="x", max_retries=0)
     raw = cl.chat.completions.with_raw_response.create(model="alias", messages=MSGS, max_tokens=4, seed=9)
     assert raw.headers["x-meshd-node"] == a.run["node_id"] and raw.headers["x-meshd-route"] == "local"
@@ -82,14 +83,16 @@ def test_daemon_serves_external_models_locally(pair: tuple[Node, Node, Path]) ->
 def test_headless_client_daemon_tunnels_with_keys(pair: tuple[Node, Node, Path]) -> None:
     a, b, _ = pair
     cl = openai.OpenAI(base_url=api_url(b), api_key="key-two", max_retries=0)
-    assert wait_models(api_url(b), {"ext-model", "alias"}, headers={"Authorization": "Bearer key-two"}) == \
-        {"ext-model", "alias"}
+    assert wait_models(api_url(b), {"ext-model", "alias", "tiny"}, headers={"Authorization": "Bearer key-two"}) == \
+        {"ext-model", "alias", "tiny"}
     raw = cl.chat.completions.with_raw_response.create(model="ext-model", messages=MSGS, max_tokens=4, seed=9)
     assert raw.headers["x-meshd-node"] == a.run["node_id"] and raw.headers["x-meshd-route"] == "tunnel"
     assert raw.parse().choices[0].message.content == _ref(9, 4)
     text = "".join(ch.choices[0].delta.content or "" for ch in cl.chat.completions.create(
         model="auto", messages=MSGS, max_tokens=4, seed=9, stream=True) if ch.choices)
     assert text == _ref(9, 4)
+    r = cl.chat.completions.with_raw_response.create(model="tiny", messages=MSGS, max_tokens=4, temperature=0)
+    assert r.headers["x-meshd-route"] == "tunnel" and r.parse().usage.completion_tokens == 4  # type: ignore[union-attr]
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=api_url(b), api_key="key-three", max_retries=0).models.list()
     with pytest.raises(openai.NotFoundError):

@@ -54,6 +54,7 @@ class GenToken:
     logprob: float | None = None
     top: list[tuple[str, float]] | None = None
     finish_reason: str | None = None
+    piece: str | None = None  # the token's own string, when ``text`` (incremental detokenizer) differs
 
 
 class TokenRun(Protocol):
@@ -133,7 +134,7 @@ class GenBackend:
                     yield first
             async for g in run:
                 n_gen += 1
-                out, stopped = stops.push(TokenOut(g.text, g.logprob, list(g.top or [])))
+                out, stopped = stops.push(TokenOut(g.text, g.logprob, list(g.top or []), g.piece))
                 if stopped:
                     finish = "stop"
                 elif g.finish_reason is not None:

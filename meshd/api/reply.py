@@ -58,6 +58,11 @@ class TokenOut:
     text: str
     logprob: float | None = None
     top: list[tuple[str, float]] = field(default_factory=list)
+    token: str | None = None  # the token's own string for logprobs (text may hold a partial character)
+
+    @property
+    def shown(self) -> str:
+        return self.token if self.token is not None else self.text
 
 
 class OpenAIFormatter:
@@ -79,8 +84,8 @@ class OpenAIFormatter:
         content = []
         for t in toks:
             content.append({
-                "token": t.text, "logprob": t.logprob if t.logprob is not None else 0.0,
-                "bytes": _token_bytes(t.text),
+                "token": t.shown, "logprob": t.logprob if t.logprob is not None else 0.0,
+                "bytes": _token_bytes(t.shown),
                 "top_logprobs": [{"token": s, "logprob": lp, "bytes": _token_bytes(s)}
                                  for s, lp in t.top[: self.req.top_logprobs]],
             })
@@ -91,7 +96,7 @@ class OpenAIFormatter:
             return None
         out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for t in toks:
-            out["tokens"].append(t.text)
+            out["tokens"].append(t.shown)
             out["token_logprobs"].append(t.logprob if t.logprob is not None else 0.0)
             out["top_logprobs"].append({s: lp for s, lp in t.top[: self.req.top_logprobs]})
             out["text_offset"].append(self._text_offset)
@@ -180,7 +185,7 @@ class StopMatcher:
                 if pos + len(t.text) <= cut:
                     out.append(t)
                 elif pos < cut:
-                    out.append(TokenOut(t.text[: cut - pos], t.logprob, t.top))
+                    out.append(TokenOut(t.text[: cut - pos], t.logprob, t.top, t.token))
                 pos += len(t.text)
             self._held = []
             return out, True

@@ -106,11 +106,16 @@ class ApiService:
         keys = load_api_keys(cfg.api_key_file) if cfg.api_key_file is not None else []
         backends: list[Backend] = []
         if cfg.role == "serve":
+            provided = engine_backends(daemon)
             for spec in cfg.models:
                 b = openai_backend_from_spec(spec)
                 if b is not None:
                     backends.append(b)
-            backends.extend(engine_backends(daemon))
+                elif provided is None:  # no engine service in this daemon: load the model here
+                    from meshd.api.engine_backend import load_engine_backend
+
+                    backends.append(load_engine_backend(spec, cfg.state_dir))
+            backends.extend(provided or [])
         self._build(daemon.node_id, cfg.api.host, cfg.api.port, cfg.role, keys, backends, daemon.transport)
 
     def _peers(self) -> list[Any]:
@@ -186,15 +191,16 @@ class ApiService:
                 "api": f"{self.address[0]}:{self.address[1]}" if self.address else None}
 
 
-def engine_backends(daemon: Any) -> list[Backend]:
-    """Backends for engine models (PATH, tiny) loaded by the engine's service, if it runs in this daemon.
+def engine_backends(daemon: Any) -> list[Backend] | None:
+    """Backends for engine models (PATH, tiny) from a models service of this daemon, or None if none runs.
 
-    A service that exposes ``api_backends() -> list[Backend]`` contributes them (the engine adapter)."""
-    out: list[Backend] = []
+    A service exposing ``api_backends() -> list[Backend]`` (e.g. ``EngineBackend`` over its schedulers)
+    contributes them; without one, the API service loads ``--model`` engine SPECs itself."""
+    out: list[Backend] | None = None
     for svc in getattr(daemon, "services", []):
         fn = getattr(svc, "api_backends", None)
         if callable(fn):
-            out.extend(fn())
+            out = (out or []) + list(fn())
     return out
 
 
