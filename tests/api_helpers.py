@@ -1,9 +1,4 @@
-"""Helpers for API tests: a background event loop, the stand-in server process, in-memory mesh links.
-
-``MemoryLink`` is an in-process implementation of the transport's Stream/Peer interface (bounded queues,
-so ``send`` awaits when the peer does not read: real backpressure; ``reset`` makes the peer's ``recv``
-raise). It lets the tunnel and the router run end to end before ``transport.quic`` is merged.
-"""
+"""Helpers for API tests: a background event loop, the stand-in server process, mesh node processes."""
 
 from __future__ import annotations
 
@@ -16,13 +11,8 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from meshd.api.backends import Backend
-from meshd.api.directory import TunnelDirectory
-from meshd.api.server import ApiConfig, ApiServer
-from meshd.api.tunnel import TunnelClient, TunnelConfig, TunnelServer
 
 HERE = Path(__file__).resolve().parent
-HTTP_TUNNEL = 3
 
 
 class LoopThread:
@@ -67,113 +57,6 @@ class StandInProcess:
             self.proc.wait(5)
         if self.proc.poll() is None:
             self.proc.kill()
-
-
-class _Closed(Exception):
-    pass
-
-
-class StreamReset(Exception):
-    pass
-
-
-class MemoryStream:
-    def __init__(self, limit: int = 8) -> None:
-        self.inbox: asyncio.Queue[Any] = asyncio.Queue(limit)
-        self.other: MemoryStream | None = None
-        self.reset_code: int | None = None
-
-    async def send(self, payload: bytes, end: bool = False) -> None:
-        assert self.other is not None
-        if self.reset_code is not None:
-            raise StreamReset(self.reset_code)
-        await self.other.inbox.put(bytes(payload))
-        if end:
-            await self.other.inbox.put(None)
-
-    async def recv(self) -> bytes | None:
-        item = await self.inbox.get()
-        if isinstance(item, StreamReset):
-            raise item
-        return item
-
-    def reset(self, code: int) -> None:
-        self.reset_code = code
-        assert self.other is not None
-        other = self.other
-        other.reset_code = code
-        # Deliver the reset past a full queue (QUIC RESET_STREAM is not flow-controlled).
-        while other.inbox.full():
-            other.inbox.get_nowait()
-        other.inbox.put_nowait(StreamReset(code))
-
-
-class MemoryPeer:
-    """The far side of a link as seen from one node: ``open_stream`` runs the far node's handler."""
-
-    def __init__(self, node_id: str, handler: Any) -> None:
-        self.node_id = node_id
-        self.rtt_ms = 0.1
-        self.handler = handler
-        self.alive = True
-        self.tasks: set[asyncio.Task[Any]] = set()
-
-    async def open_stream(self, stream_type: Any) -> MemoryStream:
-        if not self.alive:
-            raise ConnectionError("peer is down")
-        a, b = MemoryStream(), MemoryStream()
-        a.other, b.other = b, a
-        t = asyncio.create_task(self.handler(self, b))
-        self.tasks.add(t)
-        t.add_done_callback(self.tasks.discard)
-        return a
-
-    def kill(self) -> None:
-        """The far node dies: its handlers stop mid-way, its streams go silent."""
-        self.alive = False
-        for t in list(self.tasks):
-            t.cancel()
-
-
-class MemNode:
-    """An ApiServer plus tunnel server, linked in memory to other MemNodes."""
-
-    def __init__(self, node_id: str, backends: list[Backend], role: str = "serve",
-                 tunnel_config: TunnelConfig | None = None, keys: list[bytes] | None = None) -> None:
-        self.node_id = node_id
-        self.links: dict[str, MemoryPeer] = {}
-        cfg = tunnel_config or TunnelConfig()
-        self.tunnel_client = TunnelClient(HTTP_TUNNEL, cfg)
-        self.directory = TunnelDirectory(lambda: [p for p in self.links.values() if p.alive],
-                                         self.tunnel_client, interval_s=0.2, timeout_s=2.0)
-        self.server = ApiServer(ApiConfig(node_id, role=role, api_keys=keys or []), backends,
-                                mesh=self.directory, tunnel=self.tunnel_client)
-        self.tunnel_client.count = self.server.metrics.count_tunnel
-        self.tunnel_server = TunnelServer(lambda m, p, b: self.server.dispatch(m, p, b, local_only=True), cfg,
-                                          self.server.metrics.count_tunnel)
-        self.port = 0
-
-    def link(self, other: MemNode) -> None:
-        self.links[other.node_id] = MemoryPeer(other.node_id, other.tunnel_server.handle)
-        other.links[self.node_id] = MemoryPeer(self.node_id, self.tunnel_server.handle)
-
-    async def start(self) -> None:
-        _, self.port = await self.server.start("127.0.0.1", 0)
-        await self.directory.start()
-
-    async def stop(self) -> None:
-        await self.directory.stop()
-        await self.server.stop()
-
-    def kill(self, peers: list[MemNode]) -> None:
-        for p in peers:
-            link = p.links.get(self.node_id)
-            if link is not None:
-                link.kill()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
 
 
 class NodeProcess:

@@ -46,11 +46,13 @@ class ApiMetrics:
                               ["status", "code"], registry=r)
         self.retries = Counter("meshd_route_retries", "Requests retried on another node before the first byte",
                                registry=r)
+        self._tunnel_in = self.tunnel_bytes.labels("in")
+        self._tunnel_out = self.tunnel_bytes.labels("out")
         if peer_states is not None:
             r.register(_PeersCollector(peer_states))
 
     def count_tunnel(self, direction: str, n: int) -> None:
-        self.tunnel_bytes.labels(direction).inc(n)
+        (self._tunnel_in if direction == "in" else self._tunnel_out).inc(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

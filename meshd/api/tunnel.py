@@ -6,17 +6,18 @@ Wire format, version 1. Each transport frame (one ``Stream.send``) is ``version:
     front node (client side)                 serving node (server side)
     REQUEST_HEAD {"method","path"}  ->
     BODY bytes ...                  ->
-    REQUEST_END                     ->
+    REQUEST_END + end of stream     ->
                                     <-  HEARTBEAT (every TUNNEL_HEARTBEAT_INTERVAL_S while silent)
                                     <-  RESPONSE_HEAD {"status","headers"}
                                     <-  BODY bytes ... (backpressure: Stream.send awaits)
                                     <-  ERROR {"status","message","type","code"}  (failure after the head)
-                                    <-  RESPONSE_END
-    CLOSE (end of stream)           ->
+                                    <-  RESPONSE_END + end of stream
 
-The front resets the stream when its HTTP client goes away; the serving side watches its receive side
-the whole time, and anything arriving after REQUEST_END (reset, end, data) cancels the generation.
-The front treats silence longer than ``TUNNEL_HEARTBEAT_TIMEOUT_S`` as the serving node's death.
+The front half-closes after its request and resets the stream when its HTTP client goes away; the
+transport then cancels the serving handler (STOP_SENDING/RESET), and the serving side's next send
+(a token or a heartbeat) fails too, so generation stops within one decode step. The front treats
+silence longer than ``TUNNEL_HEARTBEAT_TIMEOUT_S`` as the serving node's death. (CLOSE is unused
+since the half-close; its number stays reserved.)
 """
 
 from __future__ import annotations
@@ -168,7 +169,11 @@ class _Conn:
 
     async def recv(self, timeout_s: float | None = None) -> tuple[TunnelFrame, Any] | None:
         t = timeout_s if timeout_s is not None else self.recv_timeout_s
-        data = await (asyncio.wait_for(self.stream.recv(), t) if t is not None else self.stream.recv())
+        if t is None:
+            data = await self.stream.recv()
+        else:
+            async with asyncio.timeout(t):  # no extra task per frame (unlike wait_for)
+                data = await self.stream.recv()
         if data is None:
             return None
         self.count("in", len(data))
@@ -192,7 +197,8 @@ class TunnelClient:
         protocol), or the peer's own error status (404/429/503...) with its OpenAI-shaped message."""
         cfg = self.config
         try:
-            stream = await asyncio.wait_for(peer.open_stream(self.stream_type), cfg.connect_timeout_s)
+            async with asyncio.timeout(cfg.connect_timeout_s):
+                stream = await peer.open_stream(self.stream_type)
         except Exception as e:  # noqa: BLE001 - any transport failure means "try the next node"
             raise ApiError(502, f"node {peer.node_id[:12]} is unreachable ({type(e).__name__})") from None
         conn = _Conn(stream, self.count, cfg.heartbeat_timeout_s)
@@ -201,7 +207,7 @@ class TunnelClient:
             await conn.send(TunnelFrame.REQUEST_HEAD, {"method": method, "path": path})
             for i in range(0, len(body), limits.TUNNEL_CHUNK_BYTES):
                 await conn.send(TunnelFrame.BODY, body[i:i + limits.TUNNEL_CHUNK_BYTES])
-            await conn.send(TunnelFrame.REQUEST_END)
+            await conn.send(TunnelFrame.REQUEST_END, end=True)
             deadline = time.monotonic() + cfg.first_byte_timeout_s
             while True:
                 frame = await conn.recv()
@@ -240,10 +246,7 @@ class TunnelClient:
         state = {"done": False}
 
         async def on_close() -> None:
-            if state["done"]:
-                with contextlib.suppress(Exception):
-                    await stream.send(encode(TunnelFrame.CLOSE), True)
-            else:
+            if not state["done"]:
                 _end(stream, False)
 
         reply = Reply(status, headers, _body(conn, peer.node_id, state), stream="event-stream" in
@@ -258,6 +261,12 @@ def _end(stream: TunnelStream, clean: bool) -> None:
             stream.reset(RESET_CANCELLED)
 
 
+async def _see_end(conn: _Conn) -> None:
+    """Read the end of stream that follows RESPONSE_END (the transport frees the stream once seen)."""
+    with contextlib.suppress(Exception):
+        await conn.recv()
+
+
 async def _collect(conn: _Conn, limit: int) -> bytes:
     buf = bytearray()
     while True:
@@ -270,6 +279,7 @@ async def _collect(conn: _Conn, limit: int) -> bytes:
             if len(buf) > limit:
                 raise TunnelProtocolError("error body too large")
         elif ftype == TunnelFrame.RESPONSE_END:
+            await _see_end(conn)
             return bytes(buf)
         elif ftype != TunnelFrame.HEARTBEAT:
             raise TunnelProtocolError(f"unexpected {ftype.name}")
@@ -295,6 +305,7 @@ async def _body(conn: _Conn, node_id: str, state: dict[str, bool]) -> AsyncItera
             continue
         elif ftype == TunnelFrame.RESPONSE_END:
             state["done"] = True
+            await _see_end(conn)
             return
         elif ftype == TunnelFrame.ERROR:
             err = ApiError(obj["status"], obj["message"], code=obj.get("code") if isinstance(obj.get("code"), str)
@@ -353,29 +364,16 @@ class TunnelServer:
             body += obj
             if len(body) > self.max_body_bytes:
                 raise TunnelProtocolError("request body over the limit")
-        # From here on, anything on the receive side means the front gave up: cancel.
-        watcher = asyncio.create_task(conn.recv())
-        work = asyncio.create_task(self._respond(conn, head["method"], head["path"], bytes(body)))
+        # The front half-closed. If it gives up now, the transport cancels this handler (its reset or
+        # STOP_SENDING), and any send of ours fails: both end the reply below, cancelling generation.
         try:
-            done, _ = await asyncio.wait({watcher, work}, return_when=asyncio.FIRST_COMPLETED)
-            if work not in done:
-                log.info("tunnel_cancelled", peer=peer_id, path=head["path"])
-                work.cancel()
-                with contextlib.suppress(BaseException):
-                    await work
-                return
-            work.result()
-            # Wait briefly for the front's CLOSE so the stream ends cleanly on both sides.
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(watcher, 5.0)
-        finally:
-            for t in (watcher, work):
-                t.cancel()
-                with contextlib.suppress(BaseException):
-                    await t
+            await self._respond(conn, head["method"], head["path"], bytes(body))
+        except asyncio.CancelledError:
+            log.info("tunnel_cancelled", peer=peer_id, path=head["path"])
+            raise
 
     async def _respond(self, conn: _Conn, method: str, path: str, body: bytes) -> None:
-        beat = asyncio.create_task(self._heartbeat(conn))
+        beat = _Heartbeat(conn, self.config.heartbeat_interval_s)
         reply: Reply | None = None
         try:
             try:
@@ -384,7 +382,7 @@ class TunnelServer:
                 await _stop(beat)
                 await conn.send(TunnelFrame.RESPONSE_HEAD, {"status": e.status, "headers": e.headers()})
                 await conn.send(TunnelFrame.BODY, e.body())
-                await conn.send(TunnelFrame.RESPONSE_END)
+                await conn.send(TunnelFrame.RESPONSE_END, end=True)
                 return
             first = True
             try:
@@ -397,7 +395,7 @@ class TunnelServer:
                 await _stop(beat)
                 if first:
                     await conn.send(TunnelFrame.RESPONSE_HEAD, {"status": reply.status, "headers": reply.headers})
-                await conn.send(TunnelFrame.RESPONSE_END)
+                await conn.send(TunnelFrame.RESPONSE_END, end=True)
             except ApiError as e:
                 await _stop(beat)
                 if first:
@@ -406,22 +404,44 @@ class TunnelServer:
                 else:
                     await conn.send(TunnelFrame.ERROR, {"status": e.status, "message": e.message,
                                                         "type": e.type, "code": e.code})
-                await conn.send(TunnelFrame.RESPONSE_END)
+                await conn.send(TunnelFrame.RESPONSE_END, end=True)
         finally:
             await _stop(beat)
             if reply is not None:
                 await reply.aclose()
 
-    async def _heartbeat(self, conn: _Conn) -> None:
-        """While the reply is silent (thinking, or between slow tokens), prove this node is alive."""
-        interval = self.config.heartbeat_interval_s
-        while True:
-            await asyncio.sleep(max(0.01, conn.last_send + interval - time.monotonic()))
-            if time.monotonic() - conn.last_send >= interval:
-                await conn.send(TunnelFrame.HEARTBEAT)
 
 
-async def _stop(task: asyncio.Task[Any]) -> None:
-    task.cancel()
-    with contextlib.suppress(BaseException):
-        await task
+class _Heartbeat:
+    """While a reply is silent (thinking, or between slow tokens), send HEARTBEAT every ``interval_s``.
+
+    A timer, not a task, so that a fast request pays nothing for it."""
+
+    def __init__(self, conn: _Conn, interval_s: float) -> None:
+        self.conn = conn
+        self.interval_s = interval_s
+        self.loop = asyncio.get_running_loop()
+        self.sending: asyncio.Task[None] | None = None
+        self.handle: asyncio.TimerHandle | None = self.loop.call_later(interval_s, self._due)
+
+    def _due(self) -> None:
+        self.handle = None
+        idle = time.monotonic() - self.conn.last_send
+        if idle >= self.interval_s and (self.sending is None or self.sending.done()):
+            self.sending = asyncio.ensure_future(self._send())
+            idle = 0.0
+        self.handle = self.loop.call_later(max(0.01, self.interval_s - idle), self._due)
+
+    async def _send(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.conn.send(TunnelFrame.HEARTBEAT)
+
+
+async def _stop(beat: _Heartbeat) -> None:
+    if beat.handle is not None:
+        beat.handle.cancel()
+        beat.handle = None
+    if beat.sending is not None and not beat.sending.done():
+        beat.sending.cancel()
+        with contextlib.suppress(BaseException):
+            await beat.sending
