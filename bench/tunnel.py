@@ -8,7 +8,11 @@ B is a headless client connected to A. Then, in one run:
 - time to the first streamed token, the same way;
 - streamed tokens/s with 1 and 16 concurrent streams, direct and through B.
 
-    python bench/tunnel.py [--requests 200] [--tokens 2000] [--json]
+    python bench/tunnel.py [--requests 200] [--tokens 2000] [--rounds 3] [--json]
+
+Latencies alternate direct and tunnelled requests one by one; throughput alternates runs and reports
+the best of ``--rounds`` for each path, plus the CPU each node spent per token (less noisy than wall
+time on a shared machine).
 
 Targets (issue 5): at most 2 ms added at the median, at least 0.8x direct streaming throughput.
 """
@@ -88,14 +92,25 @@ async def throughput(url: str, streams: int, n: int) -> float:
     return sum(counts) / dt
 
 
-async def latencies(url: str, fn: Any, n: int) -> list[float]:
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    import os
+
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def paired_latencies(direct: str, hop: str, fn: Any, n: int) -> tuple[list[float], list[float]]:
+    """Alternate direct and tunnelled requests one by one, so both see the same machine load."""
     async with aiohttp.ClientSession() as s:
         for _ in range(max(5, n // 10)):
-            await fn(s, url)
-        out = []
+            await fn(s, direct)
+            await fn(s, hop)
+        d, h = [], []
         for _ in range(n):
-            out.append(await fn(s, url))
-    return out
+            d.append(await fn(s, direct))
+            h.append(await fn(s, hop))
+    return d, h
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -108,19 +123,26 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError("client did not see the model")
         res: dict[str, Any] = {}
         for label, fn in (("one_token_ms", one_token), ("first_token_ms", first_token)):
-            # interleave the two paths in rounds so drift on a shared machine hits both alike
-            d: list[float] = []
-            h: list[float] = []
-            for _ in range(4):
-                d += await latencies(a.url, fn, args.requests // 4)
-                h += await latencies(b.url, fn, args.requests // 4)
+            d, h = await paired_latencies(a.url, b.url, fn, args.requests)
             res[label] = {"direct": {"median": statistics.median(d), "p99": pct(d, 99)},
                           "tunnel": {"median": statistics.median(h), "p99": pct(h, 99)}}
         for streams in (1, 16):
             n = args.tokens if streams == 1 else max(100, args.tokens // 4)
-            d_rate = await throughput(a.url, streams, n)
-            h_rate = await throughput(b.url, streams, n)
-            res[f"tokens_per_s_{streams}"] = {"direct": d_rate, "tunnel": h_rate, "ratio": h_rate / d_rate}
+            d_rates, h_rates = [], []
+            cpu = {"a_direct": 0.0, "a_tunnel": 0.0, "b_tunnel": 0.0}
+            for _ in range(args.rounds):  # alternate; best of rounds (least disturbed by other load)
+                ca = cpu_s(a.proc.pid)
+                d_rates.append(await throughput(a.url, streams, n))
+                cb, ca2 = cpu_s(b.proc.pid), cpu_s(a.proc.pid)
+                cpu["a_direct"] += ca2 - ca
+                h_rates.append(await throughput(b.url, streams, n))
+                cpu["a_tunnel"] += cpu_s(a.proc.pid) - ca2
+                cpu["b_tunnel"] += cpu_s(b.proc.pid) - cb
+            total = args.rounds * streams * (n + 50)
+            d_rate, h_rate = max(d_rates), max(h_rates)
+            res[f"tokens_per_s_{streams}"] = {
+                "direct": d_rate, "tunnel": h_rate, "ratio": h_rate / d_rate,
+                "cpu_us_per_token": {k: v / total * 1e6 for k, v in cpu.items()}}
         return res
     finally:
         a.stop()
@@ -137,6 +159,11 @@ def table(res: dict[str, Any]) -> str:
         r = res[f"tokens_per_s_{streams}"]
         lines.append(f"| streamed tokens/s, {streams} stream{'s' if streams > 1 else ''} | {r['direct']:.0f} | "
                      f"{r['tunnel']:.0f} | {r['ratio']:.2f}x |")
+    for streams in (1, 16):
+        c = res[f"tokens_per_s_{streams}"]["cpu_us_per_token"]
+        lines.append(f"| CPU per streamed token, {streams} stream{'s' if streams > 1 else ''} (us) | "
+                     f"{c['a_direct']:.0f} (serving node) | {c['a_tunnel']:.0f} serving + {c['b_tunnel']:.0f} "
+                     f"front | |")
     return "\n".join(lines)
 
 
@@ -144,6 +171,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     res = asyncio.run(run(args))
