@@ -20,7 +20,7 @@ import aiohttp
 import structlog
 
 from meshd.api.errors import ApiError
-from meshd.api.reply import OpenAIFormatter, Reply, StopMatcher, TokenOut, sse
+from meshd.api.reply import OpenAIFormatter, Reply, StopMatcher, TokenOut
 from meshd.api.schema import GenRequest
 from transport import limits
 
@@ -400,4 +400,4 @@ def sse_raw(data: bytes) -> bytes:
     return b"data: " + data + b"\n\n"
 
 
-__all__ = ["Backend", "BackendBusy", "GenBackend", "GenToken", "OpenAIBackend", "TokenRun", "TokenSource", "sse"]
+__all__ = ["Backend", "BackendBusy", "GenBackend", "GenToken", "OpenAIBackend", "TokenRun", "TokenSource"]

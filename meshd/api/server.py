@@ -170,6 +170,7 @@ class ApiServer:
         self.metrics.errors.labels(str(e.status), e.code).inc()
         headers = e.headers()
         headers["x-meshd-node"] = self.config.node_id
+        headers["x-meshd-route"] = "none"
         return web.Response(status=e.status, body=e.body(), headers=headers)
 
     async def _health(self, request: web.Request) -> web.Response:
