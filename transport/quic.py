@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import ipaddress
 import os
 import random
 import socket
@@ -22,10 +23,13 @@ from typing import Any
 
 import structlog
 from aioquic.asyncio.protocol import QuicConnectionProtocol
-from aioquic.asyncio.server import QuicServer, serve
+from aioquic.asyncio.server import QuicServer
+from aioquic.buffer import Buffer
 from aioquic.quic import events as qe
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import QuicConnection
+from aioquic.quic.connection import QuicConnection, QuicConnectionState
+from aioquic.quic.packet import QuicPacketType, pull_quic_header
+from aioquic.quic.recovery import QuicPacketPacer, QuicPacketRecovery
 
 from transport import ALPN, PROTOCOL_MAX, PROTOCOL_MIN, PROTOCOL_VERSION, limits
 from transport.credentials import MemberCert, MeshCredentials
@@ -98,18 +102,40 @@ class TransportConfig:
     stream_send_buffer_bytes: int = limits.STREAM_SEND_BUFFER_BYTES
     stream_recv_queue_bytes: int = limits.STREAM_RECV_QUEUE_BYTES
     max_datagram_size: int = 1350  # QUIC packet payload; 1350 fits common internet paths
+    loopback_datagram_size: int = 16384  # used instead when the peer is on loopback; 0 = never
+    # (the loopback MTU is 64 KiB; aioquic 1.x breaks above ~16 KiB: "Failed to parse frame")
     quic_max_data: int = 4 * 1024 * 1024  # initial connection flow-control window
     quic_max_stream_data: int = 1024 * 1024  # initial per-stream flow-control window
     log_interval_s: float = 10.0  # rate limit of debug logs about refused input
+    coalesce_transmit: bool = True  # defer sending to the end of the loop turn (fewer ACK-only packets)
+    coarse_pacing: bool = True  # skip pacing gaps asyncio cannot time (see _CoarsePacer)
 
     @classmethod
     def lan(cls) -> TransportConfig:
         return cls()
 
     @classmethod
-    def loopback(cls) -> TransportConfig:
-        """Larger packets: the loopback MTU is 64 KiB, so fewer packets and less crypto per byte."""
-        return replace(cls(), max_datagram_size=16384)
+    def wire_1350(cls) -> TransportConfig:
+        """Internet-sized packets even on loopback (to measure or test the general path)."""
+        return replace(cls(), loopback_datagram_size=0)
+
+
+class _CoarsePacer(QuicPacketPacer):
+    """aioquic's pacer, minus gaps shorter than the event loop can time.
+
+    On fast links aioquic asks for gaps of microseconds between packets; asyncio's timers (epoll has
+    millisecond resolution) turn each into a 1 ms sleep, which capped a 4 KiB round trip at ~1 ms
+    per packet. Gaps below ``PACING_GRANULARITY_S`` are sent at once; congestion control still applies.
+    """
+
+    def next_send_time(self, now: float) -> float | None:
+        at = super().next_send_time(now)
+        if at is not None and at - now < PACING_GRANULARITY_S:
+            return None
+        return at
+
+
+PACING_GRANULARITY_S = 0.002  # seconds: below this, pacing gaps are skipped (see _CoarsePacer)
 
 
 def _maybe_task(result: Any, tasks: set[asyncio.Task[Any]]) -> None:
@@ -143,6 +169,7 @@ class Stream:
         self._waiter: asyncio.Future[None] | None = None
         self._sent_end = False
         self._handler_task: asyncio.Task[Any] | None = None
+        self._app_done = False  # its user is finished; kept until aioquic discards the QUIC stream
 
     @property
     def peer(self) -> Peer | None:
@@ -165,15 +192,17 @@ class Stream:
 
     async def end(self) -> None:
         """Finish the sending side without a frame (no-op if already ended)."""
+        if self._error is not None:
+            raise self._error
         if not self._sent_end:
             self._sent_end = True
             await self._conn.write(self.stream_id, b"", True)
             self._check_done()
 
     def _check_done(self) -> None:
-        """Drop the connection's bookkeeping once both directions ended (frees a stream slot)."""
+        """Free the stream's slot once both directions ended."""
         if self._sent_end and self._ended and not self._frames:
-            self._conn.streams.pop(self.stream_id, None)
+            self._app_done = True
 
     async def recv(self) -> bytes | None:
         """Next DATA payload; None at a clean end. Raises StreamReset, RemoteError or TransportError."""
@@ -205,6 +234,7 @@ class Stream:
         """Abort both directions; the peer's ``recv`` raises ``StreamReset(code)``."""
         self._conn.reset_stream(self.stream_id, code)
         self._set_error(StreamReset(code, "stream reset locally"))
+        self._app_done = True
 
     # -- called by the connection ----------------------------------------------------------------
 
@@ -244,7 +274,7 @@ class Peer:
 
     @property
     def connected(self) -> bool:
-        return self._conn is not None and not self._conn.closed
+        return self._conn is not None and not self._conn.closing
 
     @property
     def address(self) -> Address | None:
@@ -256,7 +286,7 @@ class Peer:
 
     def _connection(self) -> _Connection:
         conn = self._conn
-        if conn is None or conn.closed:
+        if conn is None or conn.closing:
             raise TransportError(f"peer {self.node_id} is not connected")
         return conn
 
@@ -306,6 +336,7 @@ class _Connection(QuicConnectionProtocol):
     ) -> None:
         super().__init__(quic)
         self.mesh = mesh
+        self._set_datagram_size(quic._max_datagram_size)
         self.is_client = is_client
         self.mode = mode
         self.expected_node_id = expected_node_id
@@ -315,6 +346,7 @@ class _Connection(QuicConnectionProtocol):
         self.admitted = False
         self.admitted_at = 0.0
         self.closed = False
+        self.closing = False  # we or the peer began closing; no new streams
         self.close_code: int | None = None
         self.close_reason = ""
         self.remote_address: Address | None = None
@@ -326,7 +358,7 @@ class _Connection(QuicConnectionProtocol):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._refuse_at_start: tuple[ErrorCode, str] | None = None
         self._keepalive_uid = 0
-        self._remote_stream_max = -1  # highest peer-initiated stream id seen (ids only grow)
+        self._prune_at = 64  # prune finished streams from ``streams`` when it grows to this size
         mesh._conns.add(self)
         if not is_client:
             self._refuse_at_start = mesh._admission_capacity()
@@ -352,28 +384,30 @@ class _Connection(QuicConnectionProtocol):
     def open_stream(self, stream_type: StreamType) -> Stream:
         if not self.admitted:
             raise TransportError("connection not admitted")
-        mine = sum(1 for s in self.streams.values() if self._is_local(s.stream_id))
-        if mine >= self.mesh.config.max_streams_per_peer:
+        if self._open_streams(local=True) >= self.mesh.config.max_streams_per_peer:
             self.mesh._count("streams_refused_local_cap")
             raise TransportError("too many open streams to this peer")
         sid = self._quic.get_next_available_stream_id()
         stream = Stream(self, sid, stream_type, FrameDecoder(stream_type))
-        self.streams[sid] = stream
+        self._add_stream(stream)
         self._quic.send_stream_data(sid, encode_preamble(stream_type, PROTOCOL_VERSION))
         return stream
 
     async def write(self, stream_id: int, data: bytes, end: bool) -> None:
         limit = self.mesh.config.stream_send_buffer_bytes
+        stream = self.streams.get(stream_id)
         while True:
-            if self.closed:
+            if self.closing:
                 raise TransportError(f"connection closed: {self.close_reason or 'closed'}")
-            stream = self.streams.get(stream_id)
             if stream is not None and stream._error is not None:
                 raise stream._error
             if self._pending_send_bytes(stream_id) <= limit:
                 break
             await self._wait_progress()
-        self._quic.send_stream_data(stream_id, data, end_stream=end)
+        try:
+            self._quic.send_stream_data(stream_id, data, end_stream=end)
+        except ValueError as e:  # aioquic: the stream was reset or finished meanwhile
+            raise TransportError(f"stream closed: {e}") from None
         self._transmit_soon()
 
     def reset_stream(self, stream_id: int, code: int) -> None:
@@ -383,30 +417,52 @@ class _Connection(QuicConnectionProtocol):
                 self._quic.stop_stream(stream_id, code)
         except ValueError:
             pass  # already finished on our side
-        self.streams.pop(stream_id, None)
+        stream = self.streams.get(stream_id)
+        if stream is not None:
+            stream._app_done = True
         self._transmit_soon()
 
     def close_with(self, code: ErrorCode, reason: str) -> None:
-        if not self.closed:
+        if not self.closing:
+            self.closing = True
             self.close_code = code
             self.close_reason = reason
             self.close(error_code=int(code), reason_phrase=reason[: limits.MAX_REFUSAL_REASON_BYTES])
+            self._check_close_started()
 
     # -- aioquic hooks (network callbacks: nothing may escape) -----------------------------------
+
+    def _set_datagram_size(self, size: int) -> None:
+        """Use ``size``-byte packets; rebuilds aioquic's loss recovery, so only before anything is sent."""
+        q = self._quic
+        q._max_datagram_size = size
+        q._loss = QuicPacketRecovery(
+            congestion_control_algorithm=q._configuration.congestion_control_algorithm,
+            initial_rtt=q._configuration.initial_rtt,
+            max_datagram_size=size,
+            peer_completed_address_validation=not q._is_client,
+            quic_logger=q._quic_logger,
+            send_probe=q._send_probe,
+            logger=q._logger,
+        )
+        if self.mesh.config.coarse_pacing:
+            q._loss._pacer = _CoarsePacer(max_datagram_size=size)
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         try:
             self.last_rx = self._loop.time()
             if self.remote_address is None:
                 self.remote_address = (str(addr[0]), int(addr[1]))
-            if self._refuse_at_start is not None:
-                code, reason = self._refuse_at_start
-                self._refuse_at_start = None
-                self._quic.receive_datagram(bytes(data), addr, now=self._loop.time())
-                self.mesh._count(f"refused_{code.name.lower()}")
-                self.close_with(code, reason)
-                return
-            super().datagram_received(data, addr)
+                size = self.mesh.config.loopback_datagram_size
+                if not self.is_client and size and _is_loopback(self.remote_address[0]):
+                    self._set_datagram_size(size)
+            self._quic.receive_datagram(bytes(data), addr, now=self._loop.time())
+            self._process_events()
+            self._check_close_started()
+            if self.mesh.config.coalesce_transmit:
+                self._transmit_soon()  # one transmit (and one ACK) for every datagram read this turn
+            else:
+                self.transmit()
         except Exception as e:  # noqa: BLE001 - a network callback never raises
             self.mesh._count("internal_errors")
             log.warning("transport_datagram_failed", error=repr(e))
@@ -458,9 +514,14 @@ class _Connection(QuicConnectionProtocol):
         elif isinstance(event, qe.HandshakeCompleted):
             if self.is_client:
                 self._start_client_handshake()
+            elif self._refuse_at_start is not None:
+                # Refused once TLS is up, so that the client gets our code and reason (an application
+                # close sent during the TLS handshake loses both).
+                raise RemoteProtocolError(*self._refuse_at_start)
         elif isinstance(event, qe.StreamReset):
-            stream = self.streams.pop(event.stream_id, None)
+            stream = self.streams.get(event.stream_id)
             if stream is not None:
+                stream._app_done = True
                 stream._set_error(StreamReset(event.error_code))
                 if stream._handler_task is not None:
                     stream._handler_task.cancel()
@@ -552,19 +613,20 @@ class _Connection(QuicConnectionProtocol):
         if not self.admitted:
             raise RemoteProtocolError(ErrorCode.NOT_ADMITTED, "stream opened before the handshake")
         stream = self.streams.get(stream_id)
+        if stream is not None and stream._app_done:
+            return  # late data for a stream we are done with or reset
         if stream is None:
-            if self._is_local(stream_id) or stream_id <= self._remote_stream_max:
-                return  # late data for a stream we are done with or reset
+            # aioquic only reports streams it has not discarded, so an unknown id is a new stream
+            if self._is_local(stream_id):
+                return
             if stream_id % 4 >= 2:
                 raise RemoteProtocolError(ErrorCode.PROTOCOL_ERROR, "unidirectional streams are not used")
-            self._remote_stream_max = stream_id
-            theirs = sum(1 for s in self.streams.values() if not self._is_local(s.stream_id))
-            if theirs >= self.mesh.config.max_streams_per_peer:
+            if self._open_streams(local=False) >= self.mesh.config.max_streams_per_peer:
                 self.mesh._count("streams_refused_cap")
                 self.reset_stream(stream_id, ErrorCode.TOO_MANY_STREAMS)
                 return
             stream = Stream(self, stream_id, None, FrameDecoder(None, (PROTOCOL_MIN, PROTOCOL_MAX)))
-            self.streams[stream_id] = stream
+            self._add_stream(stream)
         frames = stream._decoder.feed(data)
         if end:
             stream._decoder.feed_eof()
@@ -614,14 +676,37 @@ class _Connection(QuicConnectionProtocol):
         )
 
     def _on_terminated(self, event: qe.ConnectionTerminated) -> None:
+        """aioquic's end of the connection (after the 3 PTO closing/draining period)."""
+        self._finish(event.error_code, event.frame_type, event.reason_phrase)
+        if self.is_client and self._transport is not None:
+            self._loop.call_later(0.05, self._transport.close)
+
+    def _check_close_started(self) -> None:
+        """React as soon as a close starts (aioquic reports it only after draining, 3 PTO later)."""
+        ce = self._quic._close_event
+        if ce is not None and not self.closed:
+            self._finish(ce.error_code, ce.frame_type, ce.reason_phrase)
+
+    def _finish(self, error_code: int, frame_type: int | None, reason_phrase: str) -> None:
+        """Everything the rest of meshd must learn when the connection ends. Runs once."""
+        if self.closed:
+            return
+        if not self.is_client and not self.admitted and self.close_code is None:
+            # closed by the peer or by aioquic before admission: TLS failure (e.g. wrong ALPN) or a quitter
+            self.mesh._count("handshakes_abandoned" if frame_type is None else "handshakes_tls_failed")
+            self.mesh._ratelog.debug(
+                self._loop.time(), "connection_failed_before_admission", addr=self.remote_address,
+                code=error_code, reason=reason_phrase,
+            )
         self.closed = True
+        self.closing = True
         if self.close_code is None:
-            self.close_code = event.error_code
-            self.close_reason = event.reason_phrase
+            self.close_code = error_code
+            self.close_reason = reason_phrase
         for timer in self._timers:
             timer.cancel()
         self._timers.clear()
-        reason = event.reason_phrase or "connection closed"
+        reason = reason_phrase or "connection closed"
         err = TransportError(f"connection closed: {reason}")
         for stream in self.streams.values():
             stream._set_error(err)
@@ -630,18 +715,16 @@ class _Connection(QuicConnectionProtocol):
         for task in self._tasks:
             task.cancel()
         if not self.result.done():
-            app_close = event.frame_type is None
-            if app_close and event.error_code == ErrorCode.JOIN_REFUSED and self.mode is Mode.JOIN:
+            app_close = frame_type is None
+            if app_close and error_code == ErrorCode.JOIN_REFUSED and self.mode is Mode.JOIN:
                 self.result.set_exception(JoinRefused(reason))
-            elif app_close and event.error_code != ErrorCode.NO_ERROR:
-                self.result.set_exception(HandshakeRefused(reason, event.error_code))
+            elif app_close and error_code != ErrorCode.NO_ERROR:
+                self.result.set_exception(HandshakeRefused(reason, error_code))
             else:
                 self.result.set_exception(TransportError(f"connection failed: {reason}"))
             self.result.exception()  # mark retrieved: nobody may be waiting any more
         self._signal_progress()
         self.mesh._terminated(self)
-        if self.is_client and self._transport is not None:
-            self._loop.call_later(0.05, self._transport.close)
 
     # -- timers ----------------------------------------------------------------------------------
 
@@ -675,6 +758,28 @@ class _Connection(QuicConnectionProtocol):
 
     # -- helpers ---------------------------------------------------------------------------------
 
+    def discard(self) -> None:
+        """Forget a connection that never got a valid packet (no close is sent: there is nobody)."""
+        self.closed = self.closing = True
+        for timer in self._timers:
+            timer.cancel()
+        self._timers.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.mesh._conns.discard(self)
+
+    def _open_streams(self, local: bool) -> int:
+        return sum(1 for s in self.streams.values() if not s._app_done and self._is_local(s.stream_id) == local)
+
+    def _add_stream(self, stream: Stream) -> None:
+        if len(self.streams) >= self._prune_at:
+            live = self._quic._streams
+            for sid in [sid for sid, s in self.streams.items() if s._app_done and sid not in live]:
+                del self.streams[sid]
+            self._prune_at = max(64, 2 * len(self.streams))
+        self.streams[stream.stream_id] = stream
+
     def _is_local(self, stream_id: int) -> bool:
         return (stream_id & 1) == (0 if self.is_client else 1)
 
@@ -693,6 +798,62 @@ class _Connection(QuicConnectionProtocol):
         fut = self._progress
         if fut is not None and not fut.done():
             fut.set_result(None)
+
+
+class _MeshServer(QuicServer):
+    """aioquic's server, counting what it drops (garbage, packets for no connection)."""
+
+    def __init__(self, *, mesh: MeshTransport, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._mesh = mesh
+        self._known_cids: set[bytes] = set()  # initial cids of connections that got past their first packet
+
+    def _connection_terminated(self, protocol: QuicConnectionProtocol) -> None:
+        for cid, proto in self._protocols.items():
+            if proto is protocol:
+                self._known_cids.discard(cid)
+        super()._connection_terminated(protocol)
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        mesh = self._mesh
+        try:
+            try:
+                header = pull_quic_header(
+                    Buffer(data=bytes(data)), host_cid_length=self._configuration.connection_id_length
+                )
+            except ValueError:
+                mesh._count("datagrams_garbage")
+                mesh._ratelog.debug(time.monotonic(), "datagram_garbage", addr=addr, size=len(data))
+                return
+            cid = header.destination_cid
+            if cid not in self._protocols:
+                if not (header.packet_type == QuicPacketType.INITIAL and len(data) >= 1200):
+                    mesh._count("datagrams_dropped")
+                    mesh._ratelog.debug(time.monotonic(), "datagram_dropped", addr=addr, size=len(data))
+                elif mesh._pending_handshakes() >= mesh.config.max_pending_handshakes:
+                    mesh._count("refused_pending_handshakes")
+                    mesh._ratelog.debug(time.monotonic(), "connection_refused_pending_cap", addr=addr)
+                    return
+            super().datagram_received(data, addr)
+            new = self._protocols.get(cid) if cid not in self._known_cids else None
+            if isinstance(new, _Connection):
+                if new._quic._state == QuicConnectionState.FIRSTFLIGHT:
+                    # an Initial that did not decrypt: forget the connection it would have created
+                    mesh._count("datagrams_garbage_initial")
+                    self._connection_terminated(new)
+                    new.discard()
+                else:
+                    self._known_cids.add(cid)
+        except Exception as e:  # noqa: BLE001 - a network callback never raises
+            mesh._count("internal_errors")
+            log.warning("transport_server_datagram_failed", error=repr(e))
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
 
 
 class MeshTransport:
@@ -747,12 +908,15 @@ class MeshTransport:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    def _quic_config(self, is_client: bool) -> QuicConfiguration:
+    def _quic_config(self, is_client: bool, loopback: bool = False) -> QuicConfiguration:
+        size = self.config.max_datagram_size
+        if loopback and self.config.loopback_datagram_size:
+            size = self.config.loopback_datagram_size
         cfg = QuicConfiguration(
             is_client=is_client,
             alpn_protocols=[ALPN],
             idle_timeout=self.config.idle_timeout_s,
-            max_datagram_size=self.config.max_datagram_size,
+            max_datagram_size=size,
             max_data=self.config.quic_max_data,
             max_stream_data=self.config.quic_max_stream_data,
         )
@@ -765,13 +929,20 @@ class MeshTransport:
 
     async def listen(self, host: str, port: int) -> Address:
         """Bind the QUIC server; returns the address actually bound."""
-        self._server = await serve(
-            host,
-            port,
-            configuration=self._quic_config(False),
-            create_protocol=partial(_Connection, mesh=self, is_client=False),
-        )
-        sockname = self._server._transport.get_extra_info("sockname")  # type: ignore[union-attr]
+        loop = asyncio.get_running_loop()
+        try:
+            transport, _ = await loop.create_datagram_endpoint(
+                lambda: _MeshServer(
+                    mesh=self,
+                    configuration=self._quic_config(False),
+                    create_protocol=partial(_Connection, mesh=self, is_client=False),
+                ),
+                local_addr=(host, port),
+            )
+        except OSError as e:
+            raise TransportError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        self._server = transport.get_protocol()  # type: ignore[assignment]
+        sockname = transport.get_extra_info("sockname")
         return (str(sockname[0]), int(sockname[1]))
 
     async def close(self) -> None:
@@ -887,7 +1058,7 @@ class MeshTransport:
             raise TransportError(f"cannot resolve {host}: {e}") from None
         family, _, _, _, sockaddr = infos[0]
         local = ("::", 0) if family == socket.AF_INET6 else ("0.0.0.0", 0)
-        quic = QuicConnection(configuration=self._quic_config(True))
+        quic = QuicConnection(configuration=self._quic_config(True, _is_loopback(str(sockaddr[0]))))
         _, protocol = await loop.create_datagram_endpoint(
             lambda: _Connection(
                 quic, mesh=self, is_client=True, mode=mode, expected_node_id=expected_node_id,
@@ -917,13 +1088,15 @@ class MeshTransport:
     def _count(self, key: str) -> None:
         self.stats[key] = self.stats.get(key, 0) + 1
 
+    def _pending_handshakes(self) -> int:
+        return sum(1 for c in self._conns if not c.admitted and not c.closing and not c.is_client)
+
     def _admission_capacity(self) -> tuple[ErrorCode, str] | None:
         if self._closing:
             return (ErrorCode.SHUTDOWN, "node shutting down")
         if len(self._conns) > self.config.max_connections:
             return (ErrorCode.TOO_MANY_CONNECTIONS, "too many connections")
-        pending = sum(1 for c in self._conns if not c.admitted and not c.closed)
-        if pending > self.config.max_pending_handshakes:
+        if self._pending_handshakes() > self.config.max_pending_handshakes:
             return (ErrorCode.TOO_MANY_CONNECTIONS, "too many pending handshakes")
         return None
 
@@ -932,7 +1105,7 @@ class MeshTransport:
         if peer is None:
             peer = self._known[ev.node_id] = Peer(self, ev.node_id, ev.public_key)
         old = peer._conn
-        if old is not None and old is not conn and not old.closed:
+        if old is not None and old is not conn and not old.closing:
             if conn.admitted_at - old.admitted_at < self.config.simultaneous_dial_window_s:
                 # Simultaneous dials: both ends keep the connection dialled by the smaller node id.
                 def dialer(c: _Connection) -> str:
@@ -1033,5 +1206,5 @@ class MeshTransport:
             self._forget_stream(stream)
 
     def _forget_stream(self, stream: Stream) -> None:
-        """Drop our bookkeeping once the stream's user is done with it (aioquic keeps its own)."""
-        stream._conn.streams.pop(stream.stream_id, None)
+        """The stream's user is done with it: free its slot (late data for it is dropped)."""
+        stream._app_done = True
