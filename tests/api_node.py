@@ -68,7 +68,7 @@ async def run(args: argparse.Namespace) -> None:
     from transport.quic import MeshTransport, TransportConfig
 
     ident, creds = load_creds(args.creds)
-    tcfg = TransportConfig.loopback()
+    tcfg = TransportConfig()
     if args.keepalive is not None:
         tcfg = replace(tcfg, keepalive_interval_s=args.keepalive, idle_timeout_s=args.idle_timeout,
                        dead_peer_timeout_s=args.idle_timeout)
