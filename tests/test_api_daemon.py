@@ -77,6 +77,7 @@ def test_daemon_serves_external_models_locally(pair: tuple[Node, Node, Path]) ->
     assert r.model == "alias" and r.choices[0].message.content == _ref(9, 4)
     st = a.status()
     assert any(m["name"] == "alias" and m["kind"] == "openai" for m in st["models"])
+    assert any(m["name"] == "tiny" and m["kind"] == "engine" for m in st["models"])
     assert st["api"] == a.run["api"] and "api" in st["services"]
 
 

@@ -140,8 +140,7 @@ class ApiServer:
                         sum(b.in_flight() for b in self.backends), max(1, sum(b.capacity() for b in self.backends)))
 
     def status(self) -> dict[str, Any]:
-        # Engine models are reported by the engine's own service; external servers only exist here.
-        models = [m for b in self.backends if b.kind == "openai" for m in b.status()]
+        models = [m for b in self.backends for m in b.status()]
         return {"models": models, "in_flight": self.in_flight, "backend_in_flight": self.local_info().in_flight}
 
     # -- middleware and plain endpoints ------------------------------------------------------------

@@ -10,6 +10,7 @@ Model SPECs handled here: ``openai:URL`` and ``NAME=openai:URL`` (external serve
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Sequence
 from typing import Any
@@ -85,6 +86,9 @@ class ApiService:
         self.poll_interval_s = poll_interval_s
         self.address: tuple[str, int] | None = None
         self.daemon: Any = None
+        self.membership: Any = None
+        self._own: list[Backend] | None = None
+        self._publisher: asyncio.Task[None] | None = None
         self.server: ApiServer | None = None
         if node_id is not None:
             self._build(node_id, host, port, role, list(api_keys), list(backends), transport)
@@ -115,6 +119,7 @@ class ApiService:
                     from meshd.api.engine_backend import load_engine_backend
 
                     backends.append(load_engine_backend(spec, cfg.state_dir))
+            self._own = list(backends)  # reported in status by this service (others report their own)
             backends.extend(provided or [])
         self._build(daemon.node_id, cfg.api.host, cfg.api.port, cfg.role, keys, backends, daemon.transport)
 
@@ -147,6 +152,27 @@ class ApiService:
         if daemon is not None:
             daemon.set_api_address(*self.address)
             daemon.control.register("api_connect", self._cmd_connect)
+            self.membership = _membership_of(daemon)
+            if self.membership is not None:
+                with contextlib.suppress(Exception):
+                    self.membership.on_change(lambda event: self.directory.poke())
+                self._publisher = asyncio.create_task(self._publish_loop())
+
+    async def _publish_loop(self) -> None:
+        """Advertise this node's served models and load in its membership record (gossip)."""
+        last: tuple[tuple[str, str, str], ...] | None = None
+        while True:
+            try:
+                assert self.server is not None
+                models = tuple(sorted((m["name"], m["kind"], m["fingerprint"]) for b in self.server.backends
+                                      if b.models() for m in b.status()))
+                if models != last:
+                    self.membership.set_local_models([_model_info(*m) for m in models])
+                    last = models
+                self.membership.set_load(self.server.local_info().in_flight)
+            except Exception as e:  # noqa: BLE001 - advertising must never take the API down
+                log.debug("api_publish_failed", error=type(e).__name__)
+            await asyncio.sleep(self.poll_interval_s)
 
     async def _cmd_connect(self, params: dict[str, Any]) -> dict[str, Any]:
         """Interim until membership connects peers: keep a connection to ``addr`` pinned to ``node_id``."""
@@ -165,6 +191,10 @@ class ApiService:
     async def stop(self) -> None:
         if self.server is None:
             return
+        if self._publisher is not None:
+            self._publisher.cancel()
+            with contextlib.suppress(BaseException):
+                await self._publisher
         await self.directory.stop()
         await self.server.stop()
         if self.transport is not None:
@@ -177,6 +207,8 @@ class ApiService:
         if self.server is None:
             return {}
         st = self.server.status()
+        own = self._own if self._own is not None else self.server.backends
+        st["models"] = [m for b in own for m in b.status()]
         st["role"] = self.server.config.role
         st["tunnels_active"] = self.tunnel_server.active
         st["peers_serving"] = {n.node_id: list(n.models) for n in self.directory.nodes()}
@@ -202,6 +234,20 @@ def engine_backends(daemon: Any) -> list[Backend] | None:
         if callable(fn):
             out = (out or []) + list(fn())
     return out
+
+
+def _membership_of(daemon: Any) -> Any:
+    """The daemon's membership service (anything with ``set_local_models`` and ``set_load``), or None."""
+    for svc in getattr(daemon, "services", []):
+        if callable(getattr(svc, "set_local_models", None)) and callable(getattr(svc, "set_load", None)):
+            return svc
+    return None
+
+
+def _model_info(name: str, kind: str, fingerprint: str) -> Any:
+    from meshd.membership.records import ModelInfo  # type: ignore[import-not-found]
+
+    return ModelInfo(name=name, kind=kind, fingerprint=fingerprint, context_length=0)
 
 
 def _http_tunnel_type() -> Any:
