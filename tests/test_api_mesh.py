@@ -6,6 +6,7 @@ and a long-silent non-streaming request under shortened keep-alive/idle timers."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import urllib.request
@@ -127,6 +128,28 @@ def test_client_disconnect_cancels_on_serving_node(mesh: dict[str, NodeProcess])
                 await r.content.readline()
             assert _health(mesh["a"])["backend_in_flight"] == 1
             r.close()
+
+    asyncio.run(go())
+    deadline = time.monotonic() + 3
+    while _health(mesh["a"])["backend_in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _health(mesh["a"])["backend_in_flight"] == 0
+
+
+def test_client_disconnect_while_model_thinks_cancels_on_serving_node(mesh: dict[str, NodeProcess]) -> None:
+    """Non-streaming, nothing sent yet: closing the HTTP connection still cancels the remote request."""
+    async def go() -> None:
+        async with aiohttp.ClientSession() as s:
+            task = asyncio.create_task(s.post(mesh["c"].url + "/chat/completions",
+                                              json={"model": "m1", "messages": MSGS, "max_tokens": 2,
+                                                    "standin": {"think_s": 30}}))
+            deadline = time.monotonic() + 5
+            while _health(mesh["a"])["backend_in_flight"] == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert _health(mesh["a"])["backend_in_flight"] == 1
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     asyncio.run(go())
     deadline = time.monotonic() + 3

@@ -50,6 +50,7 @@ TUNNEL_MAX_FRAME_BYTES = TUNNEL_CHUNK_BYTES + API_MAX_HEADER_BYTES  # largest fr
 TUNNEL_MAX_RESPONSE_BYTES = 64 * 1024 * 1024  # buffered non-streaming response (JSON of a long generation)
 TUNNEL_CONNECT_TIMEOUT_S = 5.0  # opening a tunnel stream to a connected peer; then try the next node
 TUNNEL_FIRST_BYTE_TIMEOUT_S = 600.0  # a model may think for minutes before its first byte (keep-alive covers the wire)
+TUNNEL_REQUEST_TIMEOUT_S = 30.0  # serving side: the whole request (head + body) must arrive within this
 TUNNEL_HEARTBEAT_INTERVAL_S = 0.3  # serving side: a frame at least this often, even while the model thinks
 TUNNEL_HEARTBEAT_TIMEOUT_S = 1.8  # front side: silence this long means the serving node is gone (SPEC: error within 2 s)
 TUNNEL_POLL_INTERVAL_S = 2.0  # directory refresh of peers' served models over the tunnel (until membership)

@@ -243,6 +243,9 @@ class TunnelClient:
             _end(stream, False)
             reason = "went silent" if isinstance(e, asyncio.TimeoutError) else f"failed ({type(e).__name__}: {e})"
             raise ApiError(502, f"node {peer.node_id[:12]} {reason} before answering") from None
+        except BaseException:  # cancelled (the HTTP client went away): cancel on the serving node too
+            _end(stream, False)
+            raise
 
         state = {"done": False}
 
@@ -348,13 +351,13 @@ class TunnelServer:
             self.active -= 1
 
     async def _handle(self, conn: _Conn, peer_id: str) -> None:
-        frame = await conn.recv(self.config.first_byte_timeout_s)
+        frame = await conn.recv(limits.TUNNEL_REQUEST_TIMEOUT_S)
         if frame is None or frame[0] != TunnelFrame.REQUEST_HEAD:
             raise TunnelProtocolError("expected REQUEST_HEAD")
         head = frame[1]
         body = bytearray()
         while True:
-            frame = await conn.recv(self.config.first_byte_timeout_s)
+            frame = await conn.recv(limits.TUNNEL_REQUEST_TIMEOUT_S)
             if frame is None:
                 raise TunnelProtocolError("stream ended inside the request")
             ftype, obj = frame
