@@ -5,6 +5,7 @@ metrics, an external server that is down or slow, client disconnect."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
@@ -268,3 +269,27 @@ def test_metrics(node: ApiServer) -> None:
                  "meshd_api_in_flight", "meshd_route_decisions_total", "meshd_api_errors_total", "meshd_peers"):
         assert name in text, name
     assert 'meshd_api_requests_total{code="200",endpoint="chat",route="local"}' in text
+
+
+def test_disconnect_while_external_server_thinks_releases_slot(loop: LoopThread, node: ApiServer) -> None:
+    assert node.address is not None
+    ext = node.backends[1]
+    url = f"http://127.0.0.1:{node.address[1]}/v1/chat/completions"
+
+    async def go() -> None:
+        async with aiohttp.ClientSession() as s:
+            task = asyncio.create_task(s.post(url, json={"model": "ext-a", "messages": MSGS, "max_tokens": 1,
+                                                         "standin": {"think_s": 1.0}}))
+            deadline = time.monotonic() + 3
+            while ext.in_flight() == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert ext.in_flight() == 1
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        deadline = time.monotonic() + 3
+        while ext.in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    asyncio.run(go())
+    assert ext.in_flight() == 0

@@ -323,6 +323,9 @@ class OpenAIBackend:
         except (aiohttp.ClientError, OSError) as e:
             await release()
             raise ApiError(502, f"external server for '{model}' is unreachable ({type(e).__name__})") from None
+        except BaseException:  # cancelled: the client went away before the external server answered
+            await release()
+            raise
         if resp.status != 200:
             try:
                 data = await asyncio.wait_for(resp.content.read(64 * 1024), self.idle_timeout_s)

@@ -368,6 +368,10 @@ class ApiServer:
             if bump is not None:
                 bump(t.node_id, -1)
             raise
+        except BaseException:
+            if bump is not None:
+                bump(t.node_id, -1)
+            raise
         st = self.routes.peer(t.node_id)
         st.observe_ttfb((time.monotonic() - t0) * 1000.0)
         st.failed_at = None
