@@ -157,6 +157,9 @@ class ApiServer:
             msg = {404: f"no route {request.path}", 405: f"{request.method} is not allowed on {request.path}",
                    413: f"request body is larger than {self.config.max_body_bytes} bytes"}.get(status, e.reason)
             return self._error_response(ApiError(status, msg), request.path)
+        except Exception as e:  # noqa: BLE001 - a bug must still answer in OpenAI's shape, not a traceback page
+            log.warning("api_internal_error", path=request.path, error=repr(e))
+            return self._error_response(ApiError(500, "internal error"), request.path)
 
     def _check_key(self, request: web.Request) -> None:
         auth = request.headers.get("Authorization", "")
