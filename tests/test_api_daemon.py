@@ -8,6 +8,7 @@ into its state dir before it starts; the API's interim ``api_connect`` control c
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -106,3 +107,55 @@ def test_non_loopback_api_without_key_is_refused(tmp_path: Path) -> None:
     node = start_node(tmp_path / "c", "--api", "0.0.0.0:0", wait=False)
     code = node.proc.wait(20)
     assert code == 2 and "api" in node.stderr().lower()
+
+
+def test_three_daemons_and_serving_daemon_killed_mid_stream(tmp_path: Path) -> None:
+    """a and b serve 'shared' (the same external server) and their own tiny; c is a headless client.
+
+    A model of one node is used through the other and through the client; then the daemon serving a
+    stream is killed (SIGKILL): the stream ends with an error event within 2.5 s, and the next request
+    is served by the survivor."""
+    ext = StandInProcess("up")
+    a = start_node(tmp_path / "a", "--model", f"shared=openai:{ext.url}", "--model", "tiny-a=tiny")
+    nodes = [a]
+    try:
+        make_member(tmp_path / "a", tmp_path / "b")
+        make_member(tmp_path / "a", tmp_path / "c")
+        b = start_node(tmp_path / "b", "--model", f"shared=openai:{ext.url}", "--model", "tiny-b=tiny")
+        nodes.append(b)
+        c = start_node(tmp_path / "c", command="client")
+        nodes.append(c)
+        control.call(tmp_path / "b" / "control.sock", "api_connect", addr=a.run["quic"], node_id=a.run["node_id"])
+        for peer in (a, b):
+            control.call(tmp_path / "c" / "control.sock", "api_connect", addr=peer.run["quic"],
+                         node_id=peer.run["node_id"])
+        want = {"shared", "tiny-a", "tiny-b"}
+        for n in nodes:
+            assert wait_models(api_url(n), want) == want
+        cl_b = openai.OpenAI(base_url=api_url(b), api_key="x", max_retries=0)
+        raw = cl_b.chat.completions.with_raw_response.create(model="tiny-a", messages=MSGS, max_tokens=3)
+        assert raw.headers["x-meshd-node"] == a.run["node_id"] and raw.headers["x-meshd-route"] == "tunnel"
+        cl = openai.OpenAI(base_url=api_url(c), api_key="x", max_retries=0, timeout=30)
+        raw = cl.chat.completions.with_raw_response.create(model="tiny-b", messages=MSGS, max_tokens=3)
+        assert raw.headers["x-meshd-node"] == b.run["node_id"]
+
+        raw = cl.chat.completions.with_raw_response.create(
+            model="shared", messages=MSGS, max_tokens=1000, stream=True,
+            extra_body={"standin": {"token_delay_s": 0.05}})
+        victim = a if raw.headers["x-meshd-node"] == a.run["node_id"] else b
+        survivor = b if victim is a else a
+        got, t_kill = 0, 0.0
+        with pytest.raises(openai.APIError):
+            for _ in raw.parse():
+                got += 1
+                if got == 5:
+                    victim.proc.kill()
+                    t_kill = time.monotonic()
+        assert t_kill and time.monotonic() - t_kill < 2.5
+        r = cl.chat.completions.with_raw_response.create(model="shared", messages=MSGS, max_tokens=4, seed=9)
+        assert r.headers["x-meshd-node"] == survivor.run["node_id"]
+        assert r.parse().choices[0].message.content == _ref(9, 4)
+    finally:
+        for n in nodes:
+            n.stop()
+        ext.stop()
