@@ -8,7 +8,7 @@ B is a headless client connected to A. Then, in one run:
 - time to the first streamed token, the same way;
 - streamed tokens/s with 1 and 16 concurrent streams, direct and through B.
 
-    python bench/tunnel.py [--requests 200] [--tokens 2000] [--rounds 3] [--json]
+    python bench/tunnel.py [--requests 200] [--tokens 20000] [--rounds 3] [--json]
 
 Latencies alternate direct and tunnelled requests one by one; throughput alternates runs and reports
 the best of ``--rounds`` for each path, plus the CPU each node spent per token (less noisy than wall
@@ -127,7 +127,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             res[label] = {"direct": {"median": statistics.median(d), "p99": pct(d, 99)},
                           "tunnel": {"median": statistics.median(h), "p99": pct(h, 99)}}
         for streams in (1, 16):
-            n = args.tokens if streams == 1 else max(100, args.tokens // 4)
+            n = args.tokens if streams == 1 else max(100, args.tokens // 8)
             d_rates, h_rates = [], []
             cpu = {"a_direct": 0.0, "a_tunnel": 0.0, "b_tunnel": 0.0}
             for _ in range(args.rounds):  # alternate; best of rounds (least disturbed by other load)
@@ -170,7 +170,7 @@ def table(res: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=200)
-    ap.add_argument("--tokens", type=int, default=2000)
+    ap.add_argument("--tokens", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()

@@ -420,24 +420,28 @@ _EOF = object()
 
 
 async def _coalesced(body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Re-yield ``body``'s chunks, joining those that arrived while the previous send was in progress.
+    """Re-yield ``body``'s chunks, joining those that arrive close together into one frame.
 
-    A slow generator still gets one frame per token (no added latency); once chunks keep following each
-    other within ``TUNNEL_COALESCE_WINDOW_S`` (4 in a row), the next frame waits that long and carries all that arrived (up
-    to ``TUNNEL_CHUNK_BYTES``) instead of paying one QUIC packet per token. At most
-    ``TUNNEL_COALESCE_CHUNKS`` chunks wait here: beyond that the generator waits (backpressure)."""
+    A slow generator still gets one frame per token (no added latency). Once chunks keep following each
+    other within ``TUNNEL_COALESCE_WINDOW_S`` (4 frames in a row), a frame that is not yet full waits
+    that long and carries everything that arrived (up to ``TUNNEL_CHUNK_BYTES``) instead of paying one
+    QUIC packet per token; a full frame goes at once. At most ``TUNNEL_COALESCE_CHUNKS`` chunks wait
+    here: beyond that the generator waits (backpressure)."""
     buf: collections.deque[Any] = collections.deque()
     ready = asyncio.Event()
     room = asyncio.Event()
     room.set()
+    pending = 0  # bytes of chunks in buf
 
     async def pump() -> None:
+        nonlocal pending
         try:
             async for chunk in body:
                 while len(buf) >= limits.TUNNEL_COALESCE_CHUNKS:
                     room.clear()
                     await room.wait()
                 buf.append(chunk)
+                pending += len(chunk)
                 ready.set()
             buf.append(_EOF)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer below
@@ -451,7 +455,8 @@ async def _coalesced(body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         while True:
             await ready.wait()
             fast = fast + 1 if time.monotonic() - last < limits.TUNNEL_COALESCE_WINDOW_S else 0
-            if fast >= 4:
+            if fast >= 4 and pending < limits.TUNNEL_CHUNK_BYTES and len(buf) < limits.TUNNEL_COALESCE_CHUNKS \
+                    and isinstance(buf[-1], (bytes, bytearray)):
                 # Tokens are flowing fast: gather what arrives in the next window into this frame.
                 await asyncio.sleep(limits.TUNNEL_COALESCE_WINDOW_S)
             ready.clear()
@@ -459,6 +464,7 @@ async def _coalesced(body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
             while buf and isinstance(buf[0], (bytes, bytearray)) \
                     and not (out and len(out) + len(buf[0]) > limits.TUNNEL_CHUNK_BYTES):
                 out += buf.popleft()
+            pending -= len(out)
             room.set()
             if out:
                 yield bytes(out)
