@@ -178,3 +178,32 @@ def test_plan_puts_recently_failed_peers_last() -> None:
     stats = {"b": PeerStats(failed_at=100.0)}
     assert [t.node_id for t in plan("m", None, [b, c], stats, now=110.0)] == ["c", "b"]
     assert [t.node_id for t in plan("m", None, [b, c], stats, now=200.0)] == ["b", "c"]  # penalty expired
+
+
+def test_coalescing_keeps_slow_streams_per_token_and_batches_fast_ones() -> None:
+    import asyncio
+
+    from meshd.api.tunnel import _coalesced
+
+    async def gen(n: int, delay: float, fail: bool = False):  # type: ignore[no-untyped-def]
+        for i in range(n):
+            yield b"%03d," % i
+            await asyncio.sleep(delay)
+        if fail:
+            raise ApiError(500, "boom")
+
+    async def collect(n: int, delay: float) -> list[bytes]:
+        return [c async for c in _coalesced(gen(n, delay))]
+
+    slow = asyncio.run(collect(10, 0.01))
+    assert slow == [b"%03d," % i for i in range(10)]  # one frame per chunk, nothing delayed
+    fast = asyncio.run(collect(2000, 0.0))
+    assert b"".join(fast) == b"".join(b"%03d," % i for i in range(2000))  # nothing lost or reordered
+    assert len(fast) < 200  # batched
+
+    async def failing() -> None:
+        async for _ in _coalesced(gen(3, 0.0, fail=True)):
+            pass
+
+    with pytest.raises(ApiError):
+        asyncio.run(failing())
