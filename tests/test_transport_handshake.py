@@ -279,3 +279,39 @@ def test_joiner_cannot_send_member_frames() -> None:
     s.data_to_send()
     with pytest.raises(RemoteProtocolError):
         s.receive_data(encode_frame(FrameType.AUTH, b"x" * 80))
+
+
+# -- small pure pieces of the QUIC layer -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("attempt", "jitter", "expected"),
+    [(0, 0.0, 0.25), (0, 0.999, 0.49975), (1, 0.0, 0.5), (3, 0.5, 3.0), (6, 0.0, 15.0), (200, 0.0, 15.0)],
+)
+def test_backoff_table(attempt: int, jitter: float, expected: float) -> None:
+    from transport.quic import backoff_delay_s
+
+    assert backoff_delay_s(attempt, 0.5, 30.0, jitter) == pytest.approx(expected)
+
+
+def test_rate_limited_log_with_fake_clock() -> None:
+    from transport.ratelog import RateLimitedLog
+
+    class Sink:
+        def __init__(self) -> None:
+            self.lines: list[tuple[str, dict[str, Any]]] = []
+
+        def debug(self, event: str, **fields: Any) -> None:
+            self.lines.append((event, fields))
+
+    sink = Sink()
+    rl = RateLimitedLog(sink, interval_s=10.0)
+    now = 0.0
+    assert rl.debug(now, "garbage", n=1)
+    for _ in range(5):
+        now += 1.0
+        assert not rl.debug(now, "garbage", n=2)
+    assert rl.debug(now, "other")  # separate budget per event
+    now = 10.0
+    assert rl.debug(now, "garbage", n=3)
+    assert sink.lines == [("garbage", {"n": 1}), ("other", {}), ("garbage", {"n": 3, "suppressed": 5})]

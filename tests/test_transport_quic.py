@@ -139,6 +139,28 @@ def test_200_concurrent_streams_and_bulk(mesh: MeshCredentials, node_a: PeerProc
     asyncio.run(scenario())
 
 
+def test_200_concurrent_streams_with_internet_sized_packets(mesh: MeshCredentials, tmp_path: Path) -> None:
+    """The 1350-byte path that non-loopback peers use (loopback peers default to 16 KiB packets)."""
+    ident = NodeIdentity.generate()
+    proc = PeerProcess(peer_config(ident, member_of(mesh, ident), transport={"loopback_datagram_size": 0}), tmp_path)
+
+    async def scenario() -> None:
+        b = new_member(mesh, replace(FAST, loopback_datagram_size=0))
+        try:
+            peer = await b.connect(proc.addr, expected_node_id=proc.node_id)
+            assert peer._conn is not None and peer._conn._quic._max_datagram_size == 1350
+            payloads = [b"echo:%d:" % i + os.urandom(4096) for i in range(200)]
+            replies = await asyncio.gather(*(peer.request(StreamType.RPC, p, 30.0) for p in payloads))
+            assert replies == payloads
+        finally:
+            await b.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        assert proc.stop() == 0
+
+
 def test_request_timeout_resets_the_stream_and_cancels_the_handler(
     mesh: MeshCredentials, node_a: PeerProcess
 ) -> None:

@@ -115,6 +115,11 @@ class TransportConfig:
         return cls()
 
     @classmethod
+    def loopback(cls) -> TransportConfig:
+        """Kept for callers of the first tag: loopback peers get 16 KiB packets automatically now."""
+        return cls()
+
+    @classmethod
     def wire_1350(cls) -> TransportConfig:
         """Internet-sized packets even on loopback (to measure or test the general path)."""
         return replace(cls(), loopback_datagram_size=0)
@@ -136,6 +141,13 @@ class _CoarsePacer(QuicPacketPacer):
 
 
 PACING_GRANULARITY_S = 0.002  # seconds: below this, pacing gaps are skipped (see _CoarsePacer)
+
+
+def backoff_delay_s(attempt: int, min_s: float, max_s: float, jitter: float) -> float:
+    """Delay before redial number ``attempt`` (0-based): ``min_s * 2**attempt`` capped at ``max_s``, times
+    ``0.5 + 0.5 * jitter`` for ``jitter`` in [0, 1) so that peers restarted together do not redial in step."""
+    base = min(min_s * (2.0 ** min(attempt, 60)), max_s)
+    return base * (0.5 + 0.5 * jitter)
 
 
 def _maybe_task(result: Any, tasks: set[asyncio.Task[Any]]) -> None:
@@ -347,6 +359,7 @@ class _Connection(QuicConnectionProtocol):
         self.admitted_at = 0.0
         self.closed = False
         self.closing = False  # we or the peer began closing; no new streams
+        self.finished = asyncio.Event()  # set once the connection ended (see _finish)
         self.close_code: int | None = None
         self.close_reason = ""
         self.remote_address: Address | None = None
@@ -700,6 +713,7 @@ class _Connection(QuicConnectionProtocol):
             )
         self.closed = True
         self.closing = True
+        self.finished.set()
         if self.close_code is None:
             self.close_code = error_code
             self.close_reason = reason_phrase
@@ -1023,7 +1037,8 @@ class MeshTransport:
             task.cancel()
 
     async def _keeper(self, node_id: str, addrs: list[Address]) -> None:
-        delay = self.config.reconnect_min_s
+        cfg = self.config
+        attempt = 0
         while True:
             peer = self.peer(node_id)
             if peer is None:
@@ -1035,15 +1050,16 @@ class MeshTransport:
                         self._count("reconnect_failures")
                         self._ratelog.debug(time.monotonic(), "reconnect_failed", peer=node_id, error=str(e))
                 if peer is None:
-                    await asyncio.sleep(delay * (0.5 + 0.5 * self._rng.random()))
-                    delay = min(delay * 2, self.config.reconnect_max_s)
+                    delay = backoff_delay_s(attempt, cfg.reconnect_min_s, cfg.reconnect_max_s, self._rng.random())
+                    attempt += 1
+                    await asyncio.sleep(delay)
                     continue
-            delay = self.config.reconnect_min_s
+            attempt = 0
             conn = peer._conn
             if conn is not None:
-                await conn._closed.wait()
-            else:
-                await asyncio.sleep(self.config.reconnect_min_s)
+                await conn.finished.wait()
+            # a short pause before redialling, so a peer that admits and then drops us is not hammered
+            await asyncio.sleep(backoff_delay_s(0, cfg.reconnect_min_s, cfg.reconnect_max_s, self._rng.random()))
 
     async def _dial(
         self, addr: Address, mode: Mode, expected_node_id: str | None, join_request: bytes | None
