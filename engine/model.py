@@ -34,6 +34,18 @@ log = structlog.get_logger(__name__)
 F32 = np.float32
 
 
+def _available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (0 if unknown, which keeps narrow experts narrow)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 class KVCache:
     """Keys and values of one sequence, per layer ``[KV, capacity, hd]``; ``length`` positions are valid.
 
@@ -168,30 +180,36 @@ class Model:
 
     # ----- loading -----------------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | os.PathLike[str], progress: ProgressFn | None = None) -> Model:
+    def load(cls, path: str | os.PathLike[str], progress: ProgressFn | None = None,
+             widen_experts: bool | None = None) -> Model:
         """Load ``config.json`` and the safetensors weights of a checkpoint directory.
 
-        fp32 tensors stay zero-copy views of the file mapping; fp16/bf16 tensors are widened to fp32 here,
-        except routed experts, which are widened on use. Raises ``ConfigError`` or ``CheckpointError``
-        (message names the file and tensor key). ``progress(done_bytes, total_bytes)`` is called as
-        tensors are taken.
+        fp32 tensors stay zero-copy views of the file mapping; fp16/bf16 tensors are widened to fp32 here.
+        Routed experts stored in fp16/bf16 are widened here too if ``widen_experts`` (default: when the
+        whole model in fp32 takes at most half of the available memory), else on every use (slower, but
+        the resident size stays the checkpoint's). Results are identical either way. Raises
+        ``ConfigError`` or ``CheckpointError`` (message names the file and tensor key).
+        ``progress(done_bytes, total_bytes)`` is called as tensors are taken.
         """
         p = Path(path)
         cfg = ModelConfig.load(p)
         ckpt = load_checkpoint(p)
+        if widen_experts is None:
+            f32_bytes = sum(t.nbytes * 4 // t.data.itemsize for t in ckpt.values())
+            widen_experts = f32_bytes <= _available_bytes() // 2
         ld = _Loader(ckpt, progress)
         g = families.global_tensors(cfg)
         embed = ld.ref(g["embed"])
         norm = ld.f32(g["norm"])
         lm_head = ld.f32(g["lm_head"]) if "lm_head" in g else to_f32(embed.data, embed.dtype)
-        layers = [cls._load_layer(cfg, ld, i) for i in range(cfg.num_layers)]
+        layers = [cls._load_layer(cfg, ld, i, widen_experts) for i in range(cfg.num_layers)]
         ld.check_unexpected(cfg.tie_word_embeddings)
         log.info("model_loaded", path=str(p), model_type=cfg.model_type, layers=cfg.num_layers,
                  weight_bytes=ckpt.nbytes, files=len(ckpt.files))
         return cls(cfg, layers, embed, norm, lm_head, ckpt, p)
 
     @staticmethod
-    def _load_layer(cfg: ModelConfig, ld: _Loader, i: int) -> Layer:
+    def _load_layer(cfg: ModelConfig, ld: _Loader, i: int, widen_experts: bool) -> Layer:
         layer = Layer(**ld.group(families.attention_tensors(cfg, i)))
         if not cfg.is_sparse(i):
             for role, arr in ld.group(families.dense_mlp_tensors(cfg, i)).items():
@@ -202,9 +220,12 @@ class Model:
             layer.router = ld.f32(fused["router"])
             gu, dn = ld.ref(fused["gate_up"]), ld.ref(fused["down"])
             inter = cfg.moe_intermediate_size
-            layer.experts_f32 = gu.dtype == "F32" and dn.dtype == "F32"
+            layer.experts_f32 = (gu.dtype == "F32" and dn.dtype == "F32") or widen_experts
             for e in range(cfg.num_experts):
-                layer.experts.append((gu.data[e, :inter], gu.data[e, inter:], dn.data[e]))
+                w = (gu.data[e, :inter], gu.data[e, inter:], dn.data[e])
+                if widen_experts:
+                    w = (to_f32(w[0], gu.dtype), to_f32(w[1], gu.dtype), to_f32(w[2], dn.dtype))
+                layer.experts.append(w)
             layer.expert_dtypes = (gu.dtype, gu.dtype, dn.dtype)
         else:
             layer.router = ld.f32(families.router_tensor(cfg, i))
@@ -214,9 +235,12 @@ class Model:
                 refs = (ld.ref(sp["gate"]), ld.ref(sp["up"]), ld.ref(sp["down"]))
                 dtypes.update(r.dtype for r in refs)
                 layer.experts.append(refs)
-            layer.experts_f32 = dtypes == {"F32"}
+            layer.experts_f32 = dtypes == {"F32"} or widen_experts
             if layer.experts_f32:
-                layer.experts = [(g.data, u.data, d.data) for g, u, d in layer.experts]  # type: ignore[union-attr]
+                layer.experts = [
+                    (to_f32(g.data, g.dtype), to_f32(u.data, u.dtype), to_f32(d.data, d.dtype))  # type: ignore[union-attr]
+                    for g, u, d in layer.experts
+                ]
         shared = ld.group(families.shared_expert_tensors(cfg, i))
         if shared:
             layer.shared = (shared["shared_gate"], shared["shared_up"], shared["shared_down"])
@@ -264,8 +288,12 @@ class Model:
         return arr
 
     def forward(self, ids: Sequence[int] | np.ndarray, cache: KVCache,
-                executor: ExpertExecutor | None = None) -> np.ndarray:
-        """Run T new tokens after the cache's positions: [T] -> logits [T, V] fp32; appends T positions."""
+                executor: ExpertExecutor | None = None, *, last_only: bool = False) -> np.ndarray:
+        """Run T new tokens after the cache's positions: [T] -> logits [T, V] fp32; appends T positions.
+
+        ``last_only`` returns only the last position's logits ([1, V]), skipping the output head for the
+        others (a prefill that only needs the next token).
+        """
         arr = self._check_ids(ids)
         t, past = arr.shape[0], cache.length
         cache.reserve(past + t)
@@ -282,7 +310,7 @@ class Model:
             x = x + self._out(layer, att)
             x += self._mlp(i, layer, rmsnorm(x, layer.mlp_norm, self.config.rms_norm_eps), ex)
         cache.length = past + t
-        return self._logits(x)
+        return self._logits(x[-1:] if last_only else x)
 
     def forward_batch(self, ids: Sequence[int] | np.ndarray, caches: Sequence[KVCache],
                       executor: ExpertExecutor | None = None) -> np.ndarray:

@@ -62,8 +62,7 @@ class Routing:
 def route(router_logits: np.ndarray, top_k: int, norm_topk_prob: bool) -> Routing:
     """Canonical routing (steps 1-2 of the module contract). [T, E] -> Routing."""
     logits = router_logits.astype(np.float32, copy=False)
-    m = logits.max(axis=-1, keepdims=True)
-    e = np.exp(logits - m)
+    e = np.exp(logits - logits.max(axis=-1, keepdims=True))
     probs = e / e.sum(axis=-1, keepdims=True)  # [T, E]
     experts = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]  # [T, k]
     weights = np.take_along_axis(probs, experts, axis=-1)  # [T, k]
@@ -73,12 +72,12 @@ def route(router_logits: np.ndarray, top_k: int, norm_topk_prob: bool) -> Routin
     order = np.argsort(flat, kind="stable")  # groups by expert, ascending token within each
     tokens = order // top_k
     sorted_experts = flat[order]
-    bounds = np.flatnonzero(np.diff(sorted_experts)) + 1
-    work: list[WorkItem] = []
-    for chunk_tokens, chunk_experts in zip(np.split(tokens, bounds), np.split(sorted_experts, bounds)):
-        if len(chunk_tokens):
-            work.append((int(chunk_experts[0]), chunk_tokens.astype(np.int64)))
-    return Routing(experts=experts, weights=weights.astype(np.float32), work=work)
+    cuts = (np.flatnonzero(sorted_experts[1:] != sorted_experts[:-1]) + 1).tolist()
+    starts = [0, *cuts]
+    ends = [*cuts, len(flat)]
+    heads = sorted_experts[starts].tolist()
+    work: list[WorkItem] = [(ex, tokens[a:b]) for ex, a, b in zip(heads, starts, ends)]
+    return Routing(experts=experts, weights=weights.astype(np.float32, copy=False), work=work)
 
 
 def local_executor(weights: ExpertWeightsFn) -> ExpertExecutor:
@@ -98,9 +97,10 @@ def combine(routing: Routing, outputs: Sequence[np.ndarray], t: int, d: int) -> 
     for (expert, rows), out in zip(routing.work, outputs):
         slots = np.argmax(routing.experts[rows] == expert, axis=-1)  # [n]
         y[rows, slots] = out
+    w = routing.weights
     acc = np.zeros((t, d), dtype=np.float32)
     for j in range(top_k):
-        acc += routing.weights[:, j, None] * y[:, j, :]
+        acc += w[:, j, None] * y[:, j, :]
     return acc
 
 
