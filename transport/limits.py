@@ -66,6 +66,7 @@ OPENAI_BACKEND_MAX_MODELS = 256  # models accepted from one external server's /m
 # generation / scheduling (engine-gen)
 MAX_ACTIVE_SEQUENCES = 8  # sequences a Scheduler runs at once per model: each holds a KV cache; more waits as 429
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's cap); bounds per-token work and response size
+PREFILL_CHUNK_TOKENS = 512  # prompt tokens per scheduler step: bounds how long a new prompt stalls running streams
 MAX_MODEL_SPEC_CHARS = 4096  # a --model SPEC (path or URL) longer than this is a mistake
 
 # --- expert RPC (issue 6) ---------------------------------------------------------------------
