@@ -105,7 +105,7 @@ class ApiService:
         self.tunnel_client.count = self.server.metrics.count_tunnel
         self.tunnel_server = TunnelServer(self._dispatch_local, self.tunnel_config, self.server.metrics.count_tunnel)
 
-    def _build_from_daemon(self, daemon: Any) -> None:
+    async def _build_from_daemon(self, daemon: Any) -> None:
         cfg = daemon.config
         keys = load_api_keys(cfg.api_key_file) if cfg.api_key_file is not None else []
         backends: list[Backend] = []
@@ -118,7 +118,8 @@ class ApiService:
                 elif provided is None:  # no engine service in this daemon: load the model here
                     from meshd.api.engine_backend import load_engine_backend
 
-                    backends.append(load_engine_backend(spec, cfg.state_dir))
+                    # in a thread: a big checkpoint must not stall the loop (systemd pings, control)
+                    backends.append(await asyncio.to_thread(load_engine_backend, spec, cfg.state_dir))
             self._own = list(backends)  # reported in status by this service (others report their own)
             backends.extend(provided or [])
         self._build(daemon.node_id, cfg.api.host, cfg.api.port, cfg.role, keys, backends, daemon.transport)
@@ -140,7 +141,7 @@ class ApiService:
         if self.server is None:
             if daemon is None:
                 raise RuntimeError("ApiService needs node_id=... or a daemon")
-            self._build_from_daemon(daemon)
+            await self._build_from_daemon(daemon)
         assert self.server is not None
         self.daemon = daemon
         if self.transport is not None:
