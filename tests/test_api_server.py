@@ -293,3 +293,44 @@ def test_disconnect_while_external_server_thinks_releases_slot(loop: LoopThread,
 
     asyncio.run(go())
     assert ext.in_flight() == 0
+
+
+def test_external_stream_cut_without_done_is_an_error_event(loop: LoopThread) -> None:
+    """An external server that closes a stream early (no [DONE], no error event) is reported, not hidden."""
+    from aiohttp import web
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "cut", "object": "model"}]})
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "cut",
+                 "choices": [{"index": 0, "delta": {"content": "partial"}, "finish_reason": None}]}
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat)
+
+    async def start() -> tuple[web.AppRunner, int]:
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    runner, port = loop.run(start())
+    server = ApiServer(ApiConfig("node-cut"), [OpenAIBackend(f"http://127.0.0.1:{port}/v1")])
+    loop.run(server.start("127.0.0.1", 0))
+    try:
+        got = []
+        with pytest.raises(openai.APIError) as ei:
+            for ch in _client(server).chat.completions.create(model="cut", messages=MSGS, stream=True):
+                got.append(ch)
+        assert "ended the stream early" in str(ei.value) and len(got) == 1
+    finally:
+        loop.run(server.stop())
+        loop.run(runner.cleanup())

@@ -369,6 +369,7 @@ class OpenAIBackend:
                 yield _rewrite_model(data, model) if rename else data
                 return
             pending = b""
+            tail = b""  # the last bytes seen: did the stream end properly ([DONE] or an error event)?
             while True:
                 try:
                     chunk = await asyncio.wait_for(resp.content.readany(), self.idle_timeout_s)
@@ -378,7 +379,11 @@ class OpenAIBackend:
                 if not chunk:
                     if pending.strip():
                         yield pending
+                    last_event = tail.strip().rsplit(b"\n\n", 1)[-1]
+                    if b"[DONE]" not in last_event and b'"error"' not in last_event:
+                        raise ApiError(502, f"external server for '{model}' ended the stream early")
                     break
+                tail = (tail + chunk)[-4096:]
                 if not rename:
                     yield chunk
                     continue
