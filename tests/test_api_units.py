@@ -123,6 +123,9 @@ def test_plan_uses_measured_latency() -> None:
     stats = {"s1": PeerStats(ttfb_ms=200.0), "s2": PeerStats(ttfb_ms=20.0)}
     assert [t.node_id for t in plan("m", None, [fast, slow], stats)] == ["s2", "s1"]
     assert cost_ms(fast, stats["s1"]) == 201.0
+    rate = {"s1": PeerStats(ttfb_ms=20.0, tok_per_s=10.0), "s2": PeerStats(ttfb_ms=20.0, tok_per_s=100.0)}
+    assert [t.node_id for t in plan("m", None, [fast, slow], rate)] == ["s2", "s1"]  # faster decode wins
+    assert cost_ms(slow, rate["s2"]) == 1.0 + 20.0 + 640.0
 
 
 def test_models_and_auto() -> None:

@@ -6,8 +6,9 @@ tables; ``PeerStats`` keeps the measurements (EWMA of time to first byte and of 
 How a target list is built for a model (``plan``):
 1. The local node, if it serves the model and is not overloaded (in flight < capacity): local first.
 2. Peers that serve it (never headless clients), not saturated, cheapest first, where
-   ``cost_ms = rtt_ms + ttfb_ms * (1 + in_flight) / capacity`` (a peer's measured time to first byte,
-   scaled by how many requests share its slots; 50 ms until measured), ties by node id.
+   ``cost_ms = rtt_ms + (ttfb_ms + 64 tokens / tok_per_s) * (1 + in_flight) / capacity``: a peer's
+   measured time to first byte (50 ms until measured) and streamed tokens/s through it (EWMAs), scaled
+   by how many requests share its slots; ties by node id.
 3. Saturated peers, then peers that failed a request in the last 30 s, then the overloaded local node:
    tried last rather than refusing at once.
 ``model: "auto"`` (``choose_auto``): a model this node serves and has room for (first by name);
@@ -19,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEFAULT_TTFB_MS = 50.0
+TYPICAL_TOKENS = 64  # answer length used to turn a measured stream rate into milliseconds
 FAILURE_PENALTY_S = 30.0
 EWMA_ALPHA = 0.3
 
@@ -61,8 +63,10 @@ class PeerStats:
 
 
 def cost_ms(node: NodeInfo, stats: PeerStats | None) -> float:
+    """Expected milliseconds until a typical answer from ``node`` (see module docstring)."""
     ttfb = stats.ttfb_ms if stats is not None and stats.ttfb_ms is not None else DEFAULT_TTFB_MS
-    return node.rtt_ms + ttfb * (1 + node.in_flight) / max(1, node.capacity)
+    decode = 1000.0 * TYPICAL_TOKENS / stats.tok_per_s if stats is not None and stats.tok_per_s else 0.0
+    return node.rtt_ms + (ttfb + decode) * (1 + node.in_flight) / max(1, node.capacity)
 
 
 def _saturated(node: NodeInfo) -> bool:

@@ -16,7 +16,7 @@ import contextlib
 import hmac
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from meshd.api.directory import NODE_INFO_PATH, MeshView, StaticView
 from meshd.api.errors import ApiError
 from meshd.api.metrics import CONTENT_TYPE, ApiMetrics
 from meshd.api.reply import Reply
-from meshd.api.router import NodeInfo, RouteTable, Target, choose_auto, plan, routable_models
+from meshd.api.router import NodeInfo, PeerStats, RouteTable, Target, choose_auto, plan, routable_models
 from meshd.api.schema import GenRequest, parse_request
 from meshd.api.tunnel import TunnelClient
 from meshd.errors import UsageError
@@ -378,6 +378,8 @@ class ApiServer:
         st = self.routes.peer(t.node_id)
         st.observe_ttfb((time.monotonic() - t0) * 1000.0)
         st.failed_at = None
+        if reply.stream:
+            reply.body = _measure_rate(reply.body, st)
         inner = reply.on_close
 
         async def on_close() -> None:
@@ -389,6 +391,18 @@ class ApiServer:
         reply.on_close = on_close
         reply.route = "tunnel"
         return reply
+
+
+async def _measure_rate(body: AsyncIterator[bytes], st: PeerStats) -> AsyncIterator[bytes]:
+    """Pass a tunnelled SSE body through, recording its events per second (about tokens/s)."""
+    events = 0
+    t0 = time.monotonic()
+    async for chunk in body:
+        events += chunk.count(b"data: ")
+        yield chunk
+    dt = time.monotonic() - t0
+    if events >= 8 and dt > 0:
+        st.observe_rate(events / dt)
 
 
 def _json_reply(payload: dict[str, Any], node_id: str) -> Reply:

@@ -213,6 +213,8 @@ class ApiService:
         st["role"] = self.server.config.role
         st["tunnels_active"] = self.tunnel_server.active
         st["peers_serving"] = {n.node_id: list(n.models) for n in self.directory.nodes()}
+        st["routes"] = {nid: {"ttfb_ms": ps.ttfb_ms, "tok_per_s": ps.tok_per_s, "failures": ps.failures}
+                        for nid, ps in self.server.routes.stats.items()}
         return st
 
     def local_info(self) -> dict[str, Any]:
