@@ -220,7 +220,10 @@ def test_external_backend_comes_and_goes(loop: LoopThread) -> None:
         deadline = time.monotonic() + 5
         while c.models.list().data and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert c.models.list().data == []
+        assert c.models.list().data == []  # gone from the listing at once (no phantoms) ...
+        with pytest.raises(openai.APIStatusError) as ei:  # ... but still known: 503, retry later
+            c.chat.completions.create(model="renamed", messages=MSGS)
+        assert ei.value.status_code == 503 and ei.value.response.headers["Retry-After"] == "5"
     finally:
         p.stop()
         loop.run(server.stop())

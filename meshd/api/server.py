@@ -87,6 +87,7 @@ class ApiServer:
         self._runner: web.AppRunner | None = None
         self.address: tuple[str, int] | None = None
         self.in_flight = 0
+        self._seen: dict[str, float] = {}  # model -> when it was last routable (503 instead of 404 for a while)
         self.app = self._make_app()
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -186,6 +187,9 @@ class ApiServer:
     def models_payload(self, local_only: bool) -> dict[str, Any]:
         peers = [] if local_only else self.mesh.nodes()
         served = routable_models(self.local_info(), peers)
+        mono = time.monotonic()
+        for m in served:
+            self._seen[m] = mono
         now = int(time.time())
         data = [{"id": m, "object": "model", "created": now, "owned_by": "meshd",
                  "meshd": {"nodes": len(nodes), "local": self.config.node_id in nodes}}
@@ -294,12 +298,20 @@ class ApiServer:
             if chosen is None:
                 raise ApiError(503, "no model is served anywhere in the mesh right now", code="no_models")
             model = chosen
-        targets = plan(model, local, peers, self.routes.stats, time.monotonic())
+        now = time.monotonic()
+        served_now = routable_models(local, peers)
+        for m in served_now:
+            self._seen[m] = now
+        targets = plan(model, local, peers, self.routes.stats, now)
         if not targets:
-            served = sorted(routable_models(local, peers))
-            listing = ", ".join(served) if served else "none"
+            listing = ", ".join(sorted(served_now)) if served_now else "none"
             if local_only:
                 raise ApiError(503, f"model '{model}' is not served on this node")
+            seen = self._seen.get(model)
+            if seen is not None and now - seen < limits.API_RECENT_MODEL_S:
+                raise ApiError(503, f"model '{model}' has no node that can serve it right now "
+                               f"(last served {now - seen:.0f} s ago); served models: {listing}",
+                               retry_after_s=5)
             raise ApiError(404, f"model '{model}' does not exist in this mesh; served models: {listing}")
         return model, targets
 
