@@ -99,3 +99,18 @@ def test_busy_and_disconnect_cancel(tiny: ApiServer) -> None:
         assert sched.active == 0
 
     asyncio.run(go())
+
+
+def test_async_client_streams_tiny(tiny: ApiServer) -> None:
+    src = _source(tiny)
+    ids = src.tokenizer.apply_chat_template(MSGS, add_generation_prompt=True)
+    assert tiny.address is not None
+
+    async def go() -> str:
+        c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{tiny.address[1]}/v1", api_key="x", max_retries=0)
+        s = await c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=6, temperature=0, stream=True)
+        text = "".join([ch.choices[0].delta.content or "" async for ch in s if ch.choices])
+        await c.close()
+        return text
+
+    assert asyncio.run(go()) == _reference(src, ids, 6)
