@@ -483,10 +483,61 @@ def test_stream_and_connection_caps(mesh: MeshCredentials) -> None:
     asyncio.run(scenario())
 
 
-def test_send_buffer_is_bounded_and_a_stalled_reader_is_reset(mesh: MeshCredentials) -> None:
+def test_slow_reader_blocks_the_sender_with_bounded_buffers(mesh: MeshCredentials) -> None:
     async def scenario() -> None:
-        limit = 256 * 1024
-        server = new_member(mesh)
+        send_limit, window = 256 * 1024, 1024 * 1024
+        server = new_member(mesh, replace(FAST, quic_max_stream_data=window))
+        gate = asyncio.Event()
+        streams: list[Stream] = []
+        got: list[int] = []
+
+        async def slow_reader(peer: Peer, stream: Stream) -> None:
+            streams.append(stream)
+            await gate.wait()
+            total = 0
+            while (chunk := await stream.recv()) is not None:
+                total += len(chunk)
+            got.append(total)
+
+        server.on_stream(StreamType.EXPERT, slow_reader)
+        addr = await server.listen("127.0.0.1", 0)
+        client = new_member(mesh, replace(FAST, stream_send_buffer_bytes=send_limit))
+        try:
+            peer = await client.connect(addr)
+            stream = await peer.open_stream(StreamType.EXPERT)
+            conn = peer._conn
+            assert conn is not None
+            blob = b"x" * 65536
+            worst = [0]
+
+            async def send_all() -> None:
+                for _ in range(256):  # 16 MiB
+                    await stream.send(blob)
+                    worst[0] = max(worst[0], conn._pending_send_bytes(stream.stream_id))
+                await stream.end()
+
+            sender = asyncio.ensure_future(send_all())
+            await asyncio.sleep(1.0)
+            assert not sender.done()  # blocked: the reader has read nothing
+            [remote] = streams
+            assert remote._queued_bytes <= window + len(blob)  # receiver holds at most one window
+            assert worst[0] <= send_limit + len(blob) + 64  # sender holds at most its buffer
+            gate.set()
+            await asyncio.wait_for(sender, 20.0)
+            await _until(lambda: got == [256 * len(blob)], 10.0)
+        finally:
+            gate.set()
+            await client.close()
+            await server.close()
+
+    asyncio.run(scenario())
+
+
+def test_reader_queue_overflow_resets_the_stream(mesh: MeshCredentials) -> None:
+    """Safety net behind flow control: a queue limit below the window resets the stream."""
+
+    async def scenario() -> None:
+        server = new_member(mesh, replace(FAST, stream_recv_queue_bytes=256 * 1024))
         stalled = asyncio.Event()
 
         async def never_read(peer: Peer, stream: Stream) -> None:
@@ -494,20 +545,14 @@ def test_send_buffer_is_bounded_and_a_stalled_reader_is_reset(mesh: MeshCredenti
 
         server.on_stream(StreamType.EXPERT, never_read)
         addr = await server.listen("127.0.0.1", 0)
-        client = new_member(mesh, replace(FAST, stream_send_buffer_bytes=limit))
+        client = new_member(mesh)
         try:
             peer = await client.connect(addr)
             stream = await peer.open_stream(StreamType.EXPERT)
-            conn = peer._conn
-            assert conn is not None
-            blob = b"x" * 65536
-            worst = 0
             with pytest.raises(StreamReset) as err:
-                for _ in range(1000):  # 64 MiB: far beyond the receiver's 8 MiB queue
-                    await stream.send(blob)
-                    worst = max(worst, conn._pending_send_bytes(stream.stream_id))
+                for _ in range(1000):
+                    await stream.send(b"x" * 65536)
             assert err.value.code == ErrorCode.RECV_OVERFLOW
-            assert worst <= limit + len(blob) + 64
             assert server.stats["streams_reset_recv_overflow"] == 1
         finally:
             stalled.set()

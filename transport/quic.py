@@ -27,11 +27,15 @@ from aioquic.asyncio.server import QuicServer
 from aioquic.buffer import Buffer
 from aioquic.quic import events as qe
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import QuicConnection, QuicConnectionState
-from aioquic.quic.packet import QuicPacketType, pull_quic_header
+from aioquic.quic.connection import MAX_STREAM_DATA_FRAME_CAPACITY, QuicConnection, QuicConnectionState
+from aioquic.quic.packet import QuicFrameType, QuicPacketType, pull_quic_header
+from aioquic.quic.packet_builder import QuicPacketBuilder
+from aioquic.quic.recovery import QuicPacketSpace
+from aioquic.quic.stream import QuicStream
 from aioquic.quic.recovery import QuicPacketPacer, QuicPacketRecovery
 
 from transport import ALPN, PROTOCOL_MAX, PROTOCOL_MIN, PROTOCOL_VERSION, limits
+from transport.limits import FRAME_HEADER_BYTES
 from transport.credentials import MemberCert, MeshCredentials
 from transport.errors import (
     HandshakeRefused,
@@ -140,6 +144,41 @@ class _CoarsePacer(QuicPacketPacer):
         return at
 
 
+class _MeshQuicConnection(QuicConnection):
+    """aioquic's connection, granting stream credit as the application reads (real backpressure).
+
+    Stock aioquic doubles a stream's receive window whenever half of it has *arrived*, so a slow reader
+    never slows the sender. For streams listed in ``app_consumed`` (stream id -> bytes the application
+    has taken), the window is ``consumed + app_window`` instead, re-announced once it moved by half a
+    window. Other streams (the handshake) keep aioquic's behaviour. Instances are made by aioquic as
+    ``QuicConnection`` and switched to this class by ``_Connection``.
+    """
+
+    app_consumed: dict[int, int]
+    app_window: int
+
+    def _write_stream_limits(
+        self, builder: QuicPacketBuilder, space: QuicPacketSpace, stream: QuicStream
+    ) -> None:
+        consumed = self.app_consumed.get(stream.stream_id)
+        if consumed is None or not stream.max_stream_data_local:
+            super()._write_stream_limits(builder=builder, space=space, stream=stream)
+            return
+        target = consumed + self.app_window
+        if target - stream.max_stream_data_local >= self.app_window // 2:
+            stream.max_stream_data_local = target
+        if stream.max_stream_data_local_sent != stream.max_stream_data_local:
+            buf = builder.start_frame(
+                QuicFrameType.MAX_STREAM_DATA,
+                capacity=MAX_STREAM_DATA_FRAME_CAPACITY,
+                handler=self._on_max_stream_data_delivery,
+                handler_args=(stream,),
+            )
+            buf.push_uint_var(stream.stream_id)
+            buf.push_uint_var(stream.max_stream_data_local)
+            stream.max_stream_data_local_sent = stream.max_stream_data_local
+
+
 PACING_GRANULARITY_S = 0.002  # seconds: below this, pacing gaps are skipped (see _CoarsePacer)
 
 
@@ -176,6 +215,8 @@ class Stream:
         self._decoder = decoder
         self._frames: deque[Frame] = deque()
         self._queued_bytes = 0
+        self._raw_received = 0  # stream bytes received from QUIC (preamble and frames)
+        self._raw_queued = 0  # wire bytes of complete frames not yet read by the application
         self._ended = False  # peer finished sending
         self._error: TransportError | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -211,10 +252,15 @@ class Stream:
             await self._conn.write(self.stream_id, b"", True)
             self._check_done()
 
+    def _mark_done(self) -> None:
+        """The application is finished with this stream: free its slot, stop flow accounting."""
+        self._app_done = True
+        self._conn._flow.app_consumed.pop(self.stream_id, None)
+
     def _check_done(self) -> None:
         """Free the stream's slot once both directions ended."""
         if self._sent_end and self._ended and not self._frames:
-            self._app_done = True
+            self._mark_done()
 
     async def recv(self) -> bytes | None:
         """Next DATA payload; None at a clean end. Raises StreamReset, RemoteError or TransportError."""
@@ -240,13 +286,15 @@ class Stream:
                 self._waiter = None
         frame = self._frames.popleft()
         self._queued_bytes -= len(frame.payload)
+        self._raw_queued -= FRAME_HEADER_BYTES + len(frame.payload)
+        self._conn._consumed(self)
         return frame
 
     def reset(self, code: int = ErrorCode.CANCELLED) -> None:
         """Abort both directions; the peer's ``recv`` raises ``StreamReset(code)``."""
         self._conn.reset_stream(self.stream_id, code)
         self._set_error(StreamReset(code, "stream reset locally"))
-        self._app_done = True
+        self._mark_done()
 
     # -- called by the connection ----------------------------------------------------------------
 
@@ -259,6 +307,7 @@ class Stream:
         for frame in frames:
             self._frames.append(frame)
             self._queued_bytes += len(frame.payload)
+            self._raw_queued += FRAME_HEADER_BYTES + len(frame.payload)
         if end:
             self._ended = True
         self._wake()
@@ -348,6 +397,10 @@ class _Connection(QuicConnectionProtocol):
     ) -> None:
         super().__init__(quic)
         self.mesh = mesh
+        quic.__class__ = _MeshQuicConnection  # same object layout; adds consumption-based stream credit
+        self._flow: _MeshQuicConnection = quic  # type: ignore[assignment]
+        self._flow.app_consumed = {}
+        self._flow.app_window = mesh.config.quic_max_stream_data
         self._set_datagram_size(quic._max_datagram_size)
         self.is_client = is_client
         self.mode = mode
@@ -432,7 +485,7 @@ class _Connection(QuicConnectionProtocol):
             pass  # already finished on our side
         stream = self.streams.get(stream_id)
         if stream is not None:
-            stream._app_done = True
+            stream._mark_done()
         self._transmit_soon()
 
     def close_with(self, code: ErrorCode, reason: str) -> None:
@@ -534,7 +587,7 @@ class _Connection(QuicConnectionProtocol):
         elif isinstance(event, qe.StreamReset):
             stream = self.streams.get(event.stream_id)
             if stream is not None:
-                stream._app_done = True
+                stream._mark_done()
                 stream._set_error(StreamReset(event.error_code))
                 if stream._handler_task is not None:
                     stream._handler_task.cancel()
@@ -627,7 +680,7 @@ class _Connection(QuicConnectionProtocol):
             raise RemoteProtocolError(ErrorCode.NOT_ADMITTED, "stream opened before the handshake")
         stream = self.streams.get(stream_id)
         if stream is not None and stream._app_done:
-            return  # late data for a stream we are done with or reset
+            return  # late data for a stream we are done with or reset (stock credit lets it drain)
         if stream is None:
             # aioquic only reports streams it has not discarded, so an unknown id is a new stream
             if self._is_local(stream_id):
@@ -640,6 +693,7 @@ class _Connection(QuicConnectionProtocol):
                 return
             stream = Stream(self, stream_id, None, FrameDecoder(None, (PROTOCOL_MIN, PROTOCOL_MAX)))
             self._add_stream(stream)
+        stream._raw_received += len(data)
         frames = stream._decoder.feed(data)
         if end:
             stream._decoder.feed_eof()
@@ -648,7 +702,9 @@ class _Connection(QuicConnectionProtocol):
             if stream.stream_type in HANDSHAKE_STREAM_TYPES:
                 raise RemoteProtocolError(ErrorCode.PROTOCOL_ERROR, "second handshake stream")
             self.mesh._dispatch(self, stream)
-        if not stream._on_frames(frames, end, self.mesh.config.stream_recv_queue_bytes):
+        queue_ok = stream._on_frames(frames, end, self.mesh.config.stream_recv_queue_bytes)
+        self._consumed(stream)
+        if not queue_ok:
             self.mesh._count("streams_reset_recv_overflow")
             stream._set_error(StreamReset(ErrorCode.RECV_OVERFLOW, "receive queue overflow"))
             self.reset_stream(stream_id, ErrorCode.RECV_OVERFLOW)
@@ -783,6 +839,20 @@ class _Connection(QuicConnectionProtocol):
             self._timer = None
         self.mesh._conns.discard(self)
 
+    def _consumed(self, stream: Stream) -> None:
+        """Tell the flow controller how much of ``stream`` the application has taken; send credit soon
+        if the announced window fell below half."""
+        sid = stream.stream_id
+        if stream._app_done or sid not in self._flow.app_consumed:
+            return
+        consumed = stream._raw_received - stream._raw_queued
+        self._flow.app_consumed[sid] = consumed
+        qstream = self._quic._streams.get(sid)
+        if qstream is not None and consumed + self._flow.app_window - qstream.max_stream_data_local >= (
+            self._flow.app_window // 2
+        ):
+            self._transmit_soon()
+
     def _open_streams(self, local: bool) -> int:
         return sum(1 for s in self.streams.values() if not s._app_done and self._is_local(s.stream_id) == local)
 
@@ -791,8 +861,10 @@ class _Connection(QuicConnectionProtocol):
             live = self._quic._streams
             for sid in [sid for sid, s in self.streams.items() if s._app_done and sid not in live]:
                 del self.streams[sid]
+                self._flow.app_consumed.pop(sid, None)
             self._prune_at = max(64, 2 * len(self.streams))
         self.streams[stream.stream_id] = stream
+        self._flow.app_consumed[stream.stream_id] = 0
 
     def _is_local(self, stream_id: int) -> bool:
         return (stream_id & 1) == (0 if self.is_client else 1)
@@ -1223,4 +1295,4 @@ class MeshTransport:
 
     def _forget_stream(self, stream: Stream) -> None:
         """The stream's user is done with it: free its slot (late data for it is dropped)."""
-        stream._app_done = True
+        stream._mark_done()
