@@ -117,4 +117,10 @@ def moe_block(
     outputs = executor(layer, x, routing.work)
     if len(outputs) != len(routing.work):
         raise RuntimeError(f"expert executor returned {len(outputs)} outputs for {len(routing.work)} items")
+    for (expert, rows), out in zip(routing.work, outputs):
+        if out.shape != (len(rows), x.shape[1]) or out.dtype != np.float32:
+            raise RuntimeError(
+                f"expert executor returned {out.dtype}{list(out.shape)} for layer {layer} expert {expert},"
+                f" expected float32{[len(rows), x.shape[1]]}"
+            )
     return combine(routing, outputs, x.shape[0], x.shape[1])

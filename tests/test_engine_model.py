@@ -133,6 +133,20 @@ def test_attention_matches_loop(heads: int, kv: int, t: int, past: int, window: 
     np.testing.assert_allclose(got, naive_attention(q, k, v, past, hd**-0.5, window), rtol=1e-5, atol=1e-5)
 
 
+def test_attention_query_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt longer than one query block gives the same result as one block (bounded score memory)."""
+    from engine import ops
+
+    hd, t, past = 8, 11, 4
+    q = RNG.standard_normal((t, 6, hd)).astype(np.float32)
+    k = RNG.standard_normal((2, past + t, hd)).astype(np.float32)
+    v = RNG.standard_normal((2, past + t, hd)).astype(np.float32)
+    whole = attention(q, k, v, past, hd**-0.5, 6)
+    monkeypatch.setattr(ops, "ATTENTION_QUERY_BLOCK", 3)
+    np.testing.assert_allclose(attention(q, k, v, past, hd**-0.5, 6), whole, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(whole, naive_attention(q, k, v, past, hd**-0.5, 6), rtol=1e-5, atol=1e-5)
+
+
 # ----- checkpoint reader ------------------------------------------------------------------------------
 def test_reader_dtypes_and_zero_copy(tmp_path: Path) -> None:
     a = RNG.standard_normal((3, 5)).astype(np.float32)
@@ -189,7 +203,7 @@ def test_missing_tensor_names_key(tmp_path: Path) -> None:
     ts = tiny_tensors(TINY)
     del ts["model.layers.2.mlp.experts.3.up_proj.weight"]
     make_ckpt(tmp_path / "m", tensors=ts)
-    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.2\.mlp\.experts\.3\.up_proj\.weight'"):
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.2\.mlp\.experts\.3\.up_proj"):
         Model.load(tmp_path / "m")
 
 
@@ -208,7 +222,8 @@ def test_unexpected_tensor_is_refused(tmp_path: Path) -> None:
     ts = tiny_tensors(TINY)
     ts["model.layers.0.mlp.experts.9.up_proj.weight"] = np.zeros((8, 16), dtype=np.float32)
     make_ckpt(tmp_path / "m", tensors=ts)
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.experts\.9"):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.experts\.9"
+                       r"\.up_proj\.weight' is not used"):
         Model.load(tmp_path / "m")
 
 
@@ -281,8 +296,9 @@ def test_config_fields() -> None:
     assert ol.qk_norm == "full" and ol.head_dim == 4  # OLMoE derives head_dim
     q2 = ModelConfig.from_hf({**TINY, "model_type": "qwen2_moe", "shared_expert_intermediate_size": 12})
     assert q2.qkv_bias and not q2.o_bias and q2.qk_norm == "none"
-    ll = ModelConfig.from_hf({**TINY, "model_type": "llama", "rope_scaling": {"rope_type": "llama3",
-        "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}})
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    ll = ModelConfig.from_hf({**TINY, "model_type": "llama", "rope_scaling": scaling})
     assert ll.rope.type == "llama3" and not ll.is_moe
 
 
@@ -380,6 +396,12 @@ def test_executor_seam(tiny: Path) -> None:
     def broken(layer, x, work):
         return base(layer, x, work)[:-1]
 
+    def misshaped(layer, x, work):
+        return [y[:, :-1] for y in base(layer, x, work)]
+
+    with pytest.raises(RuntimeError, match=r"expert executor returned float32\[\d+, 15\] for layer 0"):
+        m.forward([1, 2], m.new_cache(), executor=misshaped)
+
     c = m.new_cache()
     m.forward([1, 2], c)
     with pytest.raises(RuntimeError, match="expert executor returned"):
@@ -406,8 +428,9 @@ def test_fused_expert_layout_matches_per_expert(tmp_path: Path, dtype: str) -> N
     fused = {k: v for k, v in ts.items() if ".mlp.experts." not in k}
     for layer in (0, 2):
         p = f"model.layers.{layer}.mlp.experts"
-        fused[f"{p}.gate_up_proj"] = np.stack(
-            [np.concatenate([ts[f"{p}.{e}.gate_proj.weight"], ts[f"{p}.{e}.up_proj.weight"]]) for e in range(4)])
+        gate_up = [np.concatenate([ts[f"{p}.{e}.gate_proj.weight"], ts[f"{p}.{e}.up_proj.weight"]])
+                   for e in range(4)]
+        fused[f"{p}.gate_up_proj"] = np.stack(gate_up)
         fused[f"{p}.down_proj"] = np.stack([ts[f"{p}.{e}.down_proj.weight"] for e in range(4)])
     make_ckpt(tmp_path / "fused", dtype=dtype, tensors=fused)
     ids = [2, 7, 1, 8, 2, 8]
@@ -428,3 +451,21 @@ def test_last_only(tiny: Path) -> None:
     last = m.forward([4, 8, 15, 16], c2, last_only=True)
     assert last.shape == (1, 40) and c2.length == 4
     np.testing.assert_allclose(last[0], full[-1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_moe_block_matches_per_token_loop(norm: bool) -> None:
+    from engine.moe import expert_ffn, moe_block
+
+    t, d, i, e, k = 6, 8, 5, 5, 2
+    x = RNG.standard_normal((t, d)).astype(np.float32)
+    logits = RNG.standard_normal((t, e)).astype(np.float32)
+    w = [tuple(RNG.standard_normal(s).astype(np.float32) for s in ((i, d), (i, d), (d, i))) for _ in range(e)]
+    got = moe_block(x, logits, k, norm, local_executor(lambda layer, ex: w[ex]), 0)
+    for row in range(t):
+        p = np.exp(logits[row] - logits[row].max())
+        p /= p.sum()
+        top = sorted(range(e), key=lambda j: -p[j])[:k]
+        wt = p[top] / (p[top].sum() if norm else 1.0)
+        ref = sum(wt[j] * expert_ffn(x[row : row + 1], *w[top[j]])[0] for j in range(k))
+        np.testing.assert_allclose(got[row], ref, rtol=1e-5, atol=1e-5)

@@ -67,13 +67,13 @@ def _ref_logprobs(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
     return torch.log_softmax(out.double(), dim=-1).numpy()
 
 
-def _check(model: torch.nn.Module, path: Path, prompt: list[int] = PROMPT) -> Model:
+def _check(model: torch.nn.Module, path: Path, prompt: list[int] = PROMPT, split: int | None = None) -> Model:
     eng = Model.load(path)
     assert eng.config.vocab_size == model.config.vocab_size
     # 1. teacher forced: prefill part of the prompt, then decode the rest one token at a time.
     ref = _ref_logprobs(model, prompt)
     cache = eng.new_cache(capacity=4)  # small on purpose: growth is exercised
-    split = len(prompt) // 2
+    split = len(prompt) // 2 if split is None else split
     parts = [eng.forward(prompt[:split], cache)] + [eng.forward([t], cache) for t in prompt[split:]]
     got = _logprobs(np.concatenate(parts))
     assert got.shape == ref.shape
@@ -274,3 +274,11 @@ def test_forward_batch_matches_reference(tmp_path: Path) -> None:
         ref = _ref_logprobs(m, PROMPT[:n])[-1]
         assert np.abs(row - ref).max() < LOGPROB_TOL
     assert [c.length for c in caches] == lengths
+
+
+def test_long_prompt_blocked_attention(tmp_path: Path) -> None:
+    """A prompt longer than one attention query block (256) through prefill and the cache."""
+    m = _build("Qwen3MoeConfig", "Qwen3MoeForCausalLM", seed=14, **QWEN3_MOE, norm_topk_prob=True)
+    m.save_pretrained(tmp_path)
+    prompt = [int(i) for i in np.random.default_rng(14).integers(0, 64, 300)]
+    _check(m, tmp_path, prompt=prompt, split=290)

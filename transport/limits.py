@@ -64,6 +64,9 @@ OPENAI_BACKEND_HEALTH_TIMEOUT_S = 3.0  # one health probe
 OPENAI_BACKEND_MAX_MODELS = 256  # models accepted from one external server's /models
 
 # --- engine (issue 4) -------------------------------------------------------------------------
+# model forward pass (engine-model)
+# queries per attention score matrix: bounds it to H*256*L*4 bytes (48 MB at H=12 heads, L=4096)
+ATTENTION_QUERY_BLOCK = 256
 # generation / scheduling (engine-gen)
 MAX_ACTIVE_SEQUENCES = 8  # sequences a Scheduler runs at once per model: each holds a KV cache; more waits as 429
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's cap); bounds per-token work and response size
