@@ -151,7 +151,8 @@ def test_tunnel_frames_roundtrip() -> None:
     assert decode(encode(TunnelFrame.HEARTBEAT)) == (TunnelFrame.HEARTBEAT, None)
     for bad in (b"", b"\x01", b"\x02\x02", b"\x01\x63", b"\x01\x07x", b"\x01\x04{}", b"\x01\x01[]",
                 b"\x01\x04" + json.dumps({"status": 200, "headers": {"a": 1}}).encode(),
-                b"\x01\x01" + json.dumps({"method": "DELETE", "path": "/"}).encode()):
+                b"\x01\x01" + json.dumps({"method": "DELETE", "path": "/"}).encode(),
+                b"\x01\x05" + json.dumps({"status": 200, "message": "x"}).encode()):
         with pytest.raises(TunnelProtocolError):
             decode(bad)
 

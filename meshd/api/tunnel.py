@@ -118,7 +118,8 @@ def decode(data: bytes) -> tuple[TunnelFrame, Any]:
             raise TunnelProtocolError("bad response head")
     else:  # ERROR
         status = obj.get("status")
-        if not isinstance(status, int) or isinstance(status, bool) or not isinstance(obj.get("message"), str):
+        if not isinstance(status, int) or isinstance(status, bool) or not 400 <= status <= 599 \
+                or not isinstance(obj.get("message"), str):
             raise TunnelProtocolError("bad error frame")
     return ftype, obj
 
