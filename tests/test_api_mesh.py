@@ -263,3 +263,20 @@ def test_slow_reader_gets_backpressure_not_a_reset(mesh: dict[str, NodeProcess])
     got, done = asyncio.run(go())
     assert done and got >= n - 1  # the first token may share the line read before the pause
     assert rss_kb(mesh["c"].proc.pid) - before < 64 * 1024
+
+
+def test_metrics_count_tunnel_traffic_and_routes(mesh: dict[str, NodeProcess]) -> None:
+    cl = openai.OpenAI(base_url=mesh["c"].url, api_key="x", max_retries=0)
+    cl.chat.completions.create(model="m2", messages=MSGS, max_tokens=2)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{mesh['c'].api}/metrics", timeout=5).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, v = line.rpartition(" ")
+            values[name] = float(v)
+    assert values['meshd_tunnel_bytes_total{direction="in"}'] > 0
+    assert values['meshd_tunnel_bytes_total{direction="out"}'] > 0
+    assert values['meshd_route_decisions_total{decision="tunnel"}'] >= 1
+    assert values['meshd_peers{state="alive"}'] == 2
+    served = urllib.request.urlopen(f"http://127.0.0.1:{mesh['b'].api}/metrics", timeout=5).read().decode()
+    assert 'meshd_api_tokens_total{kind="completion"}' in served  # counted where generated

@@ -258,7 +258,6 @@ class ApiServer:
                 return resp, err.status
             finally:
                 await reply.aclose()
-            self._count_usage(reply)
             return web.Response(status=reply.status, body=bytes(buf), headers=headers), reply.status
         resp = web.StreamResponse(status=reply.status, headers=headers)
         status = reply.status
@@ -281,8 +280,18 @@ class ApiServer:
             status = 499
         finally:
             await reply.aclose()  # cancels the generation (locally or on the serving node) if unfinished
-        self._count_usage(reply)
         return resp, status
+
+    async def _counting(self, inner: AsyncIterator[bytes], reply: Reply) -> AsyncIterator[bytes]:
+        """Count tokens generated here once the body is done (for HTTP clients and tunnel peers alike)."""
+        try:
+            async for chunk in inner:
+                yield chunk
+            self._count_usage(reply)
+        finally:
+            aclose = getattr(inner, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
     def _count_usage(self, reply: Reply) -> None:
         if reply.usage:
@@ -365,6 +374,7 @@ class ApiServer:
             reply = await backend.open(req, model)
             reply.node_id = self.config.node_id
             reply.route = "local"
+            reply.body = self._counting(reply.body, reply)
             return reply
         peer = self.mesh.handle(t.node_id)
         if peer is None or self.tunnel is None:
