@@ -85,6 +85,8 @@ async def run(args: argparse.Namespace) -> None:
     tun = TunnelConfig()
     if args.heartbeat_timeout is not None:
         tun = replace(tun, heartbeat_timeout_s=args.heartbeat_timeout)
+    if args.sse_keepalive is not None:
+        tun = replace(tun, sse_keepalive_s=args.sse_keepalive)
     svc = ApiService(node_id=ident.node_id, host="127.0.0.1", port=0, role=args.role, backends=backends,
                      transport=transport, tunnel_config=tun, poll_interval_s=args.poll)
     await svc.start()
@@ -117,6 +119,7 @@ if __name__ == "__main__":
     ap.add_argument("--keepalive", type=float, default=None)
     ap.add_argument("--idle-timeout", type=float, default=None)
     ap.add_argument("--heartbeat-timeout", type=float, default=None)
+    ap.add_argument("--sse-keepalive", type=float, default=None)
     ap.add_argument("--poll", type=float, default=0.3)
     ap.add_argument("--log-level", default="WARNING")
     a = ap.parse_args()

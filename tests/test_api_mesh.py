@@ -163,7 +163,7 @@ def test_silent_non_streaming_request_outlives_idle_timers(tmp_path: Path) -> No
     creds = make_mesh(tmp_path, 2)
     timers = (*SHORT_TIMERS, "--poll", "100")
     a = NodeProcess(creds[0][0], "--standin", "m1", *timers)
-    c = NodeProcess(creds[1][0], "--role", "client", "--connect", a.addr, *timers)
+    c = NodeProcess(creds[1][0], "--role", "client", "--connect", a.addr, "--sse-keepalive", "1", *timers)
     try:
         assert wait_models(c.url, {"m1"}) == {"m1"}
         time.sleep(2.5)  # longer than the idle timeout with nothing to send
@@ -171,6 +171,16 @@ def test_silent_non_streaming_request_outlives_idle_timers(tmp_path: Path) -> No
         r = cl.chat.completions.create(model="m1", messages=MSGS, max_tokens=3, seed=1,
                                        extra_body={"standin": {"think_s": 5.0}})
         assert r.choices[0].message.content == _ref(MSGS, 1, 3)
+        # streamed: the silence reaches the HTTP client as SSE comments, which clients ignore
+        req = urllib.request.Request(c.url + "/chat/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"model": "m1", "messages": MSGS, "max_tokens": 2, "stream": True,
+                                                      "standin": {"think_s": 2.5}}).encode())
+        raw = urllib.request.urlopen(req, timeout=30).read()
+        assert b": keep-alive\n\n" in raw and raw.endswith(b"data: [DONE]\n\n")
+        text = "".join(ch.choices[0].delta.content or "" for ch in cl.chat.completions.create(
+            model="m1", messages=MSGS, max_tokens=3, seed=1, stream=True,
+            extra_body={"standin": {"think_s": 2.5}}) if ch.choices)
+        assert text == _ref(MSGS, 1, 3)
     finally:
         a.stop()
         c.stop()

@@ -42,6 +42,7 @@ API_MAX_STOP_CHARS = 256  # characters of one stop sequence; bounds the hold-bac
 API_MAX_TOKENS = 1 << 20  # upper bound accepted for max_tokens (the model's context bounds it further)
 API_MAX_TOP_LOGPROBS = 20  # chat top_logprobs (OpenAI allows 0-20); completions logprobs allow 0-5
 API_RECENT_MODEL_S = 300.0  # a model routable this recently is "known": 503 + Retry-After, not 404
+API_SSE_KEEPALIVE_S = 15.0  # a streamed reply silent this long gets an SSE comment (proxies cut idle ~60 s)
 API_MAX_KEYS = 1024  # lines read from --api-key-file; each key is compared in constant time
 API_MAX_KEY_FILE_BYTES = 256 * 1024  # the key file itself
 TUNNEL_CHUNK_BYTES = 16 * 1024  # body bytes per tunnel frame: small enough to interleave, big enough to amortise

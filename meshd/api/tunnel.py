@@ -144,6 +144,7 @@ class TunnelConfig:
     first_byte_timeout_s: float = limits.TUNNEL_FIRST_BYTE_TIMEOUT_S
     heartbeat_interval_s: float = limits.TUNNEL_HEARTBEAT_INTERVAL_S
     heartbeat_timeout_s: float = limits.TUNNEL_HEARTBEAT_TIMEOUT_S
+    sse_keepalive_s: float = limits.API_SSE_KEEPALIVE_S
     max_response_bytes: int = limits.TUNNEL_MAX_RESPONSE_BYTES
 
 
@@ -254,9 +255,10 @@ class TunnelClient:
             if not state["done"]:
                 _end(stream, False)
 
-        reply = Reply(status, headers, _body(conn, peer.node_id, state), stream="event-stream" in
-                      headers.get("Content-Type", ""), node_id=headers.get("x-meshd-node", peer.node_id),
-                      route="tunnel", on_close=on_close)
+        sse = "event-stream" in headers.get("Content-Type", "")
+        reply = Reply(status, headers, _body(conn, peer.node_id, state, cfg.sse_keepalive_s if sse else None),
+                      stream=sse, node_id=headers.get("x-meshd-node", peer.node_id), route="tunnel",
+                      on_close=on_close)
         return reply
 
 
@@ -290,8 +292,11 @@ async def _collect(conn: _Conn, limit: int) -> bytes:
             raise TunnelProtocolError(f"unexpected {ftype.name}")
 
 
-async def _body(conn: _Conn, node_id: str, state: dict[str, bool]) -> AsyncIterator[bytes]:
+async def _body(conn: _Conn, node_id: str, state: dict[str, bool], sse_keepalive_s: float | None) -> AsyncIterator[bytes]:
+    """The response body from the serving node. For SSE (``sse_keepalive_s`` set), a comment line goes to
+    the HTTP client after that much silence, so proxies in front of meshd do not cut a thinking model."""
     short = node_id[:12]
+    last = time.monotonic()
     while True:
         try:
             frame = await conn.recv()
@@ -306,8 +311,11 @@ async def _body(conn: _Conn, node_id: str, state: dict[str, bool]) -> AsyncItera
         ftype, obj = frame
         if ftype == TunnelFrame.BODY:
             yield obj
+            last = time.monotonic()
         elif ftype == TunnelFrame.HEARTBEAT:
-            continue
+            if sse_keepalive_s is not None and time.monotonic() - last >= sse_keepalive_s:
+                yield b": keep-alive\n\n"
+                last = time.monotonic()
         elif ftype == TunnelFrame.RESPONSE_END:
             state["done"] = True
             await _see_end(conn)
