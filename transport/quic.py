@@ -17,7 +17,6 @@ import ssl
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -27,15 +26,13 @@ from aioquic.asyncio.server import QuicServer
 from aioquic.buffer import Buffer
 from aioquic.quic import events as qe
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import MAX_STREAM_DATA_FRAME_CAPACITY, QuicConnection, QuicConnectionState
-from aioquic.quic.packet import QuicFrameType, QuicPacketType, pull_quic_header
-from aioquic.quic.packet_builder import QuicPacketBuilder
-from aioquic.quic.recovery import QuicPacketSpace
-from aioquic.quic.stream import QuicStream
-from aioquic.quic.recovery import QuicPacketPacer, QuicPacketRecovery
+from aioquic.quic.connection import QuicConnection, QuicConnectionState
+from aioquic.quic.packet import QuicPacketType, pull_quic_header
+from aioquic.quic.recovery import QuicPacketRecovery
 
 from transport import ALPN, PROTOCOL_MAX, PROTOCOL_MIN, PROTOCOL_VERSION, limits
-from transport.limits import FRAME_HEADER_BYTES
+from transport.aioquic_ext import CoarsePacer, MeshQuicConnection
+from transport.config import TransportConfig, backoff_delay_s
 from transport.credentials import MemberCert, MeshCredentials
 from transport.errors import (
     HandshakeRefused,
@@ -74,6 +71,7 @@ __all__ = [
     "StreamType",
     "TransportConfig",
     "TransportError",
+    "backoff_delay_s",
 ]
 
 log = structlog.get_logger("meshd.transport")
@@ -85,108 +83,6 @@ RpcHandler = Callable[["Peer", bytes], Awaitable[bytes]]
 PeerCallback = Callable[["Peer"], Any]
 
 _HANDSHAKE_STREAM_ID = 0  # the first client-initiated bidirectional stream
-
-
-@dataclass(frozen=True, slots=True)
-class TransportConfig:
-    """Transport tuning. Times in seconds, sizes in bytes. Presets are written as deltas."""
-
-    keepalive_interval_s: float = 10.0  # PING after this much silence; 0 disables keep-alive
-    idle_timeout_s: float = 300.0  # QUIC idle timeout (min of both sides' values applies)
-    dead_peer_timeout_s: float = 30.0  # with keep-alive on: nothing heard for this long -> close
-    handshake_timeout_s: float = 3.0  # a connection not admitted by then is closed
-    connect_timeout_s: float = 5.0  # connect()/redeem() give up after this
-    join_handler_timeout_s: float = 10.0  # the issuer's join handler must answer within this
-    reconnect_min_s: float = 0.5  # keep_connected backoff: first delay ...
-    reconnect_max_s: float = 30.0  # ... doubling up to this, times a jitter in [0.5, 1.0)
-    simultaneous_dial_window_s: float = 5.0  # two connections admitted this close are a simultaneous dial
-    max_connections: int = limits.MAX_CONNECTIONS
-    max_pending_handshakes: int = limits.MAX_PENDING_HANDSHAKES
-    max_streams_per_peer: int = limits.MAX_STREAMS_PER_PEER
-    stream_send_buffer_bytes: int = limits.STREAM_SEND_BUFFER_BYTES
-    stream_recv_queue_bytes: int = limits.STREAM_RECV_QUEUE_BYTES
-    max_datagram_size: int = 1350  # QUIC packet payload; 1350 fits common internet paths
-    loopback_datagram_size: int = 16384  # used instead when the peer is on loopback; 0 = never
-    # (the loopback MTU is 64 KiB; aioquic 1.x breaks above ~16 KiB: "Failed to parse frame")
-    quic_max_data: int = 4 * 1024 * 1024  # initial connection flow-control window
-    quic_max_stream_data: int = 1024 * 1024  # initial per-stream flow-control window
-    log_interval_s: float = 10.0  # rate limit of debug logs about refused input
-    coalesce_transmit: bool = True  # defer sending to the end of the loop turn (fewer ACK-only packets)
-    coarse_pacing: bool = True  # skip pacing gaps asyncio cannot time (see _CoarsePacer)
-
-    @classmethod
-    def lan(cls) -> TransportConfig:
-        return cls()
-
-    @classmethod
-    def loopback(cls) -> TransportConfig:
-        """Kept for callers of the first tag: loopback peers get 16 KiB packets automatically now."""
-        return cls()
-
-    @classmethod
-    def wire_1350(cls) -> TransportConfig:
-        """Internet-sized packets even on loopback (to measure or test the general path)."""
-        return replace(cls(), loopback_datagram_size=0)
-
-
-class _CoarsePacer(QuicPacketPacer):
-    """aioquic's pacer, minus gaps shorter than the event loop can time.
-
-    On fast links aioquic asks for gaps of microseconds between packets; asyncio's timers (epoll has
-    millisecond resolution) turn each into a 1 ms sleep, which capped a 4 KiB round trip at ~1 ms
-    per packet. Gaps below ``PACING_GRANULARITY_S`` are sent at once; congestion control still applies.
-    """
-
-    def next_send_time(self, now: float) -> float | None:
-        at = super().next_send_time(now)
-        if at is not None and at - now < PACING_GRANULARITY_S:
-            return None
-        return at
-
-
-class _MeshQuicConnection(QuicConnection):
-    """aioquic's connection, granting stream credit as the application reads (real backpressure).
-
-    Stock aioquic doubles a stream's receive window whenever half of it has *arrived*, so a slow reader
-    never slows the sender. For streams listed in ``app_consumed`` (stream id -> bytes the application
-    has taken), the window is ``consumed + app_window`` instead, re-announced once it moved by half a
-    window. Other streams (the handshake) keep aioquic's behaviour. Instances are made by aioquic as
-    ``QuicConnection`` and switched to this class by ``_Connection``.
-    """
-
-    app_consumed: dict[int, int]
-    app_window: int
-
-    def _write_stream_limits(
-        self, builder: QuicPacketBuilder, space: QuicPacketSpace, stream: QuicStream
-    ) -> None:
-        consumed = self.app_consumed.get(stream.stream_id)
-        if consumed is None or not stream.max_stream_data_local:
-            super()._write_stream_limits(builder=builder, space=space, stream=stream)
-            return
-        target = consumed + self.app_window
-        if target - stream.max_stream_data_local >= self.app_window // 2:
-            stream.max_stream_data_local = target
-        if stream.max_stream_data_local_sent != stream.max_stream_data_local:
-            buf = builder.start_frame(
-                QuicFrameType.MAX_STREAM_DATA,
-                capacity=MAX_STREAM_DATA_FRAME_CAPACITY,
-                handler=self._on_max_stream_data_delivery,
-                handler_args=(stream,),
-            )
-            buf.push_uint_var(stream.stream_id)
-            buf.push_uint_var(stream.max_stream_data_local)
-            stream.max_stream_data_local_sent = stream.max_stream_data_local
-
-
-PACING_GRANULARITY_S = 0.002  # seconds: below this, pacing gaps are skipped (see _CoarsePacer)
-
-
-def backoff_delay_s(attempt: int, min_s: float, max_s: float, jitter: float) -> float:
-    """Delay before redial number ``attempt`` (0-based): ``min_s * 2**attempt`` capped at ``max_s``, times
-    ``0.5 + 0.5 * jitter`` for ``jitter`` in [0, 1) so that peers restarted together do not redial in step."""
-    base = min(min_s * (2.0 ** min(attempt, 60)), max_s)
-    return base * (0.5 + 0.5 * jitter)
 
 
 def _maybe_task(result: Any, tasks: set[asyncio.Task[Any]]) -> None:
@@ -286,7 +182,7 @@ class Stream:
                 self._waiter = None
         frame = self._frames.popleft()
         self._queued_bytes -= len(frame.payload)
-        self._raw_queued -= FRAME_HEADER_BYTES + len(frame.payload)
+        self._raw_queued -= limits.FRAME_HEADER_BYTES + len(frame.payload)
         self._conn._consumed(self)
         return frame
 
@@ -307,7 +203,7 @@ class Stream:
         for frame in frames:
             self._frames.append(frame)
             self._queued_bytes += len(frame.payload)
-            self._raw_queued += FRAME_HEADER_BYTES + len(frame.payload)
+            self._raw_queued += limits.FRAME_HEADER_BYTES + len(frame.payload)
         if end:
             self._ended = True
         self._wake()
@@ -329,6 +225,7 @@ class Peer:
         self.cert: MemberCert | None = None
         self.protocol_version = PROTOCOL_VERSION
         self._conn: _Connection | None = None
+        self._down_timer: asyncio.TimerHandle | None = None  # a down report held back (see _terminated)
 
     def __repr__(self) -> str:
         return f"Peer({self.node_id}, connected={self.connected})"
@@ -397,8 +294,8 @@ class _Connection(QuicConnectionProtocol):
     ) -> None:
         super().__init__(quic)
         self.mesh = mesh
-        quic.__class__ = _MeshQuicConnection  # same object layout; adds consumption-based stream credit
-        self._flow: _MeshQuicConnection = quic  # type: ignore[assignment]
+        quic.__class__ = MeshQuicConnection  # same object layout; adds consumption-based stream credit
+        self._flow: MeshQuicConnection = quic  # type: ignore[assignment]
         self._flow.app_consumed = {}
         self._flow.app_window = mesh.config.quic_max_stream_data
         self._set_datagram_size(quic._max_datagram_size)
@@ -425,6 +322,8 @@ class _Connection(QuicConnectionProtocol):
         self._refuse_at_start: tuple[ErrorCode, str] | None = None
         self._keepalive_uid = 0
         self._prune_at = 64  # prune finished streams from ``streams`` when it grows to this size
+        self._early: list[tuple[int, bytes, bool]] = []  # client: server streams that beat its ACCEPT
+        self._early_bytes = 0
         mesh._conns.add(self)
         if not is_client:
             self._refuse_at_start = mesh._admission_capacity()
@@ -512,7 +411,7 @@ class _Connection(QuicConnectionProtocol):
             logger=q._logger,
         )
         if self.mesh.config.coarse_pacing:
-            q._loss._pacer = _CoarsePacer(max_datagram_size=size)
+            q._loss._pacer = CoarsePacer(max_datagram_size=size)
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         try:
@@ -534,6 +433,22 @@ class _Connection(QuicConnectionProtocol):
             log.warning("transport_datagram_failed", error=repr(e))
         finally:
             self._signal_progress()
+
+    def error_received(self, exc: Exception) -> None:
+        """An ICMP error reported by the socket (e.g. nothing listens on that port)."""
+        try:
+            self.mesh._count("connect_unreachable")
+            if self.is_client and not self.admitted and not self.result.done():
+                self.result.set_exception(TransportError(f"{self._describe_remote()} unreachable: {exc}"))
+                self.close_with(ErrorCode.NO_ERROR, "unreachable")
+                self._finish(int(ErrorCode.NO_ERROR), None, "unreachable")
+        except Exception as e:  # noqa: BLE001 - a network callback never raises
+            log.warning("transport_error_received_failed", error=repr(e))
+
+    def _describe_remote(self) -> str:
+        if self.remote_address is None:
+            return "peer"
+        return f"{self.remote_address[0]}:{self.remote_address[1]}"
 
     def _handle_timer(self) -> None:
         try:
@@ -677,6 +592,15 @@ class _Connection(QuicConnectionProtocol):
             self._flush_handshake()
             return
         if not self.admitted:
+            hs = self.handshake
+            if self.is_client and hs is not None and hs.awaiting_accept:
+                # The server admitted us and may already use the connection; its ACCEPT can arrive
+                # after such data when packets are reordered or lost. Hold it until the ACCEPT.
+                self._early_bytes += len(data)
+                if self._early_bytes > limits.MAX_EARLY_STREAM_BYTES:
+                    raise RemoteProtocolError(ErrorCode.NOT_ADMITTED, "too much data before the ACCEPT")
+                self._early.append((stream_id, data, end))
+                return
             raise RemoteProtocolError(ErrorCode.NOT_ADMITTED, "stream opened before the handshake")
         stream = self.streams.get(stream_id)
         if stream is not None and stream._app_done:
@@ -715,6 +639,11 @@ class _Connection(QuicConnectionProtocol):
         self.mesh._admitted(self, ev)
         if self.is_client and not self.result.done():
             self.result.set_result(self.peer)
+        early, self._early = self._early, []
+        for stream_id, data, end in early:
+            if self.closing:
+                break
+            self._on_stream_data(stream_id, data, end)
 
     async def _answer_join(self, ev: JoinRequested) -> None:
         handler = self.mesh._join_handler
@@ -801,6 +730,9 @@ class _Connection(QuicConnectionProtocol):
     def _deadline(self) -> None:
         if self.closed or self.admitted:
             return
+        if self.is_client and self.handshake is None and not self.result.done():
+            # TLS never completed: nobody (or no meshd) answers there; not a refusal
+            self.result.set_exception(TransportError(f"no answer from {self._describe_remote()}"))
         hs = self.handshake
         if hs is not None and (hs.done or hs.awaiting_join_reply):
             return  # the join handler has its own timeout
@@ -1061,6 +993,8 @@ class MeshTransport:
             return existing
         if self.credentials is None:
             raise TransportError("this node has no mesh credentials yet")
+        if self._closing:
+            raise TransportError("the transport is closed")
         conn = await self._dial(addr, Mode.MEMBER, expected_node_id, None)
         try:
             async with asyncio.timeout(self.config.connect_timeout_s):
@@ -1118,7 +1052,9 @@ class MeshTransport:
                     try:
                         peer = await self.connect(addr, expected_node_id=node_id)
                         break
-                    except (TransportError, OSError) as e:
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - the keeper must outlive any one failure
                         self._count("reconnect_failures")
                         self._ratelog.debug(time.monotonic(), "reconnect_failed", peer=node_id, error=str(e))
                 if peer is None:
@@ -1147,14 +1083,19 @@ class MeshTransport:
         family, _, _, _, sockaddr = infos[0]
         local = ("::", 0) if family == socket.AF_INET6 else ("0.0.0.0", 0)
         quic = QuicConnection(configuration=self._quic_config(True, _is_loopback(str(sockaddr[0]))))
-        _, protocol = await loop.create_datagram_endpoint(
-            lambda: _Connection(
-                quic, mesh=self, is_client=True, mode=mode, expected_node_id=expected_node_id,
-                join_request=join_request,
-            ),
-            local_addr=local,
-            family=family,
-        )
+        try:
+            _, protocol = await loop.create_datagram_endpoint(
+                lambda: _Connection(
+                    quic, mesh=self, is_client=True, mode=mode, expected_node_id=expected_node_id,
+                    join_request=join_request,
+                ),
+                local_addr=local,
+                # Not a connected socket: a multi-homed server may answer from another address.
+                # So "nothing listens there" shows as "no answer" after handshake_timeout_s.
+                family=family,
+            )
+        except OSError as e:
+            raise TransportError(f"cannot reach {host}:{port}: {e.strerror or e}") from None
         conn: _Connection = protocol  # type: ignore[assignment]
         conn.remote_address = (str(sockaddr[0]), int(sockaddr[1]))
         conn.connect(sockaddr[:2] if family == socket.AF_INET else sockaddr)
@@ -1212,6 +1153,12 @@ class MeshTransport:
             conn.peer = peer
             old.close_with(ErrorCode.DUPLICATE, "replaced by a newer connection")
             return
+        # still "up" for the rest of meshd if the old connection is closing or was just lost to a
+        # duplicate-resolution close: swap silently instead of reporting down and up again
+        still_up = (old is not None and old is not conn) or peer._down_timer is not None
+        if peer._down_timer is not None:
+            peer._down_timer.cancel()
+            peer._down_timer = None
         peer.cert = ev.cert
         peer.protocol_version = ev.protocol_version
         peer._conn = conn
@@ -1221,6 +1168,8 @@ class MeshTransport:
         event = self._up_events.get(ev.node_id)
         if event is not None:
             event.set()
+        if still_up:
+            return
         for cb in list(self.on_peer_up):
             try:
                 _maybe_task(cb(peer), self._tasks)
@@ -1233,6 +1182,17 @@ class MeshTransport:
         if peer is None or peer._conn is not conn:
             return
         peer._conn = None
+        if conn.close_code == ErrorCode.DUPLICATE and not self._closing:
+            # the other connection of a simultaneous dial is probably being admitted: wait for it
+            loop = asyncio.get_running_loop()
+            peer._down_timer = loop.call_later(self.config.handshake_timeout_s, self._report_down, peer, conn)
+            return
+        self._report_down(peer, conn)
+
+    def _report_down(self, peer: Peer, conn: _Connection) -> None:
+        peer._down_timer = None
+        if peer._conn is not None:
+            return  # replaced meanwhile
         log.info("peer_disconnected", peer=peer.node_id, code=int(conn.close_code or 0), reason=conn.close_reason)
         for cb in list(self.on_peer_down):
             try:
@@ -1264,6 +1224,9 @@ class MeshTransport:
                 raise RpcError(ErrorCode.PROTOCOL_ERROR, "empty request")
             try:
                 reply = await handler(peer, request)
+                stype = stream.stream_type
+                if stype is not None and len(reply) > max_frame_bytes(stype):
+                    raise ValueError(f"reply of {len(reply)} bytes exceeds the {stype.name} frame limit")
             except RpcError as e:
                 await stream._send_frame(FrameType.ERROR, encode_error(e.code, e.reason), True)
                 return
