@@ -57,6 +57,8 @@ class Routing:
     experts: np.ndarray  # [T, k] int64, slot order
     weights: np.ndarray  # [T, k] fp32
     work: list[WorkItem]  # ascending expert, ascending rows
+    # Per work item, the flat slot index t * k + j of each of its rows (lets combine skip a search).
+    positions: list[np.ndarray] | None = None
 
 
 def route(router_logits: np.ndarray, top_k: int, norm_topk_prob: bool) -> Routing:
@@ -65,7 +67,7 @@ def route(router_logits: np.ndarray, top_k: int, norm_topk_prob: bool) -> Routin
     e = np.exp(logits - logits.max(axis=-1, keepdims=True))
     probs = e / e.sum(axis=-1, keepdims=True)  # [T, E]
     experts = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]  # [T, k]
-    weights = np.take_along_axis(probs, experts, axis=-1)  # [T, k]
+    weights = probs[np.arange(probs.shape[0])[:, None], experts]  # [T, k]
     if norm_topk_prob:
         weights = weights / weights.sum(axis=-1, keepdims=True)
     flat = experts.reshape(-1)
@@ -77,7 +79,9 @@ def route(router_logits: np.ndarray, top_k: int, norm_topk_prob: bool) -> Routin
     ends = [*cuts, len(flat)]
     heads = sorted_experts[starts].tolist()
     work: list[WorkItem] = [(ex, tokens[a:b]) for ex, a, b in zip(heads, starts, ends)]
-    return Routing(experts=experts, weights=weights.astype(np.float32, copy=False), work=work)
+    positions = [order[a:b] for a, b in zip(starts, ends)]
+    return Routing(experts=experts, weights=weights.astype(np.float32, copy=False), work=work,
+                   positions=positions)
 
 
 def local_executor(weights: ExpertWeightsFn) -> ExpertExecutor:
@@ -94,9 +98,14 @@ def combine(routing: Routing, outputs: Sequence[np.ndarray], t: int, d: int) -> 
     top_k = routing.experts.shape[1]
     # Y[t, j] gathered from the work outputs: position of (t, expert) inside its work item.
     y = np.empty((t, top_k, d), dtype=np.float32)  # [T, k, D]
-    for (expert, rows), out in zip(routing.work, outputs):
-        slots = np.argmax(routing.experts[rows] == expert, axis=-1)  # [n]
-        y[rows, slots] = out
+    if routing.positions is not None:
+        flat = y.reshape(t * top_k, d)  # a view: row t * k + j is Y[t, j]
+        for pos, out in zip(routing.positions, outputs):
+            flat[pos] = out
+    else:
+        for (expert, rows), out in zip(routing.work, outputs):
+            slots = np.argmax(routing.experts[rows] == expert, axis=-1)  # [n]
+            y[rows, slots] = out
     w = routing.weights
     acc = np.zeros((t, d), dtype=np.float32)
     for j in range(top_k):

@@ -469,3 +469,16 @@ def test_moe_block_matches_per_token_loop(norm: bool) -> None:
         wt = p[top] / (p[top].sum() if norm else 1.0)
         ref = sum(wt[j] * expert_ffn(x[row : row + 1], *w[top[j]])[0] for j in range(k))
         np.testing.assert_allclose(got[row], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_combine_fast_path_is_byte_identical() -> None:
+    import dataclasses
+
+    from engine.moe import combine, route
+
+    for t, e, k in ((1, 16, 4), (9, 6, 2), (40, 8, 3)):
+        r = route(RNG.standard_normal((t, e)).astype(np.float32), k, True)
+        assert r.positions is not None
+        outs = [RNG.standard_normal((len(rows), 7)).astype(np.float32) for _, rows in r.work]
+        slow = combine(dataclasses.replace(r, positions=None), outs, t, 7)
+        assert combine(r, outs, t, 7).tobytes() == slow.tobytes()
