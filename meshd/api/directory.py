@@ -61,6 +61,7 @@ class TunnelDirectory:
         self._failed: set[str] = set()
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self.states_source: Callable[[], dict[str, int]] | None = None  # e.g. membership's view
 
     def _connected(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -78,6 +79,11 @@ class TunnelDirectory:
         return self._connected().get(node_id)
 
     def peer_states(self) -> dict[str, int]:
+        if self.states_source is not None:
+            try:
+                return self.states_source()
+            except Exception:  # noqa: BLE001 - metrics must not fail
+                pass
         live = self._connected()
         alive = sum(1 for nid in live if nid in self._info)
         return {"alive": alive, "suspect": len(live) - alive}

@@ -157,7 +157,14 @@ class ApiService:
             if self.membership is not None:
                 with contextlib.suppress(Exception):
                     self.membership.on_change(lambda event: self.directory.poke())
+                self.directory.states_source = self._member_states
                 self._publisher = asyncio.create_task(self._publish_loop())
+
+    def _member_states(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for v in self.membership.peers():
+            counts[str(v.state)] = counts.get(str(v.state), 0) + 1
+        return counts
 
     async def _publish_loop(self) -> None:
         """Advertise this node's served models and load in its membership record (gossip)."""
