@@ -8,6 +8,7 @@ transport (started before any service), models before the API that routes to the
 
 from __future__ import annotations
 
+from meshd.api.service import ApiService
 from meshd.config import DaemonConfig
 from meshd.daemon import Service
 
@@ -20,4 +21,5 @@ def build_services(config: DaemonConfig) -> list[Service]:
     services.append(MembershipService(config))  # membership / gossip / join (issue 3)
     # models and expert shards (issue 4/6), only when config.role == "serve"
     # OpenAI API (issue 5): it calls daemon.set_api_address(host, port) once bound
+    services.append(ApiService(config))
     return services

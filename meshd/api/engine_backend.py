@@ -1,0 +1,151 @@
+"""The engine behind the API: ``EngineSource`` adapts ``engine.scheduler.Scheduler`` to ``TokenSource``.
+
+``load_engine_backend(spec_text, state_dir, max_active)`` loads a ``PATH`` or ``tiny`` SPEC (model,
+tokenizer, scheduler) and returns a ``GenBackend``; ``close()`` on the source stops the scheduler thread.
+Prompts: chat requests go through the model's chat template, completions through ``encode``; a prompt
+that does not fit, or a bad template, is a 400 before anything is generated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from meshd.api.backends import BackendBusy, GenBackend, GenToken
+from meshd.api.errors import ApiError
+from meshd.api.schema import GenRequest
+
+log = structlog.get_logger(__name__)
+
+
+class _EngineRun:
+    def __init__(self, handle: Any, tokenizer: Any) -> None:
+        self.handle = handle
+        self.tokenizer = tokenizer
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+
+    def _piece(self, token_id: int) -> str:
+        try:
+            return str(self.tokenizer.decode([token_id], skip_special_tokens=False))
+        except Exception:  # noqa: BLE001 - a display string only
+            return ""
+
+    async def __aiter__(self) -> AsyncIterator[GenToken]:
+        async for ev in self.handle:
+            if ev.finish_reason == "error":
+                raise RuntimeError(ev.error or "engine error")
+            if ev.token_id is None:
+                if ev.finish_reason == "cancelled":
+                    return
+                continue
+            top = [(self._piece(t), float(lp)) for t, lp in ev.top_logprobs]
+            finish = ev.finish_reason if ev.finish_reason in ("stop", "length") else None
+            yield GenToken(ev.token_id, ev.text, ev.logprob, top, finish, self._piece(ev.token_id))
+            if ev.finish_reason is not None:
+                return
+
+
+class EngineSource:
+    """``TokenSource`` over one Scheduler."""
+
+    def __init__(self, name: str, model: Any, tokenizer: Any, scheduler: Any, fingerprint: str) -> None:
+        self.name = name
+        self.model = model
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.fingerprint = fingerprint
+
+    def prompt_ids(self, req: GenRequest) -> list[int]:
+        from engine.tokenizer import ChatTemplateError
+
+        try:
+            if req.kind == "chat":
+                ids = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+            elif isinstance(req.prompt, list):
+                ids = list(req.prompt)
+            else:
+                ids = self.tokenizer.encode(req.prompt)
+        except ChatTemplateError as e:
+            raise ApiError(400, f"cannot build the prompt: {e}", code="chat_template_error") from None
+        return list(ids)
+
+    def _params(self, ids: list[int], req: GenRequest) -> Any:
+        from engine.generate import context_length
+        from engine.sampling import SamplingParams
+
+        n_ctx = context_length(self.model) or 4096
+        max_tokens = req.max_tokens if req.max_tokens is not None else max(1, n_ctx - len(ids))
+        seed = req.seed % (2**63) if req.seed is not None else None
+        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=seed,
+                              stop=tuple(req.stop), top_logprobs=req.top_logprobs if req.logprobs else 0)
+
+    def submit(self, prompt_ids: list[int], req: GenRequest) -> _EngineRun:
+        from engine.scheduler import Busy, SchedulerClosed
+
+        try:
+            params = self._params(prompt_ids, req)
+            handle = self.scheduler.submit(prompt_ids, params, loop=asyncio.get_running_loop())
+        except Busy:
+            raise BackendBusy() from None
+        except SchedulerClosed:
+            raise ApiError(503, f"model '{self.name}' is shutting down on this node") from None
+        except ValueError as e:
+            raise ApiError(400, str(e), code="invalid_request") from None
+        return _EngineRun(handle, self.tokenizer)
+
+    def in_flight(self) -> int:
+        return int(self.scheduler.active)
+
+    def capacity(self) -> int:
+        return int(self.scheduler.max_active)
+
+    def close(self) -> None:
+        self.scheduler.close()
+
+
+class EngineBackend(GenBackend):
+    """A ``GenBackend`` whose ``stop()`` closes the scheduler."""
+
+    async def stop(self) -> None:
+        src = self.source
+        if isinstance(src, EngineSource):
+            await asyncio.to_thread(src.close)
+
+
+def _fingerprint(path: Path) -> str:
+    h = hashlib.sha256()
+    for name in ("config.json", "tokenizer.json"):
+        p = path / name
+        if p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def load_engine_backend(spec_text: str, state_dir: str | Path, max_active: int | None = None) -> EngineBackend:
+    """Load a ``PATH``/``tiny`` SPEC. Raises ``UsageError`` for a bad SPEC or checkpoint."""
+    from engine.model import Model
+    from engine.scheduler import DEFAULT_MAX_ACTIVE, Scheduler
+    from engine.spec import parse_model_spec, resolve_checkpoint
+    from engine.tokenizer import Tokenizer
+    from meshd.errors import UsageError
+
+    try:
+        spec = parse_model_spec(spec_text)
+        path = resolve_checkpoint(spec, state_dir)
+        model = Model.load(path)
+        tokenizer = Tokenizer.load(path)
+    except (ValueError, OSError) as e:
+        raise UsageError(f"--model {spec_text}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - checkpoint/config/tokenizer errors of the engine
+        raise UsageError(f"--model {spec_text}: {e}") from None
+    name = spec.name or path.name
+    sched = Scheduler(model, tokenizer, max_active or DEFAULT_MAX_ACTIVE, name=name)
+    log.info("engine_model_loaded", model=name, path=str(path))
+    return EngineBackend(EngineSource(name, model, tokenizer, sched, _fingerprint(path)))
