@@ -1,0 +1,109 @@
+"""Model fingerprint: which checkpoint a worker holds, so a different one is refused by name.
+
+``fingerprint = SHA-256(b"meshd/experts-fp/v1\\0" || canonical config.json || manifest)`` where the
+manifest lists, for every routed expert tensor of every sparse layer in name order, its name, dtype,
+shape and the SHA-256 of its bytes. Hashing reads the files with ``pread`` (no mapping, so it leaves no
+resident pages behind) and the result is cached next to the checkpoint in
+``.meshd-experts-fingerprint.json``, keyed by each file's size and mtime; a stale or unreadable cache is
+recomputed, an unwritable directory just means no cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from engine.experts.layout import MoeLayout, layout_from_config, read_config
+from engine.experts.tensors import TensorFileError, TensorInfo, index_checkpoint
+
+log = structlog.get_logger(__name__)
+
+CACHE_NAME = ".meshd-experts-fingerprint.json"
+_DOMAIN = b"meshd/experts-fp/v1\x00"
+_READ_BYTES = 8 * 1024 * 1024  # hashing read size: large enough to run at disk speed
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def expert_tensors(layout: MoeLayout, index: dict[str, TensorInfo]) -> list[TensorInfo]:
+    """Every routed expert tensor in name order; raises :class:`TensorFileError` naming a missing one."""
+    out = []
+    for layer in layout.sparse_layers:
+        for expert in range(layout.num_experts):
+            for name in layout.expert_names(layer, expert):
+                if name not in index:
+                    raise TensorFileError(f"checkpoint has no tensor {name}")
+                out.append(index[name])
+    return sorted(out, key=lambda t: t.name)
+
+
+def _hash_range(t: TensorInfo) -> str:
+    h = hashlib.sha256()
+    fd = os.open(t.file, os.O_RDONLY)
+    try:
+        pos = t.begin
+        while pos < t.end:
+            chunk = os.pread(fd, min(_READ_BYTES, t.end - pos), pos)
+            if not chunk:
+                raise TensorFileError(f"{t.file} is truncated inside {t.name}")
+            h.update(chunk)
+            pos += len(chunk)
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
+def _stat_key(path: Path) -> list[list[Any]]:
+    files = [path / "config.json", *sorted(path.glob("*.safetensors"))]
+    key = []
+    for f in files:
+        st = f.stat()
+        key.append([f.name, st.st_size, st.st_mtime_ns])
+    return key
+
+
+def compute_fingerprint(path: Path) -> bytes:
+    """The 32-byte fingerprint of the checkpoint at ``path`` (no cache)."""
+    cfg = read_config(path)
+    layout = layout_from_config(cfg)
+    index = index_checkpoint(path)
+    h = hashlib.sha256(_DOMAIN)
+    h.update(_canonical(cfg))
+    for t in expert_tensors(layout, index):
+        h.update(_canonical([t.name, t.dtype, list(t.shape), _hash_range(t)]))
+    return h.digest()
+
+
+def model_fingerprint(path: Path, *, use_cache: bool = True) -> bytes:
+    """The checkpoint's fingerprint, from the cache next to it when still valid, else computed (and cached)."""
+    path = Path(path)
+    cache = path / CACHE_NAME
+    try:
+        key = _stat_key(path)
+    except OSError as e:
+        raise TensorFileError(f"cannot read {path}: {e.strerror}") from None
+    if use_cache:
+        try:
+            doc = json.loads(cache.read_text(encoding="utf-8"))
+            if isinstance(doc, dict) and doc.get("v") == 1 and doc.get("files") == key:
+                fp = bytes.fromhex(str(doc["fingerprint"]))
+                if len(fp) == 32:
+                    return fp
+        except (OSError, ValueError, KeyError, UnicodeDecodeError):
+            pass
+    fp = compute_fingerprint(path)
+    if use_cache:
+        tmp = cache.with_name(cache.name + f".{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps({"v": 1, "files": key, "fingerprint": fp.hex()}), encoding="utf-8")
+            os.replace(tmp, cache)
+        except OSError:
+            log.debug("experts_fingerprint_not_cached", path=str(path))
+    return fp
