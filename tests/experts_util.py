@@ -64,7 +64,8 @@ def make_moe_checkpoint(path: Path, family: str = "qwen3_moe", layers: int = 3, 
 
 
 def router_weights(path: Path, layer: int, family: str) -> np.ndarray:
-    from safetensors.numpy import load_file
+    from engine.experts.tensors import RangeMaps, as_f32, index_checkpoint
 
     router = "block_sparse_moe.gate" if family == "mixtral" else "mlp.gate"
-    return load_file(str(path / "model.safetensors"))[f"model.layers.{layer}.{router}.weight"]
+    info = index_checkpoint(path)[f"model.layers.{layer}.{router}.weight"]
+    return np.array(as_f32(RangeMaps([info]).array(info), info.dtype))

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Protocol
+from collections.abc import Coroutine
+from typing import Any, Protocol, TypeVar
 
 from transport import limits
+
+T = TypeVar("T")
 
 
 class ByteChannel(Protocol):
@@ -62,3 +65,32 @@ async def socketpair_channels() -> tuple[SocketChannel, SocketChannel]:
     ra, wa = await asyncio.open_connection(sock=a)
     rb, wb = await asyncio.open_connection(sock=b)
     return SocketChannel(ra, wa), SocketChannel(rb, wb)
+
+
+class LoopThread:
+    """An asyncio loop running in a daemon thread (tests, benchmarks, and the engine-side glue)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="experts-loop", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        async def _cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            self.run(_cancel_all(), timeout=5.0)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=5.0)
+            if not self._thread.is_alive():
+                self.loop.close()

@@ -160,6 +160,12 @@ class ExpertWorker:
             return fp
         raise rpc.ExpertProtocolError(rpc.ErrorCode.PROTOCOL, f"unexpected {type(msg).__name__}")
 
+    def _compute(self, shard: ExpertShard, req: rpc.ExpertRequest) -> np.ndarray:
+        out = compute_request(shard, req)
+        if self._reply_hook is not None:
+            self._reply_hook(req.layer, out)  # runs in the compute thread, like the computation
+        return out
+
     async def _request(self, channel: ByteChannel, fp: bytes, req: rpc.ExpertRequest, rid: int) -> None:
         if self._closing:
             await self._send(channel, rpc.ErrorMsg(rpc.ErrorCode.SHUTTING_DOWN, "worker is stopping"), rid)
@@ -182,15 +188,13 @@ class ExpertWorker:
             return
         t0 = time.perf_counter()
         try:
-            out = await asyncio.to_thread(compute_request, shard, req)
+            out = await asyncio.to_thread(self._compute, shard, req)
         except Exception as e:  # noqa: BLE001 - answered as a typed error
             self.stats.errors += 1
             log.warning("experts_worker_compute_failed", layer=req.layer, error=repr(e))
             await self._send(channel, rpc.ErrorMsg(rpc.ErrorCode.INTERNAL, "compute failed", req.layer), rid)
             return
         dt = time.perf_counter() - t0
-        if self._reply_hook is not None:
-            self._reply_hook(req.layer, out)
         st = self.stats
         st.requests += 1
         st.rows += req.x.shape[0]
