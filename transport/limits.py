@@ -9,6 +9,23 @@ from __future__ import annotations
 MAX_CREDENTIAL_BYTES = 4096  # a genesis or member certificate is ~400 B; refuse anything 10x larger
 
 # --- framing / transport (issue 2) ------------------------------------------------------------
+FRAME_HEADER_BYTES = 9  # magic(2) version(1) type(1) flags(1) length(4); fixed by transport.framing
+STREAM_PREAMBLE_BYTES = 4  # magic(2) stream type(1) protocol version(1)
+# Largest frame payload accepted per stream type (bytes), checked from the header before buffering.
+MAX_HANDSHAKE_FRAME_BYTES = 16 * 1024  # hello 64 B, auth = 64 B sig + cert (<= 4 KiB); 4x headroom
+MAX_JOIN_FRAME_BYTES = 64 * 1024  # opaque join request/reply: a token or genesis+cert is ~2 KiB
+MAX_GOSSIP_FRAME_BYTES = 1024 * 1024  # a batch of signed membership records
+MAX_RPC_FRAME_BYTES = 4 * 1024 * 1024  # generic request/response messages
+MAX_HTTP_TUNNEL_FRAME_BYTES = 1024 * 1024  # one chunk of a tunnelled HTTP body; bodies are chunked
+MAX_EXPERT_FRAME_BYTES = 16 * 1024 * 1024  # activations of a prefill batch (e.g. 512 x 4096 x fp32 = 8 MiB)
+MAX_REFUSAL_REASON_BYTES = 200  # refusal/close reasons are one short line
+# Per-connection and per-transport caps.
+MAX_CONNECTIONS = 256  # simultaneous QUIC connections (admitted or handshaking) per transport
+MAX_STREAMS_PER_PEER = 256  # concurrently open application streams per connection (each way)
+STREAM_SEND_BUFFER_BYTES = 512 * 1024  # unacknowledged bytes queued per stream before send() waits
+STREAM_RECV_QUEUE_FRAMES = 1024  # frames received but not yet read per stream before it is reset
+STREAM_RECV_QUEUE_BYTES = 8 * 1024 * 1024  # bytes received but not yet read per stream before reset
+MAX_PENDING_HANDSHAKES = 64  # connections still proving membership; more are refused at once
 
 # --- membership / gossip (issue 3) ------------------------------------------------------------
 
