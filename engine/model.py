@@ -1,0 +1,373 @@
+"""The decoder forward pass shared by every supported family (Llama/Qwen3 dense, Qwen3-MoE, Qwen2-MoE,
+Mixtral, OLMoE), over memory-mapped weights.
+
+Usage::
+
+    model = Model.load(path)                  # config.json + safetensors, weights mmap'd
+    cache = model.new_cache()
+    logits = model.forward(prompt_ids, cache) # [T, V] fp32, appends T positions to the cache
+    logits = model.forward([next_id], cache)  # one decode step
+    model.forward_batch(ids, caches)          # one decode step of B sequences -> [B, V]
+
+The routed-expert part of every sparse layer goes through ``engine.moe.moe_block`` with an executor
+(default: :meth:`Model.local_executor`), so a remote executor plugs in without touching this file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import structlog
+
+from . import families
+from .checkpoint import Checkpoint, CheckpointError, ProgressFn, TensorRef, load_checkpoint, to_f32
+from .config import ModelConfig
+from .moe import ExpertExecutor, expert_ffn, local_executor, moe_block, silu
+from .ops import RopeTable, apply_rope, attention, rmsnorm
+
+log = structlog.get_logger(__name__)
+
+F32 = np.float32
+
+
+class KVCache:
+    """Keys and values of one sequence, per layer ``[KV, capacity, hd]``; ``length`` positions are valid.
+
+    Capacity grows by doubling. A forward pass writes its positions first and advances ``length`` only
+    when it completes, so a failed step leaves the cache as it was.
+    """
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int = 256) -> None:
+        self.length = 0
+        self._shape = (kv_heads, head_dim)
+        self.k = [np.zeros((kv_heads, capacity, head_dim), dtype=F32) for _ in range(num_layers)]
+        self.v = [np.zeros((kv_heads, capacity, head_dim), dtype=F32) for _ in range(num_layers)]
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[1] if self.k else 0
+
+    def reserve(self, n: int) -> None:
+        """Make room for n positions in total."""
+        cap = self.capacity
+        if n <= cap:
+            return
+        new = max(n, 2 * cap)
+        kvh, hd = self._shape
+        for store in (self.k, self.v):
+            for i, old in enumerate(store):
+                grown = np.zeros((kvh, new, hd), dtype=F32)
+                grown[:, : self.length] = old[:, : self.length]
+                store[i] = grown
+
+    def truncate(self, n: int) -> None:
+        """Forget positions from n on (e.g. to reuse a shared prompt prefix)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {n}")
+        self.length = n
+
+
+@dataclass(slots=True)
+class Layer:
+    """Weights of one decoder layer (fp32 arrays, views of the mmap where storage is fp32)."""
+
+    attn_norm: np.ndarray
+    mlp_norm: np.ndarray
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    o: np.ndarray
+    q_bias: np.ndarray | None = None
+    k_bias: np.ndarray | None = None
+    v_bias: np.ndarray | None = None
+    o_bias: np.ndarray | None = None
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
+    # dense MLP (dense layers)
+    gate: np.ndarray | None = None
+    up: np.ndarray | None = None
+    down: np.ndarray | None = None
+    gate_bias: np.ndarray | None = None
+    up_bias: np.ndarray | None = None
+    down_bias: np.ndarray | None = None
+    # sparse layers
+    router: np.ndarray | None = None
+    experts: list[tuple[TensorRef, TensorRef, TensorRef] | tuple[np.ndarray, np.ndarray, np.ndarray]] = field(
+        default_factory=list
+    )
+    experts_f32: bool = True
+    expert_dtypes: tuple[str, str, str] = ("F32", "F32", "F32")  # storage dtypes of the fused layout
+    shared: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    shared_expert_gate: np.ndarray | None = None
+
+    @property
+    def sparse(self) -> bool:
+        return self.router is not None
+
+
+class _Loader:
+    """Takes tensors out of a checkpoint by explicit key, checking shape, and tracks what was used."""
+
+    def __init__(self, ckpt: Checkpoint, progress: ProgressFn | None) -> None:
+        self.ckpt = ckpt
+        self.used: set[str] = set()
+        self.progress = progress
+        self.total = ckpt.nbytes
+        self.done = 0
+
+    def ref(self, spec: families.Spec) -> TensorRef:
+        key, shape = spec
+        if key not in self.ckpt:
+            raise CheckpointError(f"{self.ckpt.directory}: missing tensor {key!r} (expected shape {list(shape)})")
+        t = self.ckpt[key]
+        if t.shape != shape:
+            raise CheckpointError(
+                f"{t.file}: tensor {key!r} has shape {list(t.shape)}, expected {list(shape)}"
+            )
+        self.used.add(key)
+        self.done += t.nbytes
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+        return t
+
+    def f32(self, spec: families.Spec) -> np.ndarray:
+        t = self.ref(spec)
+        return to_f32(t.data, t.dtype)
+
+    def group(self, specs: dict[str, families.Spec]) -> dict[str, np.ndarray]:
+        return {role: self.f32(spec) for role, spec in specs.items()}
+
+    def check_unexpected(self, tied: bool) -> None:
+        for key in self.ckpt:
+            if key in self.used or any(p.match(key) for p in families.IGNORABLE):
+                continue
+            if tied and key == "lm_head.weight":
+                continue  # some exporters keep the tied head; the embedding is used, as the reference does
+            raise CheckpointError(f"{self.ckpt.describe(key)} is not used by {self.ckpt.directory.name!r}'s model")
+
+
+class Model:
+    """A loaded model: config, fp32 weight views, and the forward pass."""
+
+    def __init__(self, config: ModelConfig, layers: list[Layer], embed: TensorRef, norm: np.ndarray,
+                 lm_head: np.ndarray, checkpoint: Checkpoint | None = None, path: Path | None = None) -> None:
+        self.config = config
+        self.layers = layers
+        self._embed = embed
+        self.norm = norm
+        self.lm_head = lm_head  # [V, D]
+        self.checkpoint = checkpoint
+        self.path = path
+        self.rope = RopeTable(config.rope, config.head_dim)
+        self.scale = config.head_dim**-0.5
+        self._local = local_executor(self.expert_weights)
+
+    # ----- loading -----------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], progress: ProgressFn | None = None) -> Model:
+        """Load ``config.json`` and the safetensors weights of a checkpoint directory.
+
+        fp32 tensors stay zero-copy views of the file mapping; fp16/bf16 tensors are widened to fp32 here,
+        except routed experts, which are widened on use. Raises ``ConfigError`` or ``CheckpointError``
+        (message names the file and tensor key). ``progress(done_bytes, total_bytes)`` is called as
+        tensors are taken.
+        """
+        p = Path(path)
+        cfg = ModelConfig.load(p)
+        ckpt = load_checkpoint(p)
+        ld = _Loader(ckpt, progress)
+        g = families.global_tensors(cfg)
+        embed = ld.ref(g["embed"])
+        norm = ld.f32(g["norm"])
+        lm_head = ld.f32(g["lm_head"]) if "lm_head" in g else to_f32(embed.data, embed.dtype)
+        layers = [cls._load_layer(cfg, ld, i) for i in range(cfg.num_layers)]
+        ld.check_unexpected(cfg.tie_word_embeddings)
+        log.info("model_loaded", path=str(p), model_type=cfg.model_type, layers=cfg.num_layers,
+                 weight_bytes=ckpt.nbytes, files=len(ckpt.files))
+        return cls(cfg, layers, embed, norm, lm_head, ckpt, p)
+
+    @staticmethod
+    def _load_layer(cfg: ModelConfig, ld: _Loader, i: int) -> Layer:
+        layer = Layer(**ld.group(families.attention_tensors(cfg, i)))
+        if not cfg.is_sparse(i):
+            for role, arr in ld.group(families.dense_mlp_tensors(cfg, i)).items():
+                setattr(layer, role, arr)
+            return layer
+        fused = families.fused_expert_tensors(cfg, i)
+        if fused["gate_up"][0] in ld.ckpt:
+            layer.router = ld.f32(fused["router"])
+            gu, dn = ld.ref(fused["gate_up"]), ld.ref(fused["down"])
+            inter = cfg.moe_intermediate_size
+            layer.experts_f32 = gu.dtype == "F32" and dn.dtype == "F32"
+            for e in range(cfg.num_experts):
+                layer.experts.append((gu.data[e, :inter], gu.data[e, inter:], dn.data[e]))
+            layer.expert_dtypes = (gu.dtype, gu.dtype, dn.dtype)
+        else:
+            layer.router = ld.f32(families.router_tensor(cfg, i))
+            dtypes: set[str] = set()
+            for e in range(cfg.num_experts):
+                sp = families.expert_tensors(cfg, i, e)
+                refs = (ld.ref(sp["gate"]), ld.ref(sp["up"]), ld.ref(sp["down"]))
+                dtypes.update(r.dtype for r in refs)
+                layer.experts.append(refs)
+            layer.experts_f32 = dtypes == {"F32"}
+            if layer.experts_f32:
+                layer.experts = [(g.data, u.data, d.data) for g, u, d in layer.experts]  # type: ignore[union-attr]
+        shared = ld.group(families.shared_expert_tensors(cfg, i))
+        if shared:
+            layer.shared = (shared["shared_gate"], shared["shared_up"], shared["shared_down"])
+            layer.shared_expert_gate = shared["shared_expert_gate"]
+        return layer
+
+    # ----- API ---------------------------------------------------------------------------------------
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        c = self.config
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity)
+
+    def expert_weights(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(gate [I, D], up [I, D], down [D, I]) of one routed expert, fp32 (widened here if stored narrower)."""
+        lay = self.layers[layer]
+        if not lay.sparse:
+            raise ValueError(f"layer {layer} has no routed experts")
+        w = lay.experts[expert]
+        if lay.experts_f32:
+            return w  # type: ignore[return-value]
+        if isinstance(w[0], TensorRef):
+            return tuple(to_f32(r.data, r.dtype) for r in w)  # type: ignore[return-value,union-attr]
+        return tuple(to_f32(a, dt) for a, dt in zip(w, lay.expert_dtypes))  # type: ignore[return-value,arg-type]
+
+    @property
+    def local_executor(self) -> ExpertExecutor:
+        """Runs every routed expert in this process with ``expert_ffn``."""
+        return self._local
+
+    @property
+    def sparse_layers(self) -> list[int]:
+        return [i for i, lay in enumerate(self.layers) if lay.sparse]
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        """[T] -> [T, D] fp32 (a copy of the rows)."""
+        return to_f32(self._embed.data[ids], self._embed.dtype)
+
+    def _check_ids(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError("ids must be a non-empty 1-D sequence of integers")
+        arr = arr.astype(np.int64, copy=False)
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise ValueError(f"token id out of range [0, {self.config.vocab_size}): {lo if lo < 0 else hi}")
+        return arr
+
+    def forward(self, ids: Sequence[int] | np.ndarray, cache: KVCache,
+                executor: ExpertExecutor | None = None) -> np.ndarray:
+        """Run T new tokens after the cache's positions: [T] -> logits [T, V] fp32; appends T positions."""
+        arr = self._check_ids(ids)
+        t, past = arr.shape[0], cache.length
+        cache.reserve(past + t)
+        cos, sin = self.rope.span(past, past + t)
+        x = self.embed(arr)  # [T, D]
+        ex = executor or self._local
+        for i, layer in enumerate(self.layers):
+            h = rmsnorm(x, layer.attn_norm, self.config.rms_norm_eps)
+            q, k, v = self._qkv(layer, h, cos, sin)
+            kc, vc = cache.k[i], cache.v[i]
+            kc[:, past : past + t] = k.transpose(1, 0, 2)
+            vc[:, past : past + t] = v.transpose(1, 0, 2)
+            att = attention(q, kc[:, : past + t], vc[:, : past + t], past, self.scale, self.config.sliding_window)
+            x = x + self._out(layer, att)
+            x += self._mlp(i, layer, rmsnorm(x, layer.mlp_norm, self.config.rms_norm_eps), ex)
+        cache.length = past + t
+        return self._logits(x)
+
+    def forward_batch(self, ids: Sequence[int] | np.ndarray, caches: Sequence[KVCache],
+                      executor: ExpertExecutor | None = None) -> np.ndarray:
+        """One decode step of B sequences: ids [B] (one new token each) -> logits [B, V]; appends to each cache."""
+        arr = self._check_ids(ids)
+        b = arr.shape[0]
+        if len(caches) != b:
+            raise ValueError(f"{b} ids for {len(caches)} caches")
+        if len({id(c) for c in caches}) != b:
+            raise ValueError("each sequence needs its own cache")
+        pos = np.array([c.length for c in caches], dtype=np.int64)
+        for c in caches:
+            c.reserve(c.length + 1)
+        cos, sin = self.rope.gather(pos)
+        x = self.embed(arr)  # [B, D]
+        ex = executor or self._local
+        window = self.config.sliding_window
+        for i, layer in enumerate(self.layers):
+            h = rmsnorm(x, layer.attn_norm, self.config.rms_norm_eps)
+            q, k, v = self._qkv(layer, h, cos, sin)  # [B, heads, hd]
+            att = np.empty((b, q.shape[1] * q.shape[2]), dtype=F32)
+            for s, c in enumerate(caches):
+                p = int(pos[s])
+                kc, vc = c.k[i], c.v[i]
+                kc[:, p] = k[s]
+                vc[:, p] = v[s]
+                att[s] = attention(q[s : s + 1], kc[:, : p + 1], vc[:, : p + 1], p, self.scale, window)[0]
+            x = x + self._out(layer, att)
+            x += self._mlp(i, layer, rmsnorm(x, layer.mlp_norm, self.config.rms_norm_eps), ex)
+        for c in caches:
+            c.length += 1
+        return self._logits(x)
+
+    # ----- pieces ------------------------------------------------------------------------------------
+    def _qkv(self, layer: Layer, h: np.ndarray, cos: np.ndarray,
+             sin: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """[T, D] -> q [T, H, hd], k/v [T, KV, hd] with biases, q/k norms, clipping and rope applied."""
+        c = self.config
+        t = h.shape[0]
+        q = h @ layer.q.T
+        k = h @ layer.k.T
+        v = h @ layer.v.T
+        if layer.q_bias is not None:
+            q += layer.q_bias
+            k += layer.k_bias
+            v += layer.v_bias
+        if c.qk_norm == "full":
+            q = rmsnorm(q, layer.q_norm, c.rms_norm_eps)
+            k = rmsnorm(k, layer.k_norm, c.rms_norm_eps)
+        if c.clip_qkv is not None:
+            np.clip(q, -c.clip_qkv, c.clip_qkv, out=q)
+            np.clip(k, -c.clip_qkv, c.clip_qkv, out=k)
+            np.clip(v, -c.clip_qkv, c.clip_qkv, out=v)
+        q = q.reshape(t, c.num_heads, c.head_dim)
+        k = k.reshape(t, c.num_kv_heads, c.head_dim)
+        v = v.reshape(t, c.num_kv_heads, c.head_dim)
+        if c.qk_norm == "head":
+            q = rmsnorm(q, layer.q_norm, c.rms_norm_eps)
+            k = rmsnorm(k, layer.k_norm, c.rms_norm_eps)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    @staticmethod
+    def _out(layer: Layer, att: np.ndarray) -> np.ndarray:
+        out = att @ layer.o.T  # [T, D]
+        if layer.o_bias is not None:
+            out += layer.o_bias
+        return out
+
+    def _mlp(self, i: int, layer: Layer, h: np.ndarray, ex: ExpertExecutor) -> np.ndarray:
+        """Feed-forward of layer i on normed h [T, D] -> [T, D]."""
+        if not layer.sparse:
+            if layer.gate_bias is None:
+                return expert_ffn(h, layer.gate, layer.up, layer.down)  # type: ignore[arg-type]
+            a = h @ layer.gate.T + layer.gate_bias  # type: ignore[union-attr]
+            a = silu(a) * (h @ layer.up.T + layer.up_bias)  # type: ignore[union-attr]
+            return a @ layer.down.T + layer.down_bias  # type: ignore[union-attr]
+        c = self.config
+        logits = h @ layer.router.T  # type: ignore[union-attr]  # [T, E]
+        out = moe_block(h, logits, c.top_k, c.norm_topk_prob, ex, i)
+        if layer.shared is not None:
+            shared = expert_ffn(h, *layer.shared)
+            gate = h @ layer.shared_expert_gate.T  # type: ignore[union-attr]  # [T, 1]
+            out += (F32(1.0) / (F32(1.0) + np.exp(-gate))) * shared
+        return out
+
+    def _logits(self, x: np.ndarray) -> np.ndarray:
+        x = rmsnorm(x, self.norm, self.config.rms_norm_eps)
+        return x @ self.lm_head.T  # [T, V]

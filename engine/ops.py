@@ -1,0 +1,148 @@
+"""Numerical building blocks, fp32 throughout: RMSNorm, rotary embeddings, causal GQA attention over a KV cache.
+
+Pure functions over numpy arrays, shapes in comments. ``T`` new tokens, ``L`` cached + new positions,
+``H`` query heads, ``KV`` key/value heads (``H % KV == 0``; ``KV == 1`` is multi-query), ``hd`` head dim.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import RopeConfig
+
+F32 = np.float32
+
+
+def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """[.., n] -> [.., n]: ``weight * x / sqrt(mean(x**2) + eps)`` over the last axis, in fp32."""
+    var = np.einsum("...i,...i->...", x, x)[..., None]  # [.., 1] sum of squares
+    var *= F32(1.0 / x.shape[-1])
+    var += F32(eps)
+    np.sqrt(var, out=var)
+    out = x / var
+    out *= weight
+    return out
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
+    """Inverse frequencies [hd/2] (float64), with linear or llama3 scaling applied."""
+    inv = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float64) / head_dim))
+    if rope.type == "linear":
+        inv = inv / rope.factor
+    elif rope.type == "llama3":
+        low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+        high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+        wavelen = 2 * np.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, smoothed, scaled)
+    return inv
+
+
+class RopeTable:
+    """cos/sin of every position up to a capacity that grows by doubling. ``rows(pos)`` -> ([n, hd/2], [n, hd/2])."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, capacity: int = 512) -> None:
+        self.inv_freq = rope_inv_freq(rope, head_dim).astype(np.float32)  # fp32 like the reference
+        self.cos = np.empty((0, head_dim // 2), dtype=F32)
+        self.sin = np.empty((0, head_dim // 2), dtype=F32)
+        self._grow(capacity)
+
+    def _grow(self, capacity: int) -> None:
+        pos = np.arange(capacity, dtype=np.float32)
+        ang = np.outer(pos, self.inv_freq).astype(np.float32)  # [cap, hd/2], fp32 product like the reference
+        self.cos = np.cos(ang).astype(F32)
+        self.sin = np.sin(ang).astype(F32)
+
+    def span(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin for positions start..stop-1: [n, hd/2] each."""
+        if stop > self.cos.shape[0]:
+            self._grow(max(stop, 2 * self.cos.shape[0]))
+        return self.cos[start:stop], self.sin[start:stop]
+
+    def gather(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin for arbitrary positions [n]: [n, hd/2] each."""
+        top = int(positions.max()) + 1 if positions.size else 0
+        if top > self.cos.shape[0]:
+            self._grow(max(top, 2 * self.cos.shape[0]))
+        return self.cos[positions], self.sin[positions]
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE: x [T, heads, hd], cos/sin [T, hd/2] -> [T, heads, hd] (new array)."""
+    half = x.shape[-1] // 2
+    c = cos[:, None, :]
+    s = sin[:, None, :]
+    x1 = x[..., :half]
+    x2 = x[..., half:]
+    out = np.empty_like(x)
+    np.multiply(x1, c, out=out[..., :half])
+    out[..., :half] -= x2 * s
+    np.multiply(x2, c, out=out[..., half:])
+    out[..., half:] += x1 * s
+    return out
+
+
+def softmax_(x: np.ndarray) -> np.ndarray:
+    """In-place softmax over the last axis (fp32). Returns x."""
+    x -= x.max(axis=-1, keepdims=True)
+    np.exp(x, out=x)
+    x /= x.sum(axis=-1, keepdims=True)
+    return x
+
+
+def causal_mask(past: int, t: int, window: int | None = None) -> np.ndarray:
+    """Additive mask [T, past+T]: query i (position past+i) sees key j iff j <= past+i (and j > past+i-window)."""
+    q = np.arange(past, past + t)[:, None]
+    k = np.arange(past + t)[None, :]
+    visible = k <= q
+    if window is not None:
+        visible &= k > q - window
+    return np.where(visible, F32(0.0), F32(-np.inf)).astype(F32)
+
+
+def attention(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, past: int, scale: float, window: int | None = None
+) -> np.ndarray:
+    """Causal grouped-query attention for T new queries over L = past + T keys.
+
+    q [T, H, hd], k/v [KV, L, hd] (the cache, new keys already written) -> [T, H * hd].
+    """
+    t, h, hd = q.shape
+    kv, length, _ = k.shape
+    g = h // kv
+    # [T, H, hd] -> [KV, G*T, hd]: queries of one KV group side by side.
+    qg = q.reshape(t, kv, g, hd).transpose(1, 2, 0, 3).reshape(kv, g * t, hd)
+    scores = np.matmul(qg, k.transpose(0, 2, 1))  # [KV, G*T, L]
+    scores *= F32(scale)
+    if t > 1 or window is not None:
+        scores = scores.reshape(kv, g, t, length)
+        scores += causal_mask(past, t, window)
+        scores = scores.reshape(kv, g * t, length)
+    softmax_(scores)
+    out = np.matmul(scores, v)  # [KV, G*T, hd]
+    return out.reshape(kv, g, t, hd).transpose(2, 0, 1, 3).reshape(t, h * hd)
+
+
+def naive_attention(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, past: int, scale: float, window: int | None = None
+) -> np.ndarray:
+    """Reference loop for :func:`attention` (tests only): same shapes, one query head at a time."""
+    t, h, hd = q.shape
+    kv = k.shape[0]
+    g = h // kv
+    out = np.zeros((t, h * hd), dtype=np.float64)
+    for i in range(t):
+        pos = past + i
+        for head in range(h):
+            kh = head // g
+            lo = 0 if window is None else max(0, pos - window + 1)
+            s = np.array([np.dot(q[i, head], k[kh, j]) * scale for j in range(lo, pos + 1)], dtype=np.float64)
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            out[i, head * hd : (head + 1) * hd] = sum(p[j - lo] * v[kh, j] for j in range(lo, pos + 1))
+    return out.astype(F32)
