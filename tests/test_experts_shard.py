@@ -149,3 +149,23 @@ def test_hrw_respects_capacity_and_holdings() -> None:
     assert m.missing(keys) == []
     assert build_map([_w("a", 1.0, half)], keys).missing([(0, 40)]) == [(0, 40)]
     assert build_map([_w("z", 0.0, keys)], keys).missing([(0, 0)]) == [(0, 0)]
+
+
+def test_fused_layout_gives_the_same_weights(tmp_path: Path) -> None:
+    per = make_moe_checkpoint(tmp_path / "per", experts=4)
+    t = load_file(str(per / "model.safetensors"))
+    fused_dir = tmp_path / "fused"
+    fused_dir.mkdir()
+    (fused_dir / "config.json").write_text((per / "config.json").read_text())
+    out = {k: v for k, v in t.items() if ".experts." not in k}
+    for layer in range(3):
+        p = f"model.layers.{layer}.mlp.experts."
+        out[p + "gate_up_proj"] = np.stack([np.concatenate([t[f"{p}{e}.gate_proj.weight"], t[f"{p}{e}.up_proj.weight"]])
+                                            for e in range(4)])
+        out[p + "down_proj"] = np.stack([t[f"{p}{e}.down_proj.weight"] for e in range(4)])
+    save_file(out, str(fused_dir / "model.safetensors"))
+    a, b = load_shard(str(per)), load_shard(f"{fused_dir}@1/1-2")
+    for e in (1, 2):
+        for x, y in zip(a.weights(1, e), b.weights(1, e)):
+            assert x.tobytes() == y.tobytes()
+    assert len(model_fingerprint(fused_dir)) == 32

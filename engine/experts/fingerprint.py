@@ -33,14 +33,18 @@ def _canonical(obj: Any) -> bytes:
 
 
 def expert_tensors(layout: MoeLayout, index: dict[str, TensorInfo]) -> list[TensorInfo]:
-    """Every routed expert tensor in name order; raises :class:`TensorFileError` naming a missing one."""
+    """Every routed expert tensor (per-expert or fused) in name order; raises naming a missing one."""
     out = []
     for layer in layout.sparse_layers:
-        for expert in range(layout.num_experts):
-            for name in layout.expert_names(layer, expert):
-                if name not in index:
-                    raise TensorFileError(f"checkpoint has no tensor {name}")
-                out.append(index[name])
+        fused = layout.fused_names(layer)
+        if fused[0] in index:
+            names: list[str] = list(fused)
+        else:
+            names = [n for expert in range(layout.num_experts) for n in layout.expert_names(layer, expert)]
+        for name in names:
+            if name not in index:
+                raise TensorFileError(f"checkpoint has no tensor {name}")
+            out.append(index[name])
     return sorted(out, key=lambda t: t.name)
 
 

@@ -1,13 +1,11 @@
-"""Where a checkpoint keeps its routed experts: families, sparse layers and tensor names (pure).
+"""Where a checkpoint keeps its routed experts: sparse layers and tensor names (pure).
 
-Supported families (Hugging Face per-expert layout, which transformers 4 and 5 both write):
+Derived from the engine's own config normalisation (``engine.config.ModelConfig``) and key maps
+(``engine.families``), so the worker and the local engine read exactly the same tensors. Every MoE family
+the engine supports works (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE); shared experts stay on the coordinator.
+Both per-expert and fused 3-D expert layouts are understood (see ``engine.families``).
 
-- ``qwen3_moe`` / ``qwen2_moe``: ``model.layers.{L}.mlp.experts.{E}.{gate,up,down}_proj.weight``; a layer
-  is sparse unless listed in ``mlp_only_layers`` and ``(L + 1) % decoder_sparse_step == 0``.
-- ``mixtral``: ``model.layers.{L}.block_sparse_moe.experts.{E}.{w1,w3,w2}.weight`` (gate, up, down); every
-  layer is sparse.
-
-Shapes: gate and up are [I, D], down is [D, I] (I = ``moe_intermediate_size`` or ``intermediate_size``).
+Shapes: gate and up are [I, D], down is [D, I] (I = the routed expert width).
 """
 
 from __future__ import annotations
@@ -16,6 +14,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from engine import families
+from engine.config import ConfigError, ModelConfig
 
 
 class LayoutError(Exception):
@@ -32,14 +33,17 @@ class MoeLayout:
     top_k: int
     norm_topk_prob: bool
     sparse_layers: tuple[int, ...]
+    config: ModelConfig
 
     def expert_names(self, layer: int, expert: int) -> tuple[str, str, str]:
-        """(gate, up, down) tensor names of one routed expert."""
-        if self.family == "mixtral":
-            p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
-            return p + "w1.weight", p + "w3.weight", p + "w2.weight"
-        p = f"model.layers.{layer}.mlp.experts.{expert}."
-        return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+        """(gate, up, down) tensor names of one routed expert in the per-expert layout."""
+        sp = families.expert_tensors(self.config, layer, expert)
+        return sp["gate"][0], sp["up"][0], sp["down"][0]
+
+    def fused_names(self, layer: int) -> tuple[str, str]:
+        """(gate_up [E, 2I, D], down [E, D, I]) tensor names of a sparse layer in the fused layout."""
+        sp = families.fused_expert_tensors(self.config, layer)
+        return sp["gate_up"][0], sp["down"][0]
 
     def expert_shapes(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
         i, d = self.intermediate_size, self.hidden_size
@@ -49,42 +53,18 @@ class MoeLayout:
         return layer in self.sparse_layers
 
 
-def _int(cfg: dict[str, Any], *keys: str) -> int:
-    for k in keys:
-        v = cfg.get(k)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
-    raise LayoutError(f"config.json has no positive integer {' or '.join(keys)}")
-
-
 def layout_from_config(cfg: dict[str, Any]) -> MoeLayout:
     """The MoE layout described by a Hugging Face ``config.json`` dict; raises :class:`LayoutError`."""
-    if isinstance(cfg.get("text_config"), dict):
-        cfg = cfg["text_config"]
-    family = cfg.get("model_type")
-    if family not in ("qwen3_moe", "qwen2_moe", "mixtral"):
-        raise LayoutError(f"model_type {family!r} has no routed experts meshd can delegate "
-                          "(supported: qwen3_moe, qwen2_moe, mixtral)")
-    layers = _int(cfg, "num_hidden_layers")
-    experts = _int(cfg, "num_experts", "num_local_experts")
-    hidden = _int(cfg, "hidden_size")
-    top_k = _int(cfg, "num_experts_per_tok")
-    if family == "mixtral":
-        inter = _int(cfg, "intermediate_size")
-        sparse = tuple(range(layers))
-        norm = True
-    else:
-        inter = _int(cfg, "moe_intermediate_size")
-        step = cfg.get("decoder_sparse_step", 1)
-        if not isinstance(step, int) or step < 1:
-            raise LayoutError("config.json decoder_sparse_step must be a positive integer")
-        dense = cfg.get("mlp_only_layers") or []
-        if not isinstance(dense, list) or not all(isinstance(v, int) for v in dense):
-            raise LayoutError("config.json mlp_only_layers must be a list of integers")
-        sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
-        norm = bool(cfg.get("norm_topk_prob", False))
-    return MoeLayout(family=str(family), num_layers=layers, num_experts=experts, hidden_size=hidden,
-                     intermediate_size=inter, top_k=top_k, norm_topk_prob=norm, sparse_layers=sparse)
+    try:
+        mc = ModelConfig.from_hf(cfg)
+    except ConfigError as e:
+        raise LayoutError(str(e)) from None
+    if not mc.is_moe:
+        raise LayoutError(f"model_type {mc.model_type!r} is dense: it has no routed experts to hold")
+    sparse = tuple(i for i in range(mc.num_layers) if mc.is_sparse(i))
+    return MoeLayout(family=mc.model_type, num_layers=mc.num_layers, num_experts=mc.num_experts,
+                     hidden_size=mc.hidden_size, intermediate_size=mc.moe_intermediate_size, top_k=mc.top_k,
+                     norm_topk_prob=mc.norm_topk_prob, sparse_layers=sparse, config=mc)
 
 
 def read_config(path: Path) -> dict[str, Any]:

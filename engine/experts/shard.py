@@ -113,6 +113,48 @@ class ExpertShard:
         self.maps.close()
 
 
+def _check(path: Path, t: TensorInfo | None, name: str, shape: tuple[int, ...]) -> TensorInfo:
+    if t is None:
+        raise ShardError(f"--experts {path}: missing expert tensor {name}")
+    if t.shape != shape:
+        raise ShardError(f"--experts {path}: expert tensor {name} has shape {list(t.shape)}, expected {list(shape)}")
+    if t.dtype not in _SUPPORTED:
+        raise ShardError(f"--experts {path}: expert tensor {name} has unsupported dtype {t.dtype}")
+    count = 1
+    for v in shape:
+        count *= v
+    if t.nbytes != (4 if t.dtype == "F32" else 2) * count:
+        raise ShardError(f"--experts {path}: expert tensor {name} has {t.nbytes} bytes for shape {list(shape)}")
+    return t
+
+
+def _per_expert(path: Path, layout: MoeLayout, index: dict[str, TensorInfo], layer: int,
+                expert: int) -> tuple[TensorInfo, TensorInfo, TensorInfo]:
+    names = layout.expert_names(layer, expert)
+    g, u, d = (_check(path, index.get(n), n, shape) for n, shape in zip(names, layout.expert_shapes()))
+    return g, u, d
+
+
+def _fused_layer(path: Path, layout: MoeLayout, index: dict[str, TensorInfo], layer: int,
+                 experts: list[int]) -> dict[tuple[int, int], tuple[TensorInfo, TensorInfo, TensorInfo]]:
+    """Per-expert byte ranges inside the fused [E, 2I, D] / [E, D, I] tensors (each one contiguous)."""
+    e, i, d = layout.num_experts, layout.intermediate_size, layout.hidden_size
+    gu_name, dn_name = layout.fused_names(layer)
+    gu = _check(path, index.get(gu_name), gu_name, (e, 2 * i, d))
+    dn = _check(path, index.get(dn_name), dn_name, (e, d, i))
+    isz = 4 if gu.dtype == "F32" else 2
+    dsz = 4 if dn.dtype == "F32" else 2
+    out = {}
+    for x in experts:
+        g0 = gu.begin + x * 2 * i * d * isz
+        u0 = g0 + i * d * isz
+        d0 = dn.begin + x * d * i * dsz
+        out[(layer, x)] = (TensorInfo(f"{gu_name}[{x}].gate", gu.file, gu.dtype, (i, d), g0, u0),
+                           TensorInfo(f"{gu_name}[{x}].up", gu.file, gu.dtype, (i, d), u0, u0 + i * d * isz),
+                           TensorInfo(f"{dn_name}[{x}]", dn.file, dn.dtype, (d, i), d0, d0 + d * i * dsz))
+    return out
+
+
 def load_shard(spec: ShardSpec | str) -> ExpertShard:
     """Validate and map a shard; raises :class:`ShardError` naming the first problem found."""
     if isinstance(spec, str):
@@ -139,27 +181,13 @@ def load_shard(spec: ShardSpec | str) -> ExpertShard:
     if experts and experts[-1] >= layout.num_experts:
         raise ShardError(f"--experts {path}: expert {experts[-1]} does not exist (the model has "
                          f"{layout.num_experts} experts per layer)")
-    shapes = layout.expert_shapes()
     tensors: dict[tuple[int, int], tuple[TensorInfo, TensorInfo, TensorInfo]] = {}
     for layer in layers:
+        if layout.fused_names(layer)[0] in index:
+            tensors.update(_fused_layer(path, layout, index, layer, experts))
+            continue
         for expert in experts:
-            names = layout.expert_names(layer, expert)
-            triple = []
-            for name, shape in zip(names, shapes):
-                t = index.get(name)
-                if t is None:
-                    raise ShardError(f"--experts {path}: missing expert tensor {name}")
-                if t.shape != shape:
-                    raise ShardError(f"--experts {path}: expert tensor {name} has shape {list(t.shape)}, "
-                                     f"expected {list(shape)}")
-                if t.dtype not in _SUPPORTED:
-                    raise ShardError(f"--experts {path}: expert tensor {name} has unsupported dtype {t.dtype}")
-                itemsize = 4 if t.dtype == "F32" else 2
-                if t.nbytes != itemsize * shape[0] * shape[1]:
-                    raise ShardError(f"--experts {path}: expert tensor {name} has {t.nbytes} bytes for "
-                                     f"shape {list(shape)}")
-                triple.append(t)
-            tensors[(layer, expert)] = (triple[0], triple[1], triple[2])
+            tensors[(layer, expert)] = _per_expert(path, layout, index, layer, expert)
     try:
         maps = RangeMaps(t for triple in tensors.values() for t in triple)
     except TensorFileError as e:
