@@ -33,22 +33,38 @@ def make_moe_checkpoint(path: Path, family: str = "qwen3_moe", layers: int = 3, 
             return (a.view(np.uint32) >> 16).astype(np.uint16)
         return a
 
+    ones = np.ones(hidden, np.float32)
     tensors["model.embed_tokens.weight"] = w(vocab, hidden)
+    tensors["model.norm.weight"] = ones.copy() if dtype == "F32" else (ones.view(np.uint32) >> 16).astype(np.uint16)
+    tensors["lm_head.weight"] = w(vocab, hidden)
+    hd = hidden // 2
     for layer in range(layers):
+        a = f"model.layers.{layer}."
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            tensors[a + n + ".weight"] = tensors["model.norm.weight"].copy()
+        tensors[a + "self_attn.q_proj.weight"] = w(2 * hd, hidden)
+        tensors[a + "self_attn.k_proj.weight"] = w(hd, hidden)
+        tensors[a + "self_attn.v_proj.weight"] = w(hd, hidden)
+        tensors[a + "self_attn.o_proj.weight"] = w(hidden, 2 * hd)
+        if family == "qwen3_moe":
+            tensors[a + "self_attn.q_norm.weight"] = tensors["model.norm.weight"][:hd].copy()
+            tensors[a + "self_attn.k_norm.weight"] = tensors["model.norm.weight"][:hd].copy()
         if layer in dense_layers:
-            tensors[f"model.layers.{layer}.mlp.gate_proj.weight"] = w(inter * 2, hidden)
+            tensors[a + "mlp.gate_proj.weight"] = w(inter * 2, hidden)
+            tensors[a + "mlp.up_proj.weight"] = w(inter * 2, hidden)
+            tensors[a + "mlp.down_proj.weight"] = w(hidden, inter * 2)
             continue
         for e in range(experts):
             if family == "mixtral":
-                p = f"model.layers.{layer}.block_sparse_moe.experts.{e}."
+                p = f"{a}block_sparse_moe.experts.{e}."
                 tensors[p + "w1.weight"], tensors[p + "w3.weight"], tensors[p + "w2.weight"] = (
                     w(inter, hidden), w(inter, hidden), w(hidden, inter))
             else:
-                p = f"model.layers.{layer}.mlp.experts.{e}."
+                p = f"{a}mlp.experts.{e}."
                 tensors[p + "gate_proj.weight"], tensors[p + "up_proj.weight"], tensors[p + "down_proj.weight"] = (
                     w(inter, hidden), w(inter, hidden), w(hidden, inter))
         router = "block_sparse_moe.gate" if family == "mixtral" else "mlp.gate"
-        tensors[f"model.layers.{layer}.{router}.weight"] = w(experts, hidden)
+        tensors[f"{a}{router}.weight"] = w(experts, hidden)
     if dtype == "BF16":
         # safetensors.numpy has no bf16 dtype: write as F16-sized raw and patch the header's dtype string.
         save_file({k: v.view(np.float16) if v.dtype == np.uint16 else v for k, v in tensors.items()},

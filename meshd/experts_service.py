@@ -1,0 +1,298 @@
+"""The daemon's expert service: worker side (``--experts``) and coordinator side (``--remote-experts``).
+
+Worker side: at start every ``--experts`` spec is loaded and validated (a bad one fails the start with a
+one-line reason naming it), its fingerprint computed (cached next to the checkpoint), and EXPERT streams
+are served by :class:`engine.experts.worker.ExpertWorker`. ``advertisement()`` gives what membership
+gossips about this node's shards (fingerprint, layer/expert ranges, capacity).
+
+Coordinator side: the model service calls :meth:`ExpertsService.coordinator` for an MoE checkpoint it
+serves; the returned :class:`RemoteExecutor` is the ``executor`` for ``Model.forward``. Workers are found
+by probing peers: every connected peer (or, once membership advertises shards, every peer advertising
+the fingerprint) is opened an EXPERT stream and sent a hello; those holding the same checkpoint become
+links, the others are remembered as refused until they reconnect. Probes repeat on peer-up and every
+``probe_interval_s``, so a worker that joins is used from the next forward pass.
+
+Telemetry: ``status()`` (merged into ``meshd status --json`` under ``experts``) and a Prometheus
+collector (``meshd_experts_*``) registered while the service runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from engine.experts.coordinator import CoordinatorConfig, RemoteExecutor, WorkerRefused
+from engine.experts.fingerprint import model_fingerprint
+from engine.experts.layout import LayoutError, MoeLayout, layout_from_config, read_config
+from engine.experts.shard import ExpertShard, ShardError, load_shard
+from engine.experts.tensors import TensorFileError
+from engine.experts.worker import ExpertWorker, ReplyHook
+from engine.moe import ExpertWeightsFn
+
+log = structlog.get_logger(__name__)
+
+PROBE_INTERVAL_S = 5.0  # how often peers that are not links yet are probed for experts
+
+
+class ExpertsStartError(Exception):
+    """An ``--experts`` spec cannot be served; the message names the spec and the problem."""
+
+
+@dataclass
+class _Coordinated:
+    path: Path
+    executor: RemoteExecutor
+    refused: dict[str, str] = field(default_factory=dict)  # node id -> reason (until it reconnects)
+    probing: set[str] = field(default_factory=set)
+
+
+class ExpertsService:
+    """See the module docstring. ``start(daemon)`` needs ``daemon.transport`` (a ``MeshTransport``)."""
+
+    name = "experts"
+
+    def __init__(self, specs: Sequence[str] = (), remote_experts: str = "off", *,
+                 coordinator_config: CoordinatorConfig | None = None, capacity: float = 1.0,
+                 probe_interval_s: float = PROBE_INTERVAL_S, reply_hook: ReplyHook | None = None) -> None:
+        self.specs = list(specs)
+        self.remote_experts = remote_experts
+        self.coordinator_config = coordinator_config
+        self.capacity = capacity
+        self.probe_interval_s = probe_interval_s
+        self._reply_hook = reply_hook
+        self.shards: list[ExpertShard] = []
+        self.fingerprints: list[bytes] = []
+        self.worker: ExpertWorker | None = None
+        self.transport: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._coordinated: list[_Coordinated] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._collector: Any = None
+        self.advertisers: list[Callable[[list[dict[str, Any]]], None]] = []  # membership hooks
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    async def start(self, daemon: Any) -> None:
+        self.transport = getattr(daemon, "transport", daemon)
+        self._loop = asyncio.get_running_loop()
+        from transport.streams import StreamType
+
+        if self.specs:
+            self.shards, self.fingerprints = await asyncio.to_thread(self._load_all)
+            self.worker = ExpertWorker(self.shards, self.fingerprints, self.capacity, self._reply_hook)
+            self.transport.on_stream(StreamType.EXPERT, self._serve)
+            for s, fp in zip(self.shards, self.fingerprints):
+                log.info("experts_worker_ready", path=str(s.path), fingerprint=fp.hex()[:16], layers=len(s.layers),
+                         experts=len(s.experts), expert_bytes=s.expert_bytes)
+            adv = self.advertisement()
+            for cb in self.advertisers:
+                cb(adv)
+        self.transport.on_peer_up.append(self._peer_up)
+        self.transport.on_peer_down.append(self._peer_down)
+        self._spawn(self._probe_loop())
+        self._register_metrics()
+
+    def _load_all(self) -> tuple[list[ExpertShard], list[bytes]]:
+        shards, fps = [], []
+        for spec in self.specs:
+            try:
+                shard = load_shard(spec)
+                fp = model_fingerprint(shard.path)
+            except ShardError as e:
+                raise ExpertsStartError(str(e)) from None
+            except (TensorFileError, LayoutError, OSError) as e:
+                raise ExpertsStartError(f"--experts {spec}: {e}") from None
+            shards.append(shard)
+            fps.append(fp)
+        return shards, fps
+
+    async def stop(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for c in self._coordinated:
+            await c.executor.close()
+        if self.transport is not None:
+            with contextlib.suppress(ValueError):
+                self.transport.on_peer_up.remove(self._peer_up)
+            with contextlib.suppress(ValueError):
+                self.transport.on_peer_down.remove(self._peer_down)
+        self._unregister_metrics()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # --- worker side ------------------------------------------------------------------------------
+
+    async def _serve(self, peer: Any, stream: Any) -> None:
+        if self.worker is not None:
+            await self.worker.serve(stream, peer.node_id)
+
+    def advertisement(self) -> list[dict[str, Any]]:
+        """What gossip carries about this node's shards: one entry per ``--experts`` spec."""
+        return [{"fingerprint": fp.hex(), "path_name": s.path.name, "capacity": self.capacity,
+                 "ranges": [[r.layer_first, r.layer_last, r.expert_first, r.expert_last] for r in s.ranges]}
+                for s, fp in zip(self.shards, self.fingerprints)]
+
+    # --- coordinator side -------------------------------------------------------------------------
+
+    async def coordinator(self, path: str | Path, local_weights: ExpertWeightsFn | None = None,
+                          mode: str | None = None) -> RemoteExecutor:
+        """The remote executor for the MoE checkpoint at ``path`` (call on the daemon loop).
+
+        ``local_weights`` is needed for ``prefer`` (fallback). Raises ``LayoutError``/``TensorFileError``
+        for a checkpoint without routed experts.
+        """
+        p = Path(path)
+        layout: MoeLayout = layout_from_config(read_config(p))
+        fp = await asyncio.to_thread(model_fingerprint, p)
+        mode = mode or (self.remote_experts if self.remote_experts in ("on", "prefer") else "on")
+        base = self.coordinator_config or CoordinatorConfig()
+        cfg = CoordinatorConfig(mode=mode, connect_timeout_s=base.connect_timeout_s,
+                                message_timeout_s=base.message_timeout_s, layer_timeout_s=base.layer_timeout_s)
+        ex = RemoteExecutor(asyncio.get_running_loop(), fp, layout, cfg, local_weights)
+        c = _Coordinated(p, ex)
+        self._coordinated.append(c)
+        log.info("experts_coordinator_ready", path=str(p), fingerprint=fp.hex()[:16], mode=mode)
+        await self.probe_all()
+        return ex
+
+    def _peers(self) -> Iterable[Any]:
+        return [p for p in self.transport.peers() if getattr(p, "connected", True)] if self.transport else []
+
+    async def probe_all(self) -> None:
+        """Hello every connected peer that is not yet a link or a refusal, concurrently."""
+        jobs = [self._probe(c, peer) for c in self._coordinated for peer in self._peers()
+                if peer.node_id not in c.executor.links and peer.node_id not in c.refused
+                and peer.node_id not in c.probing]
+        if jobs:
+            await asyncio.gather(*jobs, return_exceptions=True)
+
+    async def _probe(self, c: _Coordinated, peer: Any) -> None:
+        from transport.streams import StreamType
+
+        node = peer.node_id
+        c.probing.add(node)
+        try:
+            timeout = c.executor.config.connect_timeout_s
+            stream = await asyncio.wait_for(peer.open_stream(StreamType.EXPERT), timeout)
+            await c.executor.add_worker(node, stream)
+        except WorkerRefused as e:
+            c.refused[node] = str(e)
+            log.info("experts_worker_refused", worker=node, reason=str(e))
+        except Exception as e:  # noqa: BLE001 - a peer that cannot be probed now is retried later
+            log.debug("experts_probe_failed", worker=node, error=repr(e))
+        finally:
+            c.probing.discard(node)
+
+    def _peer_up(self, peer: Any) -> None:
+        for c in self._coordinated:
+            c.refused.pop(peer.node_id, None)
+        if self._coordinated:
+            self._spawn(self.probe_all())
+
+    def _peer_down(self, peer: Any) -> None:
+        for c in self._coordinated:
+            c.executor.remove_worker(peer.node_id, "peer disconnected")
+            c.refused.pop(peer.node_id, None)
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            try:
+                await self.probe_all()
+            except Exception as e:  # noqa: BLE001 - keep probing
+                log.debug("experts_probe_loop_error", error=repr(e))
+
+    # --- telemetry --------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.worker is not None:
+            out["worker"] = {**self.worker.stats.as_dict(), "capacity": self.capacity,
+                             "shards": [{"path": str(s.path), "fingerprint": fp.hex(), "layers": list(s.layers),
+                                         "experts": [s.experts[0], s.experts[-1]] if s.experts else [],
+                                         "expert_bytes": s.expert_bytes}
+                                        for s, fp in zip(self.shards, self.fingerprints)]}
+        if self._coordinated:
+            out["coordinators"] = [{"path": str(c.path), **c.executor.status(), "refused": dict(c.refused)}
+                                   for c in self._coordinated]
+        return {"experts": out}
+
+    def metrics(self) -> list[tuple[str, str, str, dict[str, str], float]]:
+        """(name, type, help, labels, value) samples for /metrics."""
+        m: list[tuple[str, str, str, dict[str, str], float]] = []
+        if self.worker is not None:
+            st = self.worker.stats
+            for key, what in (("requests", "expert requests served"), ("rows", "hidden rows received"),
+                              ("pairs", "(row, expert) outputs computed"), ("bytes_in", "bytes received"),
+                              ("bytes_out", "bytes sent"), ("errors", "requests answered with an error")):
+                m.append((f"meshd_experts_worker_{key}_total", "counter", f"Worker: {what}", {},
+                          float(getattr(st, key))))
+            m.append(("meshd_experts_worker_compute_seconds_total", "counter", "Worker: expert compute time", {},
+                      st.compute_s))
+        for c in self._coordinated:
+            model = c.path.name
+            for node, ls in c.executor.link_stats.items():
+                lab = {"model": model, "worker": node}
+                for key, what in (("calls", "expert requests answered"), ("rows", "hidden rows sent"),
+                                  ("pairs", "(row, expert) pairs delegated"), ("bytes_out", "bytes sent"),
+                                  ("bytes_in", "bytes received"), ("errors", "failed requests")):
+                    m.append((f"meshd_experts_worker_link_{key}_total", "counter", f"Coordinator: {what}", lab,
+                              float(getattr(ls, key))))
+                m.append(("meshd_experts_worker_link_latency_seconds_total", "counter",
+                          "Coordinator: summed request latency", lab, ls.latency_sum_s))
+            s = c.executor.stats
+            lab = {"model": model}
+            for key, what in (("layers", "sparse layer calls"), ("layers_delegated", "layers sent to workers"),
+                              ("items_delegated", "expert work items computed by workers"),
+                              ("items_local", "expert work items computed locally (prefer fallback)"),
+                              ("local_fallback_layers", "layers that fell back to local compute"),
+                              ("retries", "work items retried on another holder"),
+                              ("unavailable", "layers failed for lack of workers")):
+                m.append((f"meshd_experts_{key}_total", "counter", f"Coordinator: {what}", lab,
+                          float(getattr(s, key))))
+            m.append(("meshd_experts_hit_rows_total", "counter", "Routed (row, expert) hits, delegated and local",
+                      lab, float(sum(s.expert_rows.values()))))
+        return m
+
+    def _register_metrics(self) -> None:
+        try:
+            from prometheus_client.core import REGISTRY, CounterMetricFamily
+        except ImportError:  # pragma: no cover - a declared dependency
+            return
+        service = self
+
+        class _Collector:
+            def collect(self) -> Iterable[Any]:
+                families: dict[str, Any] = {}
+                for name, _kind, help_text, labels, value in service.metrics():
+                    base = name[: -len("_total")] if name.endswith("_total") else name
+                    fam = families.get(base)
+                    if fam is None:
+                        fam = families[base] = CounterMetricFamily(base, help_text, labels=sorted(labels))
+                    fam.add_metric([labels[k] for k in sorted(labels)], value)
+                return list(families.values())
+
+        self._collector = _Collector()
+        with contextlib.suppress(ValueError):
+            REGISTRY.register(self._collector)
+
+    def _unregister_metrics(self) -> None:
+        if self._collector is None:
+            return
+        from prometheus_client.core import REGISTRY
+
+        with contextlib.suppress(KeyError, ValueError):
+            REGISTRY.unregister(self._collector)
+        self._collector = None
