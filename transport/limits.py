@@ -27,6 +27,10 @@ STREAM_RECV_QUEUE_FRAMES = 1024  # frames received but not yet read per stream b
 STREAM_RECV_QUEUE_BYTES = 8 * 1024 * 1024  # bytes received but not yet read per stream before reset
 MAX_PENDING_HANDSHAKES = 64  # connections still proving membership; more are refused at once
 
+# --- daemon: control socket (issue 2, daemon) ------------------------------------------------
+MAX_CONTROL_LINE_BYTES = 1 << 20  # one control request/reply line; status of a big mesh is ~100 KiB
+MAX_CONTROL_CONNECTIONS = 64  # concurrent local CLI clients; more means something is looping
+
 # --- membership / gossip (issue 3) ------------------------------------------------------------
 
 # --- API / tunnel (issue 5) -------------------------------------------------------------------

@@ -1,0 +1,49 @@
+"""`meshd serve` and `meshd client`: load config, identity and credentials, then run the daemon."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+
+import structlog
+
+from meshd.config import load_config
+from meshd.daemon import Daemon
+from meshd.log import setup_logging
+from meshd.state import StateDir
+from meshd.wiring import build_services
+from transport import PROTOCOL_MAX, PROTOCOL_MIN
+from transport.credentials import create_mesh
+
+log = structlog.get_logger("meshd.serve")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args, os.environ, role=args.command)
+    setup_logging(config.log_format, config.log_level)
+    for note in config.notes:
+        log.info("config_note", note=note)
+    state = StateDir(config.state_dir)
+    state.lock()  # held for the life of the process: one daemon per state dir
+    if config.has_join and not state.has_credentials():
+        # Fail now (exit 2) on a missing/empty join file rather than found a stray mesh; the
+        # membership service re-reads it on every attempt.
+        config.read_join_token()
+    identity, created = state.load_or_create_identity()
+    if created:
+        log.info("identity_created", node_id=identity.node_id, path=str(state.identity_path))
+    creds = state.load_credentials(identity)
+    if creds is None:
+        if config.has_join:
+            log.info("waiting_to_join", node_id=identity.node_id)
+        else:
+            creds = create_mesh(identity, config.mesh_name, int(time.time()), PROTOCOL_MIN, PROTOCOL_MAX)
+            state.store_credentials(creds)
+            log.info("mesh_created", mesh_id=creds.mesh_id, mesh_name=creds.genesis.name,
+                     node_id=identity.node_id, state_dir=str(state.path))
+    elif config.has_join:
+        log.info("join_ignored", reason="already a member", mesh_id=creds.mesh_id)
+    daemon = Daemon(config, state, identity, creds, services=build_services(config))
+    return asyncio.run(daemon.run())

@@ -1,0 +1,69 @@
+"""`meshd status [--json]`: ask the running daemon (control socket) for its status and print it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from meshd.control import call
+from meshd.state import CONTROL_SOCKET, resolve_state_dir
+
+
+def run(args: argparse.Namespace) -> int:
+    state_dir = resolve_state_dir(args.state_dir, os.environ)
+    status = call(state_dir / CONTROL_SOCKET, "status")
+    if args.json:
+        sys.stdout.write(json.dumps(status) + "\n")
+    else:
+        sys.stdout.write(format_status(status))
+    return 0
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, list):
+        return ",".join(_cell(v) if not isinstance(v, dict) else str(v.get("name", v)) for v in value) or "-"
+    return str(value)
+
+
+def _table(rows: list[list[str]], indent: str = "  ") -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "".join(indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n" for r in rows)
+
+
+def format_status(st: dict[str, Any]) -> str:
+    """The human-readable form of a status object."""
+    mesh = "-" if not st.get("mesh_id") else f"{st.get('mesh_name')} ({st.get('mesh_id')})"
+    if st.get("admin"):
+        mesh += " [admin key held]"
+    out = [
+        f"node      {st.get('node_id')}  ({st.get('role', '?')}, {st.get('state')})",
+        f"mesh      {mesh}",
+        f"quic      {_cell(st.get('quic'))}",
+        f"api       {_cell(st.get('api'))}",
+        f"version   {st.get('version')} (protocol {st.get('protocol')})",
+    ]
+    text = "\n".join(out) + "\n"
+    models = st.get("models") or []
+    text += f"models    {len(models)}\n"
+    if models:
+        rows = [["NAME", "KIND", "FINGERPRINT"]]
+        rows += [[_cell(m.get("name")), _cell(m.get("kind")), _cell(m.get("fingerprint"))] for m in models]
+        text += _table(rows)
+    peers = st.get("peers") or []
+    text += f"peers     {len(peers)}\n"
+    if peers:
+        rows = [["NODE", "STATE", "RTT_MS", "LAST_SEEN_S", "ADDRS", "MODELS"]]
+        for p in peers:
+            rtt = p.get("rtt_ms")
+            rows.append([
+                _cell(p.get("node_id")), _cell(p.get("state")),
+                "-" if rtt is None else f"{rtt:.1f}" if isinstance(rtt, (int, float)) else str(rtt),
+                _cell(p.get("last_seen_s")), _cell(p.get("addrs")), _cell(p.get("models")),
+            ])
+        text += _table(rows)
+    return text

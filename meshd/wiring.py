@@ -1,0 +1,21 @@
+"""Which services a node runs, in start order (stopped in reverse).
+
+WIRING POINT (services): each area adds its service here, one line each, so the daemon itself never
+changes when a service lands. A service follows the contract in ``meshd/daemon.py`` (``name``,
+``async start(daemon)``, ``async stop()``, ``status() -> dict``). Order matters: membership needs the
+transport (started before any service), models before the API that routes to them.
+"""
+
+from __future__ import annotations
+
+from meshd.config import DaemonConfig
+from meshd.daemon import Service
+
+
+def build_services(config: DaemonConfig) -> list[Service]:
+    """The services for ``config`` (``config.role`` is ``serve`` or ``client``)."""
+    services: list[Service] = []
+    # membership / gossip / join (issue 3): services.append(MembershipService(config))
+    # models and expert shards (issue 4/6), only when config.role == "serve"
+    # OpenAI API (issue 5): it calls daemon.set_api_address(host, port) once bound
+    return services

@@ -1,0 +1,186 @@
+"""Config: flags, TOML file and environment merged into DaemonConfig; every bad value is exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import meshd_cmd, meshd_env
+from meshd.cli import build_parser
+from meshd.config import HostPort, is_loopback, load_config, parse_hostport
+from meshd.errors import UsageError
+
+ENV = {"HOME": "/home/someone"}
+
+
+def _load(argv: list[str], env: dict[str, str] | None = None, role: str = "serve"):
+    args = build_parser().parse_args([role, *argv])
+    return load_config(args, ENV if env is None else env, role)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("0.0.0.0:9336", HostPort("0.0.0.0", 9336)),
+        ("127.0.0.1:0", HostPort("127.0.0.1", 0)),
+        ("[::1]:9337", HostPort("::1", 9337)),
+        ("localhost:65535", HostPort("localhost", 65535)),
+        ("node-1.example.org:1", HostPort("node-1.example.org", 1)),
+    ],
+)
+def test_parse_hostport_accepts(text: str, expected: HostPort) -> None:
+    assert parse_hostport(text, "--listen") == expected
+    assert str(expected) == text
+
+
+@pytest.mark.parametrize(
+    "text", ["", "9336", ":9336", "host:", "host:65536", "host:-1", "host:12a", "::1:9336", "[::1]9336",
+             "[nothost]:1", "bad host:1", "a_b:1", "[::1:1"]
+)
+def test_parse_hostport_rejects(text: str) -> None:
+    with pytest.raises(UsageError, match="--listen"):
+        parse_hostport(text, "--listen")
+
+
+def test_is_loopback() -> None:
+    assert is_loopback("127.0.0.1") and is_loopback("127.9.9.9") and is_loopback("::1")
+    assert is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("::") and not is_loopback("10.0.0.1")
+    assert not is_loopback("myhost")
+
+
+def test_defaults() -> None:
+    cfg = _load([])
+    assert cfg.listen == HostPort("0.0.0.0", 9336) and cfg.api == HostPort("127.0.0.1", 9337)
+    assert cfg.state_dir == Path("/home/someone/.local/state/meshd")
+    assert cfg.mesh_name == "meshd" and cfg.mdns and cfg.remote_experts == "off"
+    assert cfg.join_token is None and cfg.join_file is None and cfg.models == ()
+
+
+def test_file_keys_with_dashes_or_underscores_and_flags_override(tmp_path: Path) -> None:
+    conf = tmp_path / "meshd.toml"
+    conf.write_text(
+        'listen = "127.0.0.1:7000"\napi = "127.0.0.1:7001"\nremote_experts = "prefer"\n'
+        'mesh-name = "home"\nno_mdns = true\nmodel = ["tiny", "q=/models/q"]\nexperts = "/m@0-1/0-3"\n'
+        'log-level = "DEBUG"\nstate-dir = "state"\n'
+    )
+    cfg = _load(["--config", str(conf)])
+    assert cfg.listen == HostPort("127.0.0.1", 7000) and cfg.api == HostPort("127.0.0.1", 7001)
+    assert cfg.remote_experts == "prefer" and cfg.mesh_name == "home" and not cfg.mdns
+    assert cfg.models == ("tiny", "q=/models/q") and cfg.experts == ("/m@0-1/0-3",)
+    assert cfg.log_level == "debug"
+    assert cfg.state_dir == tmp_path / "state"  # relative to the file's directory
+    cfg = _load(["--config", str(conf), "--listen", "127.0.0.1:8000", "--remote-experts", "on",
+                 "--model", "other", "--state-dir", "/x"])
+    assert cfg.listen == HostPort("127.0.0.1", 8000) and cfg.remote_experts == "on"
+    assert cfg.models == ("other",) and cfg.state_dir == Path("/x")
+    assert cfg.api == HostPort("127.0.0.1", 7001)  # not overridden: still the file's
+
+
+def test_state_dir_order_flag_file_env(tmp_path: Path) -> None:
+    env = {"HOME": "/h", "MESHD_STATE_DIR": "/m", "STATE_DIRECTORY": "/s:/t"}
+    assert _load([], env).state_dir == Path("/m")
+    assert _load([], {"HOME": "/h", "STATE_DIRECTORY": "/s:/t"}).state_dir == Path("/s")
+    conf = tmp_path / "c.toml"
+    conf.write_text('state-dir = "/f"\n')
+    assert _load(["--config", str(conf)], env).state_dir == Path("/f")
+    assert _load(["--config", str(conf), "--state-dir", "/flag"], env).state_dir == Path("/flag")
+
+
+def test_join_sources(tmp_path: Path) -> None:
+    token_file = tmp_path / "join.token"
+    token_file.write_text("meshd1fromfile\n")
+    assert _load([], {**ENV, "MESHD_JOIN": "meshd1env"}).join_token == "meshd1env"
+    cfg = _load([], {**ENV, "MESHD_JOIN_FILE": str(token_file)})
+    assert cfg.join_token is None and cfg.read_join_token() == "meshd1fromfile"
+    token_file.write_text("meshd1changed")  # re-read on every call
+    assert cfg.read_join_token() == "meshd1changed"
+    # the flag beats the environment
+    cfg = _load(["--join", "meshd1flag"], {**ENV, "MESHD_JOIN_FILE": str(token_file)})
+    assert cfg.join_token == "meshd1flag" and cfg.join_file is None
+    assert "meshd1flag" not in repr(cfg)  # the token never shows in a repr (or a log of the config)
+
+
+@pytest.mark.parametrize(
+    "argv, env, match",
+    [
+        (["--join", "notatoken"], {}, "meshd1"),
+        (["--join", ""], {}, "empty"),
+        ([], {"MESHD_JOIN": "meshd1a", "MESHD_JOIN_FILE": "/x"}, "not both"),
+        (["--api", "0.0.0.0:9337"], {}, "without an API key"),
+        (["--api", "[::]:9337"], {}, "without an API key"),
+        (["--api-key-file", "/nonexistent/keys"], {}, "not a readable file"),
+        (["--log-level", "loud"], {}, "--log-level"),
+        (["--mesh-name", "x" * 65], {}, "mesh name"),
+        (["--model", " "], {}, "empty SPEC"),
+    ],
+)
+def test_bad_values_raise_usage_error(argv: list[str], env: dict[str, str], match: str) -> None:
+    with pytest.raises(UsageError, match=match):
+        _load(argv, {**ENV, **env})
+
+
+def test_non_loopback_api_with_key_file_is_allowed(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("sk-test\n")
+    cfg = _load(["--api", "0.0.0.0:9337", "--api-key-file", str(keys)])
+    assert cfg.api == HostPort("0.0.0.0", 9337) and cfg.api_key_file == keys
+
+
+def test_client_ignores_serve_only_keys_with_a_note(tmp_path: Path) -> None:
+    conf = tmp_path / "c.toml"
+    conf.write_text('model = "tiny"\nlisten = "127.0.0.1:1"\n')
+    cfg = _load(["--config", str(conf)], role="client")
+    assert cfg.role == "client" and cfg.models == ()
+    assert any("'model' ignored" in n for n in cfg.notes)
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ("listen = 9336\n", "'listen' must be a string"),
+        ("bogus = 1\n", "unknown key 'bogus'"),
+        ("listen = \n", "config file"),
+        ('model = [1, 2]\n', "list of strings"),
+        ('no-mdns = "yes"\n', "must be a bool"),
+        ('listen = "a"\nlisten = "b"\n', "config file"),
+        ('listen = "x"\nlisten_x = 1\n', "unknown key"),
+        ('join = "meshd1a"\njoin-file = "/t"\n', "not both"),
+        ('log-format = "xml"\n', "json or pretty"),
+        ('listen = "1.2.3.4:99999"\n', "port must be"),
+    ],
+)
+def test_bad_config_file_raises_usage_error(tmp_path: Path, content: str, match: str) -> None:
+    conf = tmp_path / "c.toml"
+    conf.write_text(content)
+    with pytest.raises(UsageError, match=match):
+        _load(["--config", str(conf)])
+
+
+def test_missing_config_file() -> None:
+    with pytest.raises(UsageError, match="No such file"):
+        _load(["--config", "/nonexistent/meshd.toml"])
+
+
+@pytest.mark.parametrize(
+    "content, extra",
+    [
+        ("bogus = 1\n", []),
+        ("listen = [\n", []),
+        ('api = "0.0.0.0:9337"\n', []),
+        ('listen = "nope"\n', []),
+        ("", ["--log-format", "xml"]),  # argparse's own error: also one line, exit 2
+    ],
+)
+def test_bad_config_process_exits_2_with_one_line(tmp_path: Path, content: str, extra: list[str]) -> None:
+    conf = tmp_path / "c.toml"
+    conf.write_text(content)
+    out = subprocess.run(
+        meshd_cmd("serve", "--config", str(conf), "--state-dir", str(tmp_path / "s"), "--no-mdns", *extra),
+        env=meshd_env(), capture_output=True, text=True, timeout=20)
+    assert out.returncode == 2
+    assert len(out.stderr.splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("meshd: ") and out.stdout == ""
+    assert not (tmp_path / "s").exists()  # nothing created before the config was valid

@@ -1,0 +1,235 @@
+"""Control socket protocol, and the Daemon's service lifecycle, in-process with real Unix sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from meshd.config import HostPort, load_config
+from meshd.cli import build_parser
+from meshd.control import ControlError, ControlServer, NoDaemon, request
+from meshd.daemon import Daemon
+from meshd.errors import RuntimeFailure
+from meshd.sdnotify import SdNotifier
+from meshd.state import StateDir
+from transport.credentials import create_mesh
+
+
+async def _raw(path: Path, payload: bytes) -> list[dict[str, Any]]:
+    reader, writer = await asyncio.open_unix_connection(str(path), limit=4 << 20)
+    writer.write(payload)
+    await writer.drain()
+    writer.write_eof()
+    replies = [json.loads(line) for line in (await reader.read()).splitlines()]
+    writer.close()
+    return replies
+
+
+def test_control_protocol(tmp_path: Path) -> None:
+    async def main() -> None:
+        server = ControlServer(tmp_path / "control.sock")
+
+        async def echo(params: dict[str, Any]) -> dict[str, Any]:
+            return {"got": params}
+
+        async def refuse(params: dict[str, Any]) -> dict[str, Any]:
+            raise ControlError("not the admin")
+
+        async def broken(params: dict[str, Any]) -> dict[str, Any]:
+            raise KeyError("x")
+
+        server.register("echo", echo)
+        server.register("refuse", refuse)
+        server.register("broken", broken)
+        with pytest.raises(ValueError):
+            server.register("echo", echo)
+        await server.start()
+        try:
+            assert stat.S_IMODE(os.stat(tmp_path / "control.sock").st_mode) == 0o600
+            assert await request(tmp_path / "control.sock", "echo", {"a": 1}) == {"got": {"a": 1}}
+            with pytest.raises(RuntimeFailure, match="not the admin"):
+                await request(tmp_path / "control.sock", "refuse")
+            with pytest.raises(RuntimeFailure, match="internal error in 'broken'"):
+                await request(tmp_path / "control.sock", "broken")
+            with pytest.raises(RuntimeFailure, match="unknown command 'nope'"):
+                await request(tmp_path / "control.sock", "nope")
+            replies = await _raw(tmp_path / "control.sock",
+                                 b'{"cmd":"echo","n":1}\nnot json\n[1]\n{"cmd":5}\n{"cmd":"echo","n":2}\n')
+            assert [r["ok"] for r in replies] == [True, False, False, False, True]
+            assert replies[0]["got"] == {"n": 1} and replies[4]["got"] == {"n": 2}
+            assert replies[1]["error"] == "request is not JSON"
+            big = await _raw(tmp_path / "control.sock", b'{"cmd":"echo","x":"' + b"a" * (2 << 20) + b'"}\n')
+            assert big == [{"ok": False, "error": "request too large"}]
+            # a second server on the same live socket is refused
+            with pytest.raises(RuntimeFailure, match="already running"):
+                await ControlServer(tmp_path / "control.sock").start()
+        finally:
+            await server.close()
+        assert not (tmp_path / "control.sock").exists()
+        with pytest.raises(NoDaemon, match="no meshd daemon is running"):
+            await request(tmp_path / "control.sock", "echo")
+
+    asyncio.run(main())
+
+
+def test_stale_socket_is_replaced_and_long_paths_work(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    path = deep / "control.sock"
+    assert len(str(path)) > 108
+
+    async def main() -> None:
+        import socket
+
+        stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        os.chdir(deep)
+        stale.bind("control.sock")  # a socket file nobody listens on (a crashed daemon's)
+        stale.close()
+        server = ControlServer(path)
+
+        async def ping(params: dict[str, Any]) -> dict[str, Any]:
+            return {"pong": True}
+
+        server.register("ping", ping)
+        await server.start()
+        try:
+            assert await request(path, "ping") == {"pong": True}
+        finally:
+            await server.close()
+
+    cwd = os.getcwd()
+    try:
+        asyncio.run(main())
+    finally:
+        os.chdir(cwd)
+
+
+class RecordingService:
+    """A real (if small) service: records its calls and reports a model and a peer."""
+
+    def __init__(self, name: str, calls: list[str], fail_start: bool = False) -> None:
+        self.name = name
+        self.calls = calls
+        self.fail_start = fail_start
+
+    async def start(self, daemon: Daemon) -> None:
+        self.calls.append(f"start {self.name}")
+        if self.fail_start:
+            raise OSError("port in use")
+        if self.name == "api":
+            daemon.set_api_address("127.0.0.1", 12345)
+
+    async def stop(self) -> None:
+        self.calls.append(f"stop {self.name}")
+
+    def status(self) -> dict[str, Any]:
+        return {"models": [{"name": f"m-{self.name}", "fingerprint": "f", "kind": "local"}],
+                "peers": [], "extra": 1}
+
+
+def _daemon(tmp_path: Path, services: list[Any], with_creds: bool = True, argv: tuple[str, ...] = ()) -> Daemon:
+    args = build_parser().parse_args(["serve", "--state-dir", str(tmp_path), "--listen", "127.0.0.1:0",
+                                      "--api", "127.0.0.1:0", "--no-mdns", *argv])
+    config = load_config(args, {"HOME": str(tmp_path)}, "serve")
+    state = StateDir(tmp_path)
+    ident, _ = state.load_or_create_identity()
+    creds = create_mesh(ident, "t", int(time.time()), 1, 1) if with_creds else None
+    return Daemon(config, state, ident, creds, services=services, notifier=SdNotifier({}))
+
+
+def test_daemon_starts_in_order_stops_in_reverse_and_merges_status(tmp_path: Path) -> None:
+    calls: list[str] = []
+    daemon = _daemon(tmp_path, [RecordingService("membership", calls), RecordingService("api", calls)])
+    seen: dict[str, Any] = {}
+
+    async def main() -> int:
+        task = asyncio.create_task(daemon.run())
+        while not daemon.state.run_path.exists():
+            await asyncio.sleep(0.01)
+        seen["run"] = json.loads(daemon.state.run_path.read_text())
+        seen["status"] = await request(daemon.state.control_path, "status")
+        daemon.request_stop("test")
+        return await task
+
+    assert asyncio.run(main()) == 0
+    assert calls == ["start membership", "start api", "stop api", "stop membership"]
+    assert seen["run"]["api"] == "127.0.0.1:12345"
+    st = seen["status"]
+    assert [m["name"] for m in st["models"]] == ["m-membership", "m-api"]
+    assert st["services"] == {"membership": {"extra": 1}, "api": {"extra": 1}}
+    assert not daemon.state.run_path.exists() and not daemon.state.control_path.exists()
+
+
+def test_service_start_failure_undoes_started_services(tmp_path: Path) -> None:
+    calls: list[str] = []
+    daemon = _daemon(tmp_path, [RecordingService("a", calls), RecordingService("b", calls, fail_start=True),
+                                RecordingService("c", calls)])
+    with pytest.raises(RuntimeFailure, match="b failed to start: port in use"):
+        asyncio.run(daemon.run())
+    assert calls == ["start a", "start b", "stop a"]
+    assert not daemon.state.control_path.exists() and not daemon.state.run_path.exists()
+
+
+def test_fail_exits_1(tmp_path: Path) -> None:
+    daemon = _daemon(tmp_path, [])
+
+    async def main() -> int:
+        task = asyncio.create_task(daemon.run())
+        while daemon.phase != "running":
+            await asyncio.sleep(0.01)
+        daemon.fail("lost the plot")
+        return await task
+
+    assert asyncio.run(main()) == 1
+
+
+def test_set_credentials_after_join(tmp_path: Path) -> None:
+    """The join hook: a daemon started without credentials adopts them later."""
+    daemon = _daemon(tmp_path, [], with_creds=False, argv=("--join", "meshd1x"))
+    got: list[str] = []
+    daemon.on_credentials.append(lambda c: got.append(c.mesh_id))
+
+    async def main() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        task = asyncio.create_task(daemon.run())
+        while not daemon.state.run_path.exists():
+            await asyncio.sleep(0.01)
+        before = json.loads(daemon.state.run_path.read_text())
+        st_before = daemon.status()
+        creds = create_mesh(daemon.identity, "joined", int(time.time()), 1, 1)
+        daemon.set_credentials(creds)
+        after = json.loads(daemon.state.run_path.read_text())
+        daemon.request_stop()
+        await task
+        return before, st_before, after
+
+    before, st_before, after = asyncio.run(main())
+    assert before["mesh_id"] is None and st_before["state"] == "joining"
+    assert after["mesh_id"] == got[0] and len(after["mesh_id"]) == 32
+    state = StateDir(tmp_path)
+    creds = state.load_credentials(daemon.identity)
+    assert creds is not None and creds.mesh_id == got[0]
+
+
+def test_admission_checks_first_refusal_wins(tmp_path: Path) -> None:
+    daemon = _daemon(tmp_path, [])
+    assert daemon.credentials is not None
+    cert = daemon.credentials.cert
+    assert daemon.admit("n", cert) is None
+    daemon.admission_checks.append(lambda node_id, c: None)
+    daemon.admission_checks.append(lambda node_id, c: "banned")
+    daemon.admission_checks.append(lambda node_id, c: "other")
+    assert daemon.admit("n", cert) == "banned"
+
+    def boom(node_id: str, c: Any) -> str | None:
+        raise RuntimeError
+
+    daemon.admission_checks.insert(0, boom)
+    assert daemon.admit("n", cert) == "internal error"  # fails closed
+    assert HostPort("::1", 1).__str__() == "[::1]:1"
