@@ -34,14 +34,15 @@ from engine.experts.shard import ExpertShard, ShardError, load_shard
 from engine.experts.tensors import TensorFileError
 from engine.experts.worker import ExpertWorker, ReplyHook
 from engine.moe import ExpertWeightsFn
+from meshd.errors import UsageError
 
 log = structlog.get_logger(__name__)
 
 PROBE_INTERVAL_S = 5.0  # how often peers that are not links yet are probed for experts
 
 
-class ExpertsStartError(Exception):
-    """An ``--experts`` spec cannot be served; the message names the spec and the problem."""
+class ExpertsStartError(UsageError):
+    """An ``--experts`` spec cannot be served; the message names the spec and the problem (exit 2)."""
 
 
 @dataclass
@@ -75,6 +76,11 @@ class ExpertsService:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._collector: Any = None
         self.advertisers: list[Callable[[list[dict[str, Any]]], None]] = []  # membership hooks
+
+    @classmethod
+    def from_config(cls, config: Any) -> ExpertsService:
+        """From the daemon's ``DaemonConfig`` (``experts``, ``remote_experts``)."""
+        return cls(tuple(config.experts), config.remote_experts)
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -217,7 +223,7 @@ class ExpertsService:
     # --- telemetry --------------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {"remote_experts": self.remote_experts}
         if self.worker is not None:
             out["worker"] = {**self.worker.stats.as_dict(), "capacity": self.capacity,
                              "shards": [{"path": str(s.path), "fingerprint": fp.hex(), "layers": list(s.layers),
@@ -227,7 +233,7 @@ class ExpertsService:
         if self._coordinated:
             out["coordinators"] = [{"path": str(c.path), **c.executor.status(), "refused": dict(c.refused)}
                                    for c in self._coordinated]
-        return {"experts": out}
+        return out
 
     def metrics(self) -> list[tuple[str, str, str, dict[str, str], float]]:
         """(name, type, help, labels, value) samples for /metrics."""
