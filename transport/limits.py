@@ -36,6 +36,10 @@ MAX_CONTROL_CONNECTIONS = 64  # concurrent local CLI clients; more means somethi
 # --- API / tunnel (issue 5) -------------------------------------------------------------------
 
 # --- engine (issue 4) -------------------------------------------------------------------------
+# generation / scheduling (engine-gen)
+MAX_ACTIVE_SEQUENCES = 8  # sequences a Scheduler runs at once per model: each holds a KV cache; more waits as 429
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's cap); bounds per-token work and response size
+MAX_MODEL_SPEC_CHARS = 4096  # a --model SPEC (path or URL) longer than this is a mistake
 
 # --- expert RPC (issue 6) ---------------------------------------------------------------------
 EXPERT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # one expert request/reply; a 4096-token prefill slice at

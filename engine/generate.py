@@ -1,0 +1,204 @@
+"""Generation: prefill the prompt, then decode one token at a time with the model's KV cache.
+
+``generate(model, tokenizer, prompt_ids, params, cancel)`` validates eagerly (raises ``ValueError`` for bad
+params or a prompt that does not fit the context) and returns an iterator of ``TokenEvent``: one per
+generated token, the last one carrying ``finish_reason``:
+
+- ``"stop"``: an eos id was generated (unless ``ignore_eos``) or a stop string appeared. The eos token's
+  event has text ""; a stop string and anything after it are trimmed and never emitted, even partly
+  (text that could still become a stop string is held back until it cannot).
+- ``"length"``: ``max_tokens`` were generated or the context is full.
+- ``"cancelled"``: ``cancel`` was set; checked between steps, so at most one more forward runs. This
+  event has ``token_id=None``.
+- ``"error"``: only from the scheduler, with ``error`` set.
+
+The concatenated ``text`` of all events is the generated text. ``DecodeState`` is the per-sequence state
+machine shared by ``generate`` and ``engine.scheduler`` so that both produce identical events.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engine.sampling import Sampler, SamplingParams, log_softmax, top_n
+from engine.tokenizer import Tokenizer
+
+__all__ = ["DecodeState", "GenerationStats", "SamplingParams", "TokenEvent", "context_length", "generate",
+           "check_request"]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One generated token (or the terminal ``cancelled``/``error`` event when ``token_id`` is None)."""
+
+    token_id: int | None
+    text: str
+    logprob: float | None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class GenerationStats:
+    """Filled in while generating: counts and wall-clock seconds."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    finish_reason: str | None = None
+    tokens: list[int] = field(default_factory=list)
+
+
+def context_length(model: Any) -> int | None:
+    """The model's maximum positions (config ``max_position_embeddings``), or None if it does not say."""
+    cfg = getattr(model, "config", None)
+    for obj, name in ((cfg, "max_position_embeddings"), (model, "max_position_embeddings"),
+                      (model, "context_length")):
+        value = getattr(obj, name, None) if obj is not None else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_request(model: Any, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    """Raise ``ValueError`` (user-readable) if this request cannot run."""
+    params.validate()
+    if len(prompt_ids) == 0:
+        raise ValueError("the prompt is empty (it encodes to no tokens)")
+    n_ctx = context_length(model)
+    if n_ctx is not None and len(prompt_ids) >= n_ctx:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {n_ctx}")
+
+
+def _held_suffix(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+class DecodeState:
+    """Per-sequence decoding: turns each step's logits into one ``TokenEvent``."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams,
+                 n_ctx: int | None) -> None:
+        self.params = params
+        self.sampler = Sampler(params)
+        self.detok = tokenizer.detokenizer(prompt_ids)
+        self.eos_ids = tokenizer.eos_ids
+        self.n_prompt = len(prompt_ids)
+        self.n_ctx = n_ctx
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self._held = ""  # decoded text not yet emitted (could be the start of a stop string)
+
+    @property
+    def last_token(self) -> int:
+        return self.tokens[-1]
+
+    def step(self, logits: np.ndarray) -> TokenEvent:
+        """Pick the next token from ``logits`` [V] and return its event (with finish_reason if it ends)."""
+        lp = log_softmax(logits)
+        tok = self.sampler.pick(logits)
+        self.tokens.append(tok)
+        top = tuple(top_n(lp, self.params.top_logprobs))
+        if tok in self.eos_ids and not self.params.ignore_eos:
+            text, stopped = self._scan(self.detok.flush(), final=True)
+            return self._finish(tok, text, float(lp[tok]), top, "stop")
+        text, stopped = self._scan(self.detok.add(tok), final=False)
+        if stopped:
+            return self._finish(tok, text, float(lp[tok]), top, "stop")
+        full = len(self.tokens) >= self.params.max_tokens or (
+            self.n_ctx is not None and self.n_prompt + len(self.tokens) >= self.n_ctx)
+        if full:
+            more, stopped = self._scan(self.detok.flush(), final=True)
+            return self._finish(tok, text + more, float(lp[tok]), top, "stop" if stopped else "length")
+        return TokenEvent(tok, text, float(lp[tok]), top)
+
+    def cancelled(self) -> TokenEvent:
+        """The terminal event for a cancelled sequence (held text is dropped: nobody is listening)."""
+        self.finish_reason = "cancelled"
+        return TokenEvent(None, "", None, (), "cancelled")
+
+    def _scan(self, piece: str, final: bool) -> tuple[str, bool]:
+        # Returns (text safe to emit now, whether a stop string ended the sequence).
+        self._held += piece
+        stops = self.params.stop
+        if stops:
+            hits = [i for i in (self._held.find(s) for s in stops) if i >= 0]
+            if hits:
+                out = self._held[:min(hits)]
+                self._held = ""
+                return out, True
+        keep = 0 if final or not stops else _held_suffix(self._held, stops)
+        out = self._held[:len(self._held) - keep]
+        self._held = self._held[len(self._held) - keep:]
+        return out, False
+
+    def _finish(self, tok: int, text: str, logprob: float, top: tuple[tuple[int, float], ...],
+                reason: str) -> TokenEvent:
+        self.finish_reason = reason
+        return TokenEvent(tok, text, logprob, top, reason)
+
+
+def _forward(model: Any, ids: np.ndarray, cache: Any, executor: Any) -> np.ndarray:
+    if executor is None:
+        return np.asarray(model.forward(ids, cache))
+    return np.asarray(model.forward(ids, cache, executor=executor))
+
+
+def generate(model: Any, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams,
+             cancel: threading.Event | None = None, *, executor: Any = None,
+             stats: GenerationStats | None = None) -> Iterator[TokenEvent]:
+    """Stream ``TokenEvent`` for one prompt. Raises ``ValueError`` now (not on iteration) for bad input."""
+    check_request(model, prompt_ids, params)
+    return _run(model, tokenizer, list(prompt_ids), params, cancel, executor,
+                stats if stats is not None else GenerationStats())
+
+
+def _run(model: Any, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams,
+         cancel: threading.Event | None, executor: Any, stats: GenerationStats) -> Iterator[TokenEvent]:
+    state = DecodeState(tokenizer, prompt_ids, params, context_length(model))
+    stats.prompt_tokens = len(prompt_ids)
+    stats.tokens = state.tokens
+    if cancel is not None and cancel.is_set():
+        stats.finish_reason = "cancelled"
+        yield state.cancelled()
+        return
+    t0 = time.perf_counter()
+    cache = model.new_cache()
+    logits = _forward(model, np.asarray(prompt_ids, dtype=np.int64), cache, executor)[-1]
+    stats.prefill_s = time.perf_counter() - t0
+    t_decode = 0.0
+    while True:
+        t1 = time.perf_counter()
+        ev = state.step(logits)
+        t_decode += time.perf_counter() - t1
+        stats.completion_tokens = len(state.tokens)
+        if ev.finish_reason is not None:
+            stats.finish_reason = ev.finish_reason
+            stats.decode_s = t_decode
+            yield ev
+            return
+        yield ev
+        if cancel is not None and cancel.is_set():
+            stats.finish_reason = "cancelled"
+            stats.decode_s = t_decode
+            yield state.cancelled()
+            return
+        t1 = time.perf_counter()
+        logits = _forward(model, np.asarray([ev.token_id], dtype=np.int64), cache, executor)[-1]
+        t_decode += time.perf_counter() - t1
