@@ -145,10 +145,12 @@ class ExpertsService:
             await self.worker.serve(stream, peer.node_id)
 
     def advertisement(self) -> list[dict[str, Any]]:
-        """What gossip carries about this node's shards: one entry per ``--experts`` spec."""
-        return [{"fingerprint": fp.hex(), "path_name": s.path.name, "capacity": self.capacity,
-                 "ranges": [[r.layer_first, r.layer_last, r.expert_first, r.expert_last] for r in s.ranges]}
-                for s, fp in zip(self.shards, self.fingerprints)]
+        """What gossip carries about this node's shards, in the membership record's format: one entry
+        per held rectangle ``{"model_fp", "layers": [first, last], "experts": [first, last], "capacity"}``."""
+        cap = max(1, round(self.capacity))
+        return [{"model_fp": fp.hex(), "layers": [r.layer_first, r.layer_last],
+                 "experts": [r.expert_first, r.expert_last], "capacity": cap}
+                for s, fp in zip(self.shards, self.fingerprints) for r in s.ranges]
 
     # --- coordinator side -------------------------------------------------------------------------
 
@@ -272,11 +274,10 @@ class ExpertsService:
                       lab, float(sum(s.expert_rows.values()))))
         return m
 
-    def _register_metrics(self) -> None:
-        try:
-            from prometheus_client.core import REGISTRY, CounterMetricFamily
-        except ImportError:  # pragma: no cover - a declared dependency
-            return
+    def collector(self) -> Any:
+        """A prometheus_client collector of :meth:`metrics` (for an API registry of its own)."""
+        from prometheus_client.core import CounterMetricFamily
+
         service = self
 
         class _Collector:
@@ -290,7 +291,19 @@ class ExpertsService:
                     fam.add_metric([labels[k] for k in sorted(labels)], value)
                 return list(families.values())
 
-        self._collector = _Collector()
+        return _Collector()
+
+    def prometheus_collectors(self) -> list[Any]:
+        """Collectors the API's /metrics registry should include (same hook style as ``api_backends``)."""
+        if self._collector is None:
+            self._collector = self.collector()
+        return [self._collector]
+
+    def _register_metrics(self) -> None:
+        from prometheus_client.core import REGISTRY
+
+        if self._collector is None:
+            self._collector = self.collector()
         with contextlib.suppress(ValueError):
             REGISTRY.register(self._collector)
 

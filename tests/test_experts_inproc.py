@@ -300,3 +300,41 @@ def test_executor_refuses_the_loop_thread(tmp_path: Path, lt: LoopThread) -> Non
 
 def _unused(_: ExpertShard) -> None:
     pass
+
+
+def test_worker_answers_typed_errors(tmp_path: Path, lt: LoopThread) -> None:
+    from engine.experts import rpc
+
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    w = ExpertWorker([load_shard(f"{fx.path}@0/0-3"), load_shard(f"{fx.path}@0/4-5")], [fx.fp, fx.fp])
+
+    async def talk(msgs: list[rpc.Message]) -> list[rpc.Envelope]:
+        a, b = await socketpair_channels()
+        _spawn(w.serve(b))
+        dec = rpc.MessageDecoder()
+        out: list[rpc.Envelope] = []
+        for i, m in enumerate(msgs):
+            await a.send(rpc.encode(m, i + 1))
+            while len(out) <= i:
+                data = await asyncio.wait_for(a.recv(), 5)
+                if data is None:
+                    return out
+                out += dec.feed(data)
+        return out
+
+    d = fx.layout.hidden_size
+    x = np.ones((2, d), np.float32)
+    req = lambda layer, experts, xx=x: rpc.ExpertRequest(  # noqa: E731
+        layer, xx, np.array([[r, e] for e in experts for r in range(2)], dtype=np.uint32))
+    got = lt.run(talk([rpc.Hello(fx.fp), req(0, [3, 5]), req(0, [6]), req(1, [0]),
+                       req(0, [0], np.ones((2, d + 1), np.float32))]))
+    assert isinstance(got[0].message, rpc.HelloAck) and len(got[0].message.ranges) == 2
+    assert isinstance(got[1].message, rpc.ExpertReply)  # experts from both shards in one request
+    kinds = [(g.message.code, g.message.layer, g.message.expert) for g in got[2:]]  # type: ignore[union-attr]
+    assert kinds == [(rpc.ErrorCode.NOT_HELD, 0, 6), (rpc.ErrorCode.NOT_HELD, 1, 0),
+                     (rpc.ErrorCode.BAD_REQUEST, 0, rpc.NONE)]
+    before_hello = lt.run(talk([req(0, [0])]))
+    assert isinstance(before_hello[0].message, rpc.ErrorMsg) and before_hello[0].message.code == rpc.ErrorCode.PROTOCOL
+    wrong = lt.run(talk([rpc.Hello(bytes(32))]))
+    assert isinstance(wrong[0].message, rpc.ErrorMsg)
+    assert wrong[0].message.code == rpc.ErrorCode.FINGERPRINT_MISMATCH and str(fx.path) in wrong[0].message.text

@@ -18,6 +18,7 @@ from experts_util import make_moe_checkpoint
 
 from engine.experts.coordinator import RemoteExecutor
 from engine.model import Model
+from engine.tiny import create_tiny
 from engine.moe import ExpertExecutor
 
 PROMPT = [5, 17, 3, 42, 9, 28, 61, 11]
@@ -53,10 +54,13 @@ class Setup:
         self.tmp = tmp
         self.mesh = MeshFixture()
         self.ckpts = {
-            "qwen3_moe": make_moe_checkpoint(tmp / "q3", family="qwen3_moe", layers=3, experts=8, top_k=2,
-                                             hidden=32, inter=16, dense_layers=(1,), seed=1),
-            "mixtral": make_moe_checkpoint(tmp / "mx", family="mixtral", layers=2, experts=4, top_k=2,
-                                           hidden=32, inter=16, seed=2),
+            # engine/tiny.py's checkpoints, as `meshd model create-tiny --arch ...` writes them
+            "tiny-qwen3_moe": create_tiny(tmp / "tiny-q3", arch="qwen3_moe", seed=1),
+            "tiny-mixtral": create_tiny(tmp / "tiny-mx", arch="mixtral", seed=2),
+            # a Qwen3-MoE with a dense layer in the middle, bf16 storage
+            "qwen3_moe-dense1-bf16": make_moe_checkpoint(tmp / "q3", family="qwen3_moe", layers=3, experts=8,
+                                                         top_k=2, hidden=32, inter=16, dense_layers=(1,), seed=1,
+                                                         dtype="BF16"),
         }
         specs = [str(p) for p in self.ckpts.values()]
         self.workers: list[WorkerProc] = [spawn_worker(self.mesh, tmp, specs) for _ in range(3)]
@@ -120,12 +124,12 @@ def test_parity_gate_over_quic(setup: Setup, n_workers: int) -> None:
 
 
 def test_negative_control_perturbed_worker_fails_the_gate(setup: Setup) -> None:
-    bad_worker = spawn_worker(setup.mesh, setup.tmp, [str(setup.ckpts["qwen3_moe"])], perturb=1e-6)
+    bad_worker = spawn_worker(setup.mesh, setup.tmp, [str(setup.ckpts["tiny-qwen3_moe"])], perturb=1e-6)
     coord = Coordinator(setup.mesh)
     try:
         coord.connect([bad_worker])
-        ex = coord.executor(setup.ckpts["qwen3_moe"], "on")
-        bad = gate(setup.models["qwen3_moe"], ex)
+        ex = coord.executor(setup.ckpts["tiny-qwen3_moe"], "on")
+        bad = gate(setup.models["tiny-qwen3_moe"], ex)
         assert bad, "a 1e-6 perturbation of one output must be caught"
     finally:
         coord.close()

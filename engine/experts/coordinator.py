@@ -285,6 +285,19 @@ class RemoteExecutor:
         """(layer, expert)s no live worker holds right now."""
         return self._map.missing(self._keys)
 
+    def unavailable_reason(self) -> str | None:
+        """In ``on`` mode, why a request would fail now (for a 503 before any work); else None."""
+        if self.config.mode != "on":
+            return None
+        missing = self.coverage()
+        if not missing:
+            return None
+        if not self.links:
+            return "no expert workers hold this model's routed experts"
+        names = ", ".join(f"{la}/{e}" for la, e in missing[:8])
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        return f"no live expert worker holds layer/expert {names}{more}"
+
     async def echo(self, node_id: str, payload: bytes) -> float:
         """Round-trip seconds of one ECHO of ``payload`` on the worker's link (benchmarks)."""
         link = self.links[node_id]

@@ -20,7 +20,7 @@ import structlog
 from engine.experts import rpc
 from engine.experts.channel import ByteChannel
 from engine.experts.shard import ExpertShard
-from engine.moe import expert_ffn
+from engine.moe import ExpertWeightsFn, expert_ffn
 from transport import limits
 
 log = structlog.get_logger(__name__)
@@ -49,12 +49,12 @@ class WorkerStats:
                 "compute_s": round(self.compute_s, 6), "experts_hit": len(self.expert_rows)}
 
 
-def compute_request(shard: ExpertShard, req: rpc.ExpertRequest) -> np.ndarray:
+def compute_request(weights: ExpertWeightsFn, req: rpc.ExpertRequest) -> np.ndarray:
     """[n_pairs, D] outputs in request order: ``expert_ffn(x[rows_e], W_e)`` for each expert's rows."""
     out = np.empty((req.pairs.shape[0], req.x.shape[1]), dtype=np.float32)
     pos = 0
     for expert, rows in req.groups():
-        y = expert_ffn(req.x[rows], *shard.weights(req.layer, expert))  # [n, D]
+        y = expert_ffn(req.x[rows], *weights(req.layer, expert))  # [n, D]
         out[pos:pos + len(rows)] = y
         pos += len(rows)
     return out
@@ -85,11 +85,20 @@ class ExpertWorker:
         ranges = tuple(r for s in self._by_fp[fp] for r in s.ranges)
         return rpc.HelloAck(version=rpc.PROTOCOL_VERSION, fingerprint=fp, capacity=self.capacity, ranges=ranges)
 
-    def _shard_for(self, fp: bytes, layer: int, experts: list[int]) -> ExpertShard | None:
+    def _holder(self, fp: bytes, layer: int, expert: int) -> ExpertShard | None:
         for s in self._by_fp[fp]:
-            if all(s.holds(layer, e) for e in experts):
+            if s.holds(layer, expert):
                 return s
         return None
+
+    def _weights_for(self, fp: bytes) -> ExpertWeightsFn:
+        def weights(layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            shard = self._holder(fp, layer, expert)
+            if shard is None:
+                raise KeyError((layer, expert))
+            return shard.weights(layer, expert)
+
+        return weights
 
     async def _send(self, channel: ByteChannel, msg: rpc.Message, request_id: int) -> None:
         data = rpc.encode(msg, request_id)
@@ -160,8 +169,8 @@ class ExpertWorker:
             return fp
         raise rpc.ExpertProtocolError(rpc.ErrorCode.PROTOCOL, f"unexpected {type(msg).__name__}")
 
-    def _compute(self, shard: ExpertShard, req: rpc.ExpertRequest) -> np.ndarray:
-        out = compute_request(shard, req)
+    def _compute(self, weights: ExpertWeightsFn, req: rpc.ExpertRequest) -> np.ndarray:
+        out = compute_request(weights, req)
         if self._reply_hook is not None:
             self._reply_hook(req.layer, out)  # runs in the compute thread, like the computation
         return out
@@ -171,24 +180,22 @@ class ExpertWorker:
             await self._send(channel, rpc.ErrorMsg(rpc.ErrorCode.SHUTTING_DOWN, "worker is stopping"), rid)
             return
         groups = req.groups()
-        experts = [e for e, _ in groups]
-        shard = self._shard_for(fp, req.layer, experts)
-        if shard is None:
+        missing = [e for e, _ in groups if self._holder(fp, req.layer, e) is None]
+        if missing:
             self.stats.errors += 1
-            first = next((e for e in experts if self._shard_for(fp, req.layer, [e]) is None), rpc.NONE)
             await self._send(channel, rpc.ErrorMsg(rpc.ErrorCode.NOT_HELD,
-                                                   f"layer {req.layer} expert {first} is not held here",
-                                                   req.layer, first), rid)
+                                                   f"layer {req.layer} expert {missing[0]} is not held here",
+                                                   req.layer, missing[0]), rid)
             return
-        if req.x.shape[1] != shard.layout.hidden_size:
+        hidden = self._by_fp[fp][0].layout.hidden_size
+        if req.x.shape[1] != hidden:
             self.stats.errors += 1
             await self._send(channel, rpc.ErrorMsg(rpc.ErrorCode.BAD_REQUEST,
-                                                   f"hidden size {req.x.shape[1]} != {shard.layout.hidden_size}",
-                                                   req.layer), rid)
+                                                   f"hidden size {req.x.shape[1]} != {hidden}", req.layer), rid)
             return
         t0 = time.perf_counter()
         try:
-            out = await asyncio.to_thread(self._compute, shard, req)
+            out = await asyncio.to_thread(self._compute, self._weights_for(fp), req)
         except Exception as e:  # noqa: BLE001 - answered as a typed error
             self.stats.errors += 1
             log.warning("experts_worker_compute_failed", layer=req.layer, error=repr(e))
