@@ -175,6 +175,17 @@ class ExpertsService:
         await self.probe_all()
         return ex
 
+    async def executor_for(self, path: str | Path, local_weights: ExpertWeightsFn | None) -> RemoteExecutor | None:
+        """For the engine adapter: the executor to pass to ``Scheduler(..., executor=)`` / ``forward``, or
+        None when ``--remote-experts off`` or the checkpoint has no routed experts (then run locally)."""
+        if self.remote_experts not in ("on", "prefer"):
+            return None
+        try:
+            layout_from_config(read_config(Path(path)))
+        except LayoutError:
+            return None
+        return await self.coordinator(path, local_weights)
+
     def _peers(self) -> Iterable[Any]:
         return [p for p in self.transport.peers() if getattr(p, "connected", True)] if self.transport else []
 

@@ -25,6 +25,9 @@ from transport import limits
 
 log = structlog.get_logger(__name__)
 
+INLINE_MAX_FLOPS = 20_000_000  # requests below this (~1-2 ms of BLAS) run on the loop: decode latency
+#   is dominated by wake-ups, and a worker thread hop is one more under CPU contention
+
 # A test hook: mutate a reply's outputs before they are sent (negative controls). Never set in production.
 ReplyHook = Callable[[int, np.ndarray], None]
 
@@ -194,8 +197,12 @@ class ExpertWorker:
                                                    f"hidden size {req.x.shape[1]} != {hidden}", req.layer), rid)
             return
         t0 = time.perf_counter()
+        weights = self._weights_for(fp)
         try:
-            out = await asyncio.to_thread(self._compute, self._weights_for(fp), req)
+            if req.pairs.shape[0] * hidden * self._by_fp[fp][0].layout.intermediate_size * 6 <= INLINE_MAX_FLOPS:
+                out = self._compute(weights, req)  # small (decode): a thread hop would cost more than this
+            else:
+                out = await asyncio.to_thread(self._compute, weights, req)
         except Exception as e:  # noqa: BLE001 - answered as a typed error
             self.stats.errors += 1
             log.warning("experts_worker_compute_failed", layer=req.layer, error=repr(e))
