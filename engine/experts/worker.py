@@ -199,7 +199,8 @@ class ExpertWorker:
         t0 = time.perf_counter()
         weights = self._weights_for(fp)
         try:
-            if req.pairs.shape[0] * hidden * self._by_fp[fp][0].layout.intermediate_size * 6 <= INLINE_MAX_FLOPS:
+            flops = req.pairs.shape[0] * hidden * self._by_fp[fp][0].layout.intermediate_size * 6
+            if flops <= INLINE_MAX_FLOPS and self._reply_hook is None:
                 out = self._compute(weights, req)  # small (decode): a thread hop would cost more than this
             else:
                 out = await asyncio.to_thread(self._compute, weights, req)
