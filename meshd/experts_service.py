@@ -50,7 +50,7 @@ class _Coordinated:
     path: Path
     executor: RemoteExecutor
     refused: dict[str, str] = field(default_factory=dict)  # node id -> reason (until it reconnects)
-    probing: set[str] = field(default_factory=set)
+    probing: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # node id -> hello in flight
 
 
 class ExpertsService:
@@ -121,9 +121,10 @@ class ExpertsService:
     async def stop(self) -> None:
         if self.worker is not None:
             self.worker.close()
-        for task in list(self._tasks):
+        probes = [t for c in self._coordinated for t in c.probing.values()]
+        for task in list(self._tasks) + probes:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *probes, return_exceptions=True)
         for c in self._coordinated:
             await c.executor.close()
         if self.transport is not None:
@@ -190,18 +191,27 @@ class ExpertsService:
         return [p for p in self.transport.peers() if getattr(p, "connected", True)] if self.transport else []
 
     async def probe_all(self) -> None:
-        """Hello every connected peer that is not yet a link or a refusal, concurrently."""
-        jobs = [self._probe(c, peer) for c in self._coordinated for peer in self._peers()
-                if peer.node_id not in c.executor.links and peer.node_id not in c.refused
-                and peer.node_id not in c.probing]
-        if jobs:
-            await asyncio.gather(*jobs, return_exceptions=True)
+        """Hello every connected peer that is not yet a link or a refusal; returns when all hellos in
+        flight (including ones started elsewhere) are done."""
+        waits: list[asyncio.Task[None]] = []
+        for c in self._coordinated:
+            for peer in self._peers():
+                node = peer.node_id
+                if node in c.executor.links or node in c.refused:
+                    continue
+                task = c.probing.get(node)
+                if task is None:
+                    task = asyncio.get_running_loop().create_task(self._probe(c, peer))
+                    c.probing[node] = task
+                    task.add_done_callback(lambda _t, c=c, node=node: c.probing.pop(node, None))
+                waits.append(task)
+        if waits:
+            await asyncio.gather(*waits, return_exceptions=True)
 
     async def _probe(self, c: _Coordinated, peer: Any) -> None:
         from transport.streams import StreamType
 
         node = peer.node_id
-        c.probing.add(node)
         try:
             timeout = c.executor.config.connect_timeout_s
             stream = await asyncio.wait_for(peer.open_stream(StreamType.EXPERT), timeout)
@@ -211,8 +221,6 @@ class ExpertsService:
             log.info("experts_worker_refused", worker=node, reason=str(e))
         except Exception as e:  # noqa: BLE001 - a peer that cannot be probed now is retried later
             log.debug("experts_probe_failed", worker=node, error=repr(e))
-        finally:
-            c.probing.discard(node)
 
     def _peer_up(self, peer: Any) -> None:
         for c in self._coordinated:
