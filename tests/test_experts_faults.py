@@ -140,3 +140,19 @@ def test_worker_joining_mid_forward_is_used_only_from_the_next_forward(tmp_path:
         assert ex.status()["workers"][late.node_id]["calls"] > 0  # type: ignore[index]
     finally:
         coord.close()
+
+
+def test_peer_without_experts_is_refused_quickly_not_hung(ckpt: Path, mesh: MeshFixture) -> None:
+    a, b = Coordinator(mesh), Coordinator(mesh)  # b serves no experts: no EXPERT stream handler
+    try:
+        host, port = b.lt.run(b.transport.listen("127.0.0.1", 0))
+        t0 = time.monotonic()
+        a.lt.run(a.transport.connect((host, port), b.ident.node_id), timeout=15)
+        ex = a.executor(ckpt, "on")
+        assert ex.links == {} and time.monotonic() - t0 < 5.0
+        refused = a.service.status()["coordinators"][0]["refused"]
+        assert b.ident.node_id in refused
+        assert ex.unavailable_reason() == "no expert workers hold this model's routed experts"
+    finally:
+        a.close()
+        b.close()
