@@ -134,3 +134,35 @@ def test_negative_control_perturbed_worker_fails_the_gate(setup: Setup) -> None:
     finally:
         coord.close()
         bad_worker.stop()
+
+
+def test_scheduler_batched_generation_is_identical_with_workers(setup: Setup) -> None:
+    """The engine's Scheduler (its own thread, forward_batch for concurrent requests) with the remote
+    executor produces the same tokens and logprobs as without it."""
+    from engine.sampling import SamplingParams
+    from engine.scheduler import Scheduler
+    from engine.tokenizer import Tokenizer
+
+    path = setup.ckpts["tiny-qwen3_moe"]
+    model, tok = setup.models["tiny-qwen3_moe"], Tokenizer.load(path)
+    prompts = [tok.encode("the quick brown fox"), tok.encode("hello mesh"), tok.encode("a")]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, top_logprobs=2)
+
+    def run(executor: ExpertExecutor | None) -> list[list[tuple[int | None, float | None]]]:
+        sched = Scheduler(model, tok, 4, executor=executor, name="t")
+        try:
+            handles = [sched.submit(p, params, loop=None) for p in prompts]
+            return [[(ev.token_id, ev.logprob) for ev in h] for h in handles]
+        finally:
+            sched.close()
+
+    coord = Coordinator(setup.mesh)
+    try:
+        coord.connect(setup.workers[:2])
+        ex = coord.executor(path, "on")
+        local = run(None)
+        remote = run(ex)
+        assert remote == local and all(len(r) == 12 for r in local)
+        assert ex.status()["items_local"] == 0 and ex.status()["layers_delegated"] > 0
+    finally:
+        coord.close()
