@@ -338,3 +338,21 @@ def test_worker_answers_typed_errors(tmp_path: Path, lt: LoopThread) -> None:
     wrong = lt.run(talk([rpc.Hello(bytes(32))]))
     assert isinstance(wrong[0].message, rpc.ErrorMsg)
     assert wrong[0].message.code == rpc.ErrorCode.FINGERPRINT_MISMATCH and str(fx.path) in wrong[0].message.text
+
+
+def test_layers_split_by_size_limits_and_window_stay_exact(tmp_path: Path, lt: LoopThread,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from transport import limits
+
+    monkeypatch.setattr(limits, "EXPERT_WINDOW_BYTES", 2048)  # forces one request in flight per worker
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m", experts=8), "qwen3_moe")
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    workers = [_worker(fx, max_message_bytes=3000), _worker(fx, max_message_bytes=3000)]
+    for i, w in enumerate(workers):
+        _connect(lt, ex, w, f"w{i}")
+    local = local_executor(fx.full.weights)
+    for x in _inputs(fx.layout.hidden_size):
+        assert _equal(fx.forward(x, ex), fx.forward(x, local))
+    st = ex.status()
+    assert sum(w.stats.requests for w in workers) > st["layers"] * 2  # layers were split
+    assert st["items_local"] == 0

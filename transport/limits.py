@@ -53,4 +53,7 @@ EXPERT_MAX_SHARD_RANGES = 1024  # (layer, expert) rectangles a worker advertises
 EXPERT_MAX_ECHO_BYTES = 1024 * 1024  # echo payload used to measure round trips; 4 KB is the norm
 EXPERT_SEND_CHUNK_BYTES = 1024 * 1024  # a message is written to the stream in slices of this size, so a
 #   transport frame limit below the message size never matters and other streams interleave
+EXPERT_WINDOW_BYTES = 4 * 1024 * 1024  # request bytes in flight to one worker within a layer: half the
+#   transport's unread-bytes limit per stream (STREAM_RECV_QUEUE_BYTES), which a worker busy computing
+#   would otherwise overrun when a big layer is split into several requests
 EXPERT_MAX_INFLIGHT_PER_WORKER = 64  # outstanding requests on one worker link (engine threads x layers)

@@ -24,6 +24,7 @@ import concurrent.futures
 import contextlib
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -424,48 +425,73 @@ class RemoteExecutor:
                     more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
                     raise ExpertsUnavailable(f"no live expert worker holds layer/expert {names}{more}", missing)
                 local += unplaced
-            # Send every request of the layer before awaiting any reply.
-            inflight: list[tuple[str, list[int], asyncio.Future[rpc.Message], float]] = []
+            # Every worker's first request goes out before any reply is awaited. More requests for the
+            # same worker (a layer split by the size limits) follow while at most EXPERT_WINDOW_BYTES are
+            # in flight to it: a worker does not read while it computes, and its transport resets a
+            # stream with too much unread data.
             failed: list[int] = []
-            for node_id, items in by_worker.items():
-                link = self.links[node_id]
-                for chunk in self._chunks(link, x, work, items):
-                    req = self._request(layer, x, work, chunk)
+            queues: dict[str, list[tuple[list[int], rpc.ExpertRequest]]] = {
+                node: [(chunk, self._request(layer, x, work, chunk))
+                       for chunk in self._chunks(self.links[node], x, work, items)]
+                for node, items in by_worker.items()}
+            window: dict[str, deque[tuple[list[int], asyncio.Future[rpc.Message], float, int]]] = {
+                node: deque() for node in queues}
+
+            def fail_worker(node: str, why: str, drop: bool = True) -> None:
+                nonlocal failed
+                self.link_stats[node].errors += 1
+                if drop:
+                    self._drop(node, why)
+                excluded.add(node)
+                failed += [i for chunk, *_ in window[node] for i in chunk]
+                failed += [i for chunk, _ in queues[node] for i in chunk]
+                window[node].clear()
+                queues[node].clear()
+
+            async def send_more(node: str) -> None:
+                link, q, win = self.links.get(node), queues[node], window[node]
+                while q and link is not None:
+                    size = q[0][1].x.nbytes + q[0][1].pairs.nbytes
+                    if win and sum(w[3] for w in win) + size > limits.EXPERT_WINDOW_BYTES:
+                        return
+                    chunk, req = q.pop(0)
                     try:
                         fut = await link.submit(req)
                     except WorkerFailed as e:
-                        self.link_stats[node_id].errors += 1
-                        self._drop(node_id, str(e))
-                        excluded.add(node_id)
-                        failed += chunk
-                        continue
+                        q.insert(0, (chunk, req))
+                        fail_worker(node, str(e))
+                        return
                     link.stats.rows += req.x.shape[0]
                     link.stats.pairs += req.pairs.shape[0]
-                    inflight.append((node_id, chunk, fut, time.perf_counter()))
-            for node_id, chunk, fut, t0 in inflight:
-                link_stats = self.link_stats[node_id]
-                timeout = max(0.0, min(self.config.message_timeout_s - (time.perf_counter() - t0),
-                                       deadline - loop.time()))
-                try:
-                    reply = await asyncio.wait_for(asyncio.shield(fut), timeout)
-                except (TimeoutError, WorkerFailed) as e:
-                    link_stats.errors += 1
-                    self._drop(node_id, f"layer {layer}: {e}" if str(e) else f"layer {layer}: timeout")
-                    excluded.add(node_id)
+                    win.append((chunk, fut, time.perf_counter(), size))
+
+            async def drain(node: str) -> None:
+                win, link_stats = window[node], self.link_stats[node]
+                while win:
+                    chunk, fut, t0, _ = win[0]
+                    timeout = max(0.0, min(self.config.message_timeout_s - (time.perf_counter() - t0),
+                                           deadline - loop.time()))
+                    try:
+                        reply = await asyncio.wait_for(asyncio.shield(fut), timeout)
+                    except (TimeoutError, WorkerFailed) as e:
+                        fail_worker(node, f"layer {layer}: {e}" if str(e) else f"layer {layer}: timeout")
+                        return
+                    win.popleft()
+                    if isinstance(reply, rpc.ExpertReply) and self._fill(layer, work, chunk, reply, results):
+                        link_stats.calls += 1
+                        link_stats.observe(time.perf_counter() - t0)
+                        await send_more(node)
+                        continue
+                    why = reply.text if isinstance(reply, rpc.ErrorMsg) else f"bad reply {type(reply).__name__}"
+                    log.warning("experts_worker_error", worker=node, layer=layer, reason=why)
                     failed += chunk
-                    continue
-                dt = time.perf_counter() - t0
-                if isinstance(reply, rpc.ExpertReply) and self._fill(layer, work, chunk, reply, results):
-                    link_stats.calls += 1
-                    link_stats.observe(dt)
-                    continue
-                link_stats.errors += 1
-                why = reply.text if isinstance(reply, rpc.ErrorMsg) else f"bad reply {type(reply).__name__}"
-                log.warning("experts_worker_error", worker=node_id, layer=layer, reason=why)
-                excluded.add(node_id)
-                if not (isinstance(reply, rpc.ErrorMsg) and reply.code == rpc.ErrorCode.NOT_HELD):
-                    self._drop(node_id, why)
-                failed += chunk
+                    fail_worker(node, why, drop=not (isinstance(reply, rpc.ErrorMsg)
+                                                     and reply.code == rpc.ErrorCode.NOT_HELD))
+                    return
+
+            for node in queues:
+                await send_more(node)
+            await asyncio.gather(*(drain(node) for node in queues))
             remaining = sorted(failed)
             if remaining and loop.time() >= deadline:
                 break

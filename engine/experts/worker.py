@@ -67,13 +67,15 @@ class ExpertWorker:
     """Serves the shards it was given (one per checkpoint fingerprint)."""
 
     def __init__(self, shards: list[ExpertShard], fingerprints: list[bytes], capacity: float = 1.0,
-                 reply_hook: ReplyHook | None = None) -> None:
+                 reply_hook: ReplyHook | None = None,
+                 max_message_bytes: int = limits.EXPERT_MAX_MESSAGE_BYTES) -> None:
         if len(shards) != len(fingerprints):
             raise ValueError("one fingerprint per shard")
         self._by_fp: dict[bytes, list[ExpertShard]] = {}
         for s, fp in zip(shards, fingerprints):
             self._by_fp.setdefault(fp, []).append(s)
         self.capacity = capacity
+        self.max_message_bytes = max_message_bytes
         self.stats = WorkerStats()
         self._reply_hook = reply_hook
         self._closing = False
@@ -86,7 +88,8 @@ class ExpertWorker:
 
     def _ack(self, fp: bytes) -> rpc.HelloAck:
         ranges = tuple(r for s in self._by_fp[fp] for r in s.ranges)
-        return rpc.HelloAck(version=rpc.PROTOCOL_VERSION, fingerprint=fp, capacity=self.capacity, ranges=ranges)
+        return rpc.HelloAck(version=rpc.PROTOCOL_VERSION, fingerprint=fp, capacity=self.capacity, ranges=ranges,
+                            max_message_bytes=self.max_message_bytes)
 
     def _holder(self, fp: bytes, layer: int, expert: int) -> ExpertShard | None:
         for s in self._by_fp[fp]:
@@ -113,7 +116,7 @@ class ExpertWorker:
     async def serve(self, channel: ByteChannel, peer: str = "") -> None:
         """Serve one channel until it ends, breaks or violates the protocol. Never raises."""
         self.stats.channels += 1
-        decoder = rpc.MessageDecoder()
+        decoder = rpc.MessageDecoder(self.max_message_bytes)
         fp: bytes | None = None
         try:
             while True:
