@@ -75,6 +75,7 @@ class ExpertsService:
         self._coordinated: list[_Coordinated] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._collector: Any = None
+        self._state_dir: Path | None = None
         self.advertisers: list[Callable[[list[dict[str, Any]]], None]] = []  # membership hooks
 
     @classmethod
@@ -89,6 +90,8 @@ class ExpertsService:
         self._loop = asyncio.get_running_loop()
         from transport.streams import StreamType
 
+        state = getattr(daemon, "state", None)
+        self._state_dir = getattr(state, "path", None)
         if self.specs:
             self.shards, self.fingerprints = await asyncio.to_thread(self._load_all)
             self.worker = ExpertWorker(self.shards, self.fingerprints, self.capacity, self._reply_hook)
@@ -108,7 +111,7 @@ class ExpertsService:
         shards, fps = [], []
         for spec in self.specs:
             try:
-                shard = load_shard(spec)
+                shard = load_shard(self._resolve(spec))
                 fp = model_fingerprint(shard.path)
             except ShardError as e:
                 raise ExpertsStartError(str(e)) from None
@@ -117,6 +120,17 @@ class ExpertsService:
             shards.append(shard)
             fps.append(fp)
         return shards, fps
+
+    def _resolve(self, spec: str) -> str:
+        """``tiny[@LAYERS/EXPERTS]`` -> the state dir's tiny checkpoint (the same one ``--model tiny`` uses)."""
+        path, at, suffix = spec.partition("@")
+        if path != "tiny":
+            return spec
+        if self._state_dir is None:
+            raise ExpertsStartError("--experts tiny needs a state directory")
+        from engine.tiny import ensure_tiny
+
+        return str(ensure_tiny(self._state_dir)) + at + suffix
 
     async def stop(self) -> None:
         if self.worker is not None:

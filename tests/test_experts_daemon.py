@@ -96,3 +96,16 @@ def test_remote_experts_flag_starts_the_service(tmp_path: Path, mode: str) -> No
         assert "experts" in node.status()["services"]
     finally:
         node.stop()
+
+
+def test_experts_tiny_uses_the_state_dirs_tiny_checkpoint(tmp_path: Path) -> None:
+    from engine.tiny import create_tiny
+
+    node = start_node(tmp_path / "w", "--experts", "tiny@0-1/0-3")
+    try:
+        shard = node.status()["services"]["experts"]["worker"]["shards"][0]
+        assert shard["layers"] == [0, 1] and shard["experts"] == [0, 3]
+        # Deterministic: any node's `tiny` has the same fingerprint, so `--model tiny` coordinators match.
+        assert shard["fingerprint"] == model_fingerprint(create_tiny(tmp_path / "t", "qwen3_moe", 0)).hex()
+    finally:
+        node.stop()
