@@ -291,8 +291,6 @@ class ExpertsService:
                                   ("bytes_in", "bytes received"), ("errors", "failed requests")):
                     m.append((f"meshd_experts_worker_link_{key}_total", "counter", f"Coordinator: {what}", lab,
                               float(getattr(ls, key))))
-                m.append(("meshd_experts_worker_link_latency_seconds_total", "counter",
-                          "Coordinator: summed request latency", lab, ls.latency_sum_s))
             s = c.executor.stats
             lab = {"model": model}
             for key, what in (("layers", "sparse layer calls"), ("layers_delegated", "layers sent to workers"),
@@ -308,8 +306,10 @@ class ExpertsService:
         return m
 
     def collector(self) -> Any:
-        """A prometheus_client collector of :meth:`metrics` (for an API registry of its own)."""
-        from prometheus_client.core import CounterMetricFamily
+        """A prometheus_client collector of :meth:`metrics` plus the per-worker latency histogram."""
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+        from engine.experts.coordinator import LATENCY_BUCKETS_S
 
         service = self
 
@@ -322,7 +322,18 @@ class ExpertsService:
                     if fam is None:
                         fam = families[base] = CounterMetricFamily(base, help_text, labels=sorted(labels))
                     fam.add_metric([labels[k] for k in sorted(labels)], value)
-                return list(families.values())
+                hist = HistogramMetricFamily("meshd_experts_worker_link_latency_seconds",
+                                             "Coordinator: request-to-reply time per worker",
+                                             labels=["model", "worker"])
+                for c in service._coordinated:
+                    for node, ls in c.executor.link_stats.items():
+                        cum, buckets = 0, []
+                        for bound, n in zip(LATENCY_BUCKETS_S, ls.latency_buckets):
+                            cum += n
+                            buckets.append((repr(bound), cum))
+                        buckets.append(("+Inf", cum + ls.latency_buckets[-1]))
+                        hist.add_metric([c.path.name, node], buckets, ls.latency_sum_s)
+                return [*families.values(), hist]
 
         return _Collector()
 

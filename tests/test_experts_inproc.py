@@ -335,6 +335,8 @@ def test_worker_answers_typed_errors(tmp_path: Path, lt: LoopThread) -> None:
                      (rpc.ErrorCode.BAD_REQUEST, 0, rpc.NONE)]
     before_hello = lt.run(talk([req(0, [0])]))
     assert isinstance(before_hello[0].message, rpc.ErrorMsg) and before_hello[0].message.code == rpc.ErrorCode.PROTOCOL
+    small = lt.run(talk([rpc.Hello(fx.fp, max_message_bytes=100), req(0, [0])]))
+    assert isinstance(small[1].message, rpc.ErrorMsg) and small[1].message.code == rpc.ErrorCode.TOO_LARGE
     wrong = lt.run(talk([rpc.Hello(bytes(32))]))
     assert isinstance(wrong[0].message, rpc.ErrorMsg)
     assert wrong[0].message.code == rpc.ErrorCode.FINGERPRINT_MISMATCH and str(fx.path) in wrong[0].message.text

@@ -41,7 +41,7 @@ from transport import limits
 log = structlog.get_logger(__name__)
 
 MODES = ("on", "prefer")
-_LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 class ExpertsUnavailable(Exception):
@@ -92,12 +92,12 @@ class LinkStats:
     errors: int = 0
     latency_sum_s: float = 0.0
     latency_max_s: float = 0.0
-    latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(_LATENCY_BUCKETS_S) + 1))
+    latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
 
     def observe(self, dt: float) -> None:
         self.latency_sum_s += dt
         self.latency_max_s = max(self.latency_max_s, dt)
-        for i, b in enumerate(_LATENCY_BUCKETS_S):
+        for i, b in enumerate(LATENCY_BUCKETS_S):
             if dt <= b:
                 self.latency_buckets[i] += 1
                 return

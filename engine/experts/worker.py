@@ -79,6 +79,7 @@ class ExpertWorker:
         self.stats = WorkerStats()
         self._reply_hook = reply_hook
         self._closing = False
+        self._peer_max_bytes: dict[int, int] = {}  # per channel: the coordinator's message limit (hello)
 
     def fingerprints(self) -> list[bytes]:
         return list(self._by_fp)
@@ -116,6 +117,12 @@ class ExpertWorker:
     async def serve(self, channel: ByteChannel, peer: str = "") -> None:
         """Serve one channel until it ends, breaks or violates the protocol. Never raises."""
         self.stats.channels += 1
+        try:
+            await self._serve(channel, peer)
+        finally:
+            self._peer_max_bytes.pop(id(channel), None)
+
+    async def _serve(self, channel: ByteChannel, peer: str) -> None:
         decoder = rpc.MessageDecoder(self.max_message_bytes)
         fp: bytes | None = None
         try:
@@ -166,6 +173,7 @@ class ExpertWorker:
                     f"worker holds a different checkpoint: {held or 'none'}; asked for {msg.fingerprint.hex()[:16]}"),
                     rid)
                 return b""
+            self._peer_max_bytes[id(channel)] = msg.max_message_bytes
             await self._send(channel, self._ack(msg.fingerprint), rid)
             return msg.fingerprint
         if isinstance(msg, rpc.ExpertRequest):
@@ -194,6 +202,12 @@ class ExpertWorker:
                                                    req.layer, missing[0]), rid)
             return
         hidden = self._by_fp[fp][0].layout.hidden_size
+        reply_bytes = rpc.HEADER_BYTES + 16 + 4 * req.pairs.shape[0] * hidden + rpc.CRC_BYTES
+        if reply_bytes > self._peer_max_bytes.get(id(channel), limits.EXPERT_MAX_MESSAGE_BYTES):
+            self.stats.errors += 1
+            await self._send(channel, rpc.ErrorMsg(rpc.ErrorCode.TOO_LARGE,
+                                                   f"the reply would be {reply_bytes} bytes", req.layer), rid)
+            return
         if req.x.shape[1] != hidden:
             self.stats.errors += 1
             await self._send(channel, rpc.ErrorMsg(rpc.ErrorCode.BAD_REQUEST,
