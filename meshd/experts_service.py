@@ -76,6 +76,8 @@ class ExpertsService:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._collector: Any = None
         self._state_dir: Path | None = None
+        self._membership: Any = None
+        self._kept: set[str] = set()  # workers we asked the transport to keep connected
         self.advertisers: list[Callable[[list[dict[str, Any]]], None]] = []  # membership hooks
 
     @classmethod
@@ -102,6 +104,11 @@ class ExpertsService:
             adv = self.advertisement()
             for cb in self.advertisers:
                 cb(adv)
+        self._membership = _find_membership(daemon)
+        if self._membership is not None:
+            if self.shards:
+                self._publish_shards()
+            self._membership.on_change(self._membership_changed)
         self.transport.on_peer_up.append(self._peer_up)
         self.transport.on_peer_down.append(self._peer_down)
         self._spawn(self._probe_loop())
@@ -142,6 +149,9 @@ class ExpertsService:
         for c in self._coordinated:
             await c.executor.close()
         if self.transport is not None:
+            for node in self._kept:
+                with contextlib.suppress(Exception):
+                    self.transport.forget(node)
             with contextlib.suppress(ValueError):
                 self.transport.on_peer_up.remove(self._peer_up)
             with contextlib.suppress(ValueError):
@@ -167,7 +177,46 @@ class ExpertsService:
                  "experts": [r.expert_first, r.expert_last], "capacity": cap}
                 for s, fp in zip(self.shards, self.fingerprints) for r in s.ranges]
 
+    def _publish_shards(self) -> None:
+        """Put our shards into this node's membership record (gossiped to the mesh)."""
+        try:
+            from meshd.membership.records import ExpertShard as RecordShard
+        except ImportError:  # membership not built in
+            return
+        self._membership.set_local_experts([
+            RecordShard(a["model_fp"], (a["layers"][0], a["layers"][1]), (a["experts"][0], a["experts"][1]),
+                        a["capacity"]) for a in self.advertisement()])
+
     # --- coordinator side -------------------------------------------------------------------------
+
+    def advertised_workers(self, fingerprint: bytes) -> dict[str, list[str]]:
+        """From gossip: alive nodes advertising shards of ``fingerprint`` -> their addresses."""
+        if self._membership is None:
+            return {}
+        want, out = fingerprint.hex(), {}
+        for view in self._membership.alive_peers():
+            rec = view.record
+            if any(getattr(e, "model_fingerprint", None) == want for e in getattr(rec, "experts", ())):
+                out[view.node_id] = list(getattr(rec, "addrs", ()))
+        return out
+
+    def _membership_changed(self, _event: Any) -> None:
+        if self._coordinated and self._loop is not None:
+            self._spawn(self._connect_advertised())
+
+    async def _connect_advertised(self) -> None:
+        """Keep a connection to every advertised worker of our models (peer-up then probes it)."""
+        for c in self._coordinated:
+            for node, addrs in self.advertised_workers(c.executor.fingerprint).items():
+                me = getattr(getattr(self.transport, "identity", None), "node_id", None)
+                if node in self._kept or node == me:
+                    continue
+                parsed = [a for a in (_parse_addr(x) for x in addrs) if a is not None]
+                if parsed and hasattr(self.transport, "keep_connected"):
+                    self._kept.add(node)
+                    self.transport.keep_connected(node, parsed)
+        await self.probe_all()
+
 
     async def coordinator(self, path: str | Path, local_weights: ExpertWeightsFn | None = None,
                           mode: str | None = None) -> RemoteExecutor:
@@ -187,7 +236,7 @@ class ExpertsService:
         c = _Coordinated(p, ex)
         self._coordinated.append(c)
         log.info("experts_coordinator_ready", path=str(p), fingerprint=fp.hex()[:16], mode=mode)
-        await self.probe_all()
+        await self._connect_advertised()
         return ex
 
     async def executor_for(self, path: str | Path, local_weights: ExpertWeightsFn | None) -> RemoteExecutor | None:
@@ -359,3 +408,20 @@ class ExpertsService:
         with contextlib.suppress(KeyError, ValueError):
             REGISTRY.unregister(self._collector)
         self._collector = None
+
+
+def _find_membership(daemon: Any) -> Any:
+    """The daemon's membership service (duck-typed: ``set_local_experts``, ``alive_peers``, ``on_change``)."""
+    for svc in getattr(daemon, "services", []) or []:
+        if all(hasattr(svc, a) for a in ("set_local_experts", "alive_peers", "on_change")):
+            return svc
+    return None
+
+
+def _parse_addr(text: str) -> tuple[str, int] | None:
+    """``host:port`` or ``[v6]:port`` -> (host, port); None if malformed."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return (host, int(port)) if host and 0 < int(port) < 65536 else None

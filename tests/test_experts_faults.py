@@ -156,3 +156,64 @@ def test_peer_without_experts_is_refused_quickly_not_hung(ckpt: Path, mesh: Mesh
     finally:
         a.close()
         b.close()
+
+
+def test_coordinator_finds_workers_through_gossiped_records(tmp_path: Path, ckpt: Path, mesh: MeshFixture,
+                                                            procs: list[WorkerProc]) -> None:
+    """With a membership service (here a stand-in with its public API), advertised workers are dialled
+    and probed without anyone connecting to them first."""
+    from dataclasses import dataclass as dc
+
+    from engine.experts.fingerprint import model_fingerprint
+
+    w = spawn_worker(mesh, tmp_path, [str(ckpt)])
+    procs.append(w)
+
+    @dc
+    class Shard:
+        model_fingerprint: str
+
+    @dc
+    class Record:
+        experts: tuple[Shard, ...]
+        addrs: tuple[str, ...]
+
+    @dc
+    class View:
+        node_id: str
+        record: Record
+
+    class Membership:
+        def __init__(self) -> None:
+            self.callbacks: list[object] = []
+            self.published: list[object] = []
+
+        def set_local_experts(self, experts: list[object]) -> None:
+            self.published = experts
+
+        def alive_peers(self) -> list[View]:
+            fp = model_fingerprint(ckpt).hex()
+            return [View(w.node_id, Record((Shard(fp),), (f"{w.addr[0]}:{w.addr[1]}",)))]
+
+        def on_change(self, cb: object) -> None:
+            self.callbacks.append(cb)
+
+    class FakeDaemon:
+        def __init__(self, transport: object) -> None:
+            self.transport = transport
+            self.services = [Membership()]
+
+    coord = Coordinator(mesh)
+    try:
+        coord.lt.run(coord.service.stop())
+        coord.lt.run(coord.service.start(FakeDaemon(coord.transport)))
+        ex = coord.executor(ckpt, "on")
+        deadline = time.monotonic() + 15
+        while not ex.links and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(ex.links) == [w.node_id]
+        model = Model.load(ckpt)
+        assert model.forward(PROMPT, model.new_cache(), executor=ex).tobytes() == \
+            model.forward(PROMPT, model.new_cache()).tobytes()
+    finally:
+        coord.close()
