@@ -203,6 +203,7 @@ class WorkerLink:
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(WorkerFailed(reason))
+                fut.exception()  # nobody may await it any more (timed out): not an unretrieved error
         self._pending.clear()
         with contextlib.suppress(Exception):
             self.channel.reset(0)
