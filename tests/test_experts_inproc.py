@@ -358,3 +358,30 @@ def test_layers_split_by_size_limits_and_window_stay_exact(tmp_path: Path, lt: L
     st = ex.status()
     assert sum(w.stats.requests for w in workers) > st["layers"] * 2  # layers were split
     assert st["items_local"] == 0
+
+
+def test_worker_survives_arbitrary_bytes(tmp_path: Path, lt: LoopThread) -> None:
+    """Garbage from a peer ends that channel (with a PROTOCOL error when parsable) and nothing else."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from engine.experts import rpc
+
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    w = _worker(fx)
+    hello = rpc.encode(rpc.Hello(fx.fp), 1)
+
+    async def feed(data: bytes) -> None:
+        a, b = await socketpair_channels()
+        task = asyncio.get_running_loop().create_task(w.serve(b))
+        await a.send(data)
+        await a.send(b"", end=True)
+        await asyncio.wait_for(task, 5)  # serve returns; it never raises
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.binary(max_size=200), st.booleans())
+    def check(junk: bytes, after_hello: bool) -> None:
+        lt.run(feed((hello if after_hello else b"") + junk))
+
+    check()
+    _connect(lt, RemoteExecutor(lt.loop, fx.fp, fx.layout), w, "still-fine")  # the worker still serves
