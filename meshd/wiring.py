@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from meshd.config import DaemonConfig
 from meshd.daemon import Service
-from meshd.experts_service import ExpertsService
 
 
 def build_services(config: DaemonConfig) -> list[Service]:
@@ -19,6 +18,8 @@ def build_services(config: DaemonConfig) -> list[Service]:
     # membership / gossip / join (issue 3): services.append(MembershipService(config))
     # models and expert shards (issue 4/6), only when config.role == "serve"
     if config.role == "serve" and (config.experts or config.remote_experts != "off"):
+        from meshd.experts_service import ExpertsService  # numpy and the engine only when needed
+
         services.append(ExpertsService.from_config(config))  # before models: they ask it for executors
     # OpenAI API (issue 5): it calls daemon.set_api_address(host, port) once bound
     return services
