@@ -119,7 +119,7 @@ class ExpertsService:
         for spec in self.specs:
             try:
                 shard = load_shard(self._resolve(spec))
-                fp = model_fingerprint(shard.path)
+                fp = model_fingerprint(shard.path, cache_dir=self._state_dir)
             except ShardError as e:
                 raise ExpertsStartError(str(e)) from None
             except (TensorFileError, LayoutError, OSError) as e:
@@ -227,7 +227,7 @@ class ExpertsService:
         """
         p = Path(path)
         layout: MoeLayout = layout_from_config(read_config(p))
-        fp = await asyncio.to_thread(model_fingerprint, p)
+        fp = await asyncio.to_thread(lambda: model_fingerprint(p, cache_dir=self._state_dir))
         mode = mode or (self.remote_experts if self.remote_experts in ("on", "prefer") else "on")
         base = self.coordinator_config or CoordinatorConfig()
         cfg = CoordinatorConfig(mode=mode, connect_timeout_s=base.connect_timeout_s,

@@ -169,3 +169,14 @@ def test_fused_layout_gives_the_same_weights(tmp_path: Path) -> None:
         for x, y in zip(a.weights(1, e), b.weights(1, e)):
             assert x.tobytes() == y.tobytes()
     assert len(model_fingerprint(fused_dir)) == 32
+
+
+def test_fingerprint_cache_falls_back_to_a_state_dir(tmp_path: Path) -> None:
+    ck = make_moe_checkpoint(tmp_path / "ro")
+    fp = compute_fingerprint(ck)
+    (ck / CACHE_NAME).mkdir()  # the cache next to the checkpoint cannot be written (as if read-only)
+    state = tmp_path / "state"
+    assert model_fingerprint(ck, cache_dir=state) == fp
+    cached = list(state.glob("experts-fp-*.json"))
+    assert len(cached) == 1 and fp.hex() in cached[0].read_text()
+    assert model_fingerprint(ck, cache_dir=state) == fp

@@ -518,24 +518,27 @@ class RemoteExecutor:
             self.remove_worker(node_id, reason)
 
     def _chunks(self, link: WorkerLink, x: np.ndarray, work: list[WorkItem], items: list[int]) -> list[list[int]]:
+        """Split a worker's items (whole work items only) so each request and reply fits its limits."""
         ack = link.ack
         max_bytes = min(limits.EXPERT_MAX_MESSAGE_BYTES, ack.max_message_bytes if ack else 0)
         max_rows = min(limits.EXPERT_MAX_ROWS, ack.max_rows if ack else 0)
         d = x.shape[1]
         chunks: list[list[int]] = []
         cur: list[int] = []
-        rows: set[int] = set()
-        pairs = 0
+        seen = np.zeros(x.shape[0], dtype=bool)  # rows already in the current request
+        n_rows = pairs = 0
         for i in items:
             r = work[i][1]
-            new_rows = rows | set(r.tolist())
-            size = 64 + 4 * d * (len(new_rows) + pairs + len(r)) + 8 * (pairs + len(r))
-            if cur and (size > max_bytes or len(new_rows) > max_rows):
+            fresh = int(np.count_nonzero(~seen[r]))
+            size = 64 + 4 * d * (n_rows + fresh + pairs + len(r)) + 8 * (pairs + len(r))
+            if cur and (size > max_bytes or n_rows + fresh > max_rows):
                 chunks.append(cur)
-                cur, rows, pairs = [], set(), 0
-                new_rows = set(r.tolist())
+                cur, n_rows, pairs = [], 0, 0
+                seen[:] = False
+                fresh = len(r)
             cur.append(i)
-            rows = new_rows
+            seen[r] = True
+            n_rows += fresh
             pairs += len(r)
         if cur:
             chunks.append(cur)

@@ -10,6 +10,7 @@ recomputed, an unwritable directory just means no cache.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -85,15 +86,27 @@ def compute_fingerprint(path: Path) -> bytes:
     return h.digest()
 
 
-def model_fingerprint(path: Path, *, use_cache: bool = True) -> bytes:
-    """The checkpoint's fingerprint, from the cache next to it when still valid, else computed (and cached)."""
+def _cache_files(path: Path, cache_dir: Path | None) -> list[Path]:
+    files = [path / CACHE_NAME]
+    if cache_dir is not None:
+        tag = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
+        files.append(cache_dir / f"experts-fp-{tag}.json")
+    return files
+
+
+def model_fingerprint(path: Path, *, use_cache: bool = True, cache_dir: Path | None = None) -> bytes:
+    """The checkpoint's fingerprint, from a still-valid cache, else computed and cached.
+
+    The cache lives next to the checkpoint, or in ``cache_dir`` (e.g. the state dir) when the checkpoint
+    directory is read-only.
+    """
     path = Path(path)
-    cache = path / CACHE_NAME
     try:
         key = _stat_key(path)
     except OSError as e:
         raise TensorFileError(f"cannot read {path}: {e.strerror}") from None
-    if use_cache:
+    caches = _cache_files(path, cache_dir) if use_cache else []
+    for cache in caches:
         try:
             doc = json.loads(cache.read_text(encoding="utf-8"))
             if isinstance(doc, dict) and doc.get("v") == 1 and doc.get("files") == key:
@@ -103,11 +116,17 @@ def model_fingerprint(path: Path, *, use_cache: bool = True) -> bytes:
         except (OSError, ValueError, KeyError, UnicodeDecodeError):
             pass
     fp = compute_fingerprint(path)
-    if use_cache:
+    for cache in caches:
         tmp = cache.with_name(cache.name + f".{os.getpid()}.tmp")
         try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps({"v": 1, "files": key, "fingerprint": fp.hex()}), encoding="utf-8")
             os.replace(tmp, cache)
+            break
         except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+    else:
+        if caches:
             log.debug("experts_fingerprint_not_cached", path=str(path))
     return fp
