@@ -162,7 +162,7 @@ class Handshake:
     ) -> None:
         if len(challenge) != CHALLENGE_BYTES:
             raise ValueError("challenge must be 32 bytes")
-        if mode is Mode.MEMBER and credentials is None:
+        if is_client and mode is Mode.MEMBER and credentials is None:
             raise ValueError("member handshake needs credentials")
         if mode is Mode.JOIN and is_client and (join_request is None or expected_node_id is None):
             raise ValueError("join needs a request and the issuer's node id")

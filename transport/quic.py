@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import ipaddress
 import os
 import random
 import socket
@@ -16,18 +17,22 @@ import ssl
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
 import structlog
 from aioquic.asyncio.protocol import QuicConnectionProtocol
-from aioquic.asyncio.server import QuicServer, serve
+from aioquic.asyncio.server import QuicServer
+from aioquic.buffer import Buffer
 from aioquic.quic import events as qe
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import QuicConnection
+from aioquic.quic.connection import QuicConnection, QuicConnectionState
+from aioquic.quic.packet import QuicPacketType, pull_quic_header
+from aioquic.quic.recovery import QuicPacketRecovery
 
 from transport import ALPN, PROTOCOL_MAX, PROTOCOL_MIN, PROTOCOL_VERSION, limits
+from transport.aioquic_ext import CoarsePacer, MeshQuicConnection
+from transport.config import TransportConfig, backoff_delay_s
 from transport.credentials import MemberCert, MeshCredentials
 from transport.errors import (
     HandshakeRefused,
@@ -66,6 +71,7 @@ __all__ = [
     "StreamType",
     "TransportConfig",
     "TransportError",
+    "backoff_delay_s",
 ]
 
 log = structlog.get_logger("meshd.transport")
@@ -77,39 +83,6 @@ RpcHandler = Callable[["Peer", bytes], Awaitable[bytes]]
 PeerCallback = Callable[["Peer"], Any]
 
 _HANDSHAKE_STREAM_ID = 0  # the first client-initiated bidirectional stream
-
-
-@dataclass(frozen=True, slots=True)
-class TransportConfig:
-    """Transport tuning. Times in seconds, sizes in bytes. Presets are written as deltas."""
-
-    keepalive_interval_s: float = 10.0  # PING after this much silence; 0 disables keep-alive
-    idle_timeout_s: float = 300.0  # QUIC idle timeout (min of both sides' values applies)
-    dead_peer_timeout_s: float = 30.0  # with keep-alive on: nothing heard for this long -> close
-    handshake_timeout_s: float = 3.0  # a connection not admitted by then is closed
-    connect_timeout_s: float = 5.0  # connect()/redeem() give up after this
-    join_handler_timeout_s: float = 10.0  # the issuer's join handler must answer within this
-    reconnect_min_s: float = 0.5  # keep_connected backoff: first delay ...
-    reconnect_max_s: float = 30.0  # ... doubling up to this, times a jitter in [0.5, 1.0)
-    simultaneous_dial_window_s: float = 5.0  # two connections admitted this close are a simultaneous dial
-    max_connections: int = limits.MAX_CONNECTIONS
-    max_pending_handshakes: int = limits.MAX_PENDING_HANDSHAKES
-    max_streams_per_peer: int = limits.MAX_STREAMS_PER_PEER
-    stream_send_buffer_bytes: int = limits.STREAM_SEND_BUFFER_BYTES
-    stream_recv_queue_bytes: int = limits.STREAM_RECV_QUEUE_BYTES
-    max_datagram_size: int = 1350  # QUIC packet payload; 1350 fits common internet paths
-    quic_max_data: int = 4 * 1024 * 1024  # initial connection flow-control window
-    quic_max_stream_data: int = 1024 * 1024  # initial per-stream flow-control window
-    log_interval_s: float = 10.0  # rate limit of debug logs about refused input
-
-    @classmethod
-    def lan(cls) -> TransportConfig:
-        return cls()
-
-    @classmethod
-    def loopback(cls) -> TransportConfig:
-        """Larger packets: the loopback MTU is 64 KiB, so fewer packets and less crypto per byte."""
-        return replace(cls(), max_datagram_size=16384)
 
 
 def _maybe_task(result: Any, tasks: set[asyncio.Task[Any]]) -> None:
@@ -138,11 +111,14 @@ class Stream:
         self._decoder = decoder
         self._frames: deque[Frame] = deque()
         self._queued_bytes = 0
+        self._raw_received = 0  # stream bytes received from QUIC (preamble and frames)
+        self._raw_queued = 0  # wire bytes of complete frames not yet read by the application
         self._ended = False  # peer finished sending
         self._error: TransportError | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._sent_end = False
         self._handler_task: asyncio.Task[Any] | None = None
+        self._app_done = False  # its user is finished; kept until aioquic discards the QUIC stream
 
     @property
     def peer(self) -> Peer | None:
@@ -165,15 +141,22 @@ class Stream:
 
     async def end(self) -> None:
         """Finish the sending side without a frame (no-op if already ended)."""
+        if self._error is not None:
+            raise self._error
         if not self._sent_end:
             self._sent_end = True
             await self._conn.write(self.stream_id, b"", True)
             self._check_done()
 
+    def _mark_done(self) -> None:
+        """The application is finished with this stream: free its slot, stop flow accounting."""
+        self._app_done = True
+        self._conn._flow.app_consumed.pop(self.stream_id, None)
+
     def _check_done(self) -> None:
-        """Drop the connection's bookkeeping once both directions ended (frees a stream slot)."""
+        """Free the stream's slot once both directions ended."""
         if self._sent_end and self._ended and not self._frames:
-            self._conn.streams.pop(self.stream_id, None)
+            self._mark_done()
 
     async def recv(self) -> bytes | None:
         """Next DATA payload; None at a clean end. Raises StreamReset, RemoteError or TransportError."""
@@ -199,12 +182,15 @@ class Stream:
                 self._waiter = None
         frame = self._frames.popleft()
         self._queued_bytes -= len(frame.payload)
+        self._raw_queued -= limits.FRAME_HEADER_BYTES + len(frame.payload)
+        self._conn._consumed(self)
         return frame
 
     def reset(self, code: int = ErrorCode.CANCELLED) -> None:
         """Abort both directions; the peer's ``recv`` raises ``StreamReset(code)``."""
         self._conn.reset_stream(self.stream_id, code)
         self._set_error(StreamReset(code, "stream reset locally"))
+        self._mark_done()
 
     # -- called by the connection ----------------------------------------------------------------
 
@@ -217,6 +203,7 @@ class Stream:
         for frame in frames:
             self._frames.append(frame)
             self._queued_bytes += len(frame.payload)
+            self._raw_queued += limits.FRAME_HEADER_BYTES + len(frame.payload)
         if end:
             self._ended = True
         self._wake()
@@ -238,13 +225,14 @@ class Peer:
         self.cert: MemberCert | None = None
         self.protocol_version = PROTOCOL_VERSION
         self._conn: _Connection | None = None
+        self._down_timer: asyncio.TimerHandle | None = None  # a down report held back (see _terminated)
 
     def __repr__(self) -> str:
         return f"Peer({self.node_id}, connected={self.connected})"
 
     @property
     def connected(self) -> bool:
-        return self._conn is not None and not self._conn.closed
+        return self._conn is not None and not self._conn.closing
 
     @property
     def address(self) -> Address | None:
@@ -256,7 +244,7 @@ class Peer:
 
     def _connection(self) -> _Connection:
         conn = self._conn
-        if conn is None or conn.closed:
+        if conn is None or conn.closing:
             raise TransportError(f"peer {self.node_id} is not connected")
         return conn
 
@@ -306,6 +294,11 @@ class _Connection(QuicConnectionProtocol):
     ) -> None:
         super().__init__(quic)
         self.mesh = mesh
+        quic.__class__ = MeshQuicConnection  # same object layout; adds consumption-based stream credit
+        self._flow: MeshQuicConnection = quic  # type: ignore[assignment]
+        self._flow.app_consumed = {}
+        self._flow.app_window = mesh.config.quic_max_stream_data
+        self._set_datagram_size(quic._max_datagram_size)
         self.is_client = is_client
         self.mode = mode
         self.expected_node_id = expected_node_id
@@ -315,6 +308,8 @@ class _Connection(QuicConnectionProtocol):
         self.admitted = False
         self.admitted_at = 0.0
         self.closed = False
+        self.closing = False  # we or the peer began closing; no new streams
+        self.finished = asyncio.Event()  # set once the connection ended (see _finish)
         self.close_code: int | None = None
         self.close_reason = ""
         self.remote_address: Address | None = None
@@ -326,7 +321,7 @@ class _Connection(QuicConnectionProtocol):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._refuse_at_start: tuple[ErrorCode, str] | None = None
         self._keepalive_uid = 0
-        self._remote_stream_max = -1  # highest peer-initiated stream id seen (ids only grow)
+        self._prune_at = 64  # prune finished streams from ``streams`` when it grows to this size
         mesh._conns.add(self)
         if not is_client:
             self._refuse_at_start = mesh._admission_capacity()
@@ -352,28 +347,30 @@ class _Connection(QuicConnectionProtocol):
     def open_stream(self, stream_type: StreamType) -> Stream:
         if not self.admitted:
             raise TransportError("connection not admitted")
-        mine = sum(1 for s in self.streams.values() if self._is_local(s.stream_id))
-        if mine >= self.mesh.config.max_streams_per_peer:
+        if self._open_streams(local=True) >= self.mesh.config.max_streams_per_peer:
             self.mesh._count("streams_refused_local_cap")
             raise TransportError("too many open streams to this peer")
         sid = self._quic.get_next_available_stream_id()
         stream = Stream(self, sid, stream_type, FrameDecoder(stream_type))
-        self.streams[sid] = stream
+        self._add_stream(stream)
         self._quic.send_stream_data(sid, encode_preamble(stream_type, PROTOCOL_VERSION))
         return stream
 
     async def write(self, stream_id: int, data: bytes, end: bool) -> None:
         limit = self.mesh.config.stream_send_buffer_bytes
+        stream = self.streams.get(stream_id)
         while True:
-            if self.closed:
+            if self.closing:
                 raise TransportError(f"connection closed: {self.close_reason or 'closed'}")
-            stream = self.streams.get(stream_id)
             if stream is not None and stream._error is not None:
                 raise stream._error
             if self._pending_send_bytes(stream_id) <= limit:
                 break
             await self._wait_progress()
-        self._quic.send_stream_data(stream_id, data, end_stream=end)
+        try:
+            self._quic.send_stream_data(stream_id, data, end_stream=end)
+        except ValueError as e:  # aioquic: the stream was reset or finished meanwhile
+            raise TransportError(f"stream closed: {e}") from None
         self._transmit_soon()
 
     def reset_stream(self, stream_id: int, code: int) -> None:
@@ -383,35 +380,73 @@ class _Connection(QuicConnectionProtocol):
                 self._quic.stop_stream(stream_id, code)
         except ValueError:
             pass  # already finished on our side
-        self.streams.pop(stream_id, None)
+        stream = self.streams.get(stream_id)
+        if stream is not None:
+            stream._mark_done()
         self._transmit_soon()
 
     def close_with(self, code: ErrorCode, reason: str) -> None:
-        if not self.closed:
+        if not self.closing:
+            self.closing = True
             self.close_code = code
             self.close_reason = reason
             self.close(error_code=int(code), reason_phrase=reason[: limits.MAX_REFUSAL_REASON_BYTES])
+            self._check_close_started()
 
     # -- aioquic hooks (network callbacks: nothing may escape) -----------------------------------
+
+    def _set_datagram_size(self, size: int) -> None:
+        """Use ``size``-byte packets; rebuilds aioquic's loss recovery, so only before anything is sent."""
+        q = self._quic
+        q._max_datagram_size = size
+        q._loss = QuicPacketRecovery(
+            congestion_control_algorithm=q._configuration.congestion_control_algorithm,
+            initial_rtt=q._configuration.initial_rtt,
+            max_datagram_size=size,
+            peer_completed_address_validation=not q._is_client,
+            quic_logger=q._quic_logger,
+            send_probe=q._send_probe,
+            logger=q._logger,
+        )
+        if self.mesh.config.coarse_pacing:
+            q._loss._pacer = CoarsePacer(max_datagram_size=size)
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         try:
             self.last_rx = self._loop.time()
             if self.remote_address is None:
                 self.remote_address = (str(addr[0]), int(addr[1]))
-            if self._refuse_at_start is not None:
-                code, reason = self._refuse_at_start
-                self._refuse_at_start = None
-                self._quic.receive_datagram(bytes(data), addr, now=self._loop.time())
-                self.mesh._count(f"refused_{code.name.lower()}")
-                self.close_with(code, reason)
-                return
-            super().datagram_received(data, addr)
+                size = self.mesh.config.loopback_datagram_size
+                if not self.is_client and size and _is_loopback(self.remote_address[0]):
+                    self._set_datagram_size(size)
+            self._quic.receive_datagram(bytes(data), addr, now=self._loop.time())
+            self._process_events()
+            self._check_close_started()
+            if self.mesh.config.coalesce_transmit:
+                self._transmit_soon()  # one transmit (and one ACK) for every datagram read this turn
+            else:
+                self.transmit()
         except Exception as e:  # noqa: BLE001 - a network callback never raises
             self.mesh._count("internal_errors")
             log.warning("transport_datagram_failed", error=repr(e))
         finally:
             self._signal_progress()
+
+    def error_received(self, exc: Exception) -> None:
+        """An ICMP error reported by the socket (e.g. nothing listens on that port)."""
+        try:
+            self.mesh._count("connect_unreachable")
+            if self.is_client and not self.admitted and not self.result.done():
+                self.result.set_exception(TransportError(f"{self._describe_remote()} unreachable: {exc}"))
+                self.close_with(ErrorCode.NO_ERROR, "unreachable")
+                self._finish(int(ErrorCode.NO_ERROR), None, "unreachable")
+        except Exception as e:  # noqa: BLE001 - a network callback never raises
+            log.warning("transport_error_received_failed", error=repr(e))
+
+    def _describe_remote(self) -> str:
+        if self.remote_address is None:
+            return "peer"
+        return f"{self.remote_address[0]}:{self.remote_address[1]}"
 
     def _handle_timer(self) -> None:
         try:
@@ -458,9 +493,14 @@ class _Connection(QuicConnectionProtocol):
         elif isinstance(event, qe.HandshakeCompleted):
             if self.is_client:
                 self._start_client_handshake()
+            elif self._refuse_at_start is not None:
+                # Refused once TLS is up, so that the client gets our code and reason (an application
+                # close sent during the TLS handshake loses both).
+                raise RemoteProtocolError(*self._refuse_at_start)
         elif isinstance(event, qe.StreamReset):
-            stream = self.streams.pop(event.stream_id, None)
+            stream = self.streams.get(event.stream_id)
             if stream is not None:
+                stream._mark_done()
                 stream._set_error(StreamReset(event.error_code))
                 if stream._handler_task is not None:
                     stream._handler_task.cancel()
@@ -552,19 +592,21 @@ class _Connection(QuicConnectionProtocol):
         if not self.admitted:
             raise RemoteProtocolError(ErrorCode.NOT_ADMITTED, "stream opened before the handshake")
         stream = self.streams.get(stream_id)
+        if stream is not None and stream._app_done:
+            return  # late data for a stream we are done with or reset (stock credit lets it drain)
         if stream is None:
-            if self._is_local(stream_id) or stream_id <= self._remote_stream_max:
-                return  # late data for a stream we are done with or reset
+            # aioquic only reports streams it has not discarded, so an unknown id is a new stream
+            if self._is_local(stream_id):
+                return
             if stream_id % 4 >= 2:
                 raise RemoteProtocolError(ErrorCode.PROTOCOL_ERROR, "unidirectional streams are not used")
-            self._remote_stream_max = stream_id
-            theirs = sum(1 for s in self.streams.values() if not self._is_local(s.stream_id))
-            if theirs >= self.mesh.config.max_streams_per_peer:
+            if self._open_streams(local=False) >= self.mesh.config.max_streams_per_peer:
                 self.mesh._count("streams_refused_cap")
                 self.reset_stream(stream_id, ErrorCode.TOO_MANY_STREAMS)
                 return
             stream = Stream(self, stream_id, None, FrameDecoder(None, (PROTOCOL_MIN, PROTOCOL_MAX)))
-            self.streams[stream_id] = stream
+            self._add_stream(stream)
+        stream._raw_received += len(data)
         frames = stream._decoder.feed(data)
         if end:
             stream._decoder.feed_eof()
@@ -573,7 +615,9 @@ class _Connection(QuicConnectionProtocol):
             if stream.stream_type in HANDSHAKE_STREAM_TYPES:
                 raise RemoteProtocolError(ErrorCode.PROTOCOL_ERROR, "second handshake stream")
             self.mesh._dispatch(self, stream)
-        if not stream._on_frames(frames, end, self.mesh.config.stream_recv_queue_bytes):
+        queue_ok = stream._on_frames(frames, end, self.mesh.config.stream_recv_queue_bytes)
+        self._consumed(stream)
+        if not queue_ok:
             self.mesh._count("streams_reset_recv_overflow")
             stream._set_error(StreamReset(ErrorCode.RECV_OVERFLOW, "receive queue overflow"))
             self.reset_stream(stream_id, ErrorCode.RECV_OVERFLOW)
@@ -614,14 +658,38 @@ class _Connection(QuicConnectionProtocol):
         )
 
     def _on_terminated(self, event: qe.ConnectionTerminated) -> None:
+        """aioquic's end of the connection (after the 3 PTO closing/draining period)."""
+        self._finish(event.error_code, event.frame_type, event.reason_phrase)
+        if self.is_client and self._transport is not None:
+            self._loop.call_later(0.05, self._transport.close)
+
+    def _check_close_started(self) -> None:
+        """React as soon as a close starts (aioquic reports it only after draining, 3 PTO later)."""
+        ce = self._quic._close_event
+        if ce is not None and not self.closed:
+            self._finish(ce.error_code, ce.frame_type, ce.reason_phrase)
+
+    def _finish(self, error_code: int, frame_type: int | None, reason_phrase: str) -> None:
+        """Everything the rest of meshd must learn when the connection ends. Runs once."""
+        if self.closed:
+            return
+        if not self.is_client and not self.admitted and self.close_code is None:
+            # closed by the peer or by aioquic before admission: TLS failure (e.g. wrong ALPN) or a quitter
+            self.mesh._count("handshakes_abandoned" if frame_type is None else "handshakes_tls_failed")
+            self.mesh._ratelog.debug(
+                self._loop.time(), "connection_failed_before_admission", addr=self.remote_address,
+                code=error_code, reason=reason_phrase,
+            )
         self.closed = True
+        self.closing = True
+        self.finished.set()
         if self.close_code is None:
-            self.close_code = event.error_code
-            self.close_reason = event.reason_phrase
+            self.close_code = error_code
+            self.close_reason = reason_phrase
         for timer in self._timers:
             timer.cancel()
         self._timers.clear()
-        reason = event.reason_phrase or "connection closed"
+        reason = reason_phrase or "connection closed"
         err = TransportError(f"connection closed: {reason}")
         for stream in self.streams.values():
             stream._set_error(err)
@@ -630,24 +698,25 @@ class _Connection(QuicConnectionProtocol):
         for task in self._tasks:
             task.cancel()
         if not self.result.done():
-            app_close = event.frame_type is None
-            if app_close and event.error_code == ErrorCode.JOIN_REFUSED and self.mode is Mode.JOIN:
+            app_close = frame_type is None
+            if app_close and error_code == ErrorCode.JOIN_REFUSED and self.mode is Mode.JOIN:
                 self.result.set_exception(JoinRefused(reason))
-            elif app_close and event.error_code != ErrorCode.NO_ERROR:
-                self.result.set_exception(HandshakeRefused(reason, event.error_code))
+            elif app_close and error_code != ErrorCode.NO_ERROR:
+                self.result.set_exception(HandshakeRefused(reason, error_code))
             else:
                 self.result.set_exception(TransportError(f"connection failed: {reason}"))
             self.result.exception()  # mark retrieved: nobody may be waiting any more
         self._signal_progress()
         self.mesh._terminated(self)
-        if self.is_client and self._transport is not None:
-            self._loop.call_later(0.05, self._transport.close)
 
     # -- timers ----------------------------------------------------------------------------------
 
     def _deadline(self) -> None:
         if self.closed or self.admitted:
             return
+        if self.is_client and self.handshake is None and not self.result.done():
+            # TLS never completed: nobody (or no meshd) answers there; not a refusal
+            self.result.set_exception(TransportError(f"no answer from {self._describe_remote()}"))
         hs = self.handshake
         if hs is not None and (hs.done or hs.awaiting_join_reply):
             return  # the join handler has its own timeout
@@ -675,6 +744,44 @@ class _Connection(QuicConnectionProtocol):
 
     # -- helpers ---------------------------------------------------------------------------------
 
+    def discard(self) -> None:
+        """Forget a connection that never got a valid packet (no close is sent: there is nobody)."""
+        self.closed = self.closing = True
+        for timer in self._timers:
+            timer.cancel()
+        self._timers.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.mesh._conns.discard(self)
+
+    def _consumed(self, stream: Stream) -> None:
+        """Tell the flow controller how much of ``stream`` the application has taken; send credit soon
+        if the announced window fell below half."""
+        sid = stream.stream_id
+        if stream._app_done or sid not in self._flow.app_consumed:
+            return
+        consumed = stream._raw_received - stream._raw_queued
+        self._flow.app_consumed[sid] = consumed
+        qstream = self._quic._streams.get(sid)
+        if qstream is not None and consumed + self._flow.app_window - qstream.max_stream_data_local >= (
+            self._flow.app_window // 2
+        ):
+            self._transmit_soon()
+
+    def _open_streams(self, local: bool) -> int:
+        return sum(1 for s in self.streams.values() if not s._app_done and self._is_local(s.stream_id) == local)
+
+    def _add_stream(self, stream: Stream) -> None:
+        if len(self.streams) >= self._prune_at:
+            live = self._quic._streams
+            for sid in [sid for sid, s in self.streams.items() if s._app_done and sid not in live]:
+                del self.streams[sid]
+                self._flow.app_consumed.pop(sid, None)
+            self._prune_at = max(64, 2 * len(self.streams))
+        self.streams[stream.stream_id] = stream
+        self._flow.app_consumed[stream.stream_id] = 0
+
     def _is_local(self, stream_id: int) -> bool:
         return (stream_id & 1) == (0 if self.is_client else 1)
 
@@ -693,6 +800,62 @@ class _Connection(QuicConnectionProtocol):
         fut = self._progress
         if fut is not None and not fut.done():
             fut.set_result(None)
+
+
+class _MeshServer(QuicServer):
+    """aioquic's server, counting what it drops (garbage, packets for no connection)."""
+
+    def __init__(self, *, mesh: MeshTransport, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._mesh = mesh
+        self._known_cids: set[bytes] = set()  # initial cids of connections that got past their first packet
+
+    def _connection_terminated(self, protocol: QuicConnectionProtocol) -> None:
+        for cid, proto in self._protocols.items():
+            if proto is protocol:
+                self._known_cids.discard(cid)
+        super()._connection_terminated(protocol)
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        mesh = self._mesh
+        try:
+            try:
+                header = pull_quic_header(
+                    Buffer(data=bytes(data)), host_cid_length=self._configuration.connection_id_length
+                )
+            except ValueError:
+                mesh._count("datagrams_garbage")
+                mesh._ratelog.debug(time.monotonic(), "datagram_garbage", addr=addr, size=len(data))
+                return
+            cid = header.destination_cid
+            if cid not in self._protocols:
+                if not (header.packet_type == QuicPacketType.INITIAL and len(data) >= 1200):
+                    mesh._count("datagrams_dropped")
+                    mesh._ratelog.debug(time.monotonic(), "datagram_dropped", addr=addr, size=len(data))
+                elif mesh._pending_handshakes() >= mesh.config.max_pending_handshakes:
+                    mesh._count("refused_pending_handshakes")
+                    mesh._ratelog.debug(time.monotonic(), "connection_refused_pending_cap", addr=addr)
+                    return
+            super().datagram_received(data, addr)
+            new = self._protocols.get(cid) if cid not in self._known_cids else None
+            if isinstance(new, _Connection):
+                if new._quic._state == QuicConnectionState.FIRSTFLIGHT:
+                    # an Initial that did not decrypt: forget the connection it would have created
+                    mesh._count("datagrams_garbage_initial")
+                    self._connection_terminated(new)
+                    new.discard()
+                else:
+                    self._known_cids.add(cid)
+        except Exception as e:  # noqa: BLE001 - a network callback never raises
+            mesh._count("internal_errors")
+            log.warning("transport_server_datagram_failed", error=repr(e))
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return False
 
 
 class MeshTransport:
@@ -747,12 +910,15 @@ class MeshTransport:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    def _quic_config(self, is_client: bool) -> QuicConfiguration:
+    def _quic_config(self, is_client: bool, loopback: bool = False) -> QuicConfiguration:
+        size = self.config.max_datagram_size
+        if loopback and self.config.loopback_datagram_size:
+            size = self.config.loopback_datagram_size
         cfg = QuicConfiguration(
             is_client=is_client,
             alpn_protocols=[ALPN],
             idle_timeout=self.config.idle_timeout_s,
-            max_datagram_size=self.config.max_datagram_size,
+            max_datagram_size=size,
             max_data=self.config.quic_max_data,
             max_stream_data=self.config.quic_max_stream_data,
         )
@@ -765,13 +931,20 @@ class MeshTransport:
 
     async def listen(self, host: str, port: int) -> Address:
         """Bind the QUIC server; returns the address actually bound."""
-        self._server = await serve(
-            host,
-            port,
-            configuration=self._quic_config(False),
-            create_protocol=partial(_Connection, mesh=self, is_client=False),
-        )
-        sockname = self._server._transport.get_extra_info("sockname")  # type: ignore[union-attr]
+        loop = asyncio.get_running_loop()
+        try:
+            transport, _ = await loop.create_datagram_endpoint(
+                lambda: _MeshServer(
+                    mesh=self,
+                    configuration=self._quic_config(False),
+                    create_protocol=partial(_Connection, mesh=self, is_client=False),
+                ),
+                local_addr=(host, port),
+            )
+        except OSError as e:
+            raise TransportError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        self._server = transport.get_protocol()  # type: ignore[assignment]
+        sockname = transport.get_extra_info("sockname")
         return (str(sockname[0]), int(sockname[1]))
 
     async def close(self) -> None:
@@ -852,7 +1025,8 @@ class MeshTransport:
             task.cancel()
 
     async def _keeper(self, node_id: str, addrs: list[Address]) -> None:
-        delay = self.config.reconnect_min_s
+        cfg = self.config
+        attempt = 0
         while True:
             peer = self.peer(node_id)
             if peer is None:
@@ -864,15 +1038,16 @@ class MeshTransport:
                         self._count("reconnect_failures")
                         self._ratelog.debug(time.monotonic(), "reconnect_failed", peer=node_id, error=str(e))
                 if peer is None:
-                    await asyncio.sleep(delay * (0.5 + 0.5 * self._rng.random()))
-                    delay = min(delay * 2, self.config.reconnect_max_s)
+                    delay = backoff_delay_s(attempt, cfg.reconnect_min_s, cfg.reconnect_max_s, self._rng.random())
+                    attempt += 1
+                    await asyncio.sleep(delay)
                     continue
-            delay = self.config.reconnect_min_s
+            attempt = 0
             conn = peer._conn
             if conn is not None:
-                await conn._closed.wait()
-            else:
-                await asyncio.sleep(self.config.reconnect_min_s)
+                await conn.finished.wait()
+            # a short pause before redialling, so a peer that admits and then drops us is not hammered
+            await asyncio.sleep(backoff_delay_s(0, cfg.reconnect_min_s, cfg.reconnect_max_s, self._rng.random()))
 
     async def _dial(
         self, addr: Address, mode: Mode, expected_node_id: str | None, join_request: bytes | None
@@ -887,15 +1062,20 @@ class MeshTransport:
             raise TransportError(f"cannot resolve {host}: {e}") from None
         family, _, _, _, sockaddr = infos[0]
         local = ("::", 0) if family == socket.AF_INET6 else ("0.0.0.0", 0)
-        quic = QuicConnection(configuration=self._quic_config(True))
-        _, protocol = await loop.create_datagram_endpoint(
-            lambda: _Connection(
-                quic, mesh=self, is_client=True, mode=mode, expected_node_id=expected_node_id,
-                join_request=join_request,
-            ),
-            local_addr=local,
-            family=family,
-        )
+        quic = QuicConnection(configuration=self._quic_config(True, _is_loopback(str(sockaddr[0]))))
+        try:
+            _, protocol = await loop.create_datagram_endpoint(
+                lambda: _Connection(
+                    quic, mesh=self, is_client=True, mode=mode, expected_node_id=expected_node_id,
+                    join_request=join_request,
+                ),
+                local_addr=local,
+                # Not a connected socket: a multi-homed server may answer from another address.
+                # So "nothing listens there" shows as "no answer" after handshake_timeout_s.
+                family=family,
+            )
+        except OSError as e:
+            raise TransportError(f"cannot reach {host}:{port}: {e.strerror or e}") from None
         conn: _Connection = protocol  # type: ignore[assignment]
         conn.remote_address = (str(sockaddr[0]), int(sockaddr[1]))
         conn.connect(sockaddr[:2] if family == socket.AF_INET else sockaddr)
@@ -917,13 +1097,15 @@ class MeshTransport:
     def _count(self, key: str) -> None:
         self.stats[key] = self.stats.get(key, 0) + 1
 
+    def _pending_handshakes(self) -> int:
+        return sum(1 for c in self._conns if not c.admitted and not c.closing and not c.is_client)
+
     def _admission_capacity(self) -> tuple[ErrorCode, str] | None:
         if self._closing:
             return (ErrorCode.SHUTDOWN, "node shutting down")
         if len(self._conns) > self.config.max_connections:
             return (ErrorCode.TOO_MANY_CONNECTIONS, "too many connections")
-        pending = sum(1 for c in self._conns if not c.admitted and not c.closed)
-        if pending > self.config.max_pending_handshakes:
+        if self._pending_handshakes() > self.config.max_pending_handshakes:
             return (ErrorCode.TOO_MANY_CONNECTIONS, "too many pending handshakes")
         return None
 
@@ -932,7 +1114,7 @@ class MeshTransport:
         if peer is None:
             peer = self._known[ev.node_id] = Peer(self, ev.node_id, ev.public_key)
         old = peer._conn
-        if old is not None and old is not conn and not old.closed:
+        if old is not None and old is not conn and not old.closing:
             if conn.admitted_at - old.admitted_at < self.config.simultaneous_dial_window_s:
                 # Simultaneous dials: both ends keep the connection dialled by the smaller node id.
                 def dialer(c: _Connection) -> str:
@@ -951,6 +1133,12 @@ class MeshTransport:
             conn.peer = peer
             old.close_with(ErrorCode.DUPLICATE, "replaced by a newer connection")
             return
+        # still "up" for the rest of meshd if the old connection is closing or was just lost to a
+        # duplicate-resolution close: swap silently instead of reporting down and up again
+        still_up = (old is not None and old is not conn) or peer._down_timer is not None
+        if peer._down_timer is not None:
+            peer._down_timer.cancel()
+            peer._down_timer = None
         peer.cert = ev.cert
         peer.protocol_version = ev.protocol_version
         peer._conn = conn
@@ -960,6 +1148,8 @@ class MeshTransport:
         event = self._up_events.get(ev.node_id)
         if event is not None:
             event.set()
+        if still_up:
+            return
         for cb in list(self.on_peer_up):
             try:
                 _maybe_task(cb(peer), self._tasks)
@@ -972,6 +1162,17 @@ class MeshTransport:
         if peer is None or peer._conn is not conn:
             return
         peer._conn = None
+        if conn.close_code == ErrorCode.DUPLICATE and not self._closing:
+            # the other connection of a simultaneous dial is probably being admitted: wait for it
+            loop = asyncio.get_running_loop()
+            peer._down_timer = loop.call_later(self.config.handshake_timeout_s, self._report_down, peer, conn)
+            return
+        self._report_down(peer, conn)
+
+    def _report_down(self, peer: Peer, conn: _Connection) -> None:
+        peer._down_timer = None
+        if peer._conn is not None:
+            return  # replaced meanwhile
         log.info("peer_disconnected", peer=peer.node_id, code=int(conn.close_code or 0), reason=conn.close_reason)
         for cb in list(self.on_peer_down):
             try:
@@ -1033,5 +1234,5 @@ class MeshTransport:
             self._forget_stream(stream)
 
     def _forget_stream(self, stream: Stream) -> None:
-        """Drop our bookkeeping once the stream's user is done with it (aioquic keeps its own)."""
-        stream._conn.streams.pop(stream.stream_id, None)
+        """The stream's user is done with it: free its slot (late data for it is dropped)."""
+        stream._mark_done()

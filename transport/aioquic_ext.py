@@ -1,0 +1,63 @@
+"""Two adjustments to aioquic's sans-I/O connection (no asyncio here): coarse pacing and receive
+credit that follows what the application reads. Used by ``transport.quic``."""
+
+from __future__ import annotations
+
+from aioquic.quic.connection import MAX_STREAM_DATA_FRAME_CAPACITY, QuicConnection
+from aioquic.quic.packet import QuicFrameType
+from aioquic.quic.packet_builder import QuicPacketBuilder
+from aioquic.quic.recovery import QuicPacketPacer, QuicPacketSpace
+from aioquic.quic.stream import QuicStream
+
+
+class CoarsePacer(QuicPacketPacer):
+    """aioquic's pacer, minus gaps shorter than the event loop can time.
+
+    On fast links aioquic asks for gaps of microseconds between packets; asyncio's timers (epoll has
+    millisecond resolution) turn each into a 1 ms sleep, which capped a 4 KiB round trip at ~1 ms
+    per packet. Gaps below ``PACING_GRANULARITY_S`` are sent at once; congestion control still applies.
+    """
+
+    def next_send_time(self, now: float) -> float | None:
+        at = super().next_send_time(now)
+        if at is not None and at - now < PACING_GRANULARITY_S:
+            return None
+        return at
+
+
+class MeshQuicConnection(QuicConnection):
+    """aioquic's connection, granting stream credit as the application reads (real backpressure).
+
+    Stock aioquic doubles a stream's receive window whenever half of it has *arrived*, so a slow reader
+    never slows the sender. For streams listed in ``app_consumed`` (stream id -> bytes the application
+    has taken), the window is ``consumed + app_window`` instead, re-announced once it moved by half a
+    window. Other streams (the handshake) keep aioquic's behaviour. Instances are made by aioquic as
+    ``QuicConnection`` and switched to this class by ``_Connection``.
+    """
+
+    app_consumed: dict[int, int]
+    app_window: int
+
+    def _write_stream_limits(
+        self, builder: QuicPacketBuilder, space: QuicPacketSpace, stream: QuicStream
+    ) -> None:
+        consumed = self.app_consumed.get(stream.stream_id)
+        if consumed is None or not stream.max_stream_data_local:
+            super()._write_stream_limits(builder=builder, space=space, stream=stream)
+            return
+        target = consumed + self.app_window
+        if target - stream.max_stream_data_local >= self.app_window // 2:
+            stream.max_stream_data_local = target
+        if stream.max_stream_data_local_sent != stream.max_stream_data_local:
+            buf = builder.start_frame(
+                QuicFrameType.MAX_STREAM_DATA,
+                capacity=MAX_STREAM_DATA_FRAME_CAPACITY,
+                handler=self._on_max_stream_data_delivery,
+                handler_args=(stream,),
+            )
+            buf.push_uint_var(stream.stream_id)
+            buf.push_uint_var(stream.max_stream_data_local)
+            stream.max_stream_data_local_sent = stream.max_stream_data_local
+
+
+PACING_GRANULARITY_S = 0.002  # seconds: below this, pacing gaps are skipped (see CoarsePacer)
