@@ -191,8 +191,9 @@ def read_config_file(path: Path) -> dict[str, Any]:
         if not isinstance(value, kinds) or (
             isinstance(value, list) and not all(isinstance(v, str) for v in value)
         ):
-            want = " or ".join("list of strings" if k is list else k.__name__.replace("str", "string")
-                               for k in kinds)
+            want = " or ".join(
+                "list of strings" if k is list else k.__name__.replace("str", "string") for k in kinds
+            )
             raise UsageError(f"config file {path}: {key!r} must be a {want}")
         out[name] = value
     return out
@@ -249,11 +250,17 @@ def load_config(args: argparse.Namespace, env: Mapping[str, str], role: str) -> 
     state_dir = resolve_state_dir(str(state_flag) if state_flag else None, env)
 
     listen_text, source = pick("listen")
-    listen = parse_hostport(listen_text, source) if listen_text is not None else parse_hostport(
-        DEFAULT_LISTEN, "default listen")
+    listen = (
+        parse_hostport(listen_text, source)
+        if listen_text is not None
+        else parse_hostport(DEFAULT_LISTEN, "default listen")
+    )
     api_text, api_source = pick("api")
-    api = parse_hostport(api_text, api_source) if api_text is not None else parse_hostport(
-        DEFAULT_API, "default api")
+    api = (
+        parse_hostport(api_text, api_source)
+        if api_text is not None
+        else parse_hostport(DEFAULT_API, "default api")
+    )
 
     models = _as_list(pick("model")[0])
     experts = _as_list(pick("experts")[0])

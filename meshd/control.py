@@ -194,8 +194,9 @@ def _encode(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
 
 
-async def request(path: Path, cmd: str, params: dict[str, Any] | None = None,
-                  timeout_s: float = 10.0) -> dict[str, Any]:
+async def request(
+    path: Path, cmd: str, params: dict[str, Any] | None = None, timeout_s: float = 10.0
+) -> dict[str, Any]:
     """Send one command and return the reply's fields (without ``ok``).
 
     Raises ``NoDaemon`` if no daemon listens on ``path``; ``RuntimeFailure`` if it refuses or does not
@@ -211,13 +212,13 @@ async def request(path: Path, cmd: str, params: dict[str, Any] | None = None,
         raise NoDaemon(f"no meshd daemon is running (no control socket in {state_dir})") from None
     except PermissionError:
         raise RuntimeFailure(f"permission denied on {path} (run as the daemon's user)") from None
-    except (OSError, asyncio.TimeoutError) as e:
+    except (TimeoutError, OSError) as e:
         raise RuntimeFailure(f"cannot reach the daemon at {path}: {e}") from None
     try:
         writer.write(_encode({**(params or {}), "cmd": cmd}))
         await writer.drain()
         line = await asyncio.wait_for(reader.readline(), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise RuntimeFailure(f"the daemon did not answer {cmd!r} within {timeout_s:g} s") from None
     except (OSError, ValueError) as e:
         raise RuntimeFailure(f"control socket error: {e}") from None

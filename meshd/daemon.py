@@ -29,12 +29,12 @@ import os
 import signal
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import structlog
 
 from meshd import __version__
-from meshd.config import DaemonConfig, HostPort, format_hostport
+from meshd.config import DaemonConfig, HostPort, format_hostport, is_loopback
 from meshd.control import ControlServer
 from meshd.errors import EXIT_OK, EXIT_RUNTIME, MeshdError, RuntimeFailure
 from meshd.sdnotify import SdNotifier
@@ -42,13 +42,13 @@ from meshd.state import StateDir
 from transport import PROTOCOL_VERSION
 from transport.credentials import MemberCert, MeshCredentials
 from transport.identity import NodeIdentity
-
-if TYPE_CHECKING:
-    from transport.quic import MeshTransport
+from transport.quic import MeshTransport, TransportConfig
 
 log = structlog.get_logger(__name__)
 
 STATUS_REFRESH_S = 15.0  # how often STATUS= is refreshed for systemctl status
+STARTUP_EXTEND_EVERY_S = 20.0  # while services start (a model may load for minutes), ask systemd ...
+STARTUP_EXTEND_S = 60.0  # ... for this much more start time: a live loop may start as long as it needs
 
 
 class Service(Protocol):
@@ -126,8 +126,9 @@ class Daemon:
         self.credentials = creds
         if self.transport is not None:
             self.transport.set_credentials(creds)
-        log.info("mesh_credentials_set", mesh_id=creds.mesh_id, mesh_name=creds.genesis.name,
-                 admin=creds.is_admin)
+        log.info(
+            "mesh_credentials_set", mesh_id=creds.mesh_id, mesh_name=creds.genesis.name, admin=creds.is_admin
+        )
         for callback in list(self.on_credentials):
             try:
                 callback(creds)
@@ -188,6 +189,8 @@ class Daemon:
             peers.extend(st.pop("peers", []) or [])
             if st:
                 extra[service.name] = st
+        if self.transport is not None:
+            extra["transport"] = {"connected_peers": len(self.transport.peers()), **self.transport.stats}
         creds = self.credentials
         return {
             "node_id": self.node_id,
@@ -230,8 +233,10 @@ class Daemon:
         if self.credentials is None:
             return "joining a mesh"
         st = self.status()
-        return (f"running: mesh {st['mesh_name']} ({st['mesh_id']}), {len(st['peers'])} peers, "
-                f"{len(st['models'])} models")
+        return (
+            f"running: mesh {st['mesh_name']} ({st['mesh_id']}), {len(st['peers'])} peers, "
+            f"{len(st['models'])} models"
+        )
 
     def _notify_status(self) -> None:
         if self.notifier.enabled:
@@ -251,19 +256,28 @@ class Daemon:
         self.phase = "starting"
         self.started_at = time.monotonic()
         self.notifier.notify(STATUS="starting")
+        extender = loop.create_task(self._extend_startup())
         try:
             await self._start_all()
         except BaseException:
+            extender.cancel()
             await self._stop_all()
             raise
+        extender.cancel()
         try:
             if not self._stop.is_set():
                 self.phase = "running" if self.credentials else "joining"
                 self._write_run()
                 self.notifier.notify(READY=1, STATUS=self._status_line())
-                log.info("daemon_ready", node_id=self.node_id, mesh_id=self.mesh_id, role=self.config.role,
-                         quic=str(self.quic_address) if self.quic_address else None,
-                         api=str(self.api_address) if self.api_address else None, pid=os.getpid())
+                log.info(
+                    "daemon_ready",
+                    node_id=self.node_id,
+                    mesh_id=self.mesh_id,
+                    role=self.config.role,
+                    quic=str(self.quic_address) if self.quic_address else None,
+                    api=str(self.api_address) if self.api_address else None,
+                    pid=os.getpid(),
+                )
                 self._spawn(self._watchdog())
                 self._spawn(self._status_refresher())
                 await self._stop.wait()
@@ -285,6 +299,8 @@ class Daemon:
                 await service.start(self)
             except MeshdError:
                 raise
+            except OSError as e:  # a port in use, a missing file: the environment, not a bug
+                raise RuntimeFailure(f"{service.name} failed to start: {e.strerror or e}") from e
             except Exception as e:
                 log.exception("service_start_failed", service=service.name)
                 raise RuntimeFailure(f"{service.name} failed to start: {e}") from e
@@ -296,14 +312,10 @@ class Daemon:
 
     async def _start_transport(self) -> None:
         # ---- WIRING POINT (transport): the only place the daemon creates the QUIC transport. ----
-        # Until the `transport-ready` tag is merged, transport.quic does not exist and the node runs
-        # without QUIC (run.json/status show "quic": null). The calls below follow docs/DESIGN.md.
-        try:
-            from transport.quic import MeshTransport, TransportConfig
-        except ImportError:
-            log.warning("transport_unavailable", reason="transport.quic is not in this build")
-            return
-        transport = MeshTransport(self.identity, self.credentials, TransportConfig(), admission=self.admit)
+        # Loopback-only nodes (tests, benches) use bigger packets: every peer is on the 64 KiB-MTU loopback.
+        listen_loopback = is_loopback(self.config.listen.host)
+        tconfig = TransportConfig.loopback() if listen_loopback else TransportConfig()
+        transport = MeshTransport(self.identity, self.credentials, tconfig, admission=self.admit)
         try:
             host, port = await transport.listen(self.config.listen.host, self.config.listen.port)
         except OSError as e:
@@ -332,7 +344,7 @@ class Daemon:
             remaining = max(0.1, deadline - time.monotonic())
             try:
                 await asyncio.wait_for(stop(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("stop_timed_out", component=name, budget_s=round(remaining, 2))
             except Exception:
                 log.exception("stop_failed", component=name)
@@ -351,10 +363,16 @@ class Daemon:
             self.notifier.notify(WATCHDOG=1)
             await asyncio.sleep(interval)
 
+    async def _extend_startup(self) -> None:
+        if not self.notifier.enabled:
+            return
+        while True:
+            await asyncio.sleep(STARTUP_EXTEND_EVERY_S)
+            self.notifier.notify(EXTEND_TIMEOUT_USEC=int(STARTUP_EXTEND_S * 1e6), STATUS="starting services")
+
     async def _status_refresher(self) -> None:
         if not self.notifier.enabled:
             return
         while True:
             await asyncio.sleep(STATUS_REFRESH_S)
             self._notify_status()
-

@@ -17,8 +17,18 @@ from typing import Any, TextIO
 import structlog
 
 SECRET_FIELDS = frozenset(
-    {"token", "join_token", "invite", "secret", "password", "private_key", "admin_key", "api_key",
-     "key", "authorization"}
+    {
+        "token",
+        "join_token",
+        "invite",
+        "secret",
+        "password",
+        "private_key",
+        "admin_key",
+        "api_key",
+        "key",
+        "authorization",
+    }
 )
 
 _LEVELS = {
@@ -30,7 +40,9 @@ _LEVELS = {
 }
 
 
-def redact_secrets(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+def redact_secrets(
+    _logger: Any, _method: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
     """structlog processor: blank out fields whose names mark secrets."""
     for name in event_dict.keys() & SECRET_FIELDS:
         event_dict[name] = "<redacted>"

@@ -108,7 +108,7 @@ def _write_new(path: Path, data: bytes, mode: int) -> None:
         os.fchmod(fd, mode)  # the umask may have narrowed or (never) widened it
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -52,8 +52,13 @@ class Node:
         raise AssertionError(f"meshd not ready after {timeout_s} s: {self.stderr()[-2000:]}")
 
     def status(self) -> dict[str, Any]:
-        out = subprocess.run(meshd_cmd("status", "--json", "--state-dir", str(self.state_dir)),
-                             env=meshd_env(), capture_output=True, timeout=20, check=True)
+        out = subprocess.run(
+            meshd_cmd("status", "--json", "--state-dir", str(self.state_dir)),
+            env=meshd_env(),
+            capture_output=True,
+            timeout=20,
+            check=True,
+        )
         result: dict[str, Any] = json.loads(out.stdout)
         return result
 
@@ -74,8 +79,9 @@ class Node:
                 self.proc.wait()
 
 
-def start_node(state_dir: Path, *args: str, command: str = "serve", env: dict[str, str] | None = None,
-               wait: bool = True) -> Node:
+def start_node(
+    state_dir: Path, *args: str, command: str = "serve", env: dict[str, str] | None = None, wait: bool = True
+) -> Node:
     """Start ``meshd <command> --state-dir state_dir --no-mdns [--listen 127.0.0.1:0] *args``."""
     state_dir.mkdir(parents=True, exist_ok=True)
     argv = [command, "--state-dir", str(state_dir), "--no-mdns", "--log-format", "json"]
@@ -85,8 +91,12 @@ def start_node(state_dir: Path, *args: str, command: str = "serve", env: dict[st
         argv += ["--api", "127.0.0.1:0"]
     stderr_path = state_dir.parent / f"{state_dir.name}.stderr"
     with open(stderr_path, "wb") as err:
-        proc = subprocess.Popen(meshd_cmd(*argv, *args), env=env if env is not None else meshd_env(),
-                                stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(
+            meshd_cmd(*argv, *args),
+            env=env if env is not None else meshd_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
     node = Node(proc, state_dir, stderr_path)
     if wait:
         try:

@@ -6,8 +6,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import meshd_cmd, meshd_env
+
 from meshd.cli import build_parser
 from meshd.config import HostPort, is_loopback, load_config, parse_hostport
 from meshd.errors import UsageError
@@ -36,8 +36,22 @@ def test_parse_hostport_accepts(text: str, expected: HostPort) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["", "9336", ":9336", "host:", "host:65536", "host:-1", "host:12a", "::1:9336", "[::1]9336",
-             "[nothost]:1", "bad host:1", "a_b:1", "[::1:1"]
+    "text",
+    [
+        "",
+        "9336",
+        ":9336",
+        "host:",
+        "host:65536",
+        "host:-1",
+        "host:12a",
+        "::1:9336",
+        "[::1]9336",
+        "[nothost]:1",
+        "bad host:1",
+        "a_b:1",
+        "[::1:1",
+    ],
 )
 def test_parse_hostport_rejects(text: str) -> None:
     with pytest.raises(UsageError, match="--listen"):
@@ -72,8 +86,20 @@ def test_file_keys_with_dashes_or_underscores_and_flags_override(tmp_path: Path)
     assert cfg.models == ("tiny", "q=/models/q") and cfg.experts == ("/m@0-1/0-3",)
     assert cfg.log_level == "debug"
     assert cfg.state_dir == tmp_path / "state"  # relative to the file's directory
-    cfg = _load(["--config", str(conf), "--listen", "127.0.0.1:8000", "--remote-experts", "on",
-                 "--model", "other", "--state-dir", "/x"])
+    cfg = _load(
+        [
+            "--config",
+            str(conf),
+            "--listen",
+            "127.0.0.1:8000",
+            "--remote-experts",
+            "on",
+            "--model",
+            "other",
+            "--state-dir",
+            "/x",
+        ]
+    )
     assert cfg.listen == HostPort("127.0.0.1", 8000) and cfg.remote_experts == "on"
     assert cfg.models == ("other",) and cfg.state_dir == Path("/x")
     assert cfg.api == HostPort("127.0.0.1", 7001)  # not overridden: still the file's
@@ -143,7 +169,7 @@ def test_client_ignores_serve_only_keys_with_a_note(tmp_path: Path) -> None:
         ("listen = 9336\n", "'listen' must be a string"),
         ("bogus = 1\n", "unknown key 'bogus'"),
         ("listen = \n", "config file"),
-        ('model = [1, 2]\n', "list of strings"),
+        ("model = [1, 2]\n", "list of strings"),
         ('no-mdns = "yes"\n', "must be a bool"),
         ('listen = "a"\nlisten = "b"\n', "config file"),
         ('listen = "x"\nlisten_x = 1\n', "unknown key"),
@@ -179,7 +205,12 @@ def test_bad_config_process_exits_2_with_one_line(tmp_path: Path, content: str, 
     conf.write_text(content)
     out = subprocess.run(
         meshd_cmd("serve", "--config", str(conf), "--state-dir", str(tmp_path / "s"), "--no-mdns", *extra),
-        env=meshd_env(), capture_output=True, text=True, timeout=20)
+        env=meshd_env(),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
     assert out.returncode == 2
     assert len(out.stderr.splitlines()) == 1, out.stderr
     assert out.stderr.startswith("meshd: ") and out.stdout == ""

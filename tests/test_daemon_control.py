@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from meshd.config import HostPort, load_config
 from meshd.cli import build_parser
+from meshd.config import HostPort, load_config
 from meshd.control import ControlError, ControlServer, NoDaemon, request
 from meshd.daemon import Daemon
 from meshd.errors import RuntimeFailure
@@ -60,8 +60,10 @@ def test_control_protocol(tmp_path: Path) -> None:
                 await request(tmp_path / "control.sock", "broken")
             with pytest.raises(RuntimeFailure, match="unknown command 'nope'"):
                 await request(tmp_path / "control.sock", "nope")
-            replies = await _raw(tmp_path / "control.sock",
-                                 b'{"cmd":"echo","n":1}\nnot json\n[1]\n{"cmd":5}\n{"cmd":"echo","n":2}\n')
+            replies = await _raw(
+                tmp_path / "control.sock",
+                b'{"cmd":"echo","n":1}\nnot json\n[1]\n{"cmd":5}\n{"cmd":"echo","n":2}\n',
+            )
             assert [r["ok"] for r in replies] == [True, False, False, False, True]
             assert replies[0]["got"] == {"n": 1} and replies[4]["got"] == {"n": 2}
             assert replies[1]["error"] == "request is not JSON"
@@ -130,13 +132,29 @@ class RecordingService:
         self.calls.append(f"stop {self.name}")
 
     def status(self) -> dict[str, Any]:
-        return {"models": [{"name": f"m-{self.name}", "fingerprint": "f", "kind": "local"}],
-                "peers": [], "extra": 1}
+        return {
+            "models": [{"name": f"m-{self.name}", "fingerprint": "f", "kind": "local"}],
+            "peers": [],
+            "extra": 1,
+        }
 
 
-def _daemon(tmp_path: Path, services: list[Any], with_creds: bool = True, argv: tuple[str, ...] = ()) -> Daemon:
-    args = build_parser().parse_args(["serve", "--state-dir", str(tmp_path), "--listen", "127.0.0.1:0",
-                                      "--api", "127.0.0.1:0", "--no-mdns", *argv])
+def _daemon(
+    tmp_path: Path, services: list[Any], with_creds: bool = True, argv: tuple[str, ...] = ()
+) -> Daemon:
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--state-dir",
+            str(tmp_path),
+            "--listen",
+            "127.0.0.1:0",
+            "--api",
+            "127.0.0.1:0",
+            "--no-mdns",
+            *argv,
+        ]
+    )
     config = load_config(args, {"HOME": str(tmp_path)}, "serve")
     state = StateDir(tmp_path)
     ident, _ = state.load_or_create_identity()
@@ -163,14 +181,21 @@ def test_daemon_starts_in_order_stops_in_reverse_and_merges_status(tmp_path: Pat
     assert seen["run"]["api"] == "127.0.0.1:12345"
     st = seen["status"]
     assert [m["name"] for m in st["models"]] == ["m-membership", "m-api"]
-    assert st["services"] == {"membership": {"extra": 1}, "api": {"extra": 1}}
+    assert st["services"]["membership"] == {"extra": 1} and st["services"]["api"] == {"extra": 1}
+    assert st["services"]["transport"]["connected_peers"] == 0
     assert not daemon.state.run_path.exists() and not daemon.state.control_path.exists()
 
 
 def test_service_start_failure_undoes_started_services(tmp_path: Path) -> None:
     calls: list[str] = []
-    daemon = _daemon(tmp_path, [RecordingService("a", calls), RecordingService("b", calls, fail_start=True),
-                                RecordingService("c", calls)])
+    daemon = _daemon(
+        tmp_path,
+        [
+            RecordingService("a", calls),
+            RecordingService("b", calls, fail_start=True),
+            RecordingService("c", calls),
+        ],
+    )
     with pytest.raises(RuntimeFailure, match="b failed to start: port in use"):
         asyncio.run(daemon.run())
     assert calls == ["start a", "start b", "stop a"]
@@ -233,3 +258,104 @@ def test_admission_checks_first_refusal_wins(tmp_path: Path) -> None:
     daemon.admission_checks.insert(0, boom)
     assert daemon.admit("n", cert) == "internal error"  # fails closed
     assert HostPort("::1", 1).__str__() == "[::1]:1"
+
+
+class HangingService(RecordingService):
+    async def stop(self) -> None:
+        self.calls.append(f"stop {self.name}")
+        await asyncio.sleep(3600)
+
+
+def test_hanging_stop_is_bounded_by_the_shutdown_budget(tmp_path: Path) -> None:
+    import dataclasses
+
+    calls: list[str] = []
+    daemon = _daemon(tmp_path, [RecordingService("a", calls), HangingService("stuck", calls)])
+    daemon.config = dataclasses.replace(daemon.config, shutdown_timeout_s=0.5)
+
+    async def main() -> tuple[int, float]:
+        task = asyncio.create_task(daemon.run())
+        while daemon.phase != "running":
+            await asyncio.sleep(0.01)
+        start = time.monotonic()
+        daemon.request_stop()
+        return await task, time.monotonic() - start
+
+    code, took = asyncio.run(main())
+    assert code == 0 and took < 2.0
+    assert calls == ["start a", "start stuck", "stop stuck", "stop a"]  # the others still stopped
+    assert not daemon.state.control_path.exists() and not daemon.state.run_path.exists()
+
+
+def test_human_status_lists_models_and_peers() -> None:
+    from meshd.commands.status import format_status
+
+    st = {
+        "node_id": "a" * 32,
+        "mesh_id": "b" * 32,
+        "mesh_name": "home",
+        "state": "running",
+        "version": "0.1.0",
+        "protocol": 1,
+        "quic": "0.0.0.0:9336",
+        "api": "127.0.0.1:9337",
+        "role": "serve",
+        "admin": False,
+        "models": [{"name": "tiny", "fingerprint": "f00d", "kind": "local"}],
+        "peers": [
+            {
+                "node_id": "c" * 32,
+                "addrs": ["10.0.0.2:9336"],
+                "state": "alive",
+                "rtt_ms": 1.25,
+                "models": ["qwen"],
+                "experts": [],
+                "version": "0.1.0",
+                "last_seen_s": 0.4,
+            }
+        ],
+    }
+    text = format_status(st)
+    assert "mesh      home (" + "b" * 32 + ")" in text
+    assert "models    1" in text and "tiny" in text and "f00d" in text
+    row = next(line for line in text.splitlines() if line.strip().startswith("c" * 32))
+    assert row.split()[1:] == ["alive", "1.2", "0.4", "10.0.0.2:9336", "qwen"]
+
+
+class SlowService(RecordingService):
+    async def start(self, daemon: Daemon) -> None:
+        await asyncio.sleep(0.5)  # e.g. loading a large model
+
+
+def test_slow_start_extends_the_systemd_start_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    import meshd.daemon
+
+    monkeypatch.setattr(meshd.daemon, "STARTUP_EXTEND_EVERY_S", 0.1)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(tmp_path / "notify"))
+    sock.setblocking(False)
+    daemon = _daemon(tmp_path / "st", [SlowService("slow", [])])
+    daemon.notifier = SdNotifier({"NOTIFY_SOCKET": str(tmp_path / "notify")})
+
+    async def main() -> None:
+        task = asyncio.create_task(daemon.run())
+        while daemon.phase != "running":
+            await asyncio.sleep(0.01)
+        daemon.request_stop()
+        await task
+
+    asyncio.run(main())
+    msgs = []
+    while True:
+        try:
+            msgs.append(sock.recv(4096).decode())
+        except BlockingIOError:
+            break
+    sock.close()
+    ready = next(i for i, m in enumerate(msgs) if "READY=1" in m.split("\n"))
+    extends = [i for i, m in enumerate(msgs) if m.startswith("EXTEND_TIMEOUT_USEC=60000000")]
+    assert len(extends) >= 2 and max(extends) < ready  # only while starting

@@ -12,12 +12,21 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import meshd_cmd, meshd_env
 from daemon_testlib import start_node
 
-SPEC_STATUS_KEYS = {"node_id", "mesh_id", "mesh_name", "state", "version", "protocol", "quic", "api",
-                    "models", "peers"}
+SPEC_STATUS_KEYS = {
+    "node_id",
+    "mesh_id",
+    "mesh_name",
+    "state",
+    "version",
+    "protocol",
+    "quic",
+    "api",
+    "models",
+    "peers",
+}
 
 
 def _log_events(text: str) -> list[dict]:
@@ -52,8 +61,14 @@ def test_run_json_node_id_matches_identity_and_survives_restart(tmp_path: Path) 
     node = start_node(state)
     first = dict(node.run)
     node.stop()
-    ident = subprocess.run(meshd_cmd("identity", "--state-dir", str(state)), env=meshd_env(),
-                           capture_output=True, text=True, timeout=20)
+    ident = subprocess.run(
+        meshd_cmd("identity", "--state-dir", str(state)),
+        env=meshd_env(),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
     assert ident.returncode == 0 and ident.stdout.strip() == first["node_id"]
     node = start_node(state)
     try:
@@ -71,7 +86,7 @@ def _recv_all(sock: socket.socket, until: str, timeout_s: float) -> list[str]:
         sock.settimeout(max(0.01, deadline - time.monotonic()))
         try:
             msgs.append(sock.recv(4096).decode())
-        except socket.timeout:
+        except TimeoutError:
             break
         if any(until in m.split("\n") for m in msgs):
             break
@@ -122,8 +137,14 @@ def test_status_json_shape_and_control_socket_mode(tmp_path: Path) -> None:
         assert isinstance(st["protocol"], int) and isinstance(st["version"], str)
         assert st["models"] == [] and st["peers"] == []
         assert st["quic"] == node.run["quic"] and st["api"] == node.run["api"]
-        human = subprocess.run(meshd_cmd("status", "--state-dir", str(tmp_path / "a")), env=meshd_env(),
-                               capture_output=True, text=True, timeout=20)
+        human = subprocess.run(
+            meshd_cmd("status", "--state-dir", str(tmp_path / "a")),
+            env=meshd_env(),
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         assert human.returncode == 0
         assert node.run["node_id"] in human.stdout and "peers     0" in human.stdout
     finally:
@@ -132,8 +153,14 @@ def test_status_json_shape_and_control_socket_mode(tmp_path: Path) -> None:
 
 def test_status_without_daemon_is_one_line_exit_1(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
-    out = subprocess.run(meshd_cmd("status", "--json", "--state-dir", str(tmp_path / "a")),
-                         env=meshd_env(), capture_output=True, text=True, timeout=20)
+    out = subprocess.run(
+        meshd_cmd("status", "--json", "--state-dir", str(tmp_path / "a")),
+        env=meshd_env(),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
     assert out.returncode == 1
     assert out.stdout == ""
     assert len(out.stderr.splitlines()) == 1 and "no meshd daemon is running" in out.stderr
@@ -143,8 +170,22 @@ def test_second_daemon_on_same_state_dir_is_refused(tmp_path: Path) -> None:
     node = start_node(tmp_path / "a")
     try:
         out = subprocess.run(
-            meshd_cmd("serve", "--state-dir", str(tmp_path / "a"), "--no-mdns", "--listen", "127.0.0.1:0",
-                      "--api", "127.0.0.1:0"), env=meshd_env(), capture_output=True, text=True, timeout=20)
+            meshd_cmd(
+                "serve",
+                "--state-dir",
+                str(tmp_path / "a"),
+                "--no-mdns",
+                "--listen",
+                "127.0.0.1:0",
+                "--api",
+                "127.0.0.1:0",
+            ),
+            env=meshd_env(),
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         assert out.returncode == 1
         assert len(out.stderr.splitlines()) == 1 and "already running" in out.stderr
         assert node.proc.poll() is None and node.status()["node_id"] == node.run["node_id"]
@@ -175,10 +216,22 @@ def test_join_token_without_credentials_waits_to_join(tmp_path: Path) -> None:
 
 def test_missing_join_file_without_credentials_is_exit_2(tmp_path: Path) -> None:
     out = subprocess.run(
-        meshd_cmd("serve", "--state-dir", str(tmp_path / "j"), "--no-mdns", "--listen", "127.0.0.1:0",
-                  "--api", "127.0.0.1:0"),
-        env=meshd_env(MESHD_JOIN_FILE=str(tmp_path / "absent.token")), capture_output=True, text=True,
-        timeout=20)
+        meshd_cmd(
+            "serve",
+            "--state-dir",
+            str(tmp_path / "j"),
+            "--no-mdns",
+            "--listen",
+            "127.0.0.1:0",
+            "--api",
+            "127.0.0.1:0",
+        ),
+        env=meshd_env(MESHD_JOIN_FILE=str(tmp_path / "absent.token")),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
     assert out.returncode == 2
     assert len(out.stderr.splitlines()) == 1 and "absent.token" in out.stderr
     assert not (tmp_path / "j" / "genesis.json").exists()

@@ -8,8 +8,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import meshd_cmd, meshd_env
+
 from meshd.errors import UsageError
 from meshd.state import StateDir, StateError, create_exclusive, resolve_state_dir, write_atomic
 from transport.credentials import create_mesh
@@ -45,8 +45,14 @@ def test_identity_command_follows_env_order(tmp_path: Path) -> None:
     m, s, h = tmp_path / "m", tmp_path / "s", tmp_path / "h"
 
     def ident(**env: str) -> str:
-        out = subprocess.run(meshd_cmd("identity"), env=meshd_env(**env), capture_output=True, text=True,
-                             timeout=20)
+        out = subprocess.run(
+            meshd_cmd("identity"),
+            env=meshd_env(**env),
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         assert out.returncode == 0, out.stderr
         return out.stdout.strip()
 
@@ -78,14 +84,22 @@ def test_identity_key_readable_by_others_is_refused(tmp_path: Path, mode: int) -
     os.chmod(state.identity_path, mode)
     with pytest.raises(StateError, match="chmod 600"):
         state.load_or_create_identity()
-    out = subprocess.run(meshd_cmd("identity", "--state-dir", str(state.path)), env=meshd_env(),
-                         capture_output=True, text=True, timeout=20)
+    out = subprocess.run(
+        meshd_cmd("identity", "--state-dir", str(state.path)),
+        env=meshd_env(),
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
     assert out.returncode == 1 and out.stdout == ""
     assert len(out.stderr.splitlines()) == 1 and "readable by group or others" in out.stderr
 
 
-@pytest.mark.parametrize("content", [b"", b"garbage", b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n",
-                                     b"x" * 10000])
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"garbage", b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n", b"x" * 10000],
+)
 def test_corrupt_identity_key_is_refused(tmp_path: Path, content: bytes) -> None:
     state = StateDir(tmp_path / "st")
     state.ensure()
@@ -95,8 +109,14 @@ def test_corrupt_identity_key_is_refused(tmp_path: Path, content: bytes) -> None
     with pytest.raises(StateError, match="corrupt"):
         state.load_or_create_identity()
     for cmd in (["identity"], ["serve", "--no-mdns", "--listen", "127.0.0.1:0", "--api", "127.0.0.1:0"]):
-        out = subprocess.run(meshd_cmd(*cmd, "--state-dir", str(state.path)), env=meshd_env(),
-                             capture_output=True, text=True, timeout=20)
+        out = subprocess.run(
+            meshd_cmd(*cmd, "--state-dir", str(state.path)),
+            env=meshd_env(),
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         assert out.returncode == 1
         assert len(out.stderr.splitlines()) == 1 and "corrupt" in out.stderr
     assert state.identity_path.read_bytes() == content  # never overwritten
@@ -109,7 +129,8 @@ def test_non_ed25519_key_is_refused(tmp_path: Path) -> None:
     state = StateDir(tmp_path / "st")
     state.ensure()
     pem = ec.generate_private_key(ec.SECP256R1()).private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     write_atomic(state.identity_path, pem)
     with pytest.raises(StateError, match="not an Ed25519 key"):
         state.load_identity()

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import time
+from types import FrameType
 
 import structlog
 
@@ -20,7 +22,12 @@ from transport.credentials import create_mesh
 log = structlog.get_logger("meshd.serve")
 
 
+def _stop_during_startup(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # the CLI turns it into exit 0; Daemon.run installs the real handlers
+
+
 def run(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _stop_during_startup)
     config = load_config(args, os.environ, role=args.command)
     setup_logging(config.log_format, config.log_level)
     for note in config.notes:
@@ -41,8 +48,13 @@ def run(args: argparse.Namespace) -> int:
         else:
             creds = create_mesh(identity, config.mesh_name, int(time.time()), PROTOCOL_MIN, PROTOCOL_MAX)
             state.store_credentials(creds)
-            log.info("mesh_created", mesh_id=creds.mesh_id, mesh_name=creds.genesis.name,
-                     node_id=identity.node_id, state_dir=str(state.path))
+            log.info(
+                "mesh_created",
+                mesh_id=creds.mesh_id,
+                mesh_name=creds.genesis.name,
+                node_id=identity.node_id,
+                state_dir=str(state.path),
+            )
     elif config.has_join:
         log.info("join_ignored", reason="already a member", mesh_id=creds.mesh_id)
     daemon = Daemon(config, state, identity, creds, services=build_services(config))

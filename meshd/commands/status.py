@@ -60,10 +60,15 @@ def format_status(st: dict[str, Any]) -> str:
         rows = [["NODE", "STATE", "RTT_MS", "LAST_SEEN_S", "ADDRS", "MODELS"]]
         for p in peers:
             rtt = p.get("rtt_ms")
-            rows.append([
-                _cell(p.get("node_id")), _cell(p.get("state")),
-                "-" if rtt is None else f"{rtt:.1f}" if isinstance(rtt, (int, float)) else str(rtt),
-                _cell(p.get("last_seen_s")), _cell(p.get("addrs")), _cell(p.get("models")),
-            ])
+            rows.append(
+                [
+                    _cell(p.get("node_id")),
+                    _cell(p.get("state")),
+                    "-" if rtt is None else f"{rtt:.1f}" if isinstance(rtt, (int, float)) else str(rtt),
+                    _cell(p.get("last_seen_s")),
+                    _cell(p.get("addrs")),
+                    _cell(p.get("models")),
+                ]
+            )
         text += _table(rows)
     return text
