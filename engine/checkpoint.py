@@ -76,7 +76,9 @@ def _read_header(path: Path, mm: mmap.mmap | None, size: int) -> tuple[dict, int
     assert mm is not None
     n = int.from_bytes(mm[:8], "little")
     if n > MAX_HEADER_BYTES:
-        raise CheckpointError(f"{path}: header length {n} exceeds {MAX_HEADER_BYTES} bytes (not safetensors?)")
+        raise CheckpointError(
+            f"{path}: header length {n} exceeds {MAX_HEADER_BYTES} bytes (not safetensors?)"
+        )
     if 8 + n > size:
         raise CheckpointError(f"{path}: truncated file (header needs {8 + n} bytes, file has {size})")
     try:

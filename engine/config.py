@@ -19,7 +19,9 @@ MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 # Per-family defaults for fields a Hub config may leave out (the transformers config classes' defaults).
 _DEFAULTS: dict[str, dict[str, Any]] = {
-    "qwen3_moe": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "norm_topk_prob": False, "attention_bias": False},
+    "qwen3_moe": {
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "norm_topk_prob": False, "attention_bias": False
+    },
     "qwen2_moe": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "norm_topk_prob": False, "qkv_bias": True},
     "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6},
     "olmoe": {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "norm_topk_prob": False, "attention_bias": False},
@@ -61,7 +63,8 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: str = "none"  # "none" | "head" (Qwen3: per head, width head_dim) | "full" (OLMoE: whole projection)
+    # "none" | "head" (Qwen3: per head, width head_dim) | "full" (OLMoE: the whole projection)
+    qk_norm: str = "none"
     clip_qkv: float | None = None
     sliding_window: int | None = None  # keys older than this many positions are masked (Mixtral)
     # MoE (num_experts == 0 for dense families)
@@ -130,7 +133,9 @@ class ModelConfig:
         heads = req_int("num_attention_heads")
         kv_heads = req_int("num_key_value_heads", raw.get("num_key_value_heads") or heads)
         if heads % kv_heads:
-            raise ConfigError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+            raise ConfigError(
+                f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+            )
         head_dim_raw = raw.get("head_dim")
         if mt == "olmoe" or head_dim_raw is None:
             if hidden % heads:
@@ -206,7 +211,9 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            intermediate_size=req_int("intermediate_size", inter) if inter is not None or not num_experts else 0,
+            intermediate_size=(
+                req_int("intermediate_size", inter) if inter is not None or not num_experts else 0
+            ),
             rms_norm_eps=float(get("rms_norm_eps")),
             rope=rope,
             max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),

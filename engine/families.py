@@ -10,7 +10,8 @@ Routed experts come in two layouts, both loaded without copying:
   ``{layer}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight`` (Mixtral:
   ``{layer}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``);
 * fused 3-D, as transformers 5 holds them in memory: ``{layer}.mlp.experts.gate_up_proj`` [E, 2I, D]
-  (gate rows first, then up) and ``{layer}.mlp.experts.down_proj`` [E, D, I], router ``{layer}.mlp.gate.weight``.
+  (gate rows first, then up) and ``{layer}.mlp.experts.down_proj`` [E, D, I], router
+  ``{layer}.mlp.gate.weight``.
 """
 
 from __future__ import annotations

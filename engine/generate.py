@@ -10,7 +10,8 @@ generated token, the last one carrying ``finish_reason``:
 - ``"length"``: ``max_tokens`` were generated or the context is full.
 - ``"cancelled"``: ``cancel`` was set; checked between steps, so at most one more forward runs. This
   event has ``token_id=None``.
-- ``"error"``: only from the scheduler, with ``error`` set.
+- ``"error"``: only from the scheduler, with ``error`` set (``generate`` raises instead, e.g.
+  ``FloatingPointError`` for non-finite logits).
 
 The concatenated ``text`` of all events is the generated text. ``DecodeState`` is the per-sequence state
 machine shared by ``generate`` and ``engine.scheduler`` so that both produce identical events.
@@ -18,6 +19,9 @@ machine shared by ``generate`` and ``engine.scheduler`` so that both produce ide
 
 from __future__ import annotations
 
+import functools
+import inspect
+import math
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -26,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from engine.sampling import Sampler, SamplingParams, log_softmax, top_n
+from engine.sampling import Sampler, SamplingParams, logsumexp, top_n
 from engine.tokenizer import Tokenizer
 
-__all__ = ["DecodeState", "GenerationStats", "SamplingParams", "TokenEvent", "context_length", "generate",
-           "check_request"]
+__all__ = ["DecodeState", "GenerationStats", "SamplingParams", "TokenEvent", "check_request",
+           "context_length", "forward_last", "generate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +78,12 @@ def check_request(model: Any, prompt_ids: Sequence[int], params: SamplingParams)
     params.validate()
     if len(prompt_ids) == 0:
         raise ValueError("the prompt is empty (it encodes to no tokens)")
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    for t in prompt_ids:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise ValueError(f"prompt token ids must be integers, got {t!r}")
+        if t < 0 or (isinstance(vocab, int) and t >= vocab):
+            raise ValueError(f"prompt token id {int(t)} is outside the vocabulary [0, {vocab})")
     n_ctx = context_length(model)
     if n_ctx is not None and len(prompt_ids) >= n_ctx:
         raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {n_ctx}")
@@ -111,22 +121,25 @@ class DecodeState:
 
     def step(self, logits: np.ndarray) -> TokenEvent:
         """Pick the next token from ``logits`` [V] and return its event (with finish_reason if it ends)."""
-        lp = log_softmax(logits)
+        lse = logsumexp(logits)
+        if not math.isfinite(lse):
+            raise FloatingPointError("the model produced non-finite logits (NaN or +inf)")
         tok = self.sampler.pick(logits)
         self.tokens.append(tok)
-        top = tuple(top_n(lp, self.params.top_logprobs))
+        logprob = float(logits[tok]) - lse
+        top = tuple(top_n(logits, self.params.top_logprobs, offset=lse))
         if tok in self.eos_ids and not self.params.ignore_eos:
             text, stopped = self._scan(self.detok.flush(), final=True)
-            return self._finish(tok, text, float(lp[tok]), top, "stop")
+            return self._finish(tok, text, logprob, top, "stop")
         text, stopped = self._scan(self.detok.add(tok), final=False)
         if stopped:
-            return self._finish(tok, text, float(lp[tok]), top, "stop")
+            return self._finish(tok, text, logprob, top, "stop")
         full = len(self.tokens) >= self.params.max_tokens or (
             self.n_ctx is not None and self.n_prompt + len(self.tokens) >= self.n_ctx)
         if full:
             more, stopped = self._scan(self.detok.flush(), final=True)
-            return self._finish(tok, text + more, float(lp[tok]), top, "stop" if stopped else "length")
-        return TokenEvent(tok, text, float(lp[tok]), top)
+            return self._finish(tok, text + more, logprob, top, "stop" if stopped else "length")
+        return TokenEvent(tok, text, logprob, top)
 
     def cancelled(self) -> TokenEvent:
         """The terminal event for a cancelled sequence (held text is dropped: nobody is listening)."""
@@ -154,10 +167,25 @@ class DecodeState:
         return TokenEvent(tok, text, logprob, top, reason)
 
 
-def _forward(model: Any, ids: np.ndarray, cache: Any, executor: Any) -> np.ndarray:
-    if executor is None:
-        return np.asarray(model.forward(ids, cache))
-    return np.asarray(model.forward(ids, cache, executor=executor))
+@functools.lru_cache(maxsize=32)
+def _accepts_last_only(model_type: type) -> bool:
+    try:
+        return "last_only" in inspect.signature(model_type.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def forward_last(model: Any, ids: Sequence[int] | np.ndarray, cache: Any, executor: Any = None) -> np.ndarray:
+    """Run ``ids`` after the cache and return the last position's logits [V] (fp32).
+
+    Uses ``forward(..., last_only=True)`` when the model has it, so a prefill skips the output head for
+    positions nobody reads."""
+    kwargs: dict[str, Any] = {}
+    if executor is not None:
+        kwargs["executor"] = executor
+    if _accepts_last_only(type(model)):
+        kwargs["last_only"] = True
+    return np.asarray(model.forward(np.asarray(ids, dtype=np.int64), cache, **kwargs))[-1]
 
 
 def generate(model: Any, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams,
@@ -180,7 +208,7 @@ def _run(model: Any, tokenizer: Tokenizer, prompt_ids: list[int], params: Sampli
         return
     t0 = time.perf_counter()
     cache = model.new_cache()
-    logits = _forward(model, np.asarray(prompt_ids, dtype=np.int64), cache, executor)[-1]
+    logits = forward_last(model, prompt_ids, cache, executor)
     stats.prefill_s = time.perf_counter() - t0
     t_decode = 0.0
     while True:
@@ -200,5 +228,5 @@ def _run(model: Any, tokenizer: Tokenizer, prompt_ids: list[int], params: Sampli
             yield state.cancelled()
             return
         t1 = time.perf_counter()
-        logits = _forward(model, np.asarray([ev.token_id], dtype=np.int64), cache, executor)[-1]
+        logits = forward_last(model, [ev.token_id], cache, executor)
         t_decode += time.perf_counter() - t1

@@ -34,6 +34,21 @@ log = structlog.get_logger(__name__)
 F32 = np.float32
 
 
+_PAGE = 4096
+
+
+def _available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (0 if unknown, which keeps narrow experts narrow)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 class KVCache:
     """Keys and values of one sequence, per layer ``[KV, capacity, hd]``; ``length`` positions are valid.
 
@@ -112,23 +127,29 @@ class Layer:
 class _Loader:
     """Takes tensors out of a checkpoint by explicit key, checking shape, and tracks what was used."""
 
-    def __init__(self, ckpt: Checkpoint, progress: ProgressFn | None) -> None:
+    def __init__(self, ckpt: Checkpoint, progress: ProgressFn | None, prefetch: bool) -> None:
         self.ckpt = ckpt
         self.used: set[str] = set()
         self.progress = progress
+        self.prefetch = prefetch
         self.total = ckpt.nbytes
         self.done = 0
 
     def ref(self, spec: families.Spec) -> TensorRef:
         key, shape = spec
         if key not in self.ckpt:
-            raise CheckpointError(f"{self.ckpt.directory}: missing tensor {key!r} (expected shape {list(shape)})")
+            raise CheckpointError(
+                f"{self.ckpt.directory}: missing tensor {key!r} (expected shape {list(shape)})"
+            )
         t = self.ckpt[key]
         if t.shape != shape:
             raise CheckpointError(
                 f"{t.file}: tensor {key!r} has shape {list(t.shape)}, expected {list(shape)}"
             )
         self.used.add(key)
+        if self.prefetch and t.data.size:
+            # Fault the tensor's pages in now (one byte per page) rather than during the first forward.
+            t.data.reshape(-1).view(np.uint8)[::_PAGE].sum()
         self.done += t.nbytes
         if self.progress is not None:
             self.progress(self.done, self.total)
@@ -147,7 +168,9 @@ class _Loader:
                 continue
             if tied and key == "lm_head.weight":
                 continue  # some exporters keep the tied head; the embedding is used, as the reference does
-            raise CheckpointError(f"{self.ckpt.describe(key)} is not used by {self.ckpt.directory.name!r}'s model")
+            raise CheckpointError(
+                f"{self.ckpt.describe(key)} is not used by the {self.ckpt.directory.name!r} model"
+            )
 
 
 class Model:
@@ -168,30 +191,38 @@ class Model:
 
     # ----- loading -----------------------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | os.PathLike[str], progress: ProgressFn | None = None) -> Model:
+    def load(cls, path: str | os.PathLike[str], progress: ProgressFn | None = None,
+             widen_experts: bool | None = None, prefetch: bool | None = None) -> Model:
         """Load ``config.json`` and the safetensors weights of a checkpoint directory.
 
-        fp32 tensors stay zero-copy views of the file mapping; fp16/bf16 tensors are widened to fp32 here,
-        except routed experts, which are widened on use. Raises ``ConfigError`` or ``CheckpointError``
-        (message names the file and tensor key). ``progress(done_bytes, total_bytes)`` is called as
-        tensors are taken.
+        fp32 tensors stay zero-copy views of the file mapping; fp16/bf16 tensors are widened to fp32 here.
+        Routed experts stored in fp16/bf16 are widened here too if ``widen_experts`` (default: when the
+        whole model in fp32 takes at most half of the available memory), else on every use (slower, but
+        the resident size stays the checkpoint's). Results are identical either way. Raises
+        ``ConfigError`` or ``CheckpointError`` (message names the file and tensor key).
+        ``progress(done_bytes, total_bytes)`` is called as tensors are taken. ``prefetch`` (default: when
+        a progress callback is given) reads every page of the weights during the load, so the progress
+        reflects the disk and the first forward pass does not stall on page faults.
         """
         p = Path(path)
         cfg = ModelConfig.load(p)
         ckpt = load_checkpoint(p)
-        ld = _Loader(ckpt, progress)
+        if widen_experts is None:
+            f32_bytes = sum(t.nbytes * 4 // t.data.itemsize for t in ckpt.values())
+            widen_experts = f32_bytes <= _available_bytes() // 2
+        ld = _Loader(ckpt, progress, progress is not None if prefetch is None else prefetch)
         g = families.global_tensors(cfg)
         embed = ld.ref(g["embed"])
         norm = ld.f32(g["norm"])
         lm_head = ld.f32(g["lm_head"]) if "lm_head" in g else to_f32(embed.data, embed.dtype)
-        layers = [cls._load_layer(cfg, ld, i) for i in range(cfg.num_layers)]
+        layers = [cls._load_layer(cfg, ld, i, widen_experts) for i in range(cfg.num_layers)]
         ld.check_unexpected(cfg.tie_word_embeddings)
         log.info("model_loaded", path=str(p), model_type=cfg.model_type, layers=cfg.num_layers,
                  weight_bytes=ckpt.nbytes, files=len(ckpt.files))
         return cls(cfg, layers, embed, norm, lm_head, ckpt, p)
 
     @staticmethod
-    def _load_layer(cfg: ModelConfig, ld: _Loader, i: int) -> Layer:
+    def _load_layer(cfg: ModelConfig, ld: _Loader, i: int, widen_experts: bool) -> Layer:
         layer = Layer(**ld.group(families.attention_tensors(cfg, i)))
         if not cfg.is_sparse(i):
             for role, arr in ld.group(families.dense_mlp_tensors(cfg, i)).items():
@@ -202,9 +233,12 @@ class Model:
             layer.router = ld.f32(fused["router"])
             gu, dn = ld.ref(fused["gate_up"]), ld.ref(fused["down"])
             inter = cfg.moe_intermediate_size
-            layer.experts_f32 = gu.dtype == "F32" and dn.dtype == "F32"
+            layer.experts_f32 = (gu.dtype == "F32" and dn.dtype == "F32") or widen_experts
             for e in range(cfg.num_experts):
-                layer.experts.append((gu.data[e, :inter], gu.data[e, inter:], dn.data[e]))
+                w = (gu.data[e, :inter], gu.data[e, inter:], dn.data[e])
+                if widen_experts:
+                    w = (to_f32(w[0], gu.dtype), to_f32(w[1], gu.dtype), to_f32(w[2], dn.dtype))
+                layer.experts.append(w)
             layer.expert_dtypes = (gu.dtype, gu.dtype, dn.dtype)
         else:
             layer.router = ld.f32(families.router_tensor(cfg, i))
@@ -214,9 +248,13 @@ class Model:
                 refs = (ld.ref(sp["gate"]), ld.ref(sp["up"]), ld.ref(sp["down"]))
                 dtypes.update(r.dtype for r in refs)
                 layer.experts.append(refs)
-            layer.experts_f32 = dtypes == {"F32"}
+            layer.experts_f32 = dtypes == {"F32"} or widen_experts
             if layer.experts_f32:
-                layer.experts = [(g.data, u.data, d.data) for g, u, d in layer.experts]  # type: ignore[union-attr]
+                refs = layer.experts
+                layer.experts = [
+                    (to_f32(g.data, g.dtype), to_f32(u.data, u.dtype), to_f32(d.data, d.dtype))
+                    for g, u, d in refs  # type: ignore[union-attr]
+                ]
         shared = ld.group(families.shared_expert_tensors(cfg, i))
         if shared:
             layer.shared = (shared["shared_gate"], shared["shared_up"], shared["shared_down"])
@@ -229,7 +267,8 @@ class Model:
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity)
 
     def expert_weights(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(gate [I, D], up [I, D], down [D, I]) of one routed expert, fp32 (widened here if stored narrower)."""
+        """(gate [I, D], up [I, D], down [D, I]) of one routed expert, fp32;
+        widened here if stored narrower and not widened at load."""
         lay = self.layers[layer]
         if not lay.sparse:
             raise ValueError(f"layer {layer} has no routed experts")
@@ -238,7 +277,8 @@ class Model:
             return w  # type: ignore[return-value]
         if isinstance(w[0], TensorRef):
             return tuple(to_f32(r.data, r.dtype) for r in w)  # type: ignore[return-value,union-attr]
-        return tuple(to_f32(a, dt) for a, dt in zip(w, lay.expert_dtypes))  # type: ignore[return-value,arg-type]
+        out = tuple(to_f32(a, dt) for a, dt in zip(w, lay.expert_dtypes))  # type: ignore[arg-type]
+        return out  # type: ignore[return-value]
 
     @property
     def local_executor(self) -> ExpertExecutor:
@@ -264,29 +304,37 @@ class Model:
         return arr
 
     def forward(self, ids: Sequence[int] | np.ndarray, cache: KVCache,
-                executor: ExpertExecutor | None = None) -> np.ndarray:
-        """Run T new tokens after the cache's positions: [T] -> logits [T, V] fp32; appends T positions."""
+                executor: ExpertExecutor | None = None, *, last_only: bool = False) -> np.ndarray:
+        """Run T new tokens after the cache's positions: [T] -> logits [T, V] fp32; appends T positions.
+
+        ``last_only`` returns only the last position's logits ([1, V]), skipping the output head for the
+        others (a prefill that only needs the next token).
+        """
         arr = self._check_ids(ids)
         t, past = arr.shape[0], cache.length
         cache.reserve(past + t)
         cos, sin = self.rope.span(past, past + t)
         x = self.embed(arr)  # [T, D]
         ex = executor or self._local
+        window = self.config.sliding_window
         for i, layer in enumerate(self.layers):
             h = rmsnorm(x, layer.attn_norm, self.config.rms_norm_eps)
             q, k, v = self._qkv(layer, h, cos, sin)
             kc, vc = cache.k[i], cache.v[i]
             kc[:, past : past + t] = k.transpose(1, 0, 2)
             vc[:, past : past + t] = v.transpose(1, 0, 2)
-            att = attention(q, kc[:, : past + t], vc[:, : past + t], past, self.scale, self.config.sliding_window)
+            att = attention(q, kc[:, : past + t], vc[:, : past + t], past, self.scale, window)
             x = x + self._out(layer, att)
             x += self._mlp(i, layer, rmsnorm(x, layer.mlp_norm, self.config.rms_norm_eps), ex)
         cache.length = past + t
-        return self._logits(x)
+        return self._logits(x[-1:] if last_only else x)
 
     def forward_batch(self, ids: Sequence[int] | np.ndarray, caches: Sequence[KVCache],
                       executor: ExpertExecutor | None = None) -> np.ndarray:
-        """One decode step of B sequences: ids [B] (one new token each) -> logits [B, V]; appends to each cache."""
+        """One decode step of B sequences: ids [B] (one new token each) -> logits [B, V].
+
+        Each sequence has its own cache (any lengths); each gets one position appended.
+        """
         arr = self._check_ids(ids)
         b = arr.shape[0]
         if len(caches) != b:

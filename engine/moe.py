@@ -57,28 +57,31 @@ class Routing:
     experts: np.ndarray  # [T, k] int64, slot order
     weights: np.ndarray  # [T, k] fp32
     work: list[WorkItem]  # ascending expert, ascending rows
+    # Per work item, the flat slot index t * k + j of each of its rows (lets combine skip a search).
+    positions: list[np.ndarray] | None = None
 
 
 def route(router_logits: np.ndarray, top_k: int, norm_topk_prob: bool) -> Routing:
     """Canonical routing (steps 1-2 of the module contract). [T, E] -> Routing."""
     logits = router_logits.astype(np.float32, copy=False)
-    m = logits.max(axis=-1, keepdims=True)
-    e = np.exp(logits - m)
+    e = np.exp(logits - logits.max(axis=-1, keepdims=True))
     probs = e / e.sum(axis=-1, keepdims=True)  # [T, E]
     experts = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]  # [T, k]
-    weights = np.take_along_axis(probs, experts, axis=-1)  # [T, k]
+    weights = probs[np.arange(probs.shape[0])[:, None], experts]  # [T, k]
     if norm_topk_prob:
         weights = weights / weights.sum(axis=-1, keepdims=True)
     flat = experts.reshape(-1)
     order = np.argsort(flat, kind="stable")  # groups by expert, ascending token within each
     tokens = order // top_k
     sorted_experts = flat[order]
-    bounds = np.flatnonzero(np.diff(sorted_experts)) + 1
-    work: list[WorkItem] = []
-    for chunk_tokens, chunk_experts in zip(np.split(tokens, bounds), np.split(sorted_experts, bounds)):
-        if len(chunk_tokens):
-            work.append((int(chunk_experts[0]), chunk_tokens.astype(np.int64)))
-    return Routing(experts=experts, weights=weights.astype(np.float32), work=work)
+    cuts = (np.flatnonzero(sorted_experts[1:] != sorted_experts[:-1]) + 1).tolist()
+    starts = [0, *cuts]
+    ends = [*cuts, len(flat)]
+    heads = sorted_experts[starts].tolist()
+    work: list[WorkItem] = [(ex, tokens[a:b]) for ex, a, b in zip(heads, starts, ends)]
+    positions = [order[a:b] for a, b in zip(starts, ends)]
+    return Routing(experts=experts, weights=weights.astype(np.float32, copy=False), work=work,
+                   positions=positions)
 
 
 def local_executor(weights: ExpertWeightsFn) -> ExpertExecutor:
@@ -95,12 +98,18 @@ def combine(routing: Routing, outputs: Sequence[np.ndarray], t: int, d: int) -> 
     top_k = routing.experts.shape[1]
     # Y[t, j] gathered from the work outputs: position of (t, expert) inside its work item.
     y = np.empty((t, top_k, d), dtype=np.float32)  # [T, k, D]
-    for (expert, rows), out in zip(routing.work, outputs):
-        slots = np.argmax(routing.experts[rows] == expert, axis=-1)  # [n]
-        y[rows, slots] = out
+    if routing.positions is not None:
+        flat = y.reshape(t * top_k, d)  # a view: row t * k + j is Y[t, j]
+        for pos, out in zip(routing.positions, outputs):
+            flat[pos] = out
+    else:
+        for (expert, rows), out in zip(routing.work, outputs):
+            slots = np.argmax(routing.experts[rows] == expert, axis=-1)  # [n]
+            y[rows, slots] = out
+    w = routing.weights
     acc = np.zeros((t, d), dtype=np.float32)
     for j in range(top_k):
-        acc += routing.weights[:, j, None] * y[:, j, :]
+        acc += w[:, j, None] * y[:, j, :]
     return acc
 
 
@@ -117,4 +126,10 @@ def moe_block(
     outputs = executor(layer, x, routing.work)
     if len(outputs) != len(routing.work):
         raise RuntimeError(f"expert executor returned {len(outputs)} outputs for {len(routing.work)} items")
+    for (expert, rows), out in zip(routing.work, outputs):
+        if out.shape != (len(rows), x.shape[1]) or out.dtype != np.float32:
+            raise RuntimeError(
+                f"expert executor returned {out.dtype}{list(out.shape)} for layer {layer} expert {expert},"
+                f" expected float32{[len(rows), x.shape[1]]}"
+            )
     return combine(routing, outputs, x.shape[0], x.shape[1])

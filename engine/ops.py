@@ -1,4 +1,4 @@
-"""Numerical building blocks, fp32 throughout: RMSNorm, rotary embeddings, causal GQA attention over a KV cache.
+"""Numerical building blocks, fp32 throughout: RMSNorm, rotary embeddings, causal GQA attention.
 
 Pure functions over numpy arrays, shapes in comments. ``T`` new tokens, ``L`` cached + new positions,
 ``H`` query heads, ``KV`` key/value heads (``H % KV == 0``; ``KV == 1`` is multi-query), ``hd`` head dim.
@@ -7,6 +7,8 @@ Pure functions over numpy arrays, shapes in comments. ``T`` new tokens, ``L`` ca
 from __future__ import annotations
 
 import numpy as np
+
+from transport.limits import ATTENTION_QUERY_BLOCK
 
 from .config import RopeConfig
 
@@ -44,32 +46,37 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
 
 
 class RopeTable:
-    """cos/sin of every position up to a capacity that grows by doubling. ``rows(pos)`` -> ([n, hd/2], [n, hd/2])."""
+    """cos/sin of every position up to a capacity that grows by doubling.
+
+    Safe to share between threads: a growth swaps one (cos, sin) tuple, so a reader never pairs a new cos
+    with an old sin.
+    """
 
     def __init__(self, rope: RopeConfig, head_dim: int, capacity: int = 512) -> None:
         self.inv_freq = rope_inv_freq(rope, head_dim).astype(np.float32)  # fp32 like the reference
-        self.cos = np.empty((0, head_dim // 2), dtype=F32)
-        self.sin = np.empty((0, head_dim // 2), dtype=F32)
-        self._grow(capacity)
+        self._table = self._make(capacity)
 
-    def _grow(self, capacity: int) -> None:
+    def _make(self, capacity: int) -> tuple[np.ndarray, np.ndarray]:
         pos = np.arange(capacity, dtype=np.float32)
         ang = np.outer(pos, self.inv_freq).astype(np.float32)  # [cap, hd/2], fp32 product like the reference
-        self.cos = np.cos(ang).astype(F32)
-        self.sin = np.sin(ang).astype(F32)
+        return np.cos(ang).astype(F32), np.sin(ang).astype(F32)
+
+    def _at_least(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        table = self._table
+        if n > table[0].shape[0]:
+            table = self._make(max(n, 2 * table[0].shape[0]))
+            self._table = table
+        return table
 
     def span(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """cos, sin for positions start..stop-1: [n, hd/2] each."""
-        if stop > self.cos.shape[0]:
-            self._grow(max(stop, 2 * self.cos.shape[0]))
-        return self.cos[start:stop], self.sin[start:stop]
+        cos, sin = self._at_least(stop)
+        return cos[start:stop], sin[start:stop]
 
     def gather(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """cos, sin for arbitrary positions [n]: [n, hd/2] each."""
-        top = int(positions.max()) + 1 if positions.size else 0
-        if top > self.cos.shape[0]:
-            self._grow(max(top, 2 * self.cos.shape[0]))
-        return self.cos[positions], self.sin[positions]
+        cos, sin = self._at_least(int(positions.max()) + 1 if positions.size else 0)
+        return cos[positions], sin[positions]
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -96,7 +103,8 @@ def softmax_(x: np.ndarray) -> np.ndarray:
 
 
 def causal_mask(past: int, t: int, window: int | None = None) -> np.ndarray:
-    """Additive mask [T, past+T]: query i (position past+i) sees key j iff j <= past+i (and j > past+i-window)."""
+    """Additive mask [T, past+T]: query i (position past+i) sees key j iff j <= past+i
+    (and j > past+i-window)."""
     q = np.arange(past, past + t)[:, None]
     k = np.arange(past + t)[None, :]
     visible = k <= q
@@ -110,8 +118,17 @@ def attention(
 ) -> np.ndarray:
     """Causal grouped-query attention for T new queries over L = past + T keys.
 
-    q [T, H, hd], k/v [KV, L, hd] (the cache, new keys already written) -> [T, H * hd].
+    q [T, H, hd], k/v [KV, L, hd] (the cache, new keys already written) -> [T, H * hd]. Long prompts are
+    processed in blocks of ``ATTENTION_QUERY_BLOCK`` queries so the score matrix stays bounded.
     """
+    t = q.shape[0]
+    if t > ATTENTION_QUERY_BLOCK:
+        out = np.empty((t, q.shape[1] * q.shape[2]), dtype=F32)
+        for a in range(0, t, ATTENTION_QUERY_BLOCK):
+            b = min(t, a + ATTENTION_QUERY_BLOCK)
+            # queries a..b-1 see keys up to past+b-1
+            out[a:b] = attention(q[a:b], k[:, : past + b], v[:, : past + b], past + a, scale, window)
+        return out
     t, h, hd = q.shape
     kv, length, _ = k.shape
     g = h // kv

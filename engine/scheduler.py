@@ -7,12 +7,14 @@ handle`` from asyncio (events are handed to the loop with ``loop.call_soon_threa
 submit from inside the loop). ``handle.cancel()`` ends the request within one decode step with a
 ``cancelled`` event; a closed consumer loop cancels it too.
 
-Each iteration of the scheduler thread, in this order: (1) end cancelled requests, (2) prefill at most
-one newly admitted request (so a long prompt delays running ones by one prefill, not many), (3) one
-decode step for every running sequence: ``model.forward_batch`` when two or more are running, else
-``model.forward``. Events come from ``engine.generate.DecodeState``, the same state machine ``generate``
-uses, so a request's tokens do not depend on what else is running (given a model whose batched step
-equals its single step). A model exception ends the affected requests with an ``error`` event.
+Each iteration of the scheduler thread, in this order: (1) end cancelled requests, (2) run one chunk
+(``PREFILL_CHUNK_TOKENS``) of the oldest prompt still being prefilled, so a long prompt delays running
+sequences by one chunk per step, not by its whole prefill, (3) one decode step for every running
+sequence: one ``model.forward_batch`` over all of them where it pays, else one ``model.forward`` per
+sequence (``batching="auto"`` compares measured step times; ``"always"`` and ``"never"`` force a mode).
+Events come from ``engine.generate.DecodeState``, the same state machine ``generate`` uses, so a
+request's tokens do not depend on what else is running (given a model whose batched step equals its
+single step). A model exception ends the affected requests with an ``error`` event.
 """
 
 from __future__ import annotations
@@ -24,15 +26,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import structlog
 
-from transport.limits import MAX_ACTIVE_SEQUENCES
+from transport.limits import MAX_ACTIVE_SEQUENCES, PREFILL_CHUNK_TOKENS
 
-from engine.generate import DecodeState, GenerationStats, TokenEvent, check_request, context_length
+from engine.generate import (DecodeState, GenerationStats, TokenEvent, check_request, context_length,
+                             forward_last)
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -54,6 +57,8 @@ class SchedulerClosed(Exception):
 
 
 _END = object()
+_COST_EMA = 0.2  # weight of the newest step time in the per-batch-size moving average
+_EXPLORE_EVERY = 32  # every n-th batching decision tries the other mode, so estimates track the load
 
 
 class RequestHandle:
@@ -92,12 +97,19 @@ class RequestHandle:
     def __iter__(self) -> Iterator[TokenEvent]:
         if self._sync is None:
             raise TypeError("this request was submitted from an event loop: use `async for`")
-        while not self._done:
-            item = self._sync.get()
-            if item is _END:
-                self._done = True
-                return
-            yield item
+        return self
+
+    def __next__(self) -> TokenEvent:
+        """Blocks for the next event (threads). Leaving early does not cancel: call ``cancel()``."""
+        if self._sync is None:
+            raise TypeError("this request was submitted from an event loop: use `async for`")
+        if self._done:
+            raise StopIteration
+        item = self._sync.get()
+        if item is _END:
+            self._done = True
+            raise StopIteration
+        return item  # type: ignore[no-any-return]
 
     def __aiter__(self) -> AsyncIterator[TokenEvent]:
         if self._async is None:
@@ -126,16 +138,24 @@ class _Seq:
     submitted: float
     state: DecodeState | None = None
     cache: Any = None
-    next_logits: np.ndarray | None = field(default=None, repr=False)
+    prefilled: int = 0  # prompt tokens already in the cache
+    prefill_s: float = 0.0
 
 
 class Scheduler:
     """Runs requests for one model on a background thread. Call ``close()`` when done."""
 
     def __init__(self, model: Any, tokenizer: Tokenizer, max_active: int = DEFAULT_MAX_ACTIVE,
-                 *, executor: Any = None, name: str = "model") -> None:
+                 *, executor: Any = None, name: str = "model", batching: str = "auto",
+                 prefill_chunk: int = PREFILL_CHUNK_TOKENS) -> None:
         if max_active < 1:
             raise ValueError("max_active must be at least 1")
+        if batching not in ("auto", "always", "never"):
+            raise ValueError("batching must be auto, always or never")
+        self.batching = batching
+        self.prefill_chunk = max(1, prefill_chunk)
+        self._cost: dict[int, float] = {}  # moving average of decode-step seconds per batch size
+        self._decisions = 0
         self.model = model
         self.tokenizer = tokenizer
         self.max_active = max_active
@@ -197,16 +217,26 @@ class Scheduler:
                     self._lock.wait()
                 if self._closed and not self._pending and not self._running:
                     return
-                running = list(self._running)
                 new = self._pending.popleft() if self._pending else None
                 if new is not None:
                     self._running.append(new)  # counted as admitted throughout (Busy stays exact)
-            for s in running:
-                if s.handle.cancelled:
-                    self._end(s, s.state.cancelled() if s.state else TokenEvent(None, "", None, (), "cancelled"))
-            if new is not None:
-                self._prefill(new)
-            self._decode_step()
+                running = list(self._running)
+            try:
+                for s in running:
+                    if s.handle.cancelled:
+                        ev = s.state.cancelled() if s.state else TokenEvent(None, "", None, (), "cancelled")
+                        self._end(s, ev)
+                # The oldest admitted request whose prompt is not fully in its cache yet.
+                prefilling = next((s for s in running if not s.handle.cancelled and
+                                   (s.state is None or not s.state.tokens)), None)
+                if prefilling is not None:
+                    self._prefill_chunk(prefilling)
+                self._decode_step()
+            except Exception as e:  # a bug here must not leave every client waiting forever
+                log.exception("scheduler_step_failed", model=self.name)
+                with self._lock:
+                    victims = list(self._running)
+                self._fail(victims, e)
 
     def _end(self, s: _Seq, ev: TokenEvent) -> None:
         s.handle.stats.finish_reason = ev.finish_reason
@@ -232,36 +262,64 @@ class Scheduler:
         for s in seqs:
             self._end(s, TokenEvent(None, "", None, (), "error", error=f"{type(e).__name__}: {e}"))
 
-    def _prefill(self, s: _Seq) -> None:
+    def _prefill_chunk(self, s: _Seq) -> None:
+        """Run the next ``PREFILL_CHUNK_TOKENS`` of a prompt; after the last chunk, pick the first token.
+
+        A long prompt therefore delays the running sequences by one chunk per decode step, not by its
+        whole prefill, and its own cancel is seen between chunks."""
         st = s.handle.stats
-        st.queue_s = time.perf_counter() - s.submitted
-        st.prompt_tokens = len(s.prompt_ids)
-        s.state = DecodeState(self.tokenizer, s.prompt_ids, s.params, self._n_ctx)
-        st.tokens = s.state.tokens
-        if s.handle.cancelled:
-            self._end(s, s.state.cancelled())
-            return
         t0 = time.perf_counter()
+        if s.state is None:
+            st.queue_s = time.perf_counter() - s.submitted
+            st.prompt_tokens = len(s.prompt_ids)
+            s.state = DecodeState(self.tokenizer, s.prompt_ids, s.params, self._n_ctx)
+            st.tokens = s.state.tokens
         try:
-            s.cache = self.model.new_cache()
-            ids = np.asarray(s.prompt_ids, dtype=np.int64)
-            if self.executor is None:
-                logits = np.asarray(self.model.forward(ids, s.cache))[-1]
-            else:
-                logits = np.asarray(self.model.forward(ids, s.cache, executor=self.executor))[-1]
-            st.prefill_s = time.perf_counter() - t0
+            if s.cache is None:
+                s.cache = self.model.new_cache()
+            end = min(s.prefilled + self.prefill_chunk, len(s.prompt_ids))
+            logits = forward_last(self.model, s.prompt_ids[s.prefilled:end], s.cache, self.executor)
+            s.prefilled = end
+            st.prefill_s += time.perf_counter() - t0
+            if end < len(s.prompt_ids):
+                return
             ev = s.state.step(logits)
         except Exception as e:  # a model failure must reach the client, not kill the thread
             self._fail([s], e)
             return
         self._emit(s, ev)
 
+    def _forward_one(self, tok: int, cache: Any) -> np.ndarray:
+        return forward_last(self.model, [tok], cache, self.executor)
+
+    def _forward_batch(self, ids: np.ndarray, caches: list[Any]) -> np.ndarray:
+        if self.executor is None:
+            return np.asarray(self.model.forward_batch(ids, caches))
+        return np.asarray(self.model.forward_batch(ids, caches, executor=self.executor))
+
+    def _note_cost(self, b: int, seconds: float) -> None:
+        old = self._cost.get(b)
+        self._cost[b] = seconds if old is None else old + _COST_EMA * (seconds - old)
+
+    def _use_batch(self, b: int) -> bool:
+        """Batch the decode step of b >= 2 sequences only where it pays (an MoE batch touches more experts,
+        so a batched step can cost as much as b single steps). Decided from moving averages of measured
+        step times; each mode is re-tried every ``_EXPLORE_EVERY`` decisions so the estimate follows load."""
+        if self.batching != "auto":
+            return self.batching == "always"
+        cb, c1 = self._cost.get(b), self._cost.get(1)
+        if cb is None:
+            return True
+        if c1 is None:
+            return False
+        self._decisions += 1
+        batch = cb < b * c1
+        return (not batch) if self._decisions % _EXPLORE_EVERY == 0 else batch
+
     def _decode_step(self) -> None:
         with self._lock:
             seqs = [s for s in self._running if s.state is not None and s.state.tokens and
                     s.state.finish_reason is None]
-        if not seqs:
-            return
         live = []
         for s in seqs:
             if s.handle.cancelled:
@@ -270,22 +328,30 @@ class Scheduler:
                 live.append(s)
         if not live:
             return
+        self.steps += 1
+        if len(live) == 1 or not self._use_batch(len(live)):
+            for s in live:  # one single-token forward each; events go out as soon as each is ready
+                if s.handle.cancelled:
+                    self._end(s, s.state.cancelled())  # type: ignore[union-attr]
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    logits = self._forward_one(s.state.last_token, s.cache)  # type: ignore[union-attr]
+                    dt = time.perf_counter() - t0
+                    self._note_cost(1, dt)
+                    ev = s.state.step(logits)  # type: ignore[union-attr]
+                except Exception as e:  # a model failure must reach the client, not kill the thread
+                    self._fail([s], e)
+                    continue
+                s.handle.stats.decode_s += time.perf_counter() - t0
+                self._emit(s, ev)
+            return
         t0 = time.perf_counter()
         ids = np.asarray([s.state.last_token for s in live], dtype=np.int64)  # type: ignore[union-attr]
         try:
-            if len(live) == 1:
-                if self.executor is None:
-                    logits = np.asarray(self.model.forward(ids, live[0].cache))[-1:]
-                else:
-                    logits = np.asarray(self.model.forward(ids, live[0].cache, executor=self.executor))[-1:]
-            else:
-                if self.executor is None:
-                    logits = np.asarray(self.model.forward_batch(ids, [s.cache for s in live]))
-                else:
-                    logits = np.asarray(self.model.forward_batch(ids, [s.cache for s in live],
-                                                                 executor=self.executor))
-                self.batched_steps += 1
-            self.steps += 1
+            logits = self._forward_batch(ids, [s.cache for s in live])
+            self._note_cost(len(live), time.perf_counter() - t0)
+            self.batched_steps += 1
             events = [s.state.step(logits[i]) for i, s in enumerate(live)]  # type: ignore[union-attr]
         except Exception as e:
             self._fail(live, e)

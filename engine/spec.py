@@ -87,5 +87,5 @@ def resolve_checkpoint(spec: ModelSpec, state_dir: str | Path) -> Path:
     if not spec.path.exists():
         raise ValueError(f"model path {spec.path} does not exist")
     if not spec.path.is_dir():
-        raise ValueError(f"model path {spec.path} is not a directory (expected a Hugging Face checkpoint dir)")
+        raise ValueError(f"model path {spec.path} is not a directory (expected a checkpoint directory)")
     return spec.path

@@ -33,6 +33,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                        "mask_token")
 _REPLACEMENT = "\ufffd"
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 class TokenizerError(Exception):
@@ -194,8 +195,9 @@ class Tokenizer:
         self.chat_template_source = chat_template
         self._template: jinja2.Template | None = None
         self.eos_ids: frozenset[int] = frozenset(eos_ids)
-        self._special_ids = frozenset(
-            i for i, tok in hf.get_added_tokens_decoder().items() if tok.special)
+        added = hf.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, tok in added.items() if tok.special)
+        self._added_ids = frozenset(added)
         dec = json.loads(hf.to_str()).get("decoder") or {}
         self._byte_level = _mentions(dec, "ByteLevel")
         self._byte_fallback = _mentions(dec, "ByteFallback")
@@ -212,7 +214,8 @@ class Tokenizer:
         try:
             hf = _HFTokenizer.from_file(str(tok_path))
         except Exception as e:  # the Rust side raises plain Exception subclasses
-            raise TokenizerError(f"{tok_path}: cannot load ({str(e).splitlines()[0] if str(e) else e})") from None
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise TokenizerError(f"{tok_path}: cannot load ({first})") from None
         config = _read_json(d / "tokenizer_config.json") or {}
         template = None
         jinja_path = d / "chat_template.jinja"
@@ -267,7 +270,7 @@ class Tokenizer:
         piece = self._hf.id_to_token(int(token_id))
         if piece is None:
             return b""
-        if token_id in self._special_ids or self._hf.get_added_tokens_decoder().get(int(token_id)):
+        if token_id in self._added_ids:
             return piece.encode("utf-8")
         if self._byte_level and all(c in _BYTE_DECODER for c in piece):
             return bytes(_BYTE_DECODER[c] for c in piece)
@@ -290,7 +293,9 @@ class Tokenizer:
         """Render ``messages`` as transformers' ``apply_chat_template`` does; ids (default) or text.
 
         Extra keyword arguments become template variables (e.g. ``enable_thinking=False``), overriding the
-        special tokens of the same name. Raises ``ChatTemplateError`` (no template, or it raised).
+        special tokens of the same name. Messages drop keys whose value is None, and a message's reasoning
+        (``reasoning_content``, ``thinking`` or ``reasoning``) is visible under the first two names.
+        Raises ``ChatTemplateError`` (no template, or it raised).
         """
         if self.chat_template_source is None:
             raise ChatTemplateError("this model has no chat template (tokenizer_config.json chat_template)")
@@ -302,7 +307,13 @@ class Tokenizer:
         for m in messages:
             if not isinstance(m, Mapping):
                 raise ChatTemplateError("chat messages must be objects")
-            chat.append({k: v for k, v in m.items() if v is not None})
+            msg = {k: v for k, v in m.items() if v is not None}
+            # A message's reasoning under any of its common names is visible under all of them (as
+            # transformers does): templates read reasoning_content, gpt-oss style ones read thinking.
+            reasoning = next((msg[k] for k in _REASONING_FIELDS if k in msg), None)
+            if reasoning is not None:
+                msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}
+            chat.append(msg)
         variables = _plain({**self.special_tokens, **kwargs})
         try:
             text = self._template.render(messages=_plain(chat), tools=_plain(list(tools)) if tools else None,
@@ -346,15 +357,19 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_ids[-_CONTEXT_IDS:])
         self._prefix = 0  # start of the window that is re-decoded
         self._read = len(self._ids)  # ids before this are already emitted
+        self._prefix_text: str | None = None  # decode of ids[prefix:read], cached while text is held
 
     def add(self, token_id: int) -> str:
         self._ids.append(int(token_id))
-        prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
+        if self._prefix_text is None:
+            self._prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
+        prefix_text = self._prefix_text
         full = self._tok.decode(self._ids[self._prefix:])
         if len(full) > len(prefix_text) and not full.endswith(_REPLACEMENT):
             new = full[len(prefix_text):]
             self._prefix = self._read
             self._read = len(self._ids)
+            self._prefix_text = None
             self._compact()
             return new
         return ""
@@ -363,6 +378,7 @@ class IncrementalDetokenizer:
         prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
         full = self._tok.decode(self._ids[self._prefix:])
         self._prefix = self._read = len(self._ids)
+        self._prefix_text = None
         return full[len(prefix_text):]
 
     def _compact(self) -> None:

@@ -60,9 +60,11 @@ class ToyModel:
         if self.fail_after is not None and len(self.calls) > self.fail_after:
             raise RuntimeError("toy model failure")
 
-    def forward(self, ids: np.ndarray, cache: ToyCache, executor: object = None) -> np.ndarray:
+    def forward(self, ids: np.ndarray, cache: ToyCache, executor: object = None, *,
+                last_only: bool = False) -> np.ndarray:
         self._tick("forward", len(ids))
-        return np.stack([self._step(int(t), cache) for t in ids])  # [T, V]
+        out = np.stack([self._step(int(t), cache) for t in ids])  # [T, V]
+        return out[-1:] if last_only else out
 
     def forward_batch(self, ids: np.ndarray, caches: list[ToyCache]) -> np.ndarray:
         self._tick("batch", len(ids))

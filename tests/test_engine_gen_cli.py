@@ -39,7 +39,8 @@ def test_generate_tiny_json(tmp_path: Path) -> None:
     d = next((tmp_path / "models").iterdir())
     tok = Tokenizer.load(d)
     assert out["prompt_tokens"] == tok.encode("The mesh wakes")
-    evs = list(generate(Model.load(d), tok, out["prompt_tokens"], SamplingParams(max_tokens=12, ignore_eos=True)))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    evs = list(generate(Model.load(d), tok, out["prompt_tokens"], params))
     assert out["tokens"] == [e.token_id for e in evs]
     assert out["text"] == "".join(e.text for e in evs)
     # Seeded sampling: same seed, same output across processes.

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from engine_gen_toy import ToyModel
 
@@ -24,8 +25,11 @@ def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     return Tokenizer.load(create_tiny(tmp_path_factory.mktemp("tiny")))
 
 
+Make = Callable[..., Scheduler]
+
+
 @pytest.fixture
-def sched_factory() -> Iterator:  # type: ignore[type-arg]
+def sched_factory() -> Iterator[Make]:
     made: list[Scheduler] = []
 
     def make(*args: object, **kw: object) -> Scheduler:
@@ -44,9 +48,11 @@ def _params(i: int) -> SamplingParams:
     return SamplingParams(max_tokens=12 + i, ignore_eos=True, top_logprobs=2)
 
 
-def test_batched_decode_equals_unbatched(tok: Tokenizer, sched_factory) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("batching", ["always", "auto"])
+def test_batched_decode_equals_unbatched(tok: Tokenizer, sched_factory: Make,
+                                        batching: str) -> None:
     model = ToyModel(vocab_size=768, gate=threading.Event())
-    sched = sched_factory(model, tok, max_active=8)
+    sched = sched_factory(model, tok, max_active=8, batching=batching)
     handles = [sched.submit(tok.encode(p), _params(i)) for i, p in enumerate(PROMPTS)]
     model.gate.set()  # type: ignore[union-attr]  # all admitted before the first forward
     got = [list(h) for h in handles]
@@ -57,7 +63,7 @@ def test_batched_decode_equals_unbatched(tok: Tokenizer, sched_factory) -> None:
     assert sched.batched_steps > 0 and max(batch_sizes) == len(PROMPTS)
 
 
-def test_busy_when_full(tok: Tokenizer, sched_factory) -> None:  # type: ignore[no-untyped-def]
+def test_busy_when_full(tok: Tokenizer, sched_factory: Make) -> None:
     gate = threading.Event()
     sched = sched_factory(ToyModel(vocab_size=768, gate=gate), tok, max_active=2)
     h1 = sched.submit([1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
@@ -71,7 +77,7 @@ def test_busy_when_full(tok: Tokenizer, sched_factory) -> None:  # type: ignore[
     assert len(list(sched.submit([1, 2], SamplingParams(max_tokens=2, ignore_eos=True)))) == 2
 
 
-def test_bad_request_is_value_error(tok: Tokenizer, sched_factory) -> None:  # type: ignore[no-untyped-def]
+def test_bad_request_is_value_error(tok: Tokenizer, sched_factory: Make) -> None:
     sched = sched_factory(ToyModel(vocab_size=768, max_positions=5), tok, max_active=1)
     with pytest.raises(ValueError, match="empty"):
         sched.submit([], SamplingParams())
@@ -80,7 +86,7 @@ def test_bad_request_is_value_error(tok: Tokenizer, sched_factory) -> None:  # t
     assert sched.active == 0
 
 
-def test_cancel_stops_within_one_decode_step(tok: Tokenizer, sched_factory) -> None:  # type: ignore[no-untyped-def]
+def test_cancel_stops_within_one_decode_step(tok: Tokenizer, sched_factory: Make) -> None:
     model = ToyModel(vocab_size=768)
     sched = sched_factory(model, tok, max_active=4)
     other = sched.submit(tok.encode("other"), SamplingParams(max_tokens=40, ignore_eos=True))
@@ -101,7 +107,7 @@ def test_cancel_stops_within_one_decode_step(tok: Tokenizer, sched_factory) -> N
     assert sched.active == 0
 
 
-def test_async_consumer_and_early_exit_cancels(tok: Tokenizer, sched_factory) -> None:  # type: ignore[no-untyped-def]
+def test_async_consumer_and_early_exit_cancels(tok: Tokenizer, sched_factory: Make) -> None:
     sched = sched_factory(ToyModel(vocab_size=768), tok, max_active=2)
     want = list(generate(ToyModel(vocab_size=768), tok, tok.encode("Rain"), SamplingParams(max_tokens=12,
                                                                                            ignore_eos=True)))
@@ -123,19 +129,19 @@ def test_async_consumer_and_early_exit_cancels(tok: Tokenizer, sched_factory) ->
     assert active == 0  # the abandoned request was cancelled, not run to 100k tokens
 
 
-def test_sync_iteration_of_async_handle_is_refused(tok: Tokenizer, sched_factory) -> None:  # type: ignore[no-untyped-def]
+def test_sync_iteration_of_async_handle_is_refused(tok: Tokenizer, sched_factory: Make) -> None:
     sched = sched_factory(ToyModel(vocab_size=768), tok, max_active=1)
 
     async def main() -> None:
         h = sched.submit([1, 2], SamplingParams(max_tokens=1))
         with pytest.raises(TypeError):
-            iter(h).__next__()
+            iter(h)
         [ev async for ev in h]
 
     asyncio.run(main())
 
 
-def test_model_failure_ends_with_error_event(tok: Tokenizer, sched_factory) -> None:  # type: ignore[no-untyped-def]
+def test_model_failure_ends_with_error_event(tok: Tokenizer, sched_factory: Make) -> None:
     model = ToyModel(vocab_size=768, fail_after=3)
     sched = sched_factory(model, tok, max_active=2)
     evs = list(sched.submit([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True)))
@@ -152,3 +158,94 @@ def test_close_cancels_and_refuses(tok: Tokenizer) -> None:
     assert list(h)[-1].finish_reason == "cancelled"
     with pytest.raises(SchedulerClosed):
         sched.submit([1], SamplingParams())
+
+
+def test_sequential_mode_gives_the_same_events(tok: Tokenizer, sched_factory: Make) -> None:
+    model = ToyModel(vocab_size=768, gate=threading.Event())
+    sched = sched_factory(model, tok, max_active=8, batching="never")
+    handles = [sched.submit(tok.encode(p), _params(i)) for i, p in enumerate(PROMPTS)]
+    model.gate.set()  # type: ignore[union-attr]
+    for i, (p, h) in enumerate(zip(PROMPTS, handles)):
+        assert list(h) == list(generate(ToyModel(vocab_size=768), tok, tok.encode(p), _params(i)))
+    assert sched.batched_steps == 0 and all(kind == "forward" for kind, _ in model.calls)
+
+
+def test_batching_decision_follows_measured_cost(tok: Tokenizer, sched_factory: Make) -> None:
+    sched = sched_factory(ToyModel(vocab_size=768), tok, max_active=8)
+    assert sched._use_batch(4)  # nothing measured: try batching first
+    sched._cost = {4: 3.0}
+    assert not sched._use_batch(4)  # then measure single steps
+    sched._cost = {1: 1.0, 4: 3.0}  # a batch of 4 costs less than 4 singles: batch
+    sched._decisions = 0
+    picks = [sched._use_batch(4) for _ in range(64)]
+    assert picks.count(True) == 62  # with an occasional re-check of the other mode
+    sched._cost = {1: 1.0, 4: 5.0}  # an MoE batch touching 4x the experts: run singles
+    picks = [sched._use_batch(4) for _ in range(64)]
+    assert picks.count(False) == 62
+    sched._note_cost(4, 0.0)
+    assert sched._cost[4] == pytest.approx(4.0)  # moving average, not the last sample
+
+
+def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(tok: Tokenizer, sched_factory: Make) -> None:
+    model = ToyModel(vocab_size=768)
+    sched = sched_factory(model, tok, max_active=2, prefill_chunk=8)
+    short = sched.submit([1, 2, 3], SamplingParams(max_tokens=1_000_000, ignore_eos=True))
+    next(iter(short))  # running (until cancelled below)
+    long_prompt = list(range(10, 60))  # 50 tokens -> 7 chunks
+    h = sched.submit(long_prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    got = list(h)
+    short.cancel()
+    list(short)
+    # Same tokens as a one-shot prefill (the toy model's math is position-by-position).
+    assert got == list(generate(ToyModel(vocab_size=768), tok, long_prompt, SamplingParams(max_tokens=3,
+                                                                                           ignore_eos=True)))
+    prefill_calls = [n for kind, n in model.calls if kind == "forward" and n > 1]
+    assert prefill_calls[-7:] == [8, 8, 8, 8, 8, 8, 2]
+    # Decode steps of the running request happened between the chunks (it was not stalled).
+    first = next(i for i, c in enumerate(model.calls) if c == ("forward", 8))
+    last = max(i for i, c in enumerate(model.calls) if c == ("forward", 2))
+    assert any(n == 1 for _, n in model.calls[first:last])
+    assert h.stats.prefill_s > 0 and h.stats.prompt_tokens == 50
+
+
+def test_cancel_during_a_long_prefill(tok: Tokenizer, sched_factory: Make) -> None:
+    gate = threading.Event()
+    model = ToyModel(vocab_size=768, gate=gate)
+    sched = sched_factory(model, tok, max_active=1, prefill_chunk=4)
+    h = sched.submit(list(range(1, 200)), SamplingParams(max_tokens=5, ignore_eos=True))
+    h.cancel()
+    gate.set()
+    assert [e.finish_reason for e in h] == ["cancelled"]
+    assert len(model.calls) <= 1  # at most the chunk already running
+
+
+class _NaNModel(ToyModel):
+    def forward(self, ids, cache, executor=None, *, last_only=False):  # type: ignore[no-untyped-def]
+        out = super().forward(ids, cache, executor, last_only=last_only)
+        if cache.length > 4:
+            out[-1, 3] = np.nan
+        return out
+
+
+def test_non_finite_logits_end_with_an_error(tok: Tokenizer, sched_factory: Make) -> None:
+    sched = sched_factory(_NaNModel(vocab_size=768), tok, max_active=1)
+    evs = list(sched.submit([1, 2], SamplingParams(max_tokens=20, ignore_eos=True)))
+    assert evs[-1].finish_reason == "error" and "non-finite" in (evs[-1].error or "")
+    assert all(e.logprob is None or np.isfinite(e.logprob) for e in evs)
+    with pytest.raises(FloatingPointError):
+        list(generate(_NaNModel(vocab_size=768), tok, [1, 2], SamplingParams(max_tokens=20, ignore_eos=True)))
+
+
+def test_an_internal_failure_does_not_hang_clients(tok: Tokenizer, sched_factory: Make,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    sched = sched_factory(ToyModel(vocab_size=768), tok, max_active=2)
+
+    def broken(*a: object, **k: object) -> None:
+        raise KeyError("bug")
+
+    monkeypatch.setattr("engine.scheduler.DecodeState", broken)
+    evs = list(sched.submit([1, 2], SamplingParams(max_tokens=3)))
+    assert evs[-1].finish_reason == "error" and "bug" in (evs[-1].error or "")
+    monkeypatch.undo()
+    assert len(list(sched.submit([1, 2], SamplingParams(max_tokens=3, ignore_eos=True)))) == 3
+

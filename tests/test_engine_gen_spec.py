@@ -54,8 +54,10 @@ def test_resolve(tmp_path: Path) -> None:
 
 
 def test_progress_render_and_throttle() -> None:
-    assert render("loading m", 0, 2_000_000_000, 0.0) == "loading m [..............................]   0%  0 B/2.0 GB  0.0s"
-    assert render("x", 1_000_000_000, 2_000_000_000, 1.25, width=10) == "x [#####.....]  50%  1.0/2.0 GB  1.2s"
+    assert render("loading m", 0, 2_000_000_000, 0.0) == (
+        "loading m [..............................]   0%  0 B/2.0 GB  0.0s")
+    assert render("x", 1_000_000_000, 2_000_000_000, 1.25, width=10) == (
+        "x [#####.....]  50%  1.0/2.0 GB  1.2s")
     now = [0.0]
     out = io.StringIO()
     bar = ProgressBar("l", out, total=100, clock=lambda: now[0])
@@ -66,3 +68,26 @@ def test_progress_render_and_throttle() -> None:
     bar(100)
     bar.close()
     assert out.getvalue().count("\r") == 3 and out.getvalue().endswith("100%  100/100 B  0.5s\n")
+
+
+class _FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_load_shows_progress_on_a_terminal_only(tmp_path: Path) -> None:
+    from engine.tiny import create_tiny
+    from meshd.commands.generate import load_model
+
+    d = create_tiny(tmp_path)
+    term = _FakeTerminal()
+    model = load_model(d, "tiny", stream=term, min_bytes=0)
+    assert model.config.vocab_size == 768
+    out = term.getvalue()
+    assert out.startswith("\rloading tiny [") and out.endswith("\n") and "100%" in out
+    pipe = io.StringIO()  # not a terminal: nothing drawn
+    load_model(d, "tiny", stream=pipe, min_bytes=0)
+    assert pipe.getvalue() == ""
+    big = _FakeTerminal()  # a terminal, but a small checkpoint under the default threshold
+    load_model(d, "tiny", stream=big)
+    assert big.getvalue() == ""

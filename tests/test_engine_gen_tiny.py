@@ -77,3 +77,18 @@ def test_ensure_tiny_once(tmp_path: Path) -> None:
 def test_unknown_arch(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="qwen3_moe, mixtral"):
         create_tiny(tmp_path, arch="llama")
+
+
+def test_ensure_tiny_concurrent_first_use(tmp_path: Path) -> None:
+    # Several processes starting at once (e.g. a test mesh) all get the same complete checkpoint.
+    code = "import sys; from engine.tiny import ensure_tiny; print(ensure_tiny(sys.argv[1]))"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO_ROOT, text=True,
+                              stdout=subprocess.PIPE, env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"})
+             for _ in range(3)]
+    outs = {p.communicate(timeout=120)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    assert len(outs) == 1
+    path = Path(outs.pop())
+    ref = create_tiny(tmp_path / "ref")
+    assert _digests(path) == _digests(ref)
+    assert [x.name for x in (tmp_path / "models").iterdir()] == [path.name]

@@ -64,7 +64,8 @@ def test_post_processor_bos_matches_transformers(tmp_path: Path) -> None:
     raw = build_tokenizer()
     bos = raw.token_to_id("<|endoftext|>")
     raw.post_processor = processors.TemplateProcessing(
-        single="<|endoftext|> $A", pair="<|endoftext|> $A <|endoftext|> $B", special_tokens=[("<|endoftext|>", bos)])
+        single="<|endoftext|> $A", pair="<|endoftext|> $A <|endoftext|> $B",
+        special_tokens=[("<|endoftext|>", bos)])
     raw.save(str(tmp_path / "tokenizer.json"))
     tok = Tokenizer.load(tmp_path)
     hf = _hf(tmp_path)
@@ -153,3 +154,27 @@ def test_missing_or_broken_tokenizer_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "tokenizer_config.json").write_text("[1, 2")
     with pytest.raises(TokenizerError, match="tokenizer_config.json: not valid JSON"):
         Tokenizer.load(tmp_path)
+
+
+@pytest.mark.parametrize(("flags", "bos_in_json"), [
+    ({"add_bos_token": False}, True), ({"add_bos_token": True}, False),
+    ({"add_bos_token": True, "add_eos_token": True}, True), ({"add_eos_token": True}, False), ({}, True)])
+def test_add_bos_eos_flags_match_autotokenizer(tmp_path: Path, tiny_dir: Path, flags: dict,  # type: ignore[type-arg]
+                                               bos_in_json: bool) -> None:
+    # transformers 5 loads a checkpoint dir's tokenizer.json post-processor as-is: tokenizer_config's
+    # add_bos_token/add_eos_token do not change the ids (checked here against AutoTokenizer).
+    transformers = pytest.importorskip("transformers")
+    raw = build_tokenizer()
+    bos = raw.token_to_id("<|endoftext|>")
+    if bos_in_json:
+        raw.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
+                                                           special_tokens=[("<|endoftext|>", bos)])
+    raw.save(str(tmp_path / "tokenizer.json"))
+    cfg = json.loads((tiny_dir / "tokenizer_config.json").read_text())
+    cfg.update(bos_token="<|endoftext|>", **flags)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    tok = Tokenizer.load(tmp_path)
+    for text in ("hello world", "🙂", ""):
+        assert tok.encode(text) == hf.encode(text), (flags, text)
+        assert tok.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False)

@@ -55,6 +55,17 @@ CONVERSATIONS = [
     [{"role": "user", "content": "call", "tool_calls": None},
      {"role": "assistant", "content": "ok", "tool_calls": [{"name": "f", "arguments": {"x": "<&>"}}]}],
 ]
+REASONING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.reasoning_content is defined %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{% if m.thinking is defined %}[{{ m.thinking }}]{% endif %}"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+)
+REASONING_CHATS = [
+    [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning": "because"}],
+    [{"role": "assistant", "content": "a", "thinking": "t1"}],
+    [{"role": "assistant", "content": "a", "reasoning_content": "r", "thinking": None}],
+]
 TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {"b": 1, "a": "é"}}}]
 
 
@@ -129,8 +140,18 @@ def test_no_template_empty_chat_and_sandbox(tmp_path: Path) -> None:
 def test_chat_template_jinja_file_and_named_templates(tmp_path: Path) -> None:
     d = _write(tmp_path, "unused", None)
     cfg = json.loads((d / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ 1 }}"}]
+    cfg["chat_template"] = [{"name": "tool_use", "template": "T"},
+                            {"name": "default", "template": "D{{ 1 }}"}]
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     assert Tokenizer.load(d).apply_chat_template([{"role": "user", "content": "x"}], tokenize=False) == "D1"
     (d / "chat_template.jinja").write_text("J{{ messages[0]['content'] }}")
     assert Tokenizer.load(d).apply_chat_template([{"role": "user", "content": "x"}], tokenize=False) == "Jx"
+
+
+def test_reasoning_fields_match_transformers(tmp_path: Path) -> None:
+    d = _write(tmp_path, REASONING_TEMPLATE, None)
+    hf = _hf(d)
+    tok = Tokenizer.load(d)
+    for conv in REASONING_CHATS:
+        want = hf.apply_chat_template(conv, tokenize=False)
+        assert tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=False) == want

@@ -36,9 +36,13 @@ MAX_CONTROL_CONNECTIONS = 64  # concurrent local CLI clients; more means somethi
 # --- API / tunnel (issue 5) -------------------------------------------------------------------
 
 # --- engine (issue 4) -------------------------------------------------------------------------
+# model forward pass (engine-model)
+# queries per attention score matrix: bounds it to H*256*L*4 bytes (48 MB at H=12 heads, L=4096)
+ATTENTION_QUERY_BLOCK = 256
 # generation / scheduling (engine-gen)
 MAX_ACTIVE_SEQUENCES = 8  # sequences a Scheduler runs at once per model: each holds a KV cache; more waits as 429
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's cap); bounds per-token work and response size
+PREFILL_CHUNK_TOKENS = 512  # prompt tokens per scheduler step: bounds how long a new prompt stalls running streams
 MAX_MODEL_SPEC_CHARS = 4096  # a --model SPEC (path or URL) longer than this is a mistake
 
 # --- expert RPC (issue 6) ---------------------------------------------------------------------

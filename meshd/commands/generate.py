@@ -35,7 +35,7 @@ def _weight_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.glob("*.safetensors") if f.is_file())
 
 
-def load_model(path: Path, name: str, stream: Any = None) -> Any:
+def load_model(path: Path, name: str, stream: Any = None, min_bytes: int = LARGE_CHECKPOINT_BYTES) -> Any:
     """``engine.model.Model.load(path)`` with a progress bar on ``stream`` if it is a terminal and the
     checkpoint is large. Raises ``UsageError`` for a checkpoint that cannot be loaded."""
     try:
@@ -44,7 +44,7 @@ def load_model(path: Path, name: str, stream: Any = None) -> Any:
         raise RuntimeFailure(f"the inference engine is not available in this build ({e})") from None
     stream = sys.stderr if stream is None else stream
     total = _weight_bytes(path)
-    show = total >= LARGE_CHECKPOINT_BYTES and hasattr(stream, "isatty") and stream.isatty()
+    show = total >= min_bytes and hasattr(stream, "isatty") and stream.isatty()
     bar = None
     kwargs: dict[str, Any] = {}
     ticker: threading.Thread | None = None
@@ -136,15 +136,20 @@ def run(args: argparse.Namespace) -> int:
     tokens: list[int] = []
     logprobs: list[float] = []
     finish = None
-    for ev in events:
-        if ev.token_id is not None:
-            tokens.append(ev.token_id)
-            logprobs.append(float(ev.logprob) if ev.logprob is not None else float("nan"))
-        text.append(ev.text)
-        finish = ev.finish_reason
-        if not args.json and ev.text:
-            sys.stdout.write(ev.text)
-            sys.stdout.flush()
+    try:
+        for ev in events:
+            if ev.token_id is not None:
+                tokens.append(ev.token_id)
+                logprobs.append(float(ev.logprob) if ev.logprob is not None else 0.0)
+            text.append(ev.text)
+            finish = ev.finish_reason
+            if not args.json and ev.text:
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+    except (ValueError, FloatingPointError, RuntimeError, MemoryError) as e:
+        if not args.json:
+            sys.stdout.write("\n")
+        raise RuntimeFailure(f"generation failed after {len(tokens)} tokens: {e}") from None
     if args.json:
         out = {"model": spec.name, "prompt_tokens": prompt_ids, "tokens": tokens, "text": "".join(text),
                "logprobs": logprobs, "finish_reason": finish,
