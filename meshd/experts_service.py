@@ -425,3 +425,11 @@ def _parse_addr(text: str) -> tuple[str, int] | None:
         return None
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     return (host, int(port)) if host and 0 < int(port) < 65536 else None
+
+
+def experts_of(daemon: Any) -> ExpertsService | None:
+    """The daemon's expert service, if it runs one (``--experts`` or ``--remote-experts``)."""
+    for svc in getattr(daemon, "services", []) or []:
+        if isinstance(svc, ExpertsService):
+            return svc
+    return None
