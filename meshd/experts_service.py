@@ -9,7 +9,8 @@ Coordinator side: the model service calls :meth:`ExpertsService.coordinator` for
 serves; the returned :class:`RemoteExecutor` is the ``executor`` for ``Model.forward``. Workers are found
 by probing peers: every connected peer (or, once membership advertises shards, every peer advertising
 the fingerprint) is opened an EXPERT stream and sent a hello; those holding the same checkpoint become
-links, the others are remembered as refused until they reconnect. Probes repeat on peer-up and every
+links; a peer holding another checkpoint (or speaking no common version) is remembered as refused until it
+reconnects, one that did not answer is retried after ``REFUSAL_RETRY_S``. Probes repeat on peer-up and every
 ``probe_interval_s``, so a worker that joins is used from the next forward pass.
 
 Telemetry: ``status()`` (merged into ``meshd status --json`` under ``experts``) and a Prometheus
@@ -29,6 +30,7 @@ import structlog
 
 from engine.experts.coordinator import CoordinatorConfig, RemoteExecutor, WorkerRefused
 from engine.experts.fingerprint import model_fingerprint
+from engine.experts.rpc import ErrorCode
 from engine.experts.layout import LayoutError, MoeLayout, layout_from_config, read_config
 from engine.experts.shard import ExpertShard, ShardError, load_shard
 from engine.experts.tensors import TensorFileError
@@ -39,6 +41,7 @@ from meshd.errors import UsageError
 log = structlog.get_logger(__name__)
 
 PROBE_INTERVAL_S = 5.0  # how often peers that are not links yet are probed for experts
+REFUSAL_RETRY_S = 30.0  # a peer that did not answer a hello (busy, no handler) is asked again after this
 
 
 class ExpertsStartError(UsageError):
@@ -49,7 +52,8 @@ class ExpertsStartError(UsageError):
 class _Coordinated:
     path: Path
     executor: RemoteExecutor
-    refused: dict[str, str] = field(default_factory=dict)  # node id -> reason (until it reconnects)
+    refused: dict[str, str] = field(default_factory=dict)  # node id -> reason
+    retry_at: dict[str, float] = field(default_factory=dict)  # node id -> loop time to probe again
     probing: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # node id -> hello in flight
 
 
@@ -260,8 +264,13 @@ class ExpertsService:
         for c in self._coordinated:
             for peer in self._peers():
                 node = peer.node_id
-                if node in c.executor.links or node in c.refused:
+                if node in c.executor.links:
                     continue
+                if node in c.refused:
+                    at = c.retry_at.get(node)
+                    if at is None or asyncio.get_running_loop().time() < at:
+                        continue
+                    del c.refused[node], c.retry_at[node]
                 task = c.probing.get(node)
                 if task is None:
                     task = asyncio.get_running_loop().create_task(self._probe(c, peer))
@@ -281,6 +290,8 @@ class ExpertsService:
             await c.executor.add_worker(node, stream)
         except WorkerRefused as e:
             c.refused[node] = str(e)
+            if e.code not in (ErrorCode.FINGERPRINT_MISMATCH, ErrorCode.VERSION_UNSUPPORTED):
+                c.retry_at[node] = asyncio.get_running_loop().time() + REFUSAL_RETRY_S
             log.info("experts_worker_refused", worker=node, reason=str(e))
         except Exception as e:  # noqa: BLE001 - a peer that cannot be probed now is retried later
             log.debug("experts_probe_failed", worker=node, error=repr(e))
@@ -288,6 +299,7 @@ class ExpertsService:
     def _peer_up(self, peer: Any) -> None:
         for c in self._coordinated:
             c.refused.pop(peer.node_id, None)
+            c.retry_at.pop(peer.node_id, None)
         if self._coordinated:
             self._spawn(self.probe_all())
 
@@ -295,6 +307,7 @@ class ExpertsService:
         for c in self._coordinated:
             c.executor.remove_worker(peer.node_id, "peer disconnected")
             c.refused.pop(peer.node_id, None)
+            c.retry_at.pop(peer.node_id, None)
 
     async def _probe_loop(self) -> None:
         while True:

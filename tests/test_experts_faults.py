@@ -153,6 +153,14 @@ def test_peer_without_experts_is_refused_quickly_not_hung(ckpt: Path, mesh: Mesh
         refused = a.service.status()["coordinators"][0]["refused"]
         assert b.ident.node_id in refused
         assert ex.unavailable_reason() == "no expert workers hold this model's routed experts"
+        # A peer that did not answer is asked again later (it may have been busy), not written off.
+        c = a.service._coordinated[0]
+        first = c.retry_at[b.ident.node_id]
+        a.probe()
+        assert c.retry_at[b.ident.node_id] == first  # not before its time
+        c.retry_at[b.ident.node_id] = 0.0
+        a.probe()
+        assert c.retry_at[b.ident.node_id] > first and b.ident.node_id in c.refused
     finally:
         a.close()
         b.close()
