@@ -86,6 +86,9 @@ def test_two_members_exchange_rpcs(mesh: MeshCredentials, node_a: PeerProcess) -
             with pytest.raises(RemoteError) as err:
                 await peer.request(StreamType.RPC, b"crash", 5.0)
             assert err.value.code == ErrorCode.INTERNAL_ERROR
+            with pytest.raises(RemoteError) as err:  # a reply over the frame limit is the handler's bug
+                await peer.request(StreamType.RPC, b"big", 5.0)
+            assert err.value.code == ErrorCode.INTERNAL_ERROR
             with pytest.raises(StreamReset) as reset:  # nobody serves EXPERT on A
                 await peer.request(StreamType.EXPERT, b"x", 5.0)
             assert reset.value.code == ErrorCode.NO_HANDLER
@@ -603,6 +606,49 @@ def test_nobody_answering_is_a_transport_error_and_ipv6_works(mesh: MeshCredenti
             assert peer.address is not None and peer.address[0] == "::1"
         finally:
             silent.close()
+            await a.close()
+            await b.close()
+
+    asyncio.run(scenario())
+
+
+def test_server_stream_that_beats_the_accept_is_held_not_refused(
+    mesh: MeshCredentials, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reordering: the server may use the connection as soon as it admitted us, before our ACCEPT lands."""
+    from transport import quic as quic_mod
+
+    original = quic_mod._Connection._on_stream_data
+
+    def delay_accept(self: Any, stream_id: int, data: bytes, end: bool) -> None:
+        hs = self.handshake
+        if self.is_client and stream_id == 0 and hs is not None and hs.awaiting_accept and data:
+            self._loop.call_later(0.2, self._guarded, original, self, stream_id, data, end)
+            return
+        original(self, stream_id, data, end)
+
+    monkeypatch.setattr(quic_mod._Connection, "_on_stream_data", delay_accept)
+
+    async def scenario() -> None:
+        a, b = new_member(mesh), new_member(mesh)
+        got: list[bytes] = []
+
+        async def greet(peer: Peer) -> None:
+            stream = await peer.open_stream(StreamType.GOSSIP)
+            await stream.send(b"hello early", end=True)
+
+        async def gossip(peer: Peer, stream: Stream) -> None:
+            while (chunk := await stream.recv()) is not None:
+                got.append(chunk)
+
+        a.on_peer_up.append(greet)
+        b.on_stream(StreamType.GOSSIP, gossip)
+        addr = await a.listen("127.0.0.1", 0)
+        try:
+            peer = await b.connect(addr)
+            await _until(lambda: got == [b"hello early"], 3.0)
+            assert peer.connected and b.stats.get("refused_not_admitted", 0) == 0
+        finally:
             await a.close()
             await b.close()
 

@@ -8,7 +8,7 @@ SIGTERM/SIGINT (exit 0).
 
 RPC (StreamType.RPC) commands, by payload prefix: ``echo:`` (reply = payload), ``sleep:S`` (reply after
 S seconds of silence), ``stats`` (JSON of stats and peers), ``call:`` (request ``echo:back`` from the
-caller and return its reply), ``fail`` (RpcError 7), ``crash`` (handler bug), ``hang`` (never answers;
+caller and return its reply), ``fail`` (RpcError 7), ``big`` (a reply over the frame limit), ``crash`` (handler bug), ``hang`` (never answers;
 counts its cancellation in stats ``hang_cancelled``). HTTP_TUNNEL streams are echoed frame by frame;
 GOSSIP streams are a sink that answers the byte count at their end (for bulk benchmarks).
 """
@@ -84,6 +84,8 @@ async def main(path: str) -> int:
             ).encode()
         if request == b"call":
             return await peer.request(StreamType.RPC, b"echo:back", 5.0)
+        if request == b"big":
+            return b"x" * (5 * 1024 * 1024)  # above the 4 MiB RPC frame limit
         if request == b"fail":
             raise RpcError(7, "nope")
         if request == b"crash":

@@ -214,6 +214,11 @@ class Handshake:
         """Issuer: a JoinRequested event is out and ``reply_join`` was not called yet."""
         return self._state == "join_pending"
 
+    @property
+    def awaiting_accept(self) -> bool:
+        """Client: our AUTH is out and the server's ACCEPT has not arrived yet."""
+        return self._state == "wait_accept"
+
     def get_timer(self) -> float | None:
         return None if self.done else self._deadline
 

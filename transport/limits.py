@@ -26,6 +26,7 @@ STREAM_SEND_BUFFER_BYTES = 512 * 1024  # unacknowledged bytes queued per stream 
 STREAM_RECV_QUEUE_FRAMES = 1024  # frames received but not yet read per stream before it is reset
 STREAM_RECV_QUEUE_BYTES = 8 * 1024 * 1024  # bytes received but not yet read per stream before reset
 MAX_PENDING_HANDSHAKES = 64  # connections still proving membership; more are refused at once
+MAX_EARLY_STREAM_BYTES = 1024 * 1024  # server stream data a client holds while its ACCEPT is in flight
 
 # --- daemon: control socket (issue 2, daemon) ------------------------------------------------
 MAX_CONTROL_LINE_BYTES = 1 << 20  # one control request/reply line; status of a big mesh is ~100 KiB

@@ -322,6 +322,8 @@ class _Connection(QuicConnectionProtocol):
         self._refuse_at_start: tuple[ErrorCode, str] | None = None
         self._keepalive_uid = 0
         self._prune_at = 64  # prune finished streams from ``streams`` when it grows to this size
+        self._early: list[tuple[int, bytes, bool]] = []  # client: server streams that beat its ACCEPT
+        self._early_bytes = 0
         mesh._conns.add(self)
         if not is_client:
             self._refuse_at_start = mesh._admission_capacity()
@@ -590,6 +592,15 @@ class _Connection(QuicConnectionProtocol):
             self._flush_handshake()
             return
         if not self.admitted:
+            hs = self.handshake
+            if self.is_client and hs is not None and hs.awaiting_accept:
+                # The server admitted us and may already use the connection; its ACCEPT can arrive
+                # after such data when packets are reordered or lost. Hold it until the ACCEPT.
+                self._early_bytes += len(data)
+                if self._early_bytes > limits.MAX_EARLY_STREAM_BYTES:
+                    raise RemoteProtocolError(ErrorCode.NOT_ADMITTED, "too much data before the ACCEPT")
+                self._early.append((stream_id, data, end))
+                return
             raise RemoteProtocolError(ErrorCode.NOT_ADMITTED, "stream opened before the handshake")
         stream = self.streams.get(stream_id)
         if stream is not None and stream._app_done:
@@ -628,6 +639,11 @@ class _Connection(QuicConnectionProtocol):
         self.mesh._admitted(self, ev)
         if self.is_client and not self.result.done():
             self.result.set_result(self.peer)
+        early, self._early = self._early, []
+        for stream_id, data, end in early:
+            if self.closing:
+                break
+            self._on_stream_data(stream_id, data, end)
 
     async def _answer_join(self, ev: JoinRequested) -> None:
         handler = self.mesh._join_handler
@@ -977,6 +993,8 @@ class MeshTransport:
             return existing
         if self.credentials is None:
             raise TransportError("this node has no mesh credentials yet")
+        if self._closing:
+            raise TransportError("the transport is closed")
         conn = await self._dial(addr, Mode.MEMBER, expected_node_id, None)
         try:
             async with asyncio.timeout(self.config.connect_timeout_s):
@@ -1034,7 +1052,9 @@ class MeshTransport:
                     try:
                         peer = await self.connect(addr, expected_node_id=node_id)
                         break
-                    except (TransportError, OSError) as e:
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - the keeper must outlive any one failure
                         self._count("reconnect_failures")
                         self._ratelog.debug(time.monotonic(), "reconnect_failed", peer=node_id, error=str(e))
                 if peer is None:
@@ -1204,6 +1224,9 @@ class MeshTransport:
                 raise RpcError(ErrorCode.PROTOCOL_ERROR, "empty request")
             try:
                 reply = await handler(peer, request)
+                stype = stream.stream_type
+                if stype is not None and len(reply) > max_frame_bytes(stype):
+                    raise ValueError(f"reply of {len(reply)} bytes exceeds the {stype.name} frame limit")
             except RpcError as e:
                 await stream._send_frame(FrameType.ERROR, encode_error(e.code, e.reason), True)
                 return
