@@ -9,7 +9,9 @@ head_dim 64, 16 experts of width 384, top-4, vocab 8192, fp32), written here wit
 For each setup (local, then N workers): prefill tok/s on a --prompt-token prompt (best of 2 after a
 warm-up) and decode tok/s over --decode greedy tokens; during decode every sparse layer's executor call is
 timed. The per-layer delegation overhead is (median remote layer call) - (median local layer call), set
-against the median round trip of a 4 KB ECHO on the same expert streams, measured in the same run.
+against the median round trip of a 4 KB ECHO on the same expert streams, measured in the same run; the
+"(call - worker compute) / RTT" column subtracts instead the workers' own compute time per request (as
+they report it), i.e. what delegation costs beyond the arithmetic.
 Every remote run's decode logits are checked byte-equal to the local run. Prints a Markdown table and a
 JSON line. Workers are ``tests/experts_node.py`` processes (real MeshTransport + ExpertsService).
 """
@@ -93,7 +95,7 @@ class Timed:
         return out
 
 
-def run(model: Any, executor: Any, prompt: list[int], decode: int) -> dict[str, Any]:
+def run(model: Any, executor: Any, prompt: list[int], decode: int, on_decode: Any = None) -> dict[str, Any]:
     import numpy as np
 
     ex = Timed(executor)
@@ -106,6 +108,8 @@ def run(model: Any, executor: Any, prompt: list[int], decode: int) -> dict[str, 
     cache = model.new_cache()
     logits = model.forward(prompt, cache, executor=ex)[-1]
     ex.times.clear()
+    if on_decode is not None:
+        on_decode()
     tokens, all_logits = [], [logits.tobytes()]
     t0 = time.perf_counter()
     for _ in range(decode):
@@ -161,13 +165,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                     payload = os.urandom(4096)
                     for _ in range(args.echo):
                         rtts.append(coord.lt.run(ex.echo(node, payload)))
-                res = run(model, ex, prompt, args.decode)
+                def reset(ex: Any = ex) -> None:
+                    for st in ex.link_stats.values():
+                        st.__init__()  # count the decode steps only
+
+                res = run(model, ex, prompt, args.decode, reset)
+                calls = sum(st.calls for st in ex.link_stats.values())
+                compute_ms = sum(st.compute_sum_s for st in ex.link_stats.values()) / max(calls, 1) * 1e3
                 exact = res["logits"] == local["logits"] and res["tokens"] == local["tokens"]
                 rtt_ms = statistics.median(rtts) * 1e3
                 overhead = res["layer_call_ms_median"] - local["layer_call_ms_median"]
                 rows.append({"setup": f"{n} worker{'s' if n > 1 else ''}", "prefill_tok_s": res["prefill_tok_s"],
                              "decode_tok_s": res["decode_tok_s"], "layer_call_ms_median": res["layer_call_ms_median"],
                              "rtt_4k_ms": rtt_ms, "overhead_ms": overhead, "overhead_rtts": overhead / rtt_ms,
+                             "worker_compute_ms": compute_ms,
+                             "net_overhead_rtts": (res["layer_call_ms_median"] - compute_ms) / rtt_ms,
                              "decode_vs_local": res["decode_tok_s"] / local["decode_tok_s"], "bit_exact": exact})
             finally:
                 coord.close()
@@ -178,14 +190,16 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"top-{CONFIG['num_experts_per_tok']}), prompt {args.prompt}, decode {args.decode}, "
           f"{args.threads} BLAS thread(s)/process, loopback QUIC\n")
     print("| setup | prefill tok/s | decode tok/s | decode vs local | layer call ms (median) | 4 KB RTT ms "
-          "| per-layer overhead ms | overhead / RTT | bit-exact |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| per-layer overhead ms | overhead / RTT | worker compute ms/request | (call - worker compute) / RTT "
+          "| bit-exact |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         def f(key: str, fmt: str = "{:.2f}") -> str:
             return fmt.format(row[key]) if key in row else "-"
         print(f"| {row['setup']} | {f('prefill_tok_s', '{:.1f}')} | {f('decode_tok_s')} | {f('decode_vs_local')} | "
               f"{f('layer_call_ms_median', '{:.3f}')} | {f('rtt_4k_ms', '{:.3f}')} | {f('overhead_ms', '{:.3f}')} | "
-              f"{f('overhead_rtts')} | {row.get('bit_exact', '-')} |")
+              f"{f('overhead_rtts')} | {f('worker_compute_ms', '{:.3f}')} | {f('net_overhead_rtts')} | "
+              f"{row.get('bit_exact', '-')} |")
     print(json.dumps({"rows": rows}))
     return 0
 

@@ -92,6 +92,7 @@ class LinkStats:
     errors: int = 0
     latency_sum_s: float = 0.0
     latency_max_s: float = 0.0
+    compute_sum_s: float = 0.0  # the worker's own compute time, from its replies
     latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
 
     def observe(self, dt: float) -> None:
@@ -107,6 +108,7 @@ class LinkStats:
         avg = self.latency_sum_s / self.calls if self.calls else 0.0
         return {"calls": self.calls, "rows": self.rows, "pairs": self.pairs, "bytes_out": self.bytes_out,
                 "bytes_in": self.bytes_in, "errors": self.errors, "latency_ms_avg": round(avg * 1e3, 3),
+                "compute_ms_avg": round(self.compute_sum_s / self.calls * 1e3 if self.calls else 0.0, 3),
                 "latency_ms_max": round(self.latency_max_s * 1e3, 3)}
 
 
@@ -480,6 +482,7 @@ class RemoteExecutor:
                     win.popleft()
                     if isinstance(reply, rpc.ExpertReply) and self._fill(layer, work, chunk, reply, results):
                         link_stats.calls += 1
+                        link_stats.compute_sum_s += reply.compute_us / 1e6
                         link_stats.observe(time.perf_counter() - t0)
                         await send_more(node)
                         continue
