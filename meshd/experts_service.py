@@ -37,6 +37,7 @@ from engine.experts.tensors import TensorFileError
 from engine.experts.worker import ExpertWorker, ReplyHook
 from engine.moe import ExpertWeightsFn
 from meshd.errors import UsageError
+from transport import limits
 
 log = structlog.get_logger(__name__)
 
@@ -187,9 +188,13 @@ class ExpertsService:
             from meshd.membership.records import ExpertShard as RecordShard
         except ImportError:  # membership not built in
             return
+        adv = self.advertisement()
+        if len(adv) > limits.EXPERT_MAX_ADVERTISED_RANGES:
+            log.warning("experts_advertisement_truncated", ranges=len(adv), kept=limits.EXPERT_MAX_ADVERTISED_RANGES)
+            adv = adv[: limits.EXPERT_MAX_ADVERTISED_RANGES]
         self._membership.set_local_experts([
             RecordShard(a["model_fp"], (a["layers"][0], a["layers"][1]), (a["experts"][0], a["experts"][1]),
-                        a["capacity"]) for a in self.advertisement()])
+                        a["capacity"]) for a in adv])
 
     # --- coordinator side -------------------------------------------------------------------------
 

@@ -61,4 +61,6 @@ EXPERT_SEND_CHUNK_BYTES = 1024 * 1024  # a message is written to the stream in s
 EXPERT_WINDOW_BYTES = 4 * 1024 * 1024  # request bytes in flight to one worker within a layer: half the
 #   transport's unread-bytes limit per stream (STREAM_RECV_QUEUE_BYTES), which a worker busy computing
 #   would otherwise overrun when a big layer is split into several requests
+EXPERT_MAX_ADVERTISED_RANGES = 128  # shard rectangles put into our gossip record (the membership record's
+#   own cap on expert entries); discovery only: the hello tells the coordinator exactly what is held
 EXPERT_MAX_INFLIGHT_PER_WORKER = 64  # outstanding requests on one worker link (engine threads x layers)
