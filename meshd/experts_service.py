@@ -226,7 +226,6 @@ class ExpertsService:
                     self.transport.keep_connected(node, parsed)
         await self.probe_all()
 
-
     async def coordinator(self, path: str | Path, local_weights: ExpertWeightsFn | None = None,
                           mode: str | None = None) -> RemoteExecutor:
         """The remote executor for the MoE checkpoint at ``path`` (call on the daemon loop).
