@@ -20,6 +20,10 @@ def build_services(config: DaemonConfig) -> list[Service]:
 
     services.append(MembershipService(config))  # membership / gossip / join (issue 3)
     # models and expert shards (issue 4/6), only when config.role == "serve"
+    if config.role == "serve" and (config.experts or config.remote_experts != "off"):
+        from meshd.experts_service import ExpertsService  # numpy and the engine only when needed
+
+        services.append(ExpertsService.from_config(config))  # before models: they ask it for executors
     # OpenAI API (issue 5): it calls daemon.set_api_address(host, port) once bound
     services.append(ApiService(config))
     return services

@@ -1,0 +1,592 @@
+"""The coordinator: an ``ExpertExecutor`` that runs routed experts on workers, bit for bit.
+
+Threads: the engine calls the executor from its own thread; the links live on an asyncio loop. Each call
+hands one layer to the loop with ``run_coroutine_threadsafe`` and waits on the returned future, so the
+loop is never blocked. Calling the executor from the loop thread itself is refused (it would deadlock).
+
+Per layer: every work item goes to the highest-ranked live holder of its (layer, expert) in the ownership
+map pinned for the current forward pass; one request per worker carries the rows it needs once and the
+(row, expert) pairs, split only by whole work items when a message would exceed a limit. All requests go
+out before any reply is awaited. Each reply must arrive within ``message_timeout_s`` and the whole layer
+within ``layer_timeout_s``. A worker that fails (timeout, typed error, broken stream) is dropped and its
+items are retried on the next live holder; items nobody live holds are computed locally in ``prefer``
+mode (counted, logged) or make the call raise :class:`ExpertsUnavailable` in ``on`` mode.
+
+The ownership map is rebuilt when workers come or go but an engine thread picks it up only at the start of
+a forward pass (the call for the first sparse layer) or of an explicit :meth:`RemoteExecutor.pinned`
+scope, so ownership never changes in the middle of a token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import structlog
+
+from engine.experts import rpc
+from engine.experts.channel import ByteChannel
+from engine.experts.layout import MoeLayout
+from engine.experts.ownership import OwnershipMap, WorkerInfo, build_map
+from engine.moe import ExpertWeightsFn, WorkItem, expert_ffn
+from transport import limits
+
+log = structlog.get_logger(__name__)
+
+MODES = ("on", "prefer")
+LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class ExpertsUnavailable(Exception):
+    """``on`` mode: some routed experts have no live worker. The API answers 503 with this message."""
+
+    def __init__(self, reason: str, missing: Sequence[tuple[int, int]] = ()) -> None:
+        super().__init__(reason)
+        self.missing = list(missing)
+
+
+class WorkerRefused(Exception):
+    """A worker's hello failed: different checkpoint, no common version, or a bad answer."""
+
+    def __init__(self, node_id: str, reason: str, code: rpc.ErrorCode | None = None) -> None:
+        super().__init__(f"expert worker {node_id} refused: {reason}")
+        self.node_id = node_id
+        self.code = code
+
+
+class WorkerFailed(Exception):
+    """One call on a worker link failed (timeout, typed error, broken channel)."""
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """Timeouts (seconds) and the ``--remote-experts`` mode."""
+
+    mode: str = "on"
+    connect_timeout_s: float = 5.0  # transport connect + stream + hello
+    message_timeout_s: float = 10.0  # one request until its reply
+    layer_timeout_s: float = 30.0  # one layer, retries included
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"remote experts mode must be one of {MODES}")
+        for name in ("connect_timeout_s", "message_timeout_s", "layer_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
+
+
+@dataclass
+class LinkStats:
+    calls: int = 0
+    rows: int = 0
+    pairs: int = 0
+    bytes_out: int = 0
+    bytes_in: int = 0
+    errors: int = 0
+    latency_sum_s: float = 0.0
+    latency_max_s: float = 0.0
+    compute_sum_s: float = 0.0  # the worker's own compute time, from its replies
+    latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
+
+    def observe(self, dt: float) -> None:
+        self.latency_sum_s += dt
+        self.latency_max_s = max(self.latency_max_s, dt)
+        for i, b in enumerate(LATENCY_BUCKETS_S):
+            if dt <= b:
+                self.latency_buckets[i] += 1
+                return
+        self.latency_buckets[-1] += 1
+
+    def as_dict(self) -> dict[str, object]:
+        avg = self.latency_sum_s / self.calls if self.calls else 0.0
+        return {"calls": self.calls, "rows": self.rows, "pairs": self.pairs, "bytes_out": self.bytes_out,
+                "bytes_in": self.bytes_in, "errors": self.errors, "latency_ms_avg": round(avg * 1e3, 3),
+                "compute_ms_avg": round(self.compute_sum_s / self.calls * 1e3 if self.calls else 0.0, 3),
+                "latency_ms_max": round(self.latency_max_s * 1e3, 3)}
+
+
+class WorkerLink:
+    """One hello'd channel to a worker; many requests may be in flight (matched by request id)."""
+
+    def __init__(self, node_id: str, channel: ByteChannel, stats: LinkStats) -> None:
+        self.node_id = node_id
+        self.channel = channel
+        self.stats = stats
+        self.ack: rpc.HelloAck | None = None
+        self.holds: frozenset[tuple[int, int]] = frozenset()
+        self.closed = False
+        self.close_reason = ""
+        self._pending: dict[int, asyncio.Future[rpc.Message]] = {}
+        self._next_id = 1
+        self._send_lock = asyncio.Lock()
+        self._reader: asyncio.Task[None] | None = None
+
+    async def hello(self, fingerprint: bytes, layout: MoeLayout, timeout_s: float) -> rpc.HelloAck:
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        try:
+            fut = await self.submit(rpc.Hello(fingerprint=fingerprint))
+            reply = await asyncio.wait_for(fut, timeout_s)
+        except (WorkerFailed, TimeoutError) as e:
+            self.close(f"hello failed: {e or 'timeout'}")
+            raise WorkerRefused(self.node_id, f"no hello answer ({e or 'timeout'})") from None
+        if isinstance(reply, rpc.ErrorMsg):
+            self.close("refused")
+            raise WorkerRefused(self.node_id, reply.text, reply.code)
+        if not isinstance(reply, rpc.HelloAck):
+            self.close("bad hello answer")
+            raise WorkerRefused(self.node_id, f"answered hello with {type(reply).__name__}", rpc.ErrorCode.PROTOCOL)
+        if reply.fingerprint != fingerprint:
+            self.close("fingerprint mismatch")
+            raise WorkerRefused(self.node_id, f"holds checkpoint {reply.fingerprint.hex()[:16]}, expected "
+                                f"{fingerprint.hex()[:16]}", rpc.ErrorCode.FINGERPRINT_MISMATCH)
+        self.ack = reply
+        self.holds = frozenset((layer, e) for layer in layout.sparse_layers for e in range(layout.num_experts)
+                               if reply.holds(layer, e))
+        return reply
+
+    async def submit(self, msg: rpc.Message) -> asyncio.Future[rpc.Message]:
+        """Send one message; the returned future resolves to the reply (or fails with WorkerFailed)."""
+        if self.closed:
+            raise WorkerFailed(f"link closed ({self.close_reason})")
+        if len(self._pending) >= limits.EXPERT_MAX_INFLIGHT_PER_WORKER:
+            raise WorkerFailed("too many requests in flight")
+        rid = self._next_id
+        self._next_id = self._next_id % 0xFFFFFFFF + 1
+        fut: asyncio.Future[rpc.Message] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        data = rpc.encode(msg, rid)
+        step = limits.EXPERT_SEND_CHUNK_BYTES
+        try:
+            async with self._send_lock:
+                for i in range(0, len(data), step):
+                    await self.channel.send(data[i:i + step])
+        except Exception as e:  # noqa: BLE001 - any send failure means the link is gone
+            self.close(f"send failed: {e!r}")
+            raise WorkerFailed(f"send failed: {e!r}") from None
+        self.stats.bytes_out += len(data)
+        return fut
+
+    async def _read_loop(self) -> None:
+        decoder = rpc.MessageDecoder()
+        reason = "stream ended"
+        try:
+            while True:
+                data = await self.channel.recv()
+                if data is None:
+                    break
+                self.stats.bytes_in += len(data)
+                for env in decoder.feed(data):
+                    fut = self._pending.pop(env.request_id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(env.message)
+                    elif isinstance(env.message, rpc.ErrorMsg) and env.request_id == 0:
+                        reason = f"worker error: {env.message.text}"
+                        break
+        except asyncio.CancelledError:
+            reason = "closed"
+        except rpc.ExpertProtocolError as e:
+            reason = f"protocol error: {e}"
+        except Exception as e:  # noqa: BLE001 - a reset or broken stream
+            reason = f"stream broke: {e!r}"
+        self.close(reason)
+
+    def close(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.close_reason = reason
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(WorkerFailed(reason))
+                fut.exception()  # nobody may await it any more (timed out): not an unretrieved error
+        self._pending.clear()
+        with contextlib.suppress(Exception):
+            self.channel.reset(0)
+        if self._reader is not None and self._reader is not asyncio.current_task():
+            self._reader.cancel()
+
+
+@dataclass
+class CoordinatorStats:
+    layers: int = 0  # layer calls handled by the executor
+    layers_delegated: int = 0  # layers where at least one item went to a worker
+    items_delegated: int = 0
+    items_local: int = 0  # items computed here (prefer fallback)
+    local_fallback_layers: int = 0
+    retries: int = 0  # items moved to another holder after a failure
+    unavailable: int = 0  # 'on' calls that failed
+    expert_rows: dict[tuple[int, int], int] = field(default_factory=dict)  # hits, delegated and local
+
+
+class RemoteExecutor:
+    """The remote expert executor. Create on any thread; links are added on ``loop``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fingerprint: bytes, layout: MoeLayout,
+                 config: CoordinatorConfig | None = None, local_weights: ExpertWeightsFn | None = None) -> None:
+        self.loop = loop
+        self.fingerprint = fingerprint
+        self.layout = layout
+        self.config = config or CoordinatorConfig()
+        self._local_weights = local_weights
+        self.links: dict[str, WorkerLink] = {}
+        self.link_stats: dict[str, LinkStats] = {}
+        self.stats = CoordinatorStats()
+        self._keys = [(layer, e) for layer in layout.sparse_layers for e in range(layout.num_experts)]
+        self._map = build_map([], self._keys)
+        self._map_version = 0
+        self._tls = threading.local()
+        self._stats_lock = threading.Lock()
+        self._last_fallback_log = 0.0
+        self._first_sparse = layout.sparse_layers[0] if layout.sparse_layers else -1
+
+    # --- workers (loop thread) ------------------------------------------------------------------
+
+    async def add_worker(self, node_id: str, channel: ByteChannel) -> rpc.HelloAck:
+        """Hello a worker over ``channel`` and, if it holds our checkpoint, start using it at the next forward.
+
+        Raises :class:`WorkerRefused` (naming the worker and why) otherwise.
+        """
+        stats = self.link_stats.setdefault(node_id, LinkStats())
+        link = WorkerLink(node_id, channel, stats)
+        try:
+            ack = await link.hello(self.fingerprint, self.layout, self.config.connect_timeout_s)
+        except WorkerRefused:
+            stats.errors += 1
+            raise
+        old = self.links.get(node_id)
+        if old is not None:
+            old.close("replaced")
+        self.links[node_id] = link
+        self._rebuild()
+        log.info("experts_worker_added", worker=node_id, held=len(link.holds), capacity=ack.capacity)
+        return ack
+
+    def remove_worker(self, node_id: str, reason: str = "removed") -> None:
+        link = self.links.pop(node_id, None)
+        if link is not None:
+            link.close(reason)
+            self._rebuild()
+            log.info("experts_worker_removed", worker=node_id, reason=reason)
+
+    def _rebuild(self) -> None:
+        live = [WorkerInfo(n, link.ack.capacity if link.ack else 1.0, link.holds)
+                for n, link in self.links.items() if not link.closed]
+        self._map = build_map(live, self._keys)
+        self._map_version += 1
+
+    @property
+    def current_map(self) -> OwnershipMap:
+        return self._map
+
+    def coverage(self) -> list[tuple[int, int]]:
+        """(layer, expert)s no live worker holds right now."""
+        return self._map.missing(self._keys)
+
+    def unavailable_reason(self) -> str | None:
+        """In ``on`` mode, why a request would fail now (for a 503 before any work); else None."""
+        if self.config.mode != "on":
+            return None
+        missing = self.coverage()
+        if not missing:
+            return None
+        if not self.links:
+            return "no expert workers hold this model's routed experts"
+        names = ", ".join(f"{la}/{e}" for la, e in missing[:8])
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        return f"no live expert worker holds layer/expert {names}{more}"
+
+    async def echo(self, node_id: str, payload: bytes) -> float:
+        """Round-trip seconds of one ECHO of ``payload`` on the worker's link (benchmarks)."""
+        link = self.links[node_id]
+        t0 = time.perf_counter()
+        fut = await link.submit(rpc.Echo(payload))
+        reply = await asyncio.wait_for(fut, self.config.message_timeout_s)
+        if not isinstance(reply, rpc.EchoReply) or reply.payload != payload:
+            raise WorkerFailed("bad echo")
+        return time.perf_counter() - t0
+
+    async def close(self) -> None:
+        for node_id in list(self.links):
+            self.remove_worker(node_id, "coordinator closing")
+
+    # --- engine side (engine thread) -------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def pinned(self) -> Iterator[None]:
+        """Use one ownership map for every call this thread makes inside the scope (one request)."""
+        prev = getattr(self._tls, "scope", None)
+        self._tls.scope = self._map
+        try:
+            yield
+        finally:
+            self._tls.scope = prev
+
+    def _map_for(self, layer: int) -> OwnershipMap:
+        scope = getattr(self._tls, "scope", None)
+        if scope is not None:
+            return scope
+        current = getattr(self._tls, "map", None)
+        if current is None or layer == self._first_sparse:
+            current = self._map  # a new forward pass starts: pick up the latest map
+            self._tls.map = current
+        return current
+
+    def __call__(self, layer: int, x: np.ndarray, work: Sequence[WorkItem]) -> list[np.ndarray]:
+        """The executor: ``expert_ffn(x[rows], W_e)`` for each work item, computed by workers."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self.loop:
+            raise RuntimeError("the remote expert executor must not be called from its event loop thread")
+        omap = self._map_for(layer)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        fut = asyncio.run_coroutine_threadsafe(self._run_layer(layer, x, list(work), omap), self.loop)
+        try:
+            results, local = fut.result(timeout=self.config.layer_timeout_s + 1.0)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            results, local = [None] * len(work), list(range(len(work)))
+            if self.config.mode == "on":
+                self._count_unavailable()
+                raise ExpertsUnavailable(f"layer {layer}: expert workers did not answer within "
+                                         f"{self.config.layer_timeout_s}s") from None
+        if local:
+            self._fallback(layer, x, work, results, local)
+        with self._stats_lock:
+            st = self.stats
+            st.layers += 1
+            if len(local) < len(work):
+                st.layers_delegated += 1
+            st.items_delegated += len(work) - len(local)
+            for expert, rows in work:
+                st.expert_rows[(layer, expert)] = st.expert_rows.get((layer, expert), 0) + len(rows)
+        out = [r for r in results if r is not None]
+        if len(out) != len(work):
+            raise RuntimeError(f"layer {layer}: {len(work) - len(out)} expert outputs missing")
+        return out
+
+    def _count_unavailable(self) -> None:
+        with self._stats_lock:
+            self.stats.unavailable += 1
+
+    def _fallback(self, layer: int, x: np.ndarray, work: Sequence[WorkItem], results: list[np.ndarray | None],
+                  local: list[int]) -> None:
+        if self._local_weights is None:
+            raise ExpertsUnavailable(f"layer {layer}: no local expert weights to fall back on")
+        for i in local:
+            expert, rows = work[i]
+            results[i] = expert_ffn(x[rows], *self._local_weights(layer, expert))
+        with self._stats_lock:
+            self.stats.items_local += len(local)
+            self.stats.local_fallback_layers += 1
+            n = self.stats.local_fallback_layers
+        now = time.monotonic()
+        if now - self._last_fallback_log >= 1.0:
+            self._last_fallback_log = now
+            log.warning("experts_local_fallback", layer=layer, items=len(local), fallback_layers_total=n)
+
+    async def _run_layer(self, layer: int, x: np.ndarray, work: list[WorkItem],
+                         omap: OwnershipMap) -> tuple[list[np.ndarray | None], list[int]]:
+        """On the loop: results per item (None where computed locally) and the items left for local compute."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.layer_timeout_s
+        results: list[np.ndarray | None] = [None] * len(work)
+        remaining = list(range(len(work)))
+        local: list[int] = []
+        excluded: set[str] = set()
+        first = True
+        while remaining:
+            by_worker: dict[str, list[int]] = {}
+            unplaced: list[int] = []
+            for i in remaining:
+                expert = work[i][0]
+                holder = next((h for h in omap.holders(layer, expert) if h not in excluded
+                               and h in self.links and not self.links[h].closed), None)
+                if holder is None:
+                    holder = self._any_live_holder(layer, expert, excluded)
+                if holder is None:
+                    unplaced.append(i)
+                else:
+                    by_worker.setdefault(holder, []).append(i)
+            if not first:
+                with self._stats_lock:
+                    self.stats.retries += len(remaining) - len(unplaced)
+            first = False
+            if unplaced:
+                if self.config.mode == "on":
+                    self._count_unavailable()
+                    missing = sorted({(layer, work[i][0]) for i in unplaced})
+                    names = ", ".join(f"{la}/{e}" for la, e in missing[:8])
+                    more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+                    raise ExpertsUnavailable(f"no live expert worker holds layer/expert {names}{more}", missing)
+                local += unplaced
+            # Every worker's first request goes out before any reply is awaited. More requests for the
+            # same worker (a layer split by the size limits) follow while at most EXPERT_WINDOW_BYTES are
+            # in flight to it: a worker does not read while it computes, and its transport resets a
+            # stream with too much unread data.
+            failed: list[int] = []
+            queues: dict[str, list[tuple[list[int], rpc.ExpertRequest]]] = {
+                node: [(chunk, self._request(layer, x, work, chunk))
+                       for chunk in self._chunks(self.links[node], x, work, items)]
+                for node, items in by_worker.items()}
+            window: dict[str, deque[tuple[list[int], asyncio.Future[rpc.Message], float, int]]] = {
+                node: deque() for node in queues}
+
+            def fail_worker(node: str, why: str, drop: bool = True) -> None:
+                nonlocal failed
+                self.link_stats[node].errors += 1
+                if drop:
+                    self._drop(node, why)
+                excluded.add(node)
+                failed += [i for chunk, *_ in window[node] for i in chunk]
+                failed += [i for chunk, _ in queues[node] for i in chunk]
+                window[node].clear()
+                queues[node].clear()
+
+            async def send_more(node: str) -> None:
+                link, q, win = self.links.get(node), queues[node], window[node]
+                while q and link is not None:
+                    size = q[0][1].x.nbytes + q[0][1].pairs.nbytes
+                    if win and sum(w[3] for w in win) + size > limits.EXPERT_WINDOW_BYTES:
+                        return
+                    chunk, req = q.pop(0)
+                    try:
+                        fut = await link.submit(req)
+                    except WorkerFailed as e:
+                        q.insert(0, (chunk, req))
+                        fail_worker(node, str(e))
+                        return
+                    link.stats.rows += req.x.shape[0]
+                    link.stats.pairs += req.pairs.shape[0]
+                    win.append((chunk, fut, time.perf_counter(), size))
+
+            async def drain(node: str) -> None:
+                win, link_stats = window[node], self.link_stats[node]
+                while win:
+                    chunk, fut, t0, _ = win[0]
+                    timeout = max(0.0, min(self.config.message_timeout_s - (time.perf_counter() - t0),
+                                           deadline - loop.time()))
+                    try:
+                        reply = await asyncio.wait_for(asyncio.shield(fut), timeout)
+                    except (TimeoutError, WorkerFailed) as e:
+                        fail_worker(node, f"layer {layer}: {e}" if str(e) else f"layer {layer}: timeout")
+                        return
+                    win.popleft()
+                    if isinstance(reply, rpc.ExpertReply) and self._fill(layer, work, chunk, reply, results):
+                        link_stats.calls += 1
+                        link_stats.compute_sum_s += reply.compute_us / 1e6
+                        link_stats.observe(time.perf_counter() - t0)
+                        await send_more(node)
+                        continue
+                    why = reply.text if isinstance(reply, rpc.ErrorMsg) else f"bad reply {type(reply).__name__}"
+                    log.warning("experts_worker_error", worker=node, layer=layer, reason=why)
+                    failed += chunk
+                    fail_worker(node, why, drop=not (isinstance(reply, rpc.ErrorMsg)
+                                                     and reply.code == rpc.ErrorCode.NOT_HELD))
+                    return
+
+            for node in queues:
+                await send_more(node)
+            await asyncio.gather(*(drain(node) for node in queues))
+            remaining = sorted(failed)
+            if remaining and loop.time() >= deadline:
+                break
+        if remaining:
+            if self.config.mode == "on":
+                self._count_unavailable()
+                raise ExpertsUnavailable(f"layer {layer}: expert workers did not answer within "
+                                         f"{self.config.layer_timeout_s}s")
+            local += remaining
+        return results, sorted(local)
+
+    def _any_live_holder(self, layer: int, expert: int, excluded: set[str]) -> str | None:
+        # A worker that joined after this forward's map was pinned is used only when no pinned holder is left.
+        for node_id, link in sorted(self.links.items()):
+            if node_id not in excluded and not link.closed and (layer, expert) in link.holds:
+                return node_id
+        return None
+
+    def _drop(self, node_id: str, reason: str) -> None:
+        link = self.links.get(node_id)
+        if link is not None:
+            log.warning("experts_worker_dropped", worker=node_id, reason=reason)
+            self.remove_worker(node_id, reason)
+
+    def _chunks(self, link: WorkerLink, x: np.ndarray, work: list[WorkItem], items: list[int]) -> list[list[int]]:
+        """Split a worker's items (whole work items only) so each request and reply fits its limits."""
+        ack = link.ack
+        max_bytes = min(limits.EXPERT_MAX_MESSAGE_BYTES, ack.max_message_bytes if ack else 0)
+        max_rows = min(limits.EXPERT_MAX_ROWS, ack.max_rows if ack else 0)
+        d = x.shape[1]
+        chunks: list[list[int]] = []
+        cur: list[int] = []
+        seen = np.zeros(x.shape[0], dtype=bool)  # rows already in the current request
+        n_rows = pairs = 0
+        for i in items:
+            r = work[i][1]
+            fresh = int(np.count_nonzero(~seen[r]))
+            size = 64 + 4 * d * (n_rows + fresh + pairs + len(r)) + 8 * (pairs + len(r))
+            if cur and (size > max_bytes or n_rows + fresh > max_rows):
+                chunks.append(cur)
+                cur, n_rows, pairs = [], 0, 0
+                seen[:] = False
+                fresh = len(r)
+            cur.append(i)
+            seen[r] = True
+            n_rows += fresh
+            pairs += len(r)
+        if cur:
+            chunks.append(cur)
+        return chunks
+
+    @staticmethod
+    def _request(layer: int, x: np.ndarray, work: list[WorkItem], items: list[int]) -> rpc.ExpertRequest:
+        rows_all = np.concatenate([work[i][1] for i in items])
+        uniq = np.unique(rows_all)  # [n] ascending
+        local = np.searchsorted(uniq, rows_all)
+        experts = np.concatenate([np.full(len(work[i][1]), work[i][0], dtype=np.int64) for i in items])
+        pairs = np.stack([local, experts], axis=1).astype(np.uint32)  # [m, 2]
+        return rpc.ExpertRequest(layer=layer, x=x[uniq], pairs=pairs)
+
+    @staticmethod
+    def _fill(layer: int, work: list[WorkItem], items: list[int], reply: rpc.ExpertReply,
+              results: list[np.ndarray | None]) -> bool:
+        n = sum(len(work[i][1]) for i in items)
+        if reply.layer != layer or reply.out.shape[0] != n:
+            return False
+        pos = 0
+        for i in items:
+            k = len(work[i][1])
+            results[i] = np.array(reply.out[pos:pos + k], dtype=np.float32, copy=True)
+            pos += k
+        return True
+
+    # --- telemetry ------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, object]:
+        omap = self._map
+        shares = omap.shares()
+        workers = {}
+        for node_id, st in self.link_stats.items():
+            link = self.links.get(node_id)
+            d = st.as_dict()
+            d["connected"] = link is not None and not link.closed
+            d["owned"] = shares.get(node_id, 0)
+            workers[node_id] = d
+        with self._stats_lock:
+            s = self.stats
+            hits = sum(s.expert_rows.values())
+            return {"mode": self.config.mode, "fingerprint": self.fingerprint.hex(),
+                    "covered": not self.coverage(), "workers": workers, "layers": s.layers,
+                    "layers_delegated": s.layers_delegated, "items_delegated": s.items_delegated,
+                    "items_local": s.items_local, "local_fallback_layers": s.local_fallback_layers,
+                    "retries": s.retries, "unavailable": s.unavailable, "expert_hits": hits,
+                    "experts_hit": len(s.expert_rows)}

@@ -1,0 +1,418 @@
+"""Expert RPC wire format: versioned, self-delimiting, checksummed messages (sans-I/O).
+
+Every message is ``header | payload | crc32`` (all integers little-endian):
+
+``header`` (16 bytes): magic ``b"MX"``, ``version`` u8, ``type`` u8 (:class:`MsgType`), ``flags`` u16 (must
+be 0), ``reserved`` u16 (must be 0), ``request_id`` u32, ``payload_len`` u32.
+``crc32`` (4 bytes): ``zlib.crc32`` of header and payload, so any corrupted or tampered byte is detected.
+
+Payloads (``x`` and ``out`` are fp32 little-endian, row-major):
+
+- HELLO (coordinator -> worker): ``min_version`` u8, ``max_version`` u8, ``fingerprint`` 32 B,
+  ``max_message_bytes`` u32, ``max_rows`` u32.
+- HELLO_ACK (worker -> coordinator): ``version`` u8, ``fingerprint`` 32 B, ``max_message_bytes`` u32,
+  ``max_rows`` u32, ``capacity`` f64, ``n_ranges`` u32, then per range ``layer_first``, ``layer_last``,
+  ``expert_first``, ``expert_last`` u32 (inclusive rectangles of the (layer, expert)s it holds).
+- EXPERT_REQUEST (c -> w): ``layer`` u32, ``dtype`` u8 (1 = fp32), ``n_rows`` u32, ``dim`` u32, ``n_pairs``
+  u32, ``x`` [n_rows, dim], ``pairs`` [n_pairs, 2] u32 as (row into x, expert). Pairs are strictly
+  ascending by (expert, row) and every row of x is used, so each expert's rows are exactly the rows the
+  local path would give it, and every hidden row is sent once.
+- EXPERT_REPLY (w -> c): ``layer`` u32, ``n_pairs`` u32, ``dim`` u32, ``compute_us`` u32, ``out``
+  [n_pairs, dim]: ``expert_ffn`` output for each request pair, in request order.
+- ERROR (either way): ``code`` u16 (:class:`ErrorCode`), ``layer`` u32, ``expert`` u32 (``NONE`` if not
+  applicable), ``text_len`` u16, ``text`` UTF-8.
+- ECHO / ECHO_REPLY: raw bytes (round-trip measurement).
+
+Parsing is strict: anything malformed raises :class:`ExpertProtocolError` and nothing else.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+from transport import limits
+
+MAGIC = b"MX"
+PROTOCOL_VERSION = 1
+PROTOCOL_MIN = 1
+PROTOCOL_MAX = 1
+NONE = 0xFFFFFFFF  # "no layer / no expert" in ERROR
+FINGERPRINT_BYTES = 32
+DTYPE_F32 = 1
+
+_HEADER = struct.Struct("<2sBBHHII")
+HEADER_BYTES = _HEADER.size  # 16
+CRC_BYTES = 4
+_F32 = np.dtype("<f4")
+_U32 = np.dtype("<u4")
+
+
+class MsgType(IntEnum):
+    """Message types. APPEND ONLY."""
+
+    HELLO = 1
+    HELLO_ACK = 2
+    EXPERT_REQUEST = 3
+    EXPERT_REPLY = 4
+    ERROR = 5
+    ECHO = 6
+    ECHO_REPLY = 7
+
+
+class ErrorCode(IntEnum):
+    """Typed errors a peer may send. APPEND ONLY."""
+
+    PROTOCOL = 1  # the peer sent something unparsable or out of sequence
+    VERSION_UNSUPPORTED = 2  # no common protocol version
+    FINGERPRINT_MISMATCH = 3  # the worker holds a different checkpoint
+    NOT_HELD = 4  # the request names a (layer, expert) the worker does not hold
+    TOO_LARGE = 5  # the request exceeds the worker's limits
+    BAD_REQUEST = 6  # well-formed but inconsistent (dim does not match the model)
+    INTERNAL = 7  # the worker failed computing
+    SHUTTING_DOWN = 8  # the worker is stopping; retry elsewhere
+
+
+class ExpertProtocolError(Exception):
+    """The one error the parser raises: ``code`` says which rule was broken, ``reason`` says how."""
+
+    def __init__(self, code: ErrorCode, reason: str) -> None:
+        super().__init__(f"{code.name.lower()}: {reason}")
+        self.code = code
+        self.reason = reason
+
+
+def _bad(reason: str) -> ExpertProtocolError:
+    return ExpertProtocolError(ErrorCode.PROTOCOL, reason)
+
+
+# --- messages ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    fingerprint: bytes
+    min_version: int = PROTOCOL_MIN
+    max_version: int = PROTOCOL_MAX
+    max_message_bytes: int = limits.EXPERT_MAX_MESSAGE_BYTES
+    max_rows: int = limits.EXPERT_MAX_ROWS
+
+
+@dataclass(frozen=True, slots=True)
+class ShardRange:
+    """Inclusive rectangle of held (layer, expert)s."""
+
+    layer_first: int
+    layer_last: int
+    expert_first: int
+    expert_last: int
+
+    def contains(self, layer: int, expert: int) -> bool:
+        return self.layer_first <= layer <= self.layer_last and self.expert_first <= expert <= self.expert_last
+
+
+@dataclass(frozen=True, slots=True)
+class HelloAck:
+    version: int
+    fingerprint: bytes
+    capacity: float
+    ranges: tuple[ShardRange, ...]
+    max_message_bytes: int = limits.EXPERT_MAX_MESSAGE_BYTES
+    max_rows: int = limits.EXPERT_MAX_ROWS
+
+    def holds(self, layer: int, expert: int) -> bool:
+        return any(r.contains(layer, expert) for r in self.ranges)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ExpertRequest:
+    layer: int
+    x: np.ndarray  # [n_rows, dim] fp32
+    pairs: np.ndarray  # [n_pairs, 2] uint32: (row into x, expert), strictly ascending by (expert, row)
+
+    def groups(self) -> list[tuple[int, np.ndarray]]:
+        """(expert, rows into x) in pair order: the work items this request carries."""
+        experts = self.pairs[:, 1]
+        bounds = np.flatnonzero(np.diff(experts)) + 1
+        starts = np.concatenate(([0], bounds))
+        ends = np.concatenate((bounds, [len(experts)]))
+        return [(int(experts[s]), self.pairs[s:e, 0].astype(np.int64)) for s, e in zip(starts, ends)]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ExpertReply:
+    layer: int
+    out: np.ndarray  # [n_pairs, dim] fp32, request order
+    compute_us: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorMsg:
+    code: ErrorCode
+    text: str
+    layer: int = NONE
+    expert: int = NONE
+
+
+@dataclass(frozen=True, slots=True)
+class Echo:
+    payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class EchoReply:
+    payload: bytes
+
+
+Message = Hello | HelloAck | ExpertRequest | ExpertReply | ErrorMsg | Echo | EchoReply
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """A decoded message with its request id (a reply carries its request's id)."""
+
+    request_id: int
+    message: Message
+
+
+# --- encoding ---------------------------------------------------------------------------------------
+
+_HELLO = struct.Struct("<BB32sII")
+_HELLO_ACK = struct.Struct("<B32sIIdI")
+_RANGE = struct.Struct("<IIII")
+_REQ = struct.Struct("<IBIII")
+_REPLY = struct.Struct("<IIII")
+_ERR = struct.Struct("<HIIH")
+
+
+def _check_u32(name: str, v: int) -> None:
+    if not 0 <= v <= 0xFFFFFFFF:
+        raise ValueError(f"{name} {v} does not fit u32")
+
+
+def _payload(msg: Message) -> tuple[MsgType, list[bytes | memoryview]]:
+    if isinstance(msg, Hello):
+        if len(msg.fingerprint) != FINGERPRINT_BYTES:
+            raise ValueError("fingerprint must be 32 bytes")
+        return MsgType.HELLO, [_HELLO.pack(msg.min_version, msg.max_version, msg.fingerprint,
+                                           msg.max_message_bytes, msg.max_rows)]
+    if isinstance(msg, HelloAck):
+        if len(msg.fingerprint) != FINGERPRINT_BYTES:
+            raise ValueError("fingerprint must be 32 bytes")
+        parts: list[bytes | memoryview] = [_HELLO_ACK.pack(msg.version, msg.fingerprint, msg.max_message_bytes,
+                                                           msg.max_rows, msg.capacity, len(msg.ranges))]
+        parts += [_RANGE.pack(r.layer_first, r.layer_last, r.expert_first, r.expert_last) for r in msg.ranges]
+        return MsgType.HELLO_ACK, parts
+    if isinstance(msg, ExpertRequest):
+        x = np.ascontiguousarray(msg.x, dtype=_F32)
+        pairs = np.ascontiguousarray(msg.pairs, dtype=_U32)
+        if x.ndim != 2 or pairs.ndim != 2 or pairs.shape[1] != 2:
+            raise ValueError("x must be [n, D] and pairs [m, 2]")
+        _check_u32("layer", msg.layer)
+        head = _REQ.pack(msg.layer, DTYPE_F32, x.shape[0], x.shape[1], pairs.shape[0])
+        return MsgType.EXPERT_REQUEST, [head, memoryview(x).cast("B"), memoryview(pairs).cast("B")]
+    if isinstance(msg, ExpertReply):
+        out = np.ascontiguousarray(msg.out, dtype=_F32)
+        if out.ndim != 2:
+            raise ValueError("out must be [m, D]")
+        head = _REPLY.pack(msg.layer, out.shape[0], out.shape[1], min(msg.compute_us, 0xFFFFFFFF))
+        return MsgType.EXPERT_REPLY, [head, memoryview(out).cast("B")]
+    if isinstance(msg, ErrorMsg):
+        text = msg.text.encode("utf-8")[: limits.EXPERT_MAX_ERROR_TEXT_BYTES]
+        text = text.decode("utf-8", "ignore").encode("utf-8")  # never cut a character in half
+        return MsgType.ERROR, [_ERR.pack(int(msg.code), msg.layer, msg.expert, len(text)), text]
+    if isinstance(msg, Echo | EchoReply):
+        if len(msg.payload) > limits.EXPERT_MAX_ECHO_BYTES:
+            raise ValueError("echo payload too large")
+        return (MsgType.ECHO if isinstance(msg, Echo) else MsgType.ECHO_REPLY), [msg.payload]
+    raise TypeError(f"not a message: {type(msg).__name__}")
+
+
+def encode(msg: Message, request_id: int, version: int = PROTOCOL_VERSION) -> bytes:
+    """Serialize one message. Raises ``ValueError`` for a message we must never send."""
+    _check_u32("request_id", request_id)
+    mtype, parts = _payload(msg)
+    length = sum(len(p) for p in parts)
+    if length > limits.EXPERT_MAX_MESSAGE_BYTES:
+        raise ValueError(f"message of {length} bytes exceeds {limits.EXPERT_MAX_MESSAGE_BYTES}")
+    header = _HEADER.pack(MAGIC, version, int(mtype), 0, 0, request_id, length)
+    crc = zlib.crc32(header)
+    for p in parts:
+        crc = zlib.crc32(p, crc)
+    return b"".join([header, *parts, crc.to_bytes(4, "little")])
+
+
+# --- decoding ---------------------------------------------------------------------------------------
+
+
+def _parse_header(header: bytes | memoryview, max_message_bytes: int) -> tuple[int, MsgType, int, int]:
+    magic, version, mtype, flags, reserved, request_id, length = _HEADER.unpack(header)
+    if magic != MAGIC:
+        raise _bad("bad magic")
+    if not PROTOCOL_MIN <= version <= PROTOCOL_MAX:
+        raise ExpertProtocolError(ErrorCode.VERSION_UNSUPPORTED, f"message version {version}")
+    if flags or reserved:
+        raise _bad("reserved bits set")
+    try:
+        kind = MsgType(mtype)
+    except ValueError:
+        raise _bad(f"unknown message type {mtype}") from None
+    if length > max_message_bytes:
+        raise ExpertProtocolError(ErrorCode.TOO_LARGE, f"message of {length} bytes exceeds {max_message_bytes}")
+    return version, kind, request_id, length
+
+
+def _parse_payload(kind: MsgType, p: memoryview) -> Message:
+    n = len(p)
+    if kind is MsgType.HELLO:
+        if n != _HELLO.size:
+            raise _bad("hello has the wrong length")
+        lo, hi, fp, mmb, mr = _HELLO.unpack(p)
+        if lo > hi or lo == 0:
+            raise _bad("hello version range is empty")
+        return Hello(fingerprint=bytes(fp), min_version=lo, max_version=hi, max_message_bytes=mmb, max_rows=mr)
+    if kind is MsgType.HELLO_ACK:
+        if n < _HELLO_ACK.size:
+            raise _bad("hello_ack is truncated")
+        ver, fp, mmb, mr, cap, count = _HELLO_ACK.unpack_from(p)
+        if count > limits.EXPERT_MAX_SHARD_RANGES:
+            raise _bad(f"hello_ack has {count} ranges")
+        if n != _HELLO_ACK.size + count * _RANGE.size:
+            raise _bad("hello_ack has the wrong length")
+        if not (cap > 0.0 and cap < float("inf")):
+            raise _bad("hello_ack capacity must be positive and finite")
+        ranges = []
+        for i in range(count):
+            lf, ll, ef, el = _RANGE.unpack_from(p, _HELLO_ACK.size + i * _RANGE.size)
+            if lf > ll or ef > el:
+                raise _bad("hello_ack range is empty")
+            ranges.append(ShardRange(lf, ll, ef, el))
+        return HelloAck(version=ver, fingerprint=bytes(fp), capacity=cap, ranges=tuple(ranges),
+                        max_message_bytes=mmb, max_rows=mr)
+    if kind is MsgType.EXPERT_REQUEST:
+        if n < _REQ.size:
+            raise _bad("expert_request is truncated")
+        layer, dtype, rows, dim, npairs = _REQ.unpack_from(p)
+        if dtype != DTYPE_F32:
+            raise _bad(f"unknown dtype {dtype}")
+        if not (1 <= rows <= limits.EXPERT_MAX_ROWS and 1 <= dim <= limits.EXPERT_MAX_DIM
+                and 1 <= npairs <= limits.EXPERT_MAX_PAIRS):
+            raise ExpertProtocolError(ErrorCode.TOO_LARGE, "expert_request sizes out of range")
+        if n != _REQ.size + 4 * rows * dim + 8 * npairs:
+            raise _bad("expert_request has the wrong length")
+        x = np.frombuffer(p, dtype=_F32, count=rows * dim, offset=_REQ.size).reshape(rows, dim)
+        pairs = np.frombuffer(p, dtype=_U32, count=2 * npairs, offset=_REQ.size + 4 * rows * dim)
+        pairs = pairs.reshape(npairs, 2)
+        r, e = pairs[:, 0].astype(np.int64), pairs[:, 1].astype(np.int64)
+        if int(r.max()) >= rows:
+            raise _bad("expert_request pair names a row outside x")
+        key = e * (rows + 1) + r
+        if npairs > 1 and not bool(np.all(np.diff(key) > 0)):
+            raise _bad("expert_request pairs are not strictly ascending by (expert, row)")
+        if len(np.unique(r)) != rows:
+            raise _bad("expert_request sends a row no pair uses")
+        return ExpertRequest(layer=layer, x=x, pairs=pairs)
+    if kind is MsgType.EXPERT_REPLY:
+        if n < _REPLY.size:
+            raise _bad("expert_reply is truncated")
+        layer, npairs, dim, us = _REPLY.unpack_from(p)
+        if not (1 <= npairs <= limits.EXPERT_MAX_PAIRS and 1 <= dim <= limits.EXPERT_MAX_DIM):
+            raise ExpertProtocolError(ErrorCode.TOO_LARGE, "expert_reply sizes out of range")
+        if n != _REPLY.size + 4 * npairs * dim:
+            raise _bad("expert_reply has the wrong length")
+        out = np.frombuffer(p, dtype=_F32, count=npairs * dim, offset=_REPLY.size).reshape(npairs, dim)
+        return ExpertReply(layer=layer, out=out, compute_us=us)
+    if kind is MsgType.ERROR:
+        if n < _ERR.size:
+            raise _bad("error is truncated")
+        code, layer, expert, tlen = _ERR.unpack_from(p)
+        if tlen > limits.EXPERT_MAX_ERROR_TEXT_BYTES or n != _ERR.size + tlen:
+            raise _bad("error has the wrong length")
+        try:
+            ecode = ErrorCode(code)
+            text = bytes(p[_ERR.size:]).decode("utf-8")
+        except (ValueError, UnicodeDecodeError):
+            raise _bad("error has an unknown code or bad text") from None
+        return ErrorMsg(code=ecode, text=text, layer=layer, expert=expert)
+    if kind in (MsgType.ECHO, MsgType.ECHO_REPLY):
+        if n > limits.EXPERT_MAX_ECHO_BYTES:
+            raise ExpertProtocolError(ErrorCode.TOO_LARGE, "echo too large")
+        return Echo(bytes(p)) if kind is MsgType.ECHO else EchoReply(bytes(p))
+    raise _bad(f"unhandled type {kind}")  # unreachable: MsgType() already checked
+
+
+def decode(data: bytes, max_message_bytes: int = limits.EXPERT_MAX_MESSAGE_BYTES) -> Envelope:
+    """Parse exactly one whole message; raises :class:`ExpertProtocolError` for anything else."""
+    dec = MessageDecoder(max_message_bytes)
+    out = dec.feed(data)
+    if len(out) != 1 or dec.pending_bytes:
+        raise _bad("expected exactly one message")
+    return out[0]
+
+
+class MessageDecoder:
+    """Incremental parser for a byte stream of messages: ``feed(bytes) -> [Envelope]``.
+
+    The payload length is checked against ``max_message_bytes`` as soon as the header is in, before any
+    payload is buffered. After an :class:`ExpertProtocolError` the decoder is unusable (close the stream).
+    """
+
+    def __init__(self, max_message_bytes: int = limits.EXPERT_MAX_MESSAGE_BYTES) -> None:
+        self._max = max_message_bytes
+        self._chunks: list[bytes] = []
+        self._have = 0
+        self._need: int | None = None  # total bytes of the message in progress, once its header is in
+        self._failed = False
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._have
+
+    def feed(self, data: bytes) -> list[Envelope]:
+        if self._failed:
+            raise _bad("decoder already failed")
+        if data:
+            self._chunks.append(bytes(data))
+            self._have += len(data)
+        out: list[Envelope] = []
+        try:
+            while True:
+                if self._need is None:
+                    if self._have < HEADER_BYTES:
+                        break
+                    head = self._peek(HEADER_BYTES)
+                    _, _, _, length = _parse_header(head, self._max)
+                    self._need = HEADER_BYTES + length + CRC_BYTES
+                if self._have < self._need:
+                    break
+                frame = self._take(self._need)
+                self._need = None
+                out.append(self._parse_frame(frame))
+        except ExpertProtocolError:
+            self._failed = True
+            raise
+        return out
+
+    def _peek(self, n: int) -> bytes:
+        if len(self._chunks[0]) < n:
+            self._chunks = [b"".join(self._chunks)]
+        return self._chunks[0][:n]
+
+    def _take(self, n: int) -> bytes:
+        joined = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+        frame, rest = joined[:n], joined[n:]
+        self._chunks = [rest] if rest else []
+        self._have = len(rest)
+        return frame
+
+    def _parse_frame(self, frame: bytes) -> Envelope:
+        body = memoryview(frame)[:-CRC_BYTES]
+        crc = int.from_bytes(frame[-CRC_BYTES:], "little")
+        if zlib.crc32(body) != crc:
+            raise _bad("checksum mismatch")
+        _, kind, request_id, _ = _parse_header(body[:HEADER_BYTES], self._max)
+        return Envelope(request_id, _parse_payload(kind, body[HEADER_BYTES:]))

@@ -1,0 +1,115 @@
+"""Real-QUIC harness for the expert tests and bench: worker processes and an in-process coordinator."""
+
+from __future__ import annotations
+
+import base64
+import json
+import select
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from conftest import meshd_env
+
+from engine.experts.channel import LoopThread
+from engine.experts.coordinator import CoordinatorConfig, RemoteExecutor
+from meshd.experts_service import ExpertsService
+from transport.credentials import MemberCert, MeshCredentials, create_mesh
+from transport.identity import NodeIdentity
+
+NODE_SCRIPT = Path(__file__).resolve().parent / "experts_node.py"
+
+
+class MeshFixture:
+    """A mesh created by the test: admin key, genesis, and member credentials on demand."""
+
+    def __init__(self) -> None:
+        self.first = NodeIdentity.generate()
+        self.creds = create_mesh(self.first, "experts-test", int(time.time()), 1, 1)
+
+    def member(self, ident: NodeIdentity) -> MeshCredentials:
+        assert self.creds.admin is not None
+        cert = MemberCert.issue(self.creds.admin, self.creds.genesis, ident.public_key, int(time.time()))
+        return MeshCredentials(self.creds.genesis, cert)
+
+
+@dataclass
+class WorkerProc:
+    proc: subprocess.Popen[bytes]
+    node_id: str
+    addr: tuple[str, int]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def spawn_worker(mesh: MeshFixture, tmp: Path, specs: list[str], **extra: Any) -> WorkerProc:
+    """Start tests/experts_node.py; returns once it listens. Raises RuntimeError with its error line."""
+    ident = NodeIdentity.generate()
+    creds = mesh.member(ident)
+    cfg = {"key": ident.private_bytes().hex(), "genesis": base64.b64encode(creds.genesis.encoded).decode(),
+           "cert": base64.b64encode(creds.cert.encoded).decode(), "specs": specs, **extra}
+    path = tmp / f"node-{ident.node_id[:8]}.json"
+    path.write_text(json.dumps(cfg))
+    proc = subprocess.Popen([sys.executable, str(NODE_SCRIPT), str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, env=meshd_env())
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 30)
+    line = proc.stdout.readline() if ready else b""
+    if not line:
+        proc.kill()
+        raise RuntimeError("worker did not start")
+    info = json.loads(line)
+    if "error" in info:
+        proc.wait(10)
+        raise RuntimeError(info["error"])
+    return WorkerProc(proc, info["node_id"], (info["addr"][0], int(info["addr"][1])))
+
+
+@dataclass
+class Coordinator:
+    """A MeshTransport + ExpertsService on a background loop; the test thread is the engine thread."""
+
+    mesh: MeshFixture
+    config: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    lt: LoopThread = field(default_factory=LoopThread)
+
+    def __post_init__(self) -> None:
+        from transport.quic import MeshTransport, TransportConfig
+
+        self.ident = NodeIdentity.generate()
+        self.transport = MeshTransport(self.ident, self.mesh.member(self.ident), TransportConfig.loopback())
+        self.service = ExpertsService(coordinator_config=self.config, probe_interval_s=3600)
+        self.lt.run(self.transport.listen("127.0.0.1", 0))
+        self.lt.run(self.service.start(self.transport))
+
+    def connect(self, workers: list[WorkerProc]) -> None:
+        for w in workers:
+            self.lt.run(self.transport.connect(w.addr, w.node_id), timeout=15)
+
+    def executor(self, path: Path, mode: str = "on", local_weights: Any = None) -> RemoteExecutor:
+        return self.lt.run(self.service.coordinator(path, local_weights, mode), timeout=60)
+
+    def probe(self) -> None:
+        self.lt.run(self.service.probe_all(), timeout=30)
+
+    def close(self) -> None:
+        try:
+            self.lt.run(self.service.stop(), timeout=10)
+            self.lt.run(self.transport.close(), timeout=10)
+        finally:
+            self.lt.stop()

@@ -1,0 +1,387 @@
+"""Coordinator and workers in one process over real byte channels (kernel socket pairs, real codec).
+
+The reference is ``engine.moe.local_executor`` over the same checkpoint: every layer output must be equal
+byte for byte, for 1, 2 and 3 workers, for both families and for fp32 and bf16 checkpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from experts_util import make_moe_checkpoint, router_weights
+
+from engine.experts.channel import LoopThread, socketpair_channels
+from engine.experts.coordinator import CoordinatorConfig, ExpertsUnavailable, RemoteExecutor, WorkerRefused
+from engine.experts.fingerprint import model_fingerprint
+from engine.experts.shard import ExpertShard, load_shard
+from engine.experts.worker import ExpertWorker
+from engine.moe import ExpertExecutor, local_executor, moe_block
+
+
+_TASKS: set[asyncio.Task[None]] = set()  # strong references: the loop keeps only weak ones
+
+
+def _spawn(coro: object) -> None:
+    task = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+    _TASKS.add(task)
+    task.add_done_callback(_TASKS.discard)
+
+
+@pytest.fixture
+def lt() -> Iterator[LoopThread]:
+    t = LoopThread()
+    yield t
+    t.stop()
+
+
+class Fixture:
+    def __init__(self, path: Path, family: str) -> None:
+        self.path = path
+        self.family = family
+        self.full = load_shard(str(path))
+        self.layout = self.full.layout
+        self.fp = model_fingerprint(path)
+        self.routers = {la: router_weights(path, la, family) for la in self.layout.sparse_layers}
+
+    def forward(self, x: np.ndarray, executor: ExpertExecutor) -> list[np.ndarray]:
+        """A residual stack of MoE blocks; returns every layer's output. [T, D] -> [[T, D]]."""
+        h = x
+        outs = []
+        for layer in self.layout.sparse_layers:
+            y = moe_block(h, h @ self.routers[layer].T, self.layout.top_k, self.layout.norm_topk_prob, executor, layer)
+            outs.append(y)
+            h = h + y
+        return outs
+
+
+def _inputs(d: int, seed: int = 7) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((t, d)).astype(np.float32) for t in (1, 2, 3, 5, 8, 37)]
+
+
+def _connect(lt: LoopThread, ex: RemoteExecutor, worker: ExpertWorker, node_id: str) -> None:
+    async def go() -> None:
+        a, b = await socketpair_channels()
+        _spawn(worker.serve(b, "coordinator"))
+        await ex.add_worker(node_id, a)
+
+    lt.run(go())
+
+
+def _worker(fx: Fixture, spec: str = "", **kw: object) -> ExpertWorker:
+    shard = load_shard(str(fx.path) + spec)
+    return ExpertWorker([shard], [fx.fp], **kw)  # type: ignore[arg-type]
+
+
+def _equal(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    return len(a) == len(b) and all(x.tobytes() == y.tobytes() for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("family,dtype", [("qwen3_moe", "F32"), ("mixtral", "F32"), ("qwen3_moe", "BF16")])
+def test_parity_local_vs_1_2_3_workers(tmp_path: Path, lt: LoopThread, family: str, dtype: str) -> None:
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m", family=family, dtype=dtype, experts=8, top_k=2), family)
+    local = local_executor(fx.full.weights)
+    refs = [fx.forward(x, local) for x in _inputs(fx.layout.hidden_size)]
+    for n in (1, 2, 3):
+        ex = RemoteExecutor(lt.loop, fx.fp, fx.layout, CoordinatorConfig(mode="on"))
+        workers = [_worker(fx) for _ in range(n)]
+        for i, w in enumerate(workers):
+            _connect(lt, ex, w, f"w{i}")
+        for x, ref in zip(_inputs(fx.layout.hidden_size), refs):
+            assert _equal(fx.forward(x, ex), ref), f"{n} workers differ"
+        st = ex.status()
+        assert st["items_local"] == 0 and st["layers_delegated"] == st["layers"] > 0
+        assert all(w.stats.requests > 0 for w in workers), "every worker should own some experts"
+        assert sum(w.stats.pairs for w in workers) == st["expert_hits"]
+        lt.run(ex.close())
+
+
+def test_negative_control_perturbed_output_breaks_parity(tmp_path: Path, lt: LoopThread) -> None:
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    x = _inputs(fx.layout.hidden_size)[-1]
+    ref = fx.forward(x, local_executor(fx.full.weights))
+    hits = []
+
+    def perturb(layer: int, out: np.ndarray) -> None:
+        if not hits:
+            out[0, 0] += np.float32(1e-6) * max(1.0, abs(float(out[0, 0])))
+            hits.append(layer)
+
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    _connect(lt, ex, _worker(fx, reply_hook=perturb), "w0")
+    assert not _equal(fx.forward(x, ex), ref) and hits
+    assert _equal(fx.forward(x, ex), ref)  # only that one reply was perturbed
+
+
+def test_split_shards_cover_and_stay_exact(tmp_path: Path, lt: LoopThread) -> None:
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m", experts=8), "qwen3_moe")
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    lo, hi = _worker(fx, "@0-2/0-3"), _worker(fx, "@0-2/4-7")
+    _connect(lt, ex, lo, "lo")
+    _connect(lt, ex, hi, "hi")
+    assert ex.coverage() == []
+    for x in _inputs(fx.layout.hidden_size):
+        assert _equal(fx.forward(x, ex), fx.forward(x, local_executor(fx.full.weights)))
+    assert {e for _, e in lo.stats.expert_rows} <= {0, 1, 2, 3}
+    assert {e for _, e in hi.stats.expert_rows} <= {4, 5, 6, 7}
+
+
+def test_on_mode_without_cover_is_unavailable_naming_experts(tmp_path: Path, lt: LoopThread) -> None:
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    x = _inputs(fx.layout.hidden_size)[-1]
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout, CoordinatorConfig(mode="on"))
+    with pytest.raises(ExpertsUnavailable, match=r"no live expert worker holds layer/expert 0/\d"):
+        fx.forward(x, ex)
+    _connect(lt, ex, _worker(fx, "@0-2/0-3"), "half")
+    with pytest.raises(ExpertsUnavailable) as e:
+        fx.forward(x, ex)
+    assert e.value.missing and all(exp >= 4 for _, exp in e.value.missing)
+    assert ex.status()["unavailable"] == 2
+
+
+def test_prefer_mode_falls_back_locally_counted_and_exact(tmp_path: Path, lt: LoopThread) -> None:
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    xs = _inputs(fx.layout.hidden_size)
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout, CoordinatorConfig(mode="prefer"), local_weights=fx.full.weights)
+    assert _equal(fx.forward(xs[-1], ex), fx.forward(xs[-1], local_executor(fx.full.weights)))
+    st = ex.status()
+    assert st["local_fallback_layers"] == 3 and st["items_delegated"] == 0 and st["items_local"] > 0
+    _connect(lt, ex, _worker(fx, "@0-2/0-3"), "half")
+    assert _equal(fx.forward(xs[-1], ex), fx.forward(xs[-1], local_executor(fx.full.weights)))
+    st = ex.status()
+    assert st["items_delegated"] > 0 and st["local_fallback_layers"] == 6
+
+
+def test_mismatched_checkpoint_is_refused_by_name(tmp_path: Path, lt: LoopThread) -> None:
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m", seed=1), "qwen3_moe")
+    other = make_moe_checkpoint(tmp_path / "other-ckpt", seed=2)
+    w = ExpertWorker([load_shard(str(other))], [model_fingerprint(other)])
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    with pytest.raises(WorkerRefused, match=r"expert worker bad refused: worker holds a different checkpoint: .*other-ckpt"):
+        _connect(lt, ex, w, "bad")
+    assert "bad" not in ex.links and ex.status()["workers"]["bad"]["errors"] == 1  # type: ignore[index]
+
+
+class _Gate:
+    """Blocks a worker's replies until released (a hung worker)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def __call__(self, layer: int, out: np.ndarray) -> None:
+        self.entered.set()
+        self.release.wait(10)
+
+
+def test_hung_worker_times_out_and_layer_retries_on_another_holder(tmp_path: Path, lt: LoopThread) -> None:
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    x = _inputs(fx.layout.hidden_size)[-1]
+    gate = _Gate()
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout, CoordinatorConfig(message_timeout_s=0.5, layer_timeout_s=5.0))
+    _connect(lt, ex, _worker(fx, reply_hook=gate), "hung")
+    _connect(lt, ex, _worker(fx), "ok")
+    t0 = time.monotonic()
+    out = fx.forward(x, ex)
+    dt = time.monotonic() - t0
+    gate.release.set()
+    assert _equal(out, fx.forward(x, local_executor(fx.full.weights)))
+    assert gate.entered.is_set() and dt < 3.0
+    st = ex.status()
+    assert st["retries"] > 0 and "hung" not in ex.links
+    assert st["workers"]["hung"]["errors"] >= 1  # type: ignore[index]
+
+
+def test_worker_killed_mid_request_fails_fast_in_on_mode(tmp_path: Path, lt: LoopThread) -> None:
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    x = _inputs(fx.layout.hidden_size)[-1]
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout, CoordinatorConfig(message_timeout_s=30, layer_timeout_s=60))
+    chans = {}
+
+    def kill(layer: int, out: np.ndarray) -> None:
+        lt.loop.call_soon_threadsafe(chans["b"].reset, 0)  # the worker's end breaks mid-request
+
+    async def go() -> None:
+        a, b = await socketpair_channels()
+        chans["b"] = b
+        _spawn(_worker(fx, reply_hook=kill).serve(b))
+        await ex.add_worker("dies", a)
+
+    lt.run(go())
+    t0 = time.monotonic()
+    with pytest.raises(ExpertsUnavailable, match="no live expert worker"):
+        fx.forward(x, ex)
+    assert time.monotonic() - t0 < 5.0  # not the 30 s message timeout: the broken stream is noticed
+
+
+def test_join_mid_forward_changes_ownership_only_between_forwards(tmp_path: Path, lt: LoopThread) -> None:
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m", experts=16), "qwen3_moe")
+    x = _inputs(fx.layout.hidden_size)[-1]
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    a, late = _worker(fx), _worker(fx)
+    _connect(lt, ex, a, "a")
+    joined = []
+
+    def join_then_run(layer: int, xx: np.ndarray, work: list) -> list[np.ndarray]:  # type: ignore[type-arg]
+        if layer == 1 and not joined:
+            _connect(lt, ex, late, "late")  # joins while this forward is between layers
+            joined.append(True)
+        return ex(layer, xx, work)
+
+    ref = fx.forward(x, local_executor(fx.full.weights))
+    assert _equal(fx.forward(x, join_then_run), ref)
+    assert joined and late.stats.requests == 0  # the pinned map of this forward did not include it
+    assert _equal(fx.forward(x, ex), ref)
+    assert late.stats.requests > 0  # the next forward uses the new map
+    with ex.pinned():
+        _connect(lt, ex, _worker(fx), "later")
+        before = dict(ex.current_map.ranked)
+        assert _equal(fx.forward(x, ex), ref)
+    assert before == dict(ex.current_map.ranked)
+
+
+def test_all_requests_of_a_layer_go_out_before_any_reply_is_read(tmp_path: Path, lt: LoopThread) -> None:
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m", experts=16, top_k=4), "qwen3_moe")
+    events: list[tuple[str, str]] = []
+
+    class Spy:
+        def __init__(self, inner: object, name: str) -> None:
+            self.inner, self.name = inner, name
+
+        async def send(self, payload: bytes, end: bool = False) -> None:
+            events.append(("send", self.name))
+            await self.inner.send(payload, end)  # type: ignore[attr-defined]
+
+        async def recv(self) -> bytes | None:
+            data = await self.inner.recv()  # type: ignore[attr-defined]
+            events.append(("recv", self.name))
+            return data
+
+        def reset(self, code: int) -> None:
+            self.inner.reset(code)  # type: ignore[attr-defined]
+
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    for i in range(3):
+        async def go(i: int = i) -> None:
+            a, b = await socketpair_channels()
+            _spawn(_worker(fx, reply_hook=lambda la, o: time.sleep(0.01)).serve(b))
+            await ex.add_worker(f"w{i}", Spy(a, f"w{i}"))  # type: ignore[arg-type]
+        lt.run(go())
+    events.clear()
+    x = _inputs(fx.layout.hidden_size)[-1]
+    ex(0, x, moe_route_work(fx, x, 0))
+    first_recv = next(i for i, e in enumerate(events) if e[0] == "recv")
+    sends = [i for i, e in enumerate(events) if e[0] == "send"]
+    assert len({events[i][1] for i in sends}) == 3 and max(sends) < first_recv
+
+
+def moe_route_work(fx: Fixture, x: np.ndarray, layer: int) -> list:  # type: ignore[type-arg]
+    from engine.moe import route
+
+    return route(x @ fx.routers[layer].T, fx.layout.top_k, fx.layout.norm_topk_prob).work
+
+
+def test_executor_refuses_the_loop_thread(tmp_path: Path, lt: LoopThread) -> None:
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+
+    async def call() -> None:
+        ex(0, np.zeros((1, fx.layout.hidden_size), np.float32), [(0, np.array([0]))])
+
+    with pytest.raises(RuntimeError, match="event loop thread"):
+        lt.run(call())
+
+
+def _unused(_: ExpertShard) -> None:
+    pass
+
+
+def test_worker_answers_typed_errors(tmp_path: Path, lt: LoopThread) -> None:
+    from engine.experts import rpc
+
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    w = ExpertWorker([load_shard(f"{fx.path}@0/0-3"), load_shard(f"{fx.path}@0/4-5")], [fx.fp, fx.fp])
+
+    async def talk(msgs: list[rpc.Message]) -> list[rpc.Envelope]:
+        a, b = await socketpair_channels()
+        _spawn(w.serve(b))
+        dec = rpc.MessageDecoder()
+        out: list[rpc.Envelope] = []
+        for i, m in enumerate(msgs):
+            await a.send(rpc.encode(m, i + 1))
+            while len(out) <= i:
+                data = await asyncio.wait_for(a.recv(), 5)
+                if data is None:
+                    return out
+                out += dec.feed(data)
+        return out
+
+    d = fx.layout.hidden_size
+    x = np.ones((2, d), np.float32)
+    req = lambda layer, experts, xx=x: rpc.ExpertRequest(  # noqa: E731
+        layer, xx, np.array([[r, e] for e in experts for r in range(2)], dtype=np.uint32))
+    got = lt.run(talk([rpc.Hello(fx.fp), req(0, [3, 5]), req(0, [6]), req(1, [0]),
+                       req(0, [0], np.ones((2, d + 1), np.float32))]))
+    assert isinstance(got[0].message, rpc.HelloAck) and len(got[0].message.ranges) == 2
+    assert isinstance(got[1].message, rpc.ExpertReply)  # experts from both shards in one request
+    kinds = [(g.message.code, g.message.layer, g.message.expert) for g in got[2:]]  # type: ignore[union-attr]
+    assert kinds == [(rpc.ErrorCode.NOT_HELD, 0, 6), (rpc.ErrorCode.NOT_HELD, 1, 0),
+                     (rpc.ErrorCode.BAD_REQUEST, 0, rpc.NONE)]
+    before_hello = lt.run(talk([req(0, [0])]))
+    assert isinstance(before_hello[0].message, rpc.ErrorMsg) and before_hello[0].message.code == rpc.ErrorCode.PROTOCOL
+    small = lt.run(talk([rpc.Hello(fx.fp, max_message_bytes=100), req(0, [0])]))
+    assert isinstance(small[1].message, rpc.ErrorMsg) and small[1].message.code == rpc.ErrorCode.TOO_LARGE
+    wrong = lt.run(talk([rpc.Hello(bytes(32))]))
+    assert isinstance(wrong[0].message, rpc.ErrorMsg)
+    assert wrong[0].message.code == rpc.ErrorCode.FINGERPRINT_MISMATCH and str(fx.path) in wrong[0].message.text
+
+
+def test_layers_split_by_size_limits_and_window_stay_exact(tmp_path: Path, lt: LoopThread,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from transport import limits
+
+    monkeypatch.setattr(limits, "EXPERT_WINDOW_BYTES", 2048)  # forces one request in flight per worker
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m", experts=8), "qwen3_moe")
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    workers = [_worker(fx, max_message_bytes=3000), _worker(fx, max_message_bytes=3000)]
+    for i, w in enumerate(workers):
+        _connect(lt, ex, w, f"w{i}")
+    local = local_executor(fx.full.weights)
+    for x in _inputs(fx.layout.hidden_size):
+        assert _equal(fx.forward(x, ex), fx.forward(x, local))
+    st = ex.status()
+    assert sum(w.stats.requests for w in workers) > st["layers"] * 2  # layers were split
+    assert st["items_local"] == 0
+
+
+def test_worker_survives_arbitrary_bytes(tmp_path: Path, lt: LoopThread) -> None:
+    """Garbage from a peer ends that channel (with a PROTOCOL error when parsable) and nothing else."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from engine.experts import rpc
+
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    w = _worker(fx)
+    hello = rpc.encode(rpc.Hello(fx.fp), 1)
+
+    async def feed(data: bytes) -> None:
+        a, b = await socketpair_channels()
+        task = asyncio.get_running_loop().create_task(w.serve(b))
+        await a.send(data)
+        await a.send(b"", end=True)
+        await asyncio.wait_for(task, 5)  # serve returns; it never raises
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.binary(max_size=200), st.booleans())
+    def check(junk: bytes, after_hello: bool) -> None:
+        lt.run(feed((hello if after_hello else b"") + junk))
+
+    check()
+    _connect(lt, RemoteExecutor(lt.loop, fx.fp, fx.layout), w, "still-fine")  # the worker still serves
