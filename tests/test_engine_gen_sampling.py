@@ -59,6 +59,8 @@ def _naive_top_k(x: np.ndarray, k: int) -> np.ndarray:
 
 
 def _naive_top_p(p: np.ndarray, top_p: float) -> np.ndarray:
+    if top_p >= 1.0:  # top_p = 1 disables the filter (as in OpenAI's and HF's samplers)
+        return p > 0
     order = sorted(range(len(p)), key=lambda i: (-p[i], i))
     keep, acc = [], 0.0
     for i in order:
