@@ -43,6 +43,13 @@ log = structlog.get_logger(__name__)
 
 PROBE_INTERVAL_S = 5.0  # how often peers that are not links yet are probed for experts
 REFUSAL_RETRY_S = 30.0  # a peer that did not answer a hello (busy, no handler) is asked again after this
+REFUSAL_RETRY_FIRST_S = 0.5  # ...first after this, doubling up to REFUSAL_RETRY_S: a worker that joined a
+# moment ago may not have registered its expert handler yet when the coordinator's first hello arrives
+
+
+def refusal_retry_delay_s(failures: int) -> float:
+    """Seconds before asking a peer again after ``failures`` (>= 1) unanswered hellos in a row."""
+    return min(REFUSAL_RETRY_S, REFUSAL_RETRY_FIRST_S * 2.0 ** max(0, failures - 1))
 
 
 class ExpertsStartError(UsageError):
@@ -56,6 +63,7 @@ class _Coordinated:
     refused: dict[str, str] = field(default_factory=dict)  # node id -> reason
     retry_at: dict[str, float] = field(default_factory=dict)  # node id -> loop time to probe again
     probing: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # node id -> hello in flight
+    failures: dict[str, int] = field(default_factory=dict)  # node id -> unanswered hellos in a row
 
 
 class ExpertsService:
@@ -292,10 +300,15 @@ class ExpertsService:
             timeout = c.executor.config.connect_timeout_s
             stream = await asyncio.wait_for(peer.open_stream(StreamType.EXPERT), timeout)
             await c.executor.add_worker(node, stream)
+            c.failures.pop(node, None)
         except WorkerRefused as e:
             c.refused[node] = str(e)
             if e.code not in (ErrorCode.FINGERPRINT_MISMATCH, ErrorCode.VERSION_UNSUPPORTED):
-                c.retry_at[node] = asyncio.get_running_loop().time() + REFUSAL_RETRY_S
+                c.failures[node] = n = c.failures.get(node, 0) + 1
+                delay = refusal_retry_delay_s(n)
+                loop = asyncio.get_running_loop()
+                c.retry_at[node] = loop.time() + delay
+                loop.call_later(delay + 0.01, lambda: self._spawn(self.probe_all()))
             log.info("experts_worker_refused", worker=node, reason=str(e))
         except Exception as e:  # noqa: BLE001 - a peer that cannot be probed now is retried later
             log.debug("experts_probe_failed", worker=node, error=repr(e))
@@ -312,6 +325,7 @@ class ExpertsService:
             c.executor.remove_worker(peer.node_id, "peer disconnected")
             c.refused.pop(peer.node_id, None)
             c.retry_at.pop(peer.node_id, None)
+            c.failures.pop(peer.node_id, None)
 
     async def _probe_loop(self) -> None:
         while True:

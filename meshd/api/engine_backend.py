@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from dataclasses import dataclass
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -55,8 +56,10 @@ class _EngineRun:
 class EngineSource:
     """``TokenSource`` over one Scheduler."""
 
-    def __init__(self, name: str, model: Any, tokenizer: Any, scheduler: Any, fingerprint: str) -> None:
+    def __init__(self, name: str, model: Any, tokenizer: Any, scheduler: Any, fingerprint: str,
+                 executor: Any = None) -> None:
         self.name = name
+        self.executor = executor
         self.model = model
         self.tokenizer = tokenizer
         self.scheduler = scheduler
@@ -89,6 +92,10 @@ class EngineSource:
     def submit(self, prompt_ids: list[int], req: GenRequest) -> _EngineRun:
         from engine.scheduler import Busy, SchedulerClosed
 
+        reason = self.executor.unavailable_reason() if self.executor is not None else None
+        if reason:  # --remote-experts on and some routed expert has no live worker
+            raise ApiError(503, f"model '{self.name}' cannot be served now: {reason}", code="experts_unavailable",
+                           retry_after_s=5)
         try:
             params = self._params(prompt_ids, req)
             handle = self.scheduler.submit(prompt_ids, params, loop=asyncio.get_running_loop())
@@ -128,10 +135,21 @@ def _fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def load_engine_backend(spec_text: str, state_dir: str | Path, max_active: int | None = None) -> EngineBackend:
-    """Load a ``PATH``/``tiny`` SPEC. Raises ``UsageError`` for a bad SPEC or checkpoint."""
+@dataclass(frozen=True)
+class LoadedModel:
+    """A checkpoint loaded for serving: its served name, directory, model and tokenizer."""
+
+    name: str
+    path: Path
+    model: Any
+    tokenizer: Any
+
+
+def load_engine_model(spec_text: str, state_dir: str | Path, remote_experts: bool = False) -> LoadedModel:
+    """Load a ``PATH``/``tiny`` SPEC (blocking; call in a thread). Raises ``UsageError`` for a bad SPEC
+    or checkpoint. With ``remote_experts`` the routed experts are neither read ahead nor widened here:
+    workers compute them, so this node touches their pages only for a ``prefer`` fallback."""
     from engine.model import Model
-    from engine.scheduler import DEFAULT_MAX_ACTIVE, Scheduler
     from engine.spec import parse_model_spec, resolve_checkpoint
     from engine.tokenizer import Tokenizer
     from meshd.errors import UsageError
@@ -139,13 +157,30 @@ def load_engine_backend(spec_text: str, state_dir: str | Path, max_active: int |
     try:
         spec = parse_model_spec(spec_text)
         path = resolve_checkpoint(spec, state_dir)
-        model = Model.load(path)
+        if remote_experts:
+            model = Model.load(path, widen_experts=False, prefetch=False)
+        else:
+            model = Model.load(path)
         tokenizer = Tokenizer.load(path)
     except (ValueError, OSError) as e:
         raise UsageError(f"--model {spec_text}: {e}") from None
     except Exception as e:  # noqa: BLE001 - checkpoint/config/tokenizer errors of the engine
         raise UsageError(f"--model {spec_text}: {e}") from None
-    name = spec.name or path.name
-    sched = Scheduler(model, tokenizer, max_active or DEFAULT_MAX_ACTIVE, name=name)
-    log.info("engine_model_loaded", model=name, path=str(path))
-    return EngineBackend(EngineSource(name, model, tokenizer, sched, _fingerprint(path)))
+    return LoadedModel(spec.name or path.name, path, model, tokenizer)
+
+
+def engine_backend(loaded: LoadedModel, max_active: int | None = None, executor: Any = None) -> EngineBackend:
+    """Start a scheduler for ``loaded``; ``executor`` (an ``engine.moe`` expert executor, e.g. the experts
+    service's ``RemoteExecutor``) computes the routed experts instead of this process."""
+    from engine.scheduler import DEFAULT_MAX_ACTIVE, Scheduler
+
+    sched = Scheduler(loaded.model, loaded.tokenizer, max_active or DEFAULT_MAX_ACTIVE, name=loaded.name,
+                      executor=executor)
+    log.info("engine_model_loaded", model=loaded.name, path=str(loaded.path), remote_experts=executor is not None)
+    return EngineBackend(EngineSource(loaded.name, loaded.model, loaded.tokenizer, sched,
+                                      _fingerprint(loaded.path), executor=executor))
+
+
+def load_engine_backend(spec_text: str, state_dir: str | Path, max_active: int | None = None) -> EngineBackend:
+    """Load a ``PATH``/``tiny`` SPEC with local experts. Raises ``UsageError`` for a bad SPEC or checkpoint."""
+    return engine_backend(load_engine_model(spec_text, state_dir), max_active)

@@ -116,10 +116,18 @@ class ApiService:
                 if b is not None:
                     backends.append(b)
                 elif provided is None:  # no engine service in this daemon: load the model here
-                    from meshd.api.engine_backend import load_engine_backend
+                    from meshd.api.engine_backend import engine_backend, load_engine_model
+                    from meshd.experts_service import experts_of
 
+                    experts = experts_of(daemon)
+                    remote = experts is not None and cfg.remote_experts != "off"
                     # in a thread: a big checkpoint must not stall the loop (systemd pings, control)
-                    backends.append(await asyncio.to_thread(load_engine_backend, spec, cfg.state_dir))
+                    loaded = await asyncio.to_thread(load_engine_model, spec, cfg.state_dir, remote)
+                    executor = None
+                    if remote:
+                        assert experts is not None
+                        executor = await experts.executor_for(loaded.path, loaded.model.expert_weights)
+                    backends.append(engine_backend(loaded, executor=executor))
             self._own = list(backends)  # reported in status by this service (others report their own)
             backends.extend(provided or [])
         self._build(daemon.node_id, cfg.api.host, cfg.api.port, cfg.role, keys, backends, daemon.transport)

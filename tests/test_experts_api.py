@@ -1,0 +1,92 @@
+"""``--remote-experts`` as a user runs it: real daemons on loopback joined by invite, the OpenAI API on the
+coordinator, routed experts computed by a worker daemon (``--experts tiny``), output identical to a node
+that computes everything itself, and 503 once the only worker is gone (``on`` mode)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("meshd.membership.service")
+
+import urllib.error  # noqa: E402
+import urllib.request  # noqa: E402
+
+from conftest import meshd_cmd, meshd_env  # noqa: E402
+from daemon_testlib import start_node  # noqa: E402
+
+BODY = {"model": "tiny", "messages": [{"role": "user", "content": "experts far away"}], "max_tokens": 6,
+        "temperature": 0, "logprobs": True, "top_logprobs": 3}
+
+
+def _post(api: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, str]]:
+    req = urllib.request.Request(f"http://{api}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read()), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), dict(e.headers)
+
+
+def _status(state_dir: Path) -> dict[str, Any]:
+    out = subprocess.run(meshd_cmd("status", "--json", "--state-dir", str(state_dir)), env=meshd_env(),
+                         capture_output=True, text=True, timeout=20, check=True)
+    return json.loads(out.stdout)
+
+
+def test_remote_experts_on_matches_local_and_503s_without_workers(tmp_path: Path) -> None:
+    ref = start_node(tmp_path / "ref", "--model", "tiny")  # its own mesh, computes every expert itself
+    coord = start_node(tmp_path / "c", "--model", "tiny", "--remote-experts", "on")
+    nodes = [ref, coord]
+    try:
+        token = subprocess.run(meshd_cmd("invite", "--state-dir", str(tmp_path / "c")), env=meshd_env(),
+                               capture_output=True, text=True, timeout=20, check=True).stdout.strip()
+        worker = start_node(tmp_path / "w", "--experts", "tiny", "--join", token)
+        nodes.append(worker)
+
+        code, want, _ = _post(ref.run["api"], BODY)
+        assert code == 200, want
+        deadline = time.monotonic() + 30
+        while True:  # 503 until the worker has joined and answered the coordinator's hello
+            code, got, headers = _post(coord.run["api"], BODY)
+            if code != 503 or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert code == 200, got
+        assert headers["x-meshd-route"] == "local" and headers["x-meshd-node"] == coord.run["node_id"]
+        # Same tokens and the same log-probabilities, to the last bit, as the all-local node.
+        assert got["choices"][0]["message"] == want["choices"][0]["message"]
+        assert got["choices"][0]["logprobs"] == want["choices"][0]["logprobs"]
+
+        st = _status(tmp_path / "c")["services"]["experts"]["coordinators"][0]
+        assert st["layers_delegated"] > 0 and st["items_local"] == 0, st  # the worker did the expert work
+        wst = _status(tmp_path / "w")["services"]["experts"]["worker"]
+        assert wst["requests"] > 0 and wst["pairs"] > 0, wst
+
+        worker.proc.send_signal(signal.SIGKILL)
+        worker.proc.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while True:  # `on` with no live holder: a clear 503 naming what is missing, never a hang
+            code, err, headers = _post(coord.run["api"], BODY)
+            if code == 503 or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert code == 503, err
+        assert "expert" in err["error"]["message"] and "Retry-After" in headers
+    finally:
+        for n in reversed(nodes):
+            n.stop()
+
+
+@pytest.mark.parametrize(("failures", "delay_s"), [(1, 0.5), (2, 1.0), (3, 2.0), (6, 16.0), (7, 30.0), (50, 30.0)])
+def test_unanswered_hello_retry_delay_doubles_to_a_cap(failures: int, delay_s: float) -> None:
+    from meshd.experts_service import refusal_retry_delay_s
+
+    assert refusal_retry_delay_s(failures) == delay_s
