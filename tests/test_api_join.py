@@ -41,6 +41,8 @@ def test_headless_client_joined_by_invite_uses_the_mesh(tmp_path: Path) -> None:
                                        check=True).stdout)
         peer = next(p for p in st["peers"] if p["node_id"] == a.run["node_id"])
         assert any(m["name"] == "tiny" for m in peer["models"])  # advertised in gossip by the API service
+        tiny = next(m for m in peer["models"] if m["name"] == "tiny")
+        assert tiny.get("ctx", tiny.get("context_length")) == 4096, tiny  # SPEC: tiny has a 4096 context
     finally:
         for n in reversed(nodes):
             n.stop()

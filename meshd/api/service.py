@@ -176,12 +176,12 @@ class ApiService:
 
     async def _publish_loop(self) -> None:
         """Advertise this node's served models and load in its membership record (gossip)."""
-        last: tuple[tuple[str, str, str], ...] | None = None
+        last: tuple[tuple[str, str, str, int], ...] | None = None
         while True:
             try:
                 assert self.server is not None
-                models = tuple(sorted((m["name"], m["kind"], m["fingerprint"]) for b in self.server.backends
-                                      if b.models() for m in b.status()))
+                models = tuple(sorted((m["name"], m["kind"], m["fingerprint"], _context_of(b))
+                                      for b in self.server.backends if b.models() for m in b.status()))
                 if models != last:
                     self.membership.set_local_models([_model_info(*m) for m in models])
                     last = models
@@ -262,10 +262,20 @@ def _membership_of(daemon: Any) -> Any:
     return None
 
 
-def _model_info(name: str, kind: str, fingerprint: str) -> Any:
+def _context_of(backend: Any) -> int:
+    """The context length an engine backend's model advertises; 0 when unknown (external servers)."""
+    model = getattr(getattr(backend, "source", None), "model", None)
+    if model is None:
+        return 0
+    from engine.generate import context_length
+
+    return context_length(model) or 0
+
+
+def _model_info(name: str, kind: str, fingerprint: str, context_length: int = 0) -> Any:
     from meshd.membership.records import ModelInfo  # type: ignore[import-not-found]
 
-    return ModelInfo(name=name, kind=kind, fingerprint=fingerprint, context_length=0)
+    return ModelInfo(name=name, kind=kind, fingerprint=fingerprint, context_length=context_length)
 
 
 def _http_tunnel_type() -> Any:
