@@ -168,6 +168,7 @@ def ensure_tiny(state_dir: str | Path, arch: str = "qwen3_moe", seed: int = 0) -
     target = models_dir / f"tiny-v{TINY_VERSION}-{arch}-s{seed}"
     if all((target / f).is_file() for f in FILES):
         return target
+    Path(state_dir).mkdir(mode=0o700, parents=True, exist_ok=True)  # a state dir is private (SPEC)
     models_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=models_dir))
     try:

@@ -215,3 +215,15 @@ def test_bad_config_process_exits_2_with_one_line(tmp_path: Path, content: str, 
     assert len(out.stderr.splitlines()) == 1, out.stderr
     assert out.stderr.startswith("meshd: ") and out.stdout == ""
     assert not (tmp_path / "s").exists()  # nothing created before the config was valid
+
+
+@pytest.mark.parametrize("flags", [["--model", "/nonexistent/ckpt"], ["--model", "openai:notaurl"],
+                                   ["--experts", "/nonexistent/ckpt@0-1/0-3"]])
+def test_bad_model_or_experts_spec_is_exit_2_before_any_state_is_written(tmp_path: Path, flags: list[str]) -> None:
+    state = tmp_path / "s"
+    out = subprocess.run(meshd_cmd("serve", "--state-dir", str(state), "--no-mdns", "--listen", "127.0.0.1:0",
+                                   "--api", "127.0.0.1:0", *flags), env=meshd_env(), capture_output=True,
+                         text=True, timeout=30, check=False)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("meshd: --")
+    assert not (state / "genesis.json").exists() and not (state / "identity.key").exists()

@@ -157,7 +157,8 @@ class ApiServer:
             status = e.status
             msg = {404: f"no route {request.path}", 405: f"{request.method} is not allowed on {request.path}",
                    413: f"request body is larger than {self.config.max_body_bytes} bytes"}.get(status, e.reason)
-            return self._error_response(ApiError(status, msg), request.path)
+            code = {404: "unknown_url", 405: "method_not_allowed"}.get(status)
+            return self._error_response(ApiError(status, msg, code=code), request.path)
         except Exception as e:  # noqa: BLE001 - a bug must still answer in OpenAI's shape, not a traceback page
             log.warning("api_internal_error", path=request.path, error=repr(e))
             return self._error_response(ApiError(500, "internal error"), request.path)
@@ -334,7 +335,7 @@ class ApiServer:
         if method == "GET" and path == "/v1/models":
             return _json_reply(self.models_payload(local_only), self.config.node_id)
         if method != "POST" or path not in ("/v1/chat/completions", "/v1/completions"):
-            raise ApiError(404, f"no route {method} {path}")
+            raise ApiError(404, f"no route {method} {path}", code="unknown_url")
         if len(body) > self.config.max_body_bytes:
             raise ApiError(413, f"request body is larger than {self.config.max_body_bytes} bytes")
         req = parse_request("chat" if path == "/v1/chat/completions" else "completion", body)

@@ -24,11 +24,9 @@ LARGE_CHECKPOINT_BYTES = 256 * 1024 * 1024  # show a load progress bar above thi
 
 def state_dir_from(args: argparse.Namespace) -> Path:
     """--state-dir, else $MESHD_STATE_DIR, else $STATE_DIRECTORY, else ~/.local/state/meshd (SPEC)."""
-    for value in (getattr(args, "state_dir", None), os.environ.get("MESHD_STATE_DIR"),
-                  os.environ.get("STATE_DIRECTORY")):
-        if value:
-            return Path(value).expanduser()
-    return Path.home() / ".local" / "state" / "meshd"
+    from meshd.state import resolve_state_dir
+
+    return resolve_state_dir(getattr(args, "state_dir", None), os.environ)
 
 
 def _weight_bytes(path: Path) -> int:

@@ -7,12 +7,14 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 from types import FrameType
 
 import structlog
 
-from meshd.config import load_config
+from meshd.config import DaemonConfig, load_config
 from meshd.daemon import Daemon
+from meshd.errors import UsageError
 from meshd.log import setup_logging
 from meshd.state import StateDir
 from meshd.wiring import build_services
@@ -26,12 +28,40 @@ def _stop_during_startup(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # the CLI turns it into exit 0; Daemon.run installs the real handlers
 
 
+def _check_specs(config: DaemonConfig) -> None:
+    """Refuse model and expert SPECs that cannot work (syntax, a checkpoint directory that does not
+    exist) with one line, before the node creates or touches anything. Loading errors come later."""
+    from engine.spec import parse_model_spec
+
+    models = config.models if config.role == "serve" else []
+    for text in models:
+        try:
+            spec = parse_model_spec(text)
+        except ValueError as e:
+            raise UsageError(f"--model {text}: {e}") from None
+        if spec.kind == "path" and spec.path is not None and not spec.path.is_dir():
+            raise UsageError(f"--model {text}: {spec.path} is not a checkpoint directory")
+    experts = config.experts if config.role == "serve" else []
+    for text in experts:
+        from engine.experts.shard import ShardError, parse_spec
+
+        try:
+            shard = parse_spec(text)
+        except ShardError as e:
+            msg = str(e)
+            raise UsageError(msg if msg.startswith("--experts") else f"--experts {text}: {msg}") from None
+        path = getattr(shard, "path", None)
+        if path is not None and str(path) != "tiny" and not Path(path).is_dir():
+            raise UsageError(f"--experts {text}: {path} is not a checkpoint directory")
+
+
 def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stop_during_startup)
     config = load_config(args, os.environ, role=args.command)
     setup_logging(config.log_format, config.log_level)
     for note in config.notes:
         log.info("config_note", note=note)
+    _check_specs(config)  # a mistyped --model/--experts is exit 2 before any state is written
     state = StateDir(config.state_dir)
     state.lock()  # held for the life of the process: one daemon per state dir
     if config.has_join and not state.has_credentials():
