@@ -85,9 +85,5 @@ def run(args: argparse.Namespace) -> int:
                 node_id=identity.node_id,
                 state_dir=str(state.path),
             )
-    elif config.has_join:
-        # A node keeps the mesh it has; switching a running solo node over is `meshd join TOKEN`.
-        log.warning("join_ignored", reason="this node already has mesh credentials; to move a node that is "
-                    "alone in its own mesh, run `meshd join TOKEN` while it runs", mesh_id=creds.mesh_id)
     daemon = Daemon(config, state, identity, creds, services=build_services(config))
     return asyncio.run(daemon.run())

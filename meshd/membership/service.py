@@ -225,7 +225,47 @@ class MembershipService:
             await self._join_from_config()
         else:
             self._install(daemon.credentials, view=None)
+            switch = self._solo_switch_token(daemon.credentials)
+            if switch is not None:
+                self._spawn(self._switch_from_solo(switch))
         self._task = asyncio.ensure_future(self._run())
+
+    def _solo_switch_token(self, creds: MeshCredentials) -> str | None:
+        """A configured join token to act on although this node has credentials: only when the token is
+        for another mesh and this node is alone in a mesh it founded itself (it holds that mesh's admin
+        key and has never remembered a peer), e.g. `meshd serve` once on its own, then `--join`. Any
+        other node keeps its mesh and logs why the token is ignored."""
+        if not self.config.has_join:
+            return None
+        try:
+            text = self.config.read_join_token()
+            tok = InviteToken.decode(text) if text else None
+        except (InviteError, UsageError, OSError):
+            tok, text = None, None
+        if tok is None or text is None:
+            log.warning("join_ignored", reason="this node already has mesh credentials and the configured "
+                        "token cannot be read", mesh_id=creds.mesh_id)
+            return None
+        if tok.mesh_id == creds.mesh_id:
+            return None  # already a member of the token's mesh: nothing to do
+        remembered = _read(self.daemon.state.path / PEERS_FILE) if self.daemon is not None else None
+        has_peers = bool(remembered) and b'"records":[]' not in (remembered or b"").replace(b" ", b"")
+        if creds.admin is None or has_peers:
+            log.warning("join_ignored", reason="this node is a member of another mesh with peers; it keeps "
+                        "that mesh", mesh_id=creds.mesh_id)
+            return None
+        return text
+
+    async def _switch_from_solo(self, text: str) -> None:
+        """Join the token's mesh from a solo mesh, as `meshd join` does; a refusal stops the node (exit 1)
+        with the reason, and its solo mesh is left as it was."""
+        try:
+            result = await self._cmd_join({"token": text})
+        except ControlError as e:
+            if self.daemon is not None:
+                self.daemon.fail(f"join refused: {e}" if "refused" not in str(e) else str(e))
+            return
+        log.info("joined_from_solo_mesh", mesh_id=result.get("mesh_id"))
 
     async def _join_from_config(self) -> None:
         """First attempt inline (a refusal aborts start with its reason); if the issuer is unreachable,
