@@ -248,9 +248,7 @@ class MembershipService:
             return None
         if tok.mesh_id == creds.mesh_id:
             return None  # already a member of the token's mesh: nothing to do
-        remembered = _read(self.daemon.state.path / PEERS_FILE) if self.daemon is not None else None
-        has_peers = bool(remembered) and b'"records":[]' not in (remembered or b"").replace(b" ", b"")
-        if creds.admin is None or has_peers:
+        if creds.admin is None or self._remembered_texts():
             log.warning("join_ignored", reason="this node is a member of another mesh with peers; it keeps "
                         "that mesh", mesh_id=creds.mesh_id)
             return None
@@ -373,7 +371,8 @@ class MembershipService:
         log.info("membership_started", mesh_id=creds.mesh_id, known_peers=len(core.members()),
                  banned=len(core.revocations.banned) if core.revocations else 0)
 
-    def _remembered_records(self, verifier: RecordVerifier) -> list[bytes]:
+    def _remembered_texts(self) -> list[Any]:
+        """The encoded records in the remembered-peers file (unverified); [] if there is none."""
         assert self.daemon is not None  # noqa: S101
         raw = _read(self.daemon.state.path / PEERS_FILE)
         if raw is None:
@@ -383,8 +382,11 @@ class MembershipService:
         except (ValueError, KeyError, TypeError):
             log.warning("remembered_peers_unreadable", file=PEERS_FILE)
             return []
+        return list(items) if isinstance(items, list) else []
+
+    def _remembered_records(self, verifier: RecordVerifier) -> list[bytes]:
         out = []
-        for text in items[:MAX_REMEMBERED_PEERS]:
+        for text in self._remembered_texts()[:MAX_REMEMBERED_PEERS]:
             try:
                 verifier.decode_record(text.encode())
                 out.append(text.encode())
