@@ -87,6 +87,7 @@ class ExpertsService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._coordinated: list[_Coordinated] = []
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._retry_timers: set[asyncio.TimerHandle] = set()  # hellos to ask again (cancelled on stop)
         self._collector: Any = None
         self._state_dir: Path | None = None
         self._membership: Any = None
@@ -155,6 +156,9 @@ class ExpertsService:
     async def stop(self) -> None:
         if self.worker is not None:
             self.worker.close()
+        for handle in self._retry_timers:
+            handle.cancel()
+        self._retry_timers.clear()
         probes = [t for c in self._coordinated for t in c.probing.values()]
         for task in list(self._tasks) + probes:
             task.cancel()
@@ -308,7 +312,12 @@ class ExpertsService:
                 delay = refusal_retry_delay_s(n)
                 loop = asyncio.get_running_loop()
                 c.retry_at[node] = loop.time() + delay
-                loop.call_later(delay + 0.01, lambda: self._spawn(self.probe_all()))
+                def retry() -> None:
+                    self._retry_timers.discard(handle)
+                    self._spawn(self.probe_all())
+
+                handle = loop.call_later(delay + 0.01, retry)
+                self._retry_timers.add(handle)
             log.info("experts_worker_refused", worker=node, reason=str(e))
         except Exception as e:  # noqa: BLE001 - a peer that cannot be probed now is retried later
             log.debug("experts_probe_failed", worker=node, error=repr(e))
