@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -258,10 +259,16 @@ def test_all_requests_of_a_layer_go_out_before_any_reply_is_read(tmp_path: Path,
             events.append(("send", self.name))
             await self.inner.send(payload, end)  # type: ignore[attr-defined]
 
-        async def recv(self) -> bytes | None:
-            data = await self.inner.recv()  # type: ignore[attr-defined]
-            events.append(("recv", self.name))
-            return data
+        def send_now(self, payload: bytes) -> bool:
+            events.append(("send", self.name))
+            return self.inner.send_now(payload)  # type: ignore[attr-defined,no-any-return]
+
+        def set_receiver(self, on_data: Any, on_end: Any) -> None:
+            def spied(data: bytes) -> None:
+                events.append(("recv", self.name))
+                on_data(data)
+
+            self.inner.set_receiver(spied, on_end)  # type: ignore[attr-defined]
 
         def reset(self, code: int) -> None:
             self.inner.reset(code)  # type: ignore[attr-defined]

@@ -3,6 +3,7 @@ credit that follows what the application reads. Used by ``transport.quic``."""
 
 from __future__ import annotations
 
+from aioquic import tls
 from aioquic.quic.connection import MAX_STREAM_DATA_FRAME_CAPACITY, QuicConnection
 from aioquic.quic.packet import QuicFrameType
 from aioquic.quic.packet_builder import QuicPacketBuilder
@@ -37,6 +38,17 @@ class MeshQuicConnection(QuicConnection):
 
     app_consumed: dict[int, int]
     app_window: int
+
+    def ack_with_data(self, now: float) -> None:
+        """Carry a pending (delayed) ACK in the next packet, which is about to carry stream data.
+
+        aioquic writes an ACK frame only once its delay (1 ms) has passed, so a reply sent sooner goes
+        without it and a separate ACK-only packet follows, which both ends pay for in Python. RFC 9000
+        13.2.1: "an endpoint SHOULD include ACK frames in packets it sends when it has ACKs to send".
+        """
+        space = self._spaces.get(tls.Epoch.ONE_RTT)
+        if space is not None and space.ack_at is not None and space.ack_at > now:
+            space.ack_at = now
 
     def _write_stream_limits(
         self, builder: QuicPacketBuilder, space: QuicPacketSpace, stream: QuicStream

@@ -119,6 +119,8 @@ class Stream:
         self._sent_end = False
         self._handler_task: asyncio.Task[Any] | None = None
         self._app_done = False  # its user is finished; kept until aioquic discards the QUIC stream
+        self._receiver: tuple[Callable[[bytes], None], Callable[[Exception | None], None]] | None = None
+        self._paused = False
 
     @property
     def peer(self) -> Peer | None:
@@ -158,6 +160,79 @@ class Stream:
         if self._sent_end and self._ended and not self._frames:
             self._mark_done()
 
+    def send_now(self, payload: bytes) -> bool:
+        """Send one DATA frame at once, without waiting, and flush it to the network in this call.
+
+        False (nothing sent) when the stream's send buffer is over its limit: use :meth:`send` then.
+        For latency-bound request/reply traffic (expert RPC): no task switch and no deferred transmit.
+        Raises like :meth:`send` if the stream or the connection is gone.
+        """
+        if self._sent_end:
+            raise TransportError("stream already ended")
+        if self._error is not None:
+            raise self._error
+        assert self.stream_type is not None  # noqa: S101 - set for local streams and after preamble
+        if not self._conn.write_now(self.stream_id, encode_frame(FrameType.DATA, payload,
+                                                                 max_frame_bytes(self.stream_type))):
+            return False
+        self._check_done()
+        return True
+
+    def set_receiver(self, on_data: Callable[[bytes], None], on_end: Callable[[Exception | None], None]) -> None:
+        """Deliver this stream's input by callback, on the loop, as each packet is read (no task wake).
+
+        ``on_data(payload)`` for each DATA frame (frames already queued are delivered now), then once
+        ``on_end(None)`` at a clean end or ``on_end(error)`` (StreamReset, RemoteError, TransportError).
+        :meth:`recv` must not be used afterwards. Input is taken as it arrives, so the receiver bounds what it
+        keeps. A callback that raises resets the stream.
+        """
+        self._receiver = (on_data, on_end)
+        self._deliver()
+
+    def pause_receiving(self) -> None:
+        """Stop delivering to the receiver: input queues (and its flow credit stops) until resumed."""
+        self._paused = True
+
+    def resume_receiving(self) -> None:
+        self._paused = False
+        self._deliver()
+
+    def _deliver(self) -> None:
+        if self._receiver is None or self._paused:
+            return
+        on_data, on_end = self._receiver
+        try:
+            while self._frames:
+                if self._paused:
+                    self._conn._consumed(self)
+                    return
+                frame = self._frames.popleft()
+                self._queued_bytes -= len(frame.payload)
+                self._raw_queued -= limits.FRAME_HEADER_BYTES + len(frame.payload)
+                if frame.type is FrameType.ERROR:
+                    self._receiver = None
+                    self._frames.clear()
+                    self._queued_bytes = self._raw_queued = 0
+                    on_end(RemoteError(*decode_error(frame.payload)))
+                    return
+                on_data(frame.payload)
+            self._conn._consumed(self)
+            if self._error is not None:
+                self._receiver = None
+                on_end(self._error)
+            elif self._ended:
+                self._receiver = None
+                self._check_done()
+                on_end(None)
+        except Exception as e:  # noqa: BLE001 - a receiver's bug resets its stream, never the connection
+            log.warning("stream_receiver_failed", stream_type=self.stream_type, error=repr(e))
+            self._receiver = None
+            self.reset(ErrorCode.INTERNAL_ERROR)
+            try:
+                on_end(TransportError(f"stream receiver failed: {e!r}"))
+            except Exception as e2:  # noqa: BLE001
+                log.warning("stream_receiver_failed", stream_type=self.stream_type, error=repr(e2))
+
     async def recv(self) -> bytes | None:
         """Next DATA payload; None at a clean end. Raises StreamReset, RemoteError or TransportError."""
         frame = await self._recv_frame()
@@ -195,7 +270,9 @@ class Stream:
     # -- called by the connection ----------------------------------------------------------------
 
     def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
+        if self._receiver is not None:
+            self._deliver()
+        elif self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
     def _on_frames(self, frames: list[Frame], end: bool, recv_limit: int) -> bool:
@@ -373,7 +450,24 @@ class _Connection(QuicConnectionProtocol):
             self._quic.send_stream_data(stream_id, data, end_stream=end)
         except ValueError as e:  # aioquic: the stream was reset or finished meanwhile
             raise TransportError(f"stream closed: {e}") from None
+        if isinstance(self._quic, MeshQuicConnection):
+            self._quic.ack_with_data(self._loop.time())
         self._transmit_soon()
+
+    def write_now(self, stream_id: int, data: bytes) -> bool:
+        """``write`` without waiting: False if the send buffer is over its limit; sends the packet now."""
+        if self.closing:
+            raise TransportError(f"connection closed: {self.close_reason or 'closed'}")
+        if self._pending_send_bytes(stream_id) > self.mesh.config.stream_send_buffer_bytes:
+            return False
+        try:
+            self._quic.send_stream_data(stream_id, data)
+        except ValueError as e:  # aioquic: the stream was reset or finished meanwhile
+            raise TransportError(f"stream closed: {e}") from None
+        if isinstance(self._quic, MeshQuicConnection):
+            self._quic.ack_with_data(self._loop.time())
+        self.transmit()
+        return True
 
     def reset_stream(self, stream_id: int, code: int) -> None:
         try:

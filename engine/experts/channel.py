@@ -1,16 +1,19 @@
 """The byte channel expert RPC runs over, and an in-process one for tests and benchmarks.
 
 A channel has the shape of ``transport.quic.Stream``: ``send(payload, end=False)``, ``recv() -> bytes |
-None`` (None at a clean end) and ``reset(code)``. The codec is self-delimiting, so a channel may deliver
-bytes in any chunking. :func:`socketpair_channels` gives two connected channels over a kernel socket pair:
+None`` (None at a clean end) and ``reset(code)``, plus the latency path expert RPC uses: ``send_now(payload)
+-> bool`` (sent and flushed at once, or False if the send buffer is full) and ``set_receiver(on_data,
+on_end)`` (input delivered by callback on the loop instead of ``recv``). The codec is self-delimiting, so a
+channel may deliver bytes in any chunking. :func:`socketpair_channels` gives two connected channels over a kernel socket pair:
 real bytes, real buffering, no network.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol, TypeVar
 
 from transport import limits
@@ -25,6 +28,14 @@ class ByteChannel(Protocol):
 
     def reset(self, code: int) -> None: ...
 
+    def send_now(self, payload: bytes) -> bool: ...
+
+    def set_receiver(self, on_data: Callable[[bytes], None], on_end: Callable[[Exception | None], None]) -> None: ...
+
+    def pause_receiving(self) -> None: ...
+
+    def resume_receiving(self) -> None: ...
+
 
 class ChannelClosed(Exception):
     """The other side reset the channel or it broke."""
@@ -33,9 +44,44 @@ class ChannelClosed(Exception):
 class SocketChannel:
     """A :class:`ByteChannel` over an asyncio stream pair (here: one end of a socket pair)."""
 
+    SEND_BUFFER_BYTES = 1024 * 1024  # send_now refuses above this much unsent data
+
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
         self._writer = writer
+        self._pump: asyncio.Task[None] | None = None
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+
+    def pause_receiving(self) -> None:
+        self._resumed.clear()
+
+    def resume_receiving(self) -> None:
+        self._resumed.set()
+
+    def send_now(self, payload: bytes) -> bool:
+        transport = self._writer.transport
+        if transport is None or transport.is_closing():
+            raise ChannelClosed("channel closed")
+        if transport.get_write_buffer_size() > self.SEND_BUFFER_BYTES:
+            return False
+        self._writer.write(payload)
+        return True
+
+    def set_receiver(self, on_data: Callable[[bytes], None], on_end: Callable[[Exception | None], None]) -> None:
+        async def pump() -> None:
+            error: Exception | None = None
+            try:
+                while (data := await self.recv()) is not None:
+                    on_data(data)
+                    await self._resumed.wait()
+            except asyncio.CancelledError:
+                error = ChannelClosed("channel reset")
+            except Exception as e:  # noqa: BLE001 - reported to the receiver
+                error = e
+            on_end(error)
+
+        self._pump = asyncio.get_running_loop().create_task(pump())
 
     async def send(self, payload: bytes, end: bool = False) -> None:
         try:
@@ -57,6 +103,9 @@ class SocketChannel:
         transport = self._writer.transport
         if transport is not None and not transport.is_closing():
             transport.abort()
+        if self._pump is not None and self._pump is not asyncio.current_task():
+            with contextlib.suppress(RuntimeError):
+                self._pump.cancel()
 
 
 async def socketpair_channels() -> tuple[SocketChannel, SocketChannel]:

@@ -22,11 +22,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import structlog
@@ -112,8 +114,16 @@ class LinkStats:
                 "latency_ms_max": round(self.latency_max_s * 1e3, 3)}
 
 
+Sink = Callable[["rpc.Message | WorkerFailed"], None]  # gets a request's reply, or why it has none
+
+
 class WorkerLink:
-    """One hello'd channel to a worker; many requests may be in flight (matched by request id)."""
+    """One hello'd channel to a worker; many requests may be in flight (matched by request id).
+
+    Replies are read by callback on the loop as their packets arrive (``set_receiver``) and handed to the
+    sink registered for their request id: an asyncio future's for :meth:`submit`, the layer call's for the
+    engine thread's fast path.
+    """
 
     def __init__(self, node_id: str, channel: ByteChannel, stats: LinkStats) -> None:
         self.node_id = node_id
@@ -123,13 +133,16 @@ class WorkerLink:
         self.holds: frozenset[tuple[int, int]] = frozenset()
         self.closed = False
         self.close_reason = ""
-        self._pending: dict[int, asyncio.Future[rpc.Message]] = {}
-        self._next_id = 1
+        self._pending: dict[int, Sink] = {}
+        self._ids = itertools.count(1)  # next() is atomic: ids may be taken on the engine thread
         self._send_lock = asyncio.Lock()
-        self._reader: asyncio.Task[None] | None = None
+        self._decoder = rpc.MessageDecoder()
+
+    def next_id(self) -> int:
+        return (next(self._ids) - 1) % 0xFFFFFFFF + 1
 
     async def hello(self, fingerprint: bytes, layout: MoeLayout, timeout_s: float) -> rpc.HelloAck:
-        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        self.channel.set_receiver(self._on_data, self._on_end)
         try:
             fut = await self.submit(rpc.Hello(fingerprint=fingerprint))
             reply = await asyncio.wait_for(fut, timeout_s)
@@ -151,16 +164,44 @@ class WorkerLink:
                                if reply.holds(layer, e))
         return reply
 
-    async def submit(self, msg: rpc.Message) -> asyncio.Future[rpc.Message]:
-        """Send one message; the returned future resolves to the reply (or fails with WorkerFailed)."""
+    def expect(self, rid: int, sink: Sink) -> None:
+        """Route the reply to request ``rid`` to ``sink`` (loop thread)."""
         if self.closed:
             raise WorkerFailed(f"link closed ({self.close_reason})")
         if len(self._pending) >= limits.EXPERT_MAX_INFLIGHT_PER_WORKER:
             raise WorkerFailed("too many requests in flight")
-        rid = self._next_id
-        self._next_id = self._next_id % 0xFFFFFFFF + 1
+        self._pending[rid] = sink
+
+    def forget(self, rid: int) -> None:
+        """A reply to ``rid`` is no longer wanted (it is dropped when it comes)."""
+        self._pending.pop(rid, None)
+
+    def send_now(self, data: bytes) -> bool:
+        """Send one encoded message at once (loop thread); False if the channel's send buffer is full."""
+        try:
+            sent = self.channel.send_now(data)
+        except Exception as e:  # noqa: BLE001 - any send failure means the link is gone
+            self.close(f"send failed: {e!r}")
+            raise WorkerFailed(f"send failed: {e!r}") from None
+        if sent:
+            self.stats.bytes_out += len(data)
+        return sent
+
+    async def submit(self, msg: rpc.Message) -> asyncio.Future[rpc.Message]:
+        """Send one message; the returned future resolves to the reply (or fails with WorkerFailed)."""
+        rid = self.next_id()
         fut: asyncio.Future[rpc.Message] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = fut
+
+        def sink(reply: rpc.Message | WorkerFailed) -> None:
+            if fut.done():
+                return
+            if isinstance(reply, WorkerFailed):
+                fut.set_exception(reply)
+                fut.exception()  # nobody may await it any more (timed out): not an unretrieved error
+            else:
+                fut.set_result(reply)
+
+        self.expect(rid, sink)
         data = rpc.encode(msg, rid)
         step = limits.EXPERT_SEND_CHUNK_BYTES
         try:
@@ -173,44 +214,78 @@ class WorkerLink:
         self.stats.bytes_out += len(data)
         return fut
 
-    async def _read_loop(self) -> None:
-        decoder = rpc.MessageDecoder()
-        reason = "stream ended"
+    def _on_data(self, data: bytes) -> None:
+        if self.closed:
+            return
+        self.stats.bytes_in += len(data)
         try:
-            while True:
-                data = await self.channel.recv()
-                if data is None:
-                    break
-                self.stats.bytes_in += len(data)
-                for env in decoder.feed(data):
-                    fut = self._pending.pop(env.request_id, None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(env.message)
-                    elif isinstance(env.message, rpc.ErrorMsg) and env.request_id == 0:
-                        reason = f"worker error: {env.message.text}"
-                        break
-        except asyncio.CancelledError:
-            reason = "closed"
+            for env in self._decoder.feed(data):
+                sink = self._pending.pop(env.request_id, None)
+                if sink is not None:
+                    sink(env.message)
+                elif isinstance(env.message, rpc.ErrorMsg) and env.request_id == 0:
+                    self.close(f"worker error: {env.message.text}")
+                    return
         except rpc.ExpertProtocolError as e:
-            reason = f"protocol error: {e}"
-        except Exception as e:  # noqa: BLE001 - a reset or broken stream
-            reason = f"stream broke: {e!r}"
-        self.close(reason)
+            self.close(f"protocol error: {e}")
+
+    def _on_end(self, error: Exception | None) -> None:
+        self.close("stream ended" if error is None else f"stream broke: {error!r}")
 
     def close(self, reason: str) -> None:
         if self.closed:
             return
         self.closed = True
         self.close_reason = reason
-        for fut in self._pending.values():
-            if not fut.done():
-                fut.set_exception(WorkerFailed(reason))
-                fut.exception()  # nobody may await it any more (timed out): not an unretrieved error
-        self._pending.clear()
+        pending, self._pending = self._pending, {}
+        for sink in pending.values():
+            sink(WorkerFailed(reason))
         with contextlib.suppress(Exception):
             self.channel.reset(0)
-        if self._reader is not None and self._reader is not asyncio.current_task():
-            self._reader.cancel()
+
+
+@dataclass(eq=False)
+class _FastSend:
+    """One worker's request in a fast-path layer call."""
+
+    node: str
+    link: WorkerLink
+    rid: int
+    data: bytes
+    items: list[int]
+    rows: int
+    pairs: int
+    reply: rpc.ExpertReply | None = None
+    t0: float = 0.0
+
+
+class _FastCall:
+    """A layer whose requests are sent by one loop callback and whose replies are taken as they are read.
+
+    The engine thread waits on ``lock`` (released once, by :meth:`settle`, on the loop thread): every reply
+    arrived (``error`` None) or the call gave up (``error`` says why) and the engine thread takes the
+    general path instead.
+    """
+
+    def __init__(self, layer: int, sends: list[_FastSend]) -> None:
+        self.layer = layer
+        self.sends = sends
+        self.left = len(sends)
+        self.error: str | None = None
+        self.settled = False
+        self.lock = threading.Lock()
+        self.lock.acquire()
+
+    def settle(self, error: str | None = None) -> None:
+        if self.settled:
+            return
+        self.settled = True
+        self.error = error
+        if error is not None:
+            for s in self.sends:
+                if s.reply is None:
+                    s.link.forget(s.rid)
+        self.lock.release()
 
 
 @dataclass
@@ -348,16 +423,13 @@ class RemoteExecutor:
             raise RuntimeError("the remote expert executor must not be called from its event loop thread")
         omap = self._map_for(layer)
         x = np.ascontiguousarray(x, dtype=np.float32)
-        fut = asyncio.run_coroutine_threadsafe(self._run_layer(layer, x, list(work), omap), self.loop)
-        try:
-            results, local = fut.result(timeout=self.config.layer_timeout_s + 1.0)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            results, local = [None] * len(work), list(range(len(work)))
-            if self.config.mode == "on":
-                self._count_unavailable()
-                raise ExpertsUnavailable(f"layer {layer}: expert workers did not answer within "
-                                         f"{self.config.layer_timeout_s}s") from None
+        work = list(work)
+        fast = self._run_fast(layer, x, work, omap)
+        if fast is not None:
+            results: list[np.ndarray | None] = fast
+            local: list[int] = []
+        else:
+            results, local = self._run_general(layer, x, work, omap)
         if local:
             self._fallback(layer, x, work, results, local)
         with self._stats_lock:
@@ -372,6 +444,114 @@ class RemoteExecutor:
         if len(out) != len(work):
             raise RuntimeError(f"layer {layer}: {len(work) - len(out)} expert outputs missing")
         return out
+
+    def _run_general(self, layer: int, x: np.ndarray, work: list[WorkItem],
+                     omap: OwnershipMap) -> tuple[list[np.ndarray | None], list[int]]:
+        fut = asyncio.run_coroutine_threadsafe(self._run_layer(layer, x, work, omap), self.loop)
+        try:
+            return fut.result(timeout=self.config.layer_timeout_s + 1.0)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            if self.config.mode == "on":
+                self._count_unavailable()
+                raise ExpertsUnavailable(f"layer {layer}: expert workers did not answer within "
+                                         f"{self.config.layer_timeout_s}s") from None
+            return [None] * len(work), list(range(len(work)))
+
+    # --- the fast path: the common case of a decode step -----------------------------------------
+    #
+    # Every item has a live pinned holder and each worker's share fits one request. The engine thread
+    # builds and encodes the requests, one loop callback sends them all (each flushed at once), and the
+    # replies are matched as their packets are read; the engine thread sleeps on a lock meanwhile. No task,
+    # no future chain: a layer costs the loop two wake-ups (send, and each reply's packet). Anything else
+    # (a worker gone, a typed error, a timeout, a full send buffer) gives up and the layer is run again by
+    # the general path, which retries, falls back and reports.
+
+    def _run_fast(self, layer: int, x: np.ndarray, work: list[WorkItem],
+                  omap: OwnershipMap) -> list[np.ndarray | None] | None:
+        by_worker: dict[str, list[int]] = {}
+        links = self.links
+        for i, (expert, _rows) in enumerate(work):
+            for h in omap.holders(layer, expert):
+                link = links.get(h)
+                if link is not None and not link.closed:
+                    by_worker.setdefault(h, []).append(i)
+                    break
+            else:
+                return None
+        sends: list[_FastSend] = []
+        for node, items in by_worker.items():
+            link = links.get(node)
+            if link is None or len(self._chunks(link, x, work, items)) != 1:
+                return None
+            req = self._request(layer, x, work, items)
+            rid = link.next_id()
+            sends.append(_FastSend(node, link, rid, rpc.encode(req, rid), items, req.x.shape[0], req.pairs.shape[0]))
+        call = _FastCall(layer, sends)
+        self.loop.call_soon_threadsafe(self._fast_dispatch, call)
+        if not call.lock.acquire(timeout=self.config.message_timeout_s):
+            self.loop.call_soon_threadsafe(self._fast_timeout, call)
+            return None
+        if call.error is not None:
+            return None
+        results: list[np.ndarray | None] = [None] * len(work)
+        for snd in sends:
+            assert snd.reply is not None  # noqa: S101 - settled without error: every reply is in
+            self._fill(layer, work, snd.items, snd.reply, results)
+        return results
+
+    def _fast_dispatch(self, call: _FastCall) -> None:
+        """Loop thread: send every request of the call."""
+        now = time.perf_counter()
+        for snd in call.sends:
+            if self.links.get(snd.node) is not snd.link:
+                call.settle(f"worker {snd.node} is gone")
+                return
+            try:
+                snd.link.expect(snd.rid, partial(self._fast_reply, call, snd))
+                snd.t0 = now
+                if not snd.link.send_now(snd.data):
+                    call.settle(f"send buffer to {snd.node} is full")
+                    return
+            except WorkerFailed as e:
+                call.settle(str(e))
+                return
+            snd.link.stats.rows += snd.rows
+            snd.link.stats.pairs += snd.pairs
+
+    def _fast_reply(self, call: _FastCall, snd: _FastSend, reply: rpc.Message | WorkerFailed) -> None:
+        """Loop thread: one worker's reply (or its link's failure)."""
+        if call.settled:
+            return
+        if not (isinstance(reply, rpc.ExpertReply) and reply.layer == call.layer
+                and reply.out.shape[0] == snd.pairs):
+            self._count_retries(len(snd.items))
+            call.settle(f"worker {snd.node}: {reply if isinstance(reply, WorkerFailed) else type(reply).__name__}")
+            return
+        st = snd.link.stats
+        st.calls += 1
+        st.compute_sum_s += reply.compute_us / 1e6
+        st.observe(time.perf_counter() - snd.t0)
+        snd.reply = reply
+        call.left -= 1
+        if call.left == 0:
+            call.settle()
+
+    def _fast_timeout(self, call: _FastCall) -> None:
+        """Loop thread: the engine thread stopped waiting; drop the workers that did not answer."""
+        if call.settled and call.error is None:
+            return  # the replies came just after the engine gave up; the general path recomputes the layer
+        silent = [snd for snd in call.sends if snd.reply is None]
+        call.settle("timeout")
+        self._count_retries(sum(len(snd.items) for snd in silent))
+        for snd in silent:
+            if self.links.get(snd.node) is snd.link:
+                self.link_stats[snd.node].errors += 1
+                self._drop(snd.node, f"layer {call.layer}: no reply within {self.config.message_timeout_s}s")
+
+    def _count_retries(self, items: int) -> None:
+        with self._stats_lock:
+            self.stats.retries += items
 
     def _count_unavailable(self) -> None:
         with self._stats_lock:

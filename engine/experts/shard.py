@@ -89,6 +89,8 @@ class ExpertShard:
     maps: RangeMaps
     _held: frozenset[tuple[int, int]] = field(default_factory=frozenset)
 
+    _f32: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+
     def __post_init__(self) -> None:
         self._held = frozenset(self.tensors)
 
@@ -105,11 +107,18 @@ class ExpertShard:
 
     def weights(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(gate [I, D], up [I, D], down [D, I]) as fp32; raises ``KeyError`` if not held."""
+        views = self._f32.get((layer, expert))
+        if views is not None:
+            return views
         g, u, d = self.tensors[(layer, expert)]
-        return (as_f32(self.maps.array(g), g.dtype), as_f32(self.maps.array(u), u.dtype),
-                as_f32(self.maps.array(d), d.dtype))
+        triple = (as_f32(self.maps.array(g), g.dtype), as_f32(self.maps.array(u), u.dtype),
+                  as_f32(self.maps.array(d), d.dtype))
+        if g.dtype == u.dtype == d.dtype == "F32":
+            self._f32[(layer, expert)] = triple  # views of the mapping: kept, they cost no memory
+        return triple
 
     def close(self) -> None:
+        self._f32.clear()
         self.maps.close()
 
 

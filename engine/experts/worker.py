@@ -2,17 +2,21 @@
 
 :meth:`ExpertWorker.serve` runs one channel to its end. The first message must be HELLO: the worker
 picks the shard whose fingerprint matches (else answers FINGERPRINT_MISMATCH naming the checkpoints it
-holds and ends the channel). Each EXPERT_REQUEST is computed off the event loop with the shared
-``expert_ffn`` on exactly the rows of each expert in the request, and answered in request order. Errors in
-a request are answered with a typed ERROR; a protocol violation ends the channel.
+holds and ends the channel). Each EXPERT_REQUEST is computed with the shared ``expert_ffn`` on exactly the
+rows of each expert in the request (decode-sized ones inline, as their packet is read, and the reply flushed
+at once; larger ones in a thread, the input paused meanwhile) and answered in request order. Errors in a
+request are answered with a typed ERROR; a protocol violation ends the channel.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import structlog
@@ -52,11 +56,12 @@ class WorkerStats:
                 "compute_s": round(self.compute_s, 6), "experts_hit": len(self.expert_rows)}
 
 
-def compute_request(weights: ExpertWeightsFn, req: rpc.ExpertRequest) -> np.ndarray:
+def compute_request(weights: ExpertWeightsFn, req: rpc.ExpertRequest,
+                    groups: list[tuple[int, np.ndarray]] | None = None) -> np.ndarray:
     """[n_pairs, D] outputs in request order: ``expert_ffn(x[rows_e], W_e)`` for each expert's rows."""
     out = np.empty((req.pairs.shape[0], req.x.shape[1]), dtype=np.float32)
     pos = 0
-    for expert, rows in req.groups():
+    for expert, rows in (req.groups() if groups is None else groups):
         y = expert_ffn(req.x[rows], *weights(req.layer, expert))  # [n, D]
         out[pos:pos + len(rows)] = y
         pos += len(rows)
@@ -79,7 +84,6 @@ class ExpertWorker:
         self.stats = WorkerStats()
         self._reply_hook = reply_hook
         self._closing = False
-        self._peer_max_bytes: dict[int, int] = {}  # per channel: the coordinator's message limit (hello)
 
     def fingerprints(self) -> list[bytes]:
         return list(self._by_fp)
@@ -107,126 +111,45 @@ class ExpertWorker:
 
         return weights
 
-    async def _send(self, channel: ByteChannel, msg: rpc.Message, request_id: int) -> None:
-        data = rpc.encode(msg, request_id)
-        self.stats.bytes_out += len(data)
-        step = limits.EXPERT_SEND_CHUNK_BYTES
-        for i in range(0, len(data), step):
-            await channel.send(data[i:i + step])
-
     async def serve(self, channel: ByteChannel, peer: str = "") -> None:
         """Serve one channel until it ends, breaks or violates the protocol. Never raises."""
         self.stats.channels += 1
+        session = _Session(self, channel, peer)
         try:
-            await self._serve(channel, peer)
+            await session.run()
         finally:
-            self._peer_max_bytes.pop(id(channel), None)
+            session.close()
 
-    async def _serve(self, channel: ByteChannel, peer: str) -> None:
-        decoder = rpc.MessageDecoder(self.max_message_bytes)
-        fp: bytes | None = None
-        try:
-            while True:
-                data = await channel.recv()
-                if data is None:
-                    await channel.send(b"", end=True)
-                    return
-                self.stats.bytes_in += len(data)
-                for env in decoder.feed(data):
-                    fp = await self._handle(channel, env, fp, peer)
-                    if fp == b"":
-                        await channel.send(b"", end=True)
-                        return
-        except rpc.ExpertProtocolError as e:
-            self.stats.errors += 1
-            log.info("experts_worker_protocol_error", peer=peer, reason=str(e))
-            try:
-                await self._send(channel, rpc.ErrorMsg(e.code, e.reason), 0)
-            except Exception:  # noqa: BLE001 - the channel is being dropped anyway
-                pass
-            channel.reset(1)
-        except asyncio.CancelledError:
-            channel.reset(0)
-            raise
-        except Exception as e:  # noqa: BLE001 - a network handler never lets an exception escape
-            log.debug("experts_worker_channel_ended", peer=peer, error=repr(e))
-            channel.reset(0)
+    def _check_request(self, fp: bytes, req: rpc.ExpertRequest, groups: list[tuple[int, np.ndarray]],
+                       peer_max_bytes: int) -> rpc.ErrorMsg | None:
+        """The typed error a request gets instead of a reply, if any."""
+        if self._closing:
+            return rpc.ErrorMsg(rpc.ErrorCode.SHUTTING_DOWN, "worker is stopping")
+        missing = [e for e, _ in groups if self._holder(fp, req.layer, e) is None]
+        if missing:
+            return rpc.ErrorMsg(rpc.ErrorCode.NOT_HELD, f"layer {req.layer} expert {missing[0]} is not held here",
+                                req.layer, missing[0])
+        hidden = self._by_fp[fp][0].layout.hidden_size
+        reply_bytes = rpc.HEADER_BYTES + 16 + 4 * req.pairs.shape[0] * hidden + rpc.CRC_BYTES
+        if reply_bytes > peer_max_bytes:
+            return rpc.ErrorMsg(rpc.ErrorCode.TOO_LARGE, f"the reply would be {reply_bytes} bytes", req.layer)
+        if req.x.shape[1] != hidden:
+            return rpc.ErrorMsg(rpc.ErrorCode.BAD_REQUEST, f"hidden size {req.x.shape[1]} != {hidden}", req.layer)
+        return None
 
-    async def _handle(self, channel: ByteChannel, env: rpc.Envelope, fp: bytes | None, peer: str) -> bytes | None:
-        msg, rid = env.message, env.request_id
-        if isinstance(msg, rpc.Echo):
-            await self._send(channel, rpc.EchoReply(msg.payload), rid)
-            return fp
-        if isinstance(msg, rpc.Hello):
-            if fp is not None:
-                raise rpc.ExpertProtocolError(rpc.ErrorCode.PROTOCOL, "second hello")
-            if not msg.min_version <= rpc.PROTOCOL_VERSION <= msg.max_version:
-                await self._send(channel, rpc.ErrorMsg(rpc.ErrorCode.VERSION_UNSUPPORTED,
-                                                       f"worker speaks expert protocol {rpc.PROTOCOL_VERSION}"), rid)
-                return b""
-            if msg.fingerprint not in self._by_fp:
-                held = ", ".join(f"{s.path} ({f.hex()[:16]})" for f, ss in self._by_fp.items() for s in ss)
-                self.stats.errors += 1
-                log.info("experts_worker_refused_fingerprint", peer=peer, wanted=msg.fingerprint.hex()[:16])
-                await self._send(channel, rpc.ErrorMsg(
-                    rpc.ErrorCode.FINGERPRINT_MISMATCH,
-                    f"worker holds a different checkpoint: {held or 'none'}; asked for {msg.fingerprint.hex()[:16]}"),
-                    rid)
-                return b""
-            self._peer_max_bytes[id(channel)] = msg.max_message_bytes
-            await self._send(channel, self._ack(msg.fingerprint), rid)
-            return msg.fingerprint
-        if isinstance(msg, rpc.ExpertRequest):
-            if fp is None:
-                raise rpc.ExpertProtocolError(rpc.ErrorCode.PROTOCOL, "expert_request before hello")
-            await self._request(channel, fp, msg, rid)
-            return fp
-        raise rpc.ExpertProtocolError(rpc.ErrorCode.PROTOCOL, f"unexpected {type(msg).__name__}")
+    def _inline(self, fp: bytes, req: rpc.ExpertRequest) -> bool:
+        layout = self._by_fp[fp][0].layout
+        flops = req.pairs.shape[0] * layout.hidden_size * layout.intermediate_size * 6
+        return flops <= INLINE_MAX_FLOPS and self._reply_hook is None
 
-    def _compute(self, weights: ExpertWeightsFn, req: rpc.ExpertRequest) -> np.ndarray:
-        out = compute_request(weights, req)
+    def _compute(self, weights: ExpertWeightsFn, req: rpc.ExpertRequest,
+                 groups: list[tuple[int, np.ndarray]]) -> np.ndarray:
+        out = compute_request(weights, req, groups)
         if self._reply_hook is not None:
             self._reply_hook(req.layer, out)  # runs in the compute thread, like the computation
         return out
 
-    async def _request(self, channel: ByteChannel, fp: bytes, req: rpc.ExpertRequest, rid: int) -> None:
-        if self._closing:
-            await self._send(channel, rpc.ErrorMsg(rpc.ErrorCode.SHUTTING_DOWN, "worker is stopping"), rid)
-            return
-        groups = req.groups()
-        missing = [e for e, _ in groups if self._holder(fp, req.layer, e) is None]
-        if missing:
-            self.stats.errors += 1
-            await self._send(channel, rpc.ErrorMsg(rpc.ErrorCode.NOT_HELD,
-                                                   f"layer {req.layer} expert {missing[0]} is not held here",
-                                                   req.layer, missing[0]), rid)
-            return
-        hidden = self._by_fp[fp][0].layout.hidden_size
-        reply_bytes = rpc.HEADER_BYTES + 16 + 4 * req.pairs.shape[0] * hidden + rpc.CRC_BYTES
-        if reply_bytes > self._peer_max_bytes.get(id(channel), limits.EXPERT_MAX_MESSAGE_BYTES):
-            self.stats.errors += 1
-            await self._send(channel, rpc.ErrorMsg(rpc.ErrorCode.TOO_LARGE,
-                                                   f"the reply would be {reply_bytes} bytes", req.layer), rid)
-            return
-        if req.x.shape[1] != hidden:
-            self.stats.errors += 1
-            await self._send(channel, rpc.ErrorMsg(rpc.ErrorCode.BAD_REQUEST,
-                                                   f"hidden size {req.x.shape[1]} != {hidden}", req.layer), rid)
-            return
-        t0 = time.perf_counter()
-        weights = self._weights_for(fp)
-        try:
-            flops = req.pairs.shape[0] * hidden * self._by_fp[fp][0].layout.intermediate_size * 6
-            if flops <= INLINE_MAX_FLOPS and self._reply_hook is None:
-                out = self._compute(weights, req)  # small (decode): a thread hop would cost more than this
-            else:
-                out = await asyncio.to_thread(self._compute, weights, req)
-        except Exception as e:  # noqa: BLE001 - answered as a typed error
-            self.stats.errors += 1
-            log.warning("experts_worker_compute_failed", layer=req.layer, error=repr(e))
-            await self._send(channel, rpc.ErrorMsg(rpc.ErrorCode.INTERNAL, "compute failed", req.layer), rid)
-            return
-        dt = time.perf_counter() - t0
+    def _served(self, req: rpc.ExpertRequest, groups: list[tuple[int, np.ndarray]], dt: float) -> None:
         st = self.stats
         st.requests += 1
         st.rows += req.x.shape[0]
@@ -234,4 +157,202 @@ class ExpertWorker:
         st.compute_s += dt
         for expert, rows in groups:
             st.expert_rows[(req.layer, expert)] = st.expert_rows.get((req.layer, expert), 0) + len(rows)
-        await self._send(channel, rpc.ExpertReply(layer=req.layer, out=out, compute_us=int(dt * 1e6)), rid)
+
+
+class _Session:
+    """One coordinator's channel on a worker.
+
+    Input is taken by callback as packets are read; a message that can be answered at once (a hello, an
+    echo, a decode-sized request computed inline) is answered in the same callback and its reply flushed
+    to the network there. Anything that must wait (a request computed in a thread, a reply larger than the
+    send buffer takes) pauses the input until it is done, so replies keep request order and a
+    coordinator that sends too much meets the transport's flow control, as before.
+    """
+
+    def __init__(self, worker: ExpertWorker, channel: ByteChannel, peer: str) -> None:
+        self.w = worker
+        self.ch = channel
+        self.peer = peer
+        self.decoder = rpc.MessageDecoder(worker.max_message_bytes)
+        self.fp: bytes | None = None
+        self.peer_max_bytes = limits.EXPERT_MAX_MESSAGE_BYTES
+        self.inbox: deque[rpc.Envelope] = deque()
+        self.task: asyncio.Task[None] | None = None
+        self.input_ended = False
+        self.finished = False
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def run(self) -> None:
+        self.ch.set_receiver(self._on_data, self._on_end)
+        try:
+            await self.done
+        except asyncio.CancelledError:
+            self._stop(reset=True)
+            raise
+
+    def close(self) -> None:
+        if self.task is not None and self.task is not asyncio.current_task():
+            self.task.cancel()
+
+    # -- input (loop callbacks) ------------------------------------------------------------------
+
+    def _on_data(self, data: bytes) -> None:
+        if self.finished:
+            return
+        self.w.stats.bytes_in += len(data)
+        try:
+            self.inbox.extend(self.decoder.feed(data))
+        except rpc.ExpertProtocolError as e:
+            self._protocol_error(e)
+            return
+        self._pump()
+
+    def _on_end(self, error: Exception | None) -> None:
+        if error is not None:
+            log.debug("experts_worker_channel_ended", peer=self.peer, error=repr(error))
+            self._stop(reset=True)
+            return
+        self.input_ended = True
+        self._pump()
+
+    def _pump(self) -> None:
+        """Answer queued messages in order until one needs to wait (then a task carries on)."""
+        while self.inbox and self.task is None and not self.finished:
+            env = self.inbox.popleft()
+            try:
+                rest = self._handle(env)
+            except rpc.ExpertProtocolError as e:
+                self._protocol_error(e)
+                return
+            if rest is not None:
+                self.ch.pause_receiving()
+                self.task = asyncio.get_running_loop().create_task(self._carry_on(rest))
+        if self.input_ended and not self.inbox and self.task is None and not self.finished:
+            self._end_cleanly()
+
+    async def _carry_on(self, rest: Coroutine[Any, Any, None]) -> None:
+        try:
+            await rest
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a network handler never lets an exception escape
+            log.debug("experts_worker_channel_ended", peer=self.peer, error=repr(e))
+            self._stop(reset=True)
+            return
+        self.task = None
+        if self.finished:
+            return
+        self.ch.resume_receiving()
+        self._pump()
+
+    # -- messages --------------------------------------------------------------------------------
+
+    def _handle(self, env: rpc.Envelope) -> Coroutine[Any, Any, None] | None:
+        """Answer one message; None when done, else a coroutine that finishes the answer."""
+        msg, rid = env.message, env.request_id
+        if isinstance(msg, rpc.Echo):
+            return self._emit(rpc.EchoReply(msg.payload), rid)
+        if isinstance(msg, rpc.Hello):
+            return self._hello(msg, rid)
+        if isinstance(msg, rpc.ExpertRequest):
+            if self.fp is None:
+                raise rpc.ExpertProtocolError(rpc.ErrorCode.PROTOCOL, "expert_request before hello")
+            return self._request(self.fp, msg, rid)
+        raise rpc.ExpertProtocolError(rpc.ErrorCode.PROTOCOL, f"unexpected {type(msg).__name__}")
+
+    def _hello(self, msg: rpc.Hello, rid: int) -> Coroutine[Any, Any, None] | None:
+        w = self.w
+        if self.fp is not None:
+            raise rpc.ExpertProtocolError(rpc.ErrorCode.PROTOCOL, "second hello")
+        if not msg.min_version <= rpc.PROTOCOL_VERSION <= msg.max_version:
+            return self._emit(rpc.ErrorMsg(rpc.ErrorCode.VERSION_UNSUPPORTED,
+                                           f"worker speaks expert protocol {rpc.PROTOCOL_VERSION}"), rid, last=True)
+        if msg.fingerprint not in w._by_fp:
+            held = ", ".join(f"{s.path} ({f.hex()[:16]})" for f, ss in w._by_fp.items() for s in ss)
+            w.stats.errors += 1
+            log.info("experts_worker_refused_fingerprint", peer=self.peer, wanted=msg.fingerprint.hex()[:16])
+            return self._emit(rpc.ErrorMsg(
+                rpc.ErrorCode.FINGERPRINT_MISMATCH,
+                f"worker holds a different checkpoint: {held or 'none'}; asked for {msg.fingerprint.hex()[:16]}"),
+                rid, last=True)
+        self.peer_max_bytes = msg.max_message_bytes
+        self.fp = msg.fingerprint
+        return self._emit(w._ack(msg.fingerprint), rid)
+
+    def _request(self, fp: bytes, req: rpc.ExpertRequest, rid: int) -> Coroutine[Any, Any, None] | None:
+        w = self.w
+        groups = req.groups()
+        error = w._check_request(fp, req, groups, self.peer_max_bytes)
+        if error is not None:
+            if error.code != rpc.ErrorCode.SHUTTING_DOWN:
+                w.stats.errors += 1
+            return self._emit(error, rid)
+        weights = w._weights_for(fp)
+        if not w._inline(fp, req):
+            return self._threaded(weights, req, groups, rid)
+        t0 = time.perf_counter()  # small (decode): a thread hop would cost more than the compute
+        try:
+            out = w._compute(weights, req, groups)
+        except Exception as e:  # noqa: BLE001 - answered as a typed error
+            return self._compute_failed(req, e, rid)
+        dt = time.perf_counter() - t0
+        w._served(req, groups, dt)
+        return self._emit(rpc.ExpertReply(layer=req.layer, out=out, compute_us=int(dt * 1e6)), rid)
+
+    async def _threaded(self, weights: ExpertWeightsFn, req: rpc.ExpertRequest,
+                        groups: list[tuple[int, np.ndarray]], rid: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            out = await asyncio.to_thread(self.w._compute, weights, req, groups)
+        except Exception as e:  # noqa: BLE001 - answered as a typed error
+            rest = self._compute_failed(req, e, rid)
+        else:
+            dt = time.perf_counter() - t0
+            self.w._served(req, groups, dt)
+            rest = self._emit(rpc.ExpertReply(layer=req.layer, out=out, compute_us=int(dt * 1e6)), rid)
+        if rest is not None:
+            await rest
+
+    def _compute_failed(self, req: rpc.ExpertRequest, e: Exception, rid: int) -> Coroutine[Any, Any, None] | None:
+        self.w.stats.errors += 1
+        log.warning("experts_worker_compute_failed", layer=req.layer, error=repr(e))
+        return self._emit(rpc.ErrorMsg(rpc.ErrorCode.INTERNAL, "compute failed", req.layer), rid)
+
+    # -- output ----------------------------------------------------------------------------------
+
+    def _emit(self, msg: rpc.Message, rid: int, last: bool = False) -> Coroutine[Any, Any, None] | None:
+        """Send a reply now if the channel takes it at once; else a coroutine that sends it."""
+        data = rpc.encode(msg, rid)
+        self.w.stats.bytes_out += len(data)
+        if not last and len(data) <= limits.EXPERT_SEND_CHUNK_BYTES and self.ch.send_now(data):
+            return None
+        return self._send_slowly(data, last)
+
+    async def _send_slowly(self, data: bytes, last: bool) -> None:
+        step = limits.EXPERT_SEND_CHUNK_BYTES
+        for i in range(0, len(data), step):
+            await self.ch.send(data[i:i + step])
+        if last:
+            await self.ch.send(b"", end=True)
+            self._stop(reset=False)
+
+    def _end_cleanly(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._carry_on(self._send_slowly(b"", last=True)))
+
+    def _protocol_error(self, e: rpc.ExpertProtocolError) -> None:
+        self.w.stats.errors += 1
+        log.info("experts_worker_protocol_error", peer=self.peer, reason=str(e))
+        with contextlib.suppress(Exception):  # the channel is being dropped anyway
+            self.ch.send_now(rpc.encode(rpc.ErrorMsg(e.code, e.reason), 0))
+        self._stop(reset=True, code=1)
+
+    def _stop(self, reset: bool, code: int = 0) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.inbox.clear()
+        if reset:
+            with contextlib.suppress(Exception):
+                self.ch.reset(code)
+        if not self.done.done():
+            self.done.set_result(None)
