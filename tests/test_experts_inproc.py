@@ -392,3 +392,64 @@ def test_worker_survives_arbitrary_bytes(tmp_path: Path, lt: LoopThread) -> None
 
     check()
     _connect(lt, RemoteExecutor(lt.loop, fx.fp, fx.layout), w, "still-fine")  # the worker still serves
+
+
+def test_decode_steps_take_the_fast_path_and_larger_layers_the_general_one(
+        tmp_path: Path, lt: LoopThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer that fits one request per worker never schedules the general coroutine; one that must be
+    split does; both are exact."""
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m", experts=8), "qwen3_moe")
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    small, big = _worker(fx), _worker(fx, max_message_bytes=3000)
+    _connect(lt, ex, small, "w0")
+    general: list[int] = []
+
+    def count_general(ex: RemoteExecutor) -> None:
+        run_layer = ex._run_layer
+
+        async def counted(layer: int, *a: object) -> object:
+            general.append(layer)
+            return await run_layer(layer, *a)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(ex, "_run_layer", counted)
+
+    count_general(ex)
+    local = local_executor(fx.full.weights)
+    x = _inputs(fx.layout.hidden_size)[-1]  # 37 rows: still one request for a worker with the default limits
+    assert _equal(fx.forward(x, ex), fx.forward(x, local))
+    assert general == [] and small.stats.requests == len(fx.layout.sparse_layers)
+    lt.run(ex.close())
+
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    count_general(ex)
+    _connect(lt, ex, big, "w1")  # its 3000-byte limit forces a 37-row layer into several requests
+    assert _equal(fx.forward(x, ex), fx.forward(x, local))
+    assert general == list(fx.layout.sparse_layers) and big.stats.requests > len(fx.layout.sparse_layers)
+
+
+def test_fast_path_gives_a_failed_layer_to_the_general_path(tmp_path: Path, lt: LoopThread) -> None:
+    """A worker that answers a typed error (here: it stops) makes the fast path give up; the general path
+    moves the layer to the other holder, exactly."""
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m", experts=8), "qwen3_moe")
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    a, b = _worker(fx), _worker(fx)
+    _connect(lt, ex, a, "a")
+    _connect(lt, ex, b, "b")
+    a.close()  # answers SHUTTING_DOWN from now on
+    x = _inputs(fx.layout.hidden_size)[0]
+    assert _equal(fx.forward(x, ex), fx.forward(x, local_executor(fx.full.weights)))
+    st = ex.status()
+    assert st["retries"] > 0 and st["items_local"] == 0 and b.stats.requests >= len(fx.layout.sparse_layers)
+
+
+def test_echo_rtt_goes_the_layer_calls_way(tmp_path: Path, lt: LoopThread) -> None:
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    w = _worker(fx)
+    _connect(lt, ex, w, "w0")
+    before = w.stats.bytes_in
+    rtt = ex.echo_rtt("w0", b"x" * 4096)
+    assert 0 < rtt < 5 and w.stats.bytes_in - before > 4096
+    ex.remove_worker("w0", "test")
+    with pytest.raises(KeyError):
+        ex.echo_rtt("w0", b"x")

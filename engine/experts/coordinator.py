@@ -377,15 +377,44 @@ class RemoteExecutor:
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         return f"no live expert worker holds layer/expert {names}{more}"
 
-    async def echo(self, node_id: str, payload: bytes) -> float:
-        """Round-trip seconds of one ECHO of ``payload`` on the worker's link (benchmarks)."""
+    def echo_rtt(self, node_id: str, payload: bytes) -> float:
+        """Engine thread: seconds from sending an ECHO of ``payload`` to reading its reply, both on the loop.
+
+        It goes the way a fast-path layer call goes (sent from a loop callback and flushed at once, the
+        reply taken in the read callback), so it is the transport's round trip under the same conditions,
+        without the thread hand-off and the expert work (benchmarks).
+        """
         link = self.links[node_id]
-        t0 = time.perf_counter()
-        fut = await link.submit(rpc.Echo(payload))
-        reply = await asyncio.wait_for(fut, self.config.message_timeout_s)
+        rid = link.next_id()
+        data = rpc.encode(rpc.Echo(payload), rid)
+        done = threading.Lock()
+        done.acquire()
+        box: dict[str, object] = {}
+
+        def sink(reply: rpc.Message | WorkerFailed) -> None:
+            box["t1"], box["reply"] = time.perf_counter(), reply
+            done.release()
+
+        def send() -> None:
+            box["t0"] = time.perf_counter()
+            try:
+                link.expect(rid, sink)
+                if not link.send_now(data):
+                    link.forget(rid)
+                    sink(WorkerFailed("send buffer full"))
+            except WorkerFailed as e:
+                sink(e)
+
+        self.loop.call_soon_threadsafe(send)
+        if not done.acquire(timeout=self.config.message_timeout_s):
+            self.loop.call_soon_threadsafe(link.forget, rid)
+            raise WorkerFailed("no echo reply in time")
+        reply = box["reply"]
+        if isinstance(reply, WorkerFailed):
+            raise reply
         if not isinstance(reply, rpc.EchoReply) or reply.payload != payload:
-            raise WorkerFailed("bad echo")
-        return time.perf_counter() - t0
+            raise WorkerFailed("bad echo reply")
+        return float(box["t1"]) - float(box["t0"])  # type: ignore[arg-type]
 
     async def close(self) -> None:
         for node_id in list(self.links):
@@ -482,7 +511,7 @@ class RemoteExecutor:
         sends: list[_FastSend] = []
         for node, items in by_worker.items():
             link = links.get(node)
-            if link is None or len(self._chunks(link, x, work, items)) != 1:
+            if link is None or not self._fits_one(link, x, work, items):
                 return None
             req = self._request(layer, x, work, items)
             rid = link.next_id()
@@ -649,6 +678,7 @@ class RemoteExecutor:
                     win.append((chunk, fut, time.perf_counter(), size))
 
             async def drain(node: str) -> None:
+                nonlocal failed
                 win, link_stats = window[node], self.link_stats[node]
                 while win:
                     chunk, fut, t0, _ = win[0]
@@ -699,6 +729,16 @@ class RemoteExecutor:
         if link is not None:
             log.warning("experts_worker_dropped", worker=node_id, reason=reason)
             self.remove_worker(node_id, reason)
+
+    def _fits_one(self, link: WorkerLink, x: np.ndarray, work: list[WorkItem], items: list[int]) -> bool:
+        """Whether one request carries all of ``items`` (a quick bound first: every row of x, every pair)."""
+        ack = link.ack
+        pairs = sum(len(work[i][1]) for i in items)
+        max_bytes = min(limits.EXPERT_MAX_MESSAGE_BYTES, ack.max_message_bytes if ack else 0)
+        max_rows = min(limits.EXPERT_MAX_ROWS, ack.max_rows if ack else 0)
+        if x.shape[0] <= max_rows and 64 + 4 * x.shape[1] * (x.shape[0] + pairs) + 8 * pairs <= max_bytes:
+            return True
+        return len(self._chunks(link, x, work, items)) == 1
 
     def _chunks(self, link: WorkerLink, x: np.ndarray, work: list[WorkItem], items: list[int]) -> list[list[int]]:
         """Split a worker's items (whole work items only) so each request and reply fits its limits."""
