@@ -1,5 +1,6 @@
 """Expert RPC timeouts as user settings: ``--experts-{connect,message,layer}-timeout`` and the same
-config-file keys, parsed and checked into ``DaemonConfig``."""
+config-file keys, carried from ``DaemonConfig`` into each coordinator's ``CoordinatorConfig`` and shown in
+``meshd status --json``."""
 
 from __future__ import annotations
 
@@ -8,11 +9,17 @@ from pathlib import Path
 
 import pytest
 from conftest import meshd_cmd, meshd_env
+from daemon_testlib import start_node
+from experts_util import make_moe_checkpoint
+from test_experts_service import _FakeTransport
 
+from engine.experts.channel import LoopThread
 from engine.experts.coordinator import CoordinatorConfig
+from engine.tiny import create_tiny
 from meshd.cli import build_parser
 from meshd.config import DaemonConfig, load_config
 from meshd.errors import UsageError
+from meshd.experts_service import ExpertsService
 
 ENV = {"HOME": "/home/someone"}
 
@@ -116,3 +123,39 @@ def test_bad_timeout_process_exits_2_with_one_line_before_any_state(tmp_path: Pa
     assert out.returncode == 2, out.stderr
     assert len(out.stderr.splitlines()) == 1 and out.stderr.startswith(match), out.stderr
     assert not state.exists()
+
+
+def test_service_hands_the_timeouts_to_each_coordinator(tmp_path: Path) -> None:
+    ck = make_moe_checkpoint(tmp_path / "m", layers=2, experts=4)
+    cfg = _load(["--remote-experts", "prefer", "--experts-connect-timeout", "1.25",
+                 "--experts-message-timeout", "2.5", "--experts-layer-timeout", "7"])
+    svc = ExpertsService.from_config(cfg)
+    lt = LoopThread()
+    try:
+        lt.run(svc.start(_FakeTransport()))
+        ex = lt.run(svc.coordinator(ck, None))
+        got = ex.config
+        assert (got.mode, got.connect_timeout_s, got.message_timeout_s, got.layer_timeout_s) == (
+            "prefer", 1.25, 2.5, 7.0)
+        assert svc.status()["timeouts"] == {"connect_s": 1.25, "message_s": 2.5, "layer_s": 7.0}
+    finally:
+        lt.run(svc.stop())
+        lt.stop()
+
+
+def test_worker_only_status_has_no_timeouts() -> None:
+    assert "timeouts" not in ExpertsService.from_config(_load(["--experts", "/m"])).status()
+
+
+def test_daemon_reports_the_effective_timeouts(tmp_path: Path) -> None:
+    ck = create_tiny(tmp_path / "ck")  # a small MoE checkpoint with the tokenizer `--model PATH` needs
+    conf = tmp_path / "meshd.toml"
+    conf.write_text("experts-connect-timeout = 3\nexperts-layer-timeout = 12.5\n")
+    node = start_node(tmp_path / "c", "--config", str(conf), "--model", str(ck), "--remote-experts", "prefer",
+                      "--experts-message-timeout", "2.5")
+    try:
+        experts = node.status()["services"]["experts"]
+        assert experts["timeouts"] == {"connect_s": 3.0, "message_s": 2.5, "layer_s": 12.5}
+        assert [c["mode"] for c in experts["coordinators"]] == ["prefer"]  # the model got a coordinator
+    finally:
+        node.stop()
