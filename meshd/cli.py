@@ -62,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "nodes: PATH[@LAYERS/EXPERTS] (repeatable)")
     p.add_argument("--remote-experts", choices=["off", "on", "prefer"], help="hand routed experts to "
                    "workers (default off)")
+    # Parsed and checked (positive, message <= layer) in meshd.config with the config file's values.
+    p.add_argument("--experts-connect-timeout", metavar="SECONDS", help="expert workers: connect and hello "
+                   "timeout (default 5)")
+    p.add_argument("--experts-message-timeout", metavar="SECONDS", help="expert workers: timeout of each "
+                   "request until its reply (default 10)")
+    p.add_argument("--experts-layer-timeout", metavar="SECONDS", help="expert workers: timeout of each "
+                   "layer, retries included (default 30)")
 
     p = sub.add_parser("client", help="run a headless node: joins, serves nothing, exposes the API")
     _add_networking(p)

@@ -33,6 +33,11 @@ MAX_JOIN_FILE_BYTES = 16 << 10  # an invite token is well under 1 KiB
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOG_FORMATS = ("json", "pretty")
 REMOTE_EXPERTS = ("off", "on", "prefer")
+# Expert RPC timeouts (seconds), the defaults of engine.experts.coordinator.CoordinatorConfig.
+DEFAULT_EXPERTS_CONNECT_TIMEOUT_S = 5.0
+DEFAULT_EXPERTS_MESSAGE_TIMEOUT_S = 10.0
+DEFAULT_EXPERTS_LAYER_TIMEOUT_S = 30.0
+MAX_EXPERTS_TIMEOUT_S = 86400.0  # a day: longer is a hung request, and threading waits overflow past ~9e9 s
 ROLES = ("serve", "client")
 
 _HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*\.?$")
@@ -98,6 +103,9 @@ class DaemonConfig:
     models: tuple[str, ...] = ()
     experts: tuple[str, ...] = ()
     remote_experts: str = "off"
+    experts_connect_timeout_s: float = DEFAULT_EXPERTS_CONNECT_TIMEOUT_S  # transport connect + stream + hello
+    experts_message_timeout_s: float = DEFAULT_EXPERTS_MESSAGE_TIMEOUT_S  # one expert request until its reply
+    experts_layer_timeout_s: float = DEFAULT_EXPERTS_LAYER_TIMEOUT_S  # one sparse layer, retries included
     join_token: str | None = field(default=None, repr=False)  # a secret: never logged
     join_file: Path | None = None
     mesh_name: str = DEFAULT_MESH_NAME
@@ -145,6 +153,8 @@ def _check_token(token: str, where: str) -> str:
     return token
 
 
+_NUMBER = (int, float)  # a TOML integer or float (never a bool, although bool is an int in Python)
+
 # Config-file keys (the long flags) and the type each must have in TOML.
 _FILE_KEYS: dict[str, tuple[type, ...]] = {
     "state-dir": (str,),
@@ -153,6 +163,9 @@ _FILE_KEYS: dict[str, tuple[type, ...]] = {
     "model": (str, list),
     "experts": (str, list),
     "remote-experts": (str,),
+    "experts-connect-timeout": _NUMBER,
+    "experts-message-timeout": _NUMBER,
+    "experts-layer-timeout": _NUMBER,
     "join": (str,),
     "join-file": (str,),
     "mesh-name": (str,),
@@ -161,7 +174,8 @@ _FILE_KEYS: dict[str, tuple[type, ...]] = {
     "log-format": (str,),
     "log-level": (str,),
 }
-_SERVE_ONLY = ("model", "experts", "remote-experts")
+_SERVE_ONLY = ("model", "experts", "remote-experts", "experts-connect-timeout", "experts-message-timeout",
+               "experts-layer-timeout")
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
@@ -188,15 +202,33 @@ def read_config_file(path: Path) -> dict[str, Any]:
         if name in out:
             raise UsageError(f"config file {path}: {key!r} is given twice")
         kinds = _FILE_KEYS[name]
-        if not isinstance(value, kinds) or (
-            isinstance(value, list) and not all(isinstance(v, str) for v in value)
+        if (
+            not isinstance(value, kinds)
+            or (isinstance(value, bool) and bool not in kinds)
+            or (isinstance(value, list) and not all(isinstance(v, str) for v in value))
         ):
-            want = " or ".join(
+            want = "number" if kinds == _NUMBER else " or ".join(
                 "list of strings" if k is list else k.__name__.replace("str", "string") for k in kinds
             )
             raise UsageError(f"config file {path}: {key!r} must be a {want}")
         out[name] = value
     return out
+
+
+def parse_timeout(value: Any, what: str) -> float:
+    """Seconds from a flag's text or a TOML number: more than 0, at most ``MAX_EXPERTS_TIMEOUT_S``.
+
+    Raises ``UsageError`` naming ``what``.
+    """
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"{what}: expected a number of seconds, got {value!r}") from None
+    if not 0 < seconds <= MAX_EXPERTS_TIMEOUT_S:  # also refuses nan and inf
+        raise UsageError(
+            f"{what}: must be more than 0 and at most {MAX_EXPERTS_TIMEOUT_S:g} seconds, got {value!r}"
+        )
+    return seconds
 
 
 def _as_list(value: Any) -> tuple[str, ...]:
@@ -273,6 +305,18 @@ def load_config(args: argparse.Namespace, env: Mapping[str, str], role: str) -> 
     if remote_experts not in REMOTE_EXPERTS:
         raise UsageError(f"{source}: must be one of {', '.join(REMOTE_EXPERTS)}, got {remote_experts!r}")
 
+    def pick_timeout(flag: str, default: float) -> tuple[float, str]:
+        """(seconds, source), the source reading ``--FLAG (default)`` when nothing set it."""
+        value, source = pick(flag)
+        return (default, f"--{flag} (default)") if value is None else (parse_timeout(value, source), source)
+
+    connect_s, _ = pick_timeout("experts-connect-timeout", DEFAULT_EXPERTS_CONNECT_TIMEOUT_S)
+    message_s, message_source = pick_timeout("experts-message-timeout", DEFAULT_EXPERTS_MESSAGE_TIMEOUT_S)
+    layer_s, layer_source = pick_timeout("experts-layer-timeout", DEFAULT_EXPERTS_LAYER_TIMEOUT_S)
+    if message_s > layer_s:
+        raise UsageError(f"{message_source} = {message_s:g} s exceeds {layer_source} = {layer_s:g} s "
+                         "(a layer's timeout covers its messages and their retries)")
+
     # Join: the flag pair, else the file's pair, else the environment's pair; one of each pair at most.
     join_token: str | None = None
     join_file: Path | None = None
@@ -331,6 +375,9 @@ def load_config(args: argparse.Namespace, env: Mapping[str, str], role: str) -> 
         models=models if role == "serve" else (),
         experts=experts if role == "serve" else (),
         remote_experts=remote_experts if role == "serve" else "off",
+        experts_connect_timeout_s=connect_s,
+        experts_message_timeout_s=message_s,
+        experts_layer_timeout_s=layer_s,
         join_token=join_token,
         join_file=join_file,
         mesh_name=mesh_name,

@@ -96,8 +96,11 @@ class ExpertsService:
 
     @classmethod
     def from_config(cls, config: Any) -> ExpertsService:
-        """From the daemon's ``DaemonConfig`` (``experts``, ``remote_experts``)."""
-        return cls(tuple(config.experts), config.remote_experts)
+        """From the daemon's ``DaemonConfig`` (``experts``, ``remote_experts``, ``experts_*_timeout_s``)."""
+        timeouts = CoordinatorConfig(connect_timeout_s=config.experts_connect_timeout_s,
+                                     message_timeout_s=config.experts_message_timeout_s,
+                                     layer_timeout_s=config.experts_layer_timeout_s)
+        return cls(tuple(config.experts), config.remote_experts, coordinator_config=timeouts)
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -348,6 +351,10 @@ class ExpertsService:
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"remote_experts": self.remote_experts}
+        if self.remote_experts in ("on", "prefer") or self._coordinated:
+            cfg = self.coordinator_config or CoordinatorConfig()  # what coordinator() gives each executor
+            out["timeouts"] = {"connect_s": cfg.connect_timeout_s, "message_s": cfg.message_timeout_s,
+                               "layer_s": cfg.layer_timeout_s}
         if self.worker is not None:
             out["worker"] = {**self.worker.stats.as_dict(), "capacity": self.capacity,
                              "shards": [{"path": str(s.path), "fingerprint": fp.hex(), "layers": list(s.layers),
