@@ -80,8 +80,8 @@ class CoordinatorConfig:
         if self.mode not in MODES:
             raise ValueError(f"remote experts mode must be one of {MODES}")
         for name in ("connect_timeout_s", "message_timeout_s", "layer_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive")
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be positive and finite")
 
 
 @dataclass
