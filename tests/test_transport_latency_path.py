@@ -472,6 +472,50 @@ def test_raising_on_data_resets_the_stream_and_calls_on_end_once(mesh: MeshCrede
     run(scenario)
 
 
+def test_raising_on_end_is_not_called_again(mesh: MeshCredentials) -> None:
+    """on_end runs once even when it raises (the failure is logged, not reported back to it)."""
+
+    async def scenario() -> None:
+        async with pair(mesh) as p:
+            stream = await p.peer.open_stream(StreamType.EXPERT)
+            await stream.send(b"x", end=True)
+            served = await p.accept()
+            ends: list[Exception | None] = []
+
+            def on_end(error: Exception | None) -> None:
+                ends.append(error)
+                raise ValueError("on_end bug")
+
+            served.stream.set_receiver(lambda _: None, on_end)
+            assert ends == [None]  # within the call, and only once
+
+    run(scenario)
+
+
+def test_local_reset_inside_on_data_ends_delivery_with_one_on_end(mesh: MeshCredentials) -> None:
+    """A receiver that resets its stream (as WorkerLink.close does on a protocol error) gets no more data
+    and exactly one on_end(StreamReset), even with frames still queued behind the one being delivered."""
+
+    async def scenario() -> None:
+        async with pair(mesh) as p:
+            stream = await p.peer.open_stream(StreamType.EXPERT)
+            for i in range(5):
+                await stream.send(msg(i))
+            served = await p.accept()
+            await _until(lambda: len(served.stream._frames) == 5)
+            got = Recorder()
+            got.hook = lambda payload: served.stream.reset(ErrorCode.CANCELLED) if payload == msg(1) else None
+            served.stream.set_receiver(got.on_data, got.on_end)
+            assert got.data == [msg(0), msg(1)]
+            assert len(got.ends) == 1 and isinstance(got.ends[0], StreamReset)
+            assert got.ends[0].code == ErrorCode.CANCELLED
+
+    run(scenario)
+
+
+# -- pause / resume ------------------------------------------------------------------------------------
+
+
 def test_pause_queues_input_stops_credit_and_resume_delivers_in_order(mesh: MeshCredentials) -> None:
     """While paused: nothing is delivered, the reader holds at most one window, no credit is granted and
     the sender's send() blocks with its buffer over the limit. resume delivers everything in order."""
@@ -568,6 +612,33 @@ def test_a_paused_receiver_hears_of_the_end_only_on_resume(mesh: MeshCredentials
                 results.append(got.ends[0])
             assert results[0] is None
             assert isinstance(results[1], StreamReset) and results[1].code == ErrorCode.CANCELLED
+
+    run(scenario)
+
+
+def test_pause_and_resume_inside_on_data_deliver_each_frame_once(mesh: MeshCredentials) -> None:
+    """A receiver that pauses and resumes within one on_data (a compute that finished at once) still gets
+    every frame once, in order, and a single on_end."""
+
+    async def scenario() -> None:
+        async with pair(mesh) as p:
+            stream = await p.peer.open_stream(StreamType.EXPERT)
+            for i in range(6):
+                await stream.send(msg(i))
+            await stream.end()
+            served = await p.accept()
+            await _until(lambda: served.stream._ended)
+            got = Recorder()
+
+            def blip(payload: bytes) -> None:
+                if payload == msg(2):
+                    served.stream.pause_receiving()
+                    served.stream.resume_receiving()
+
+            got.hook = blip
+            served.stream.set_receiver(got.on_data, got.on_end)
+            assert got.data == [msg(i) for i in range(6)]
+            assert got.ends == [None]
 
     run(scenario)
 
