@@ -20,7 +20,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from transport_peer import member_of
 
-from engine.experts.channel import SocketChannel, socketpair_channels
+from engine.experts.channel import ChannelClosed, SocketChannel, socketpair_channels
 from transport import ALPN
 from transport.aioquic_ext import MeshQuicConnection
 from transport.credentials import MeshCredentials, create_mesh
@@ -840,6 +840,27 @@ def test_socket_channel_send_now_refuses_over_its_buffer_and_loses_nothing() -> 
     run(scenario)
 
 
+def test_socket_channel_pause_holds_input_until_resume() -> None:
+    """Paused at any moment (also while the receiver waits for input), nothing is delivered until resume."""
+
+    async def scenario() -> None:
+        a, b = await socketpair_channels()
+        got = Recorder()
+        b.set_receiver(got.on_data, got.on_end)
+        a.send_now(b"one")
+        await got.wait_data(1)
+        b.pause_receiving()  # from outside a callback, while the receiver waits for input
+        a.send_now(b"two")
+        await a.send(b"three", end=True)
+        await settle_reader(b)
+        assert got.joined() == b"one" and got.ends == []
+        b.resume_receiving()
+        assert await got.wait_end() is None
+        assert got.joined() == b"onetwothree" and got.ends == [None]
+
+    run(scenario)
+
+
 def test_socket_channel_pause_inside_on_data() -> None:
     async def scenario() -> None:
         a, b = await socketpair_channels()
@@ -855,5 +876,68 @@ def test_socket_channel_pause_inside_on_data() -> None:
         b.resume_receiving()
         assert await got.wait_end() is None
         assert got.joined() == b"firstsecond"
+
+    run(scenario)
+
+
+def test_socket_channel_reset_ends_the_receiver_once() -> None:
+    async def scenario() -> None:
+        # local reset while waiting for input
+        a, b = await socketpair_channels()
+        got = Recorder()
+        b.set_receiver(got.on_data, got.on_end)
+        b.reset(0)
+        err = await got.wait_end()
+        assert isinstance(err, ChannelClosed) and got.ends == [err]
+        with pytest.raises(ChannelClosed):
+            b.send_now(b"after reset")
+        # the far side learns that its input ended (a socket pair cannot tell a reset from an end)
+        far = Recorder()
+        a.set_receiver(far.on_data, far.on_end)
+        await far.wait_end()
+        assert len(far.ends) == 1
+
+    run(scenario)
+
+
+def test_socket_channel_reset_inside_on_data_stops_delivery() -> None:
+    """A receiver that resets its channel from on_data (WorkerLink.close) gets no more data and one on_end
+    with ChannelClosed, not a clean end."""
+
+    async def scenario() -> None:
+        a, b = await socketpair_channels()
+        got = Recorder()
+        got.hook = lambda payload: b.reset(0) if payload.startswith(b"first") else None
+        a.send_now(b"first")
+        b.set_receiver(got.on_data, got.on_end)
+        await got.wait_data(1)
+        a.send_now(b"second")
+        err = await got.wait_end()
+        assert isinstance(err, ChannelClosed), err
+        assert got.joined() == b"first" and got.ends == [err]
+
+    run(scenario)
+
+
+def test_socket_channel_raising_on_data_resets_and_ends_once() -> None:
+    async def scenario() -> None:
+        a, b = await socketpair_channels()
+        got = Recorder()
+
+        def explode(payload: bytes) -> None:
+            raise ValueError("receiver bug")
+
+        got.hook = explode
+        b.set_receiver(got.on_data, got.on_end)
+        far = Recorder()
+        a.set_receiver(far.on_data, far.on_end)
+        a.send_now(b"boom")
+        err = await got.wait_end()
+        assert isinstance(err, ChannelClosed) and "receiver bug" in str(err)
+        assert got.ends == [err]
+        await far.wait_end()  # the channel was reset: the far side's input ends too
+        assert len(far.ends) == 1
+        with pytest.raises(ChannelClosed):
+            b.send_now(b"after")
 
     run(scenario)
