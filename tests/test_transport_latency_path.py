@@ -69,6 +69,7 @@ class CountingTransport:
 
 
 def one_rtt(conn: _Connection) -> Any:
+    """The connection's 1-RTT packet number space, where application data's ACKs are pending."""
     return conn._quic._spaces[tls.Epoch.ONE_RTT]
 
 
