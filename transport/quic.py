@@ -121,6 +121,7 @@ class Stream:
         self._app_done = False  # its user is finished; kept until aioquic discards the QUIC stream
         self._receiver: tuple[Callable[[bytes], None], Callable[[Exception | None], None]] | None = None
         self._paused = False
+        self._delivering = False  # _deliver is running: calls from inside a callback leave it to that run
 
     @property
     def peer(self) -> Peer | None:
@@ -198,8 +199,16 @@ class Stream:
         self._deliver()
 
     def _deliver(self) -> None:
-        if self._receiver is None or self._paused:
+        if self._receiver is None or self._paused or self._delivering:
             return
+        self._delivering = True
+        try:
+            self._deliver_queued()
+        finally:
+            self._delivering = False
+
+    def _deliver_queued(self) -> None:
+        assert self._receiver is not None  # noqa: S101 - checked by _deliver
         on_data, on_end = self._receiver
         try:
             while self._frames:
@@ -226,8 +235,11 @@ class Stream:
                 on_end(None)
         except Exception as e:  # noqa: BLE001 - a receiver's bug resets its stream, never the connection
             log.warning("stream_receiver_failed", stream_type=self.stream_type, error=repr(e))
+            on_end_called = self._receiver is None  # it was on_end that raised
             self._receiver = None
             self.reset(ErrorCode.INTERNAL_ERROR)
+            if on_end_called:
+                return
             try:
                 on_end(TransportError(f"stream receiver failed: {e!r}"))
             except Exception as e2:  # noqa: BLE001
@@ -262,7 +274,11 @@ class Stream:
         return frame
 
     def reset(self, code: int = ErrorCode.CANCELLED) -> None:
-        """Abort both directions; the peer's ``recv`` raises ``StreamReset(code)``."""
+        """Abort both directions; the peer's ``recv`` raises ``StreamReset(code)``. A receiver gets no more
+        data, only ``on_end(StreamReset)``."""
+        if self._receiver is not None:
+            self._frames.clear()
+            self._queued_bytes = self._raw_queued = 0
         self._conn.reset_stream(self.stream_id, code)
         self._set_error(StreamReset(code, "stream reset locally"))
         self._mark_done()

@@ -52,6 +52,7 @@ class SocketChannel:
         self._pump: asyncio.Task[None] | None = None
         self._resumed = asyncio.Event()
         self._resumed.set()
+        self._reset = False  # reset() was called: the receiver gets no more data, only on_end(ChannelClosed)
 
     def pause_receiving(self) -> None:
         self._resumed.clear()
@@ -69,16 +70,32 @@ class SocketChannel:
         return True
 
     def set_receiver(self, on_data: Callable[[bytes], None], on_end: Callable[[Exception | None], None]) -> None:
+        """As ``Stream.set_receiver``: nothing is delivered while paused (the end neither), a reset ends
+        delivery with ``on_end(ChannelClosed)``, and an ``on_data`` that raises resets the channel."""
+
         async def pump() -> None:
             error: Exception | None = None
             try:
                 while (data := await self.recv()) is not None:
-                    on_data(data)
+                    await self._resumed.wait()  # paused while the read was pending: hold the data
+                    if self._reset:
+                        break
+                    try:
+                        on_data(data)
+                    except Exception as e:  # noqa: BLE001 - a receiver's bug resets its channel
+                        error = ChannelClosed(f"receiver failed: {e!r}")
+                        self.reset(0)
+                        break
+                    if self._reset:
+                        break
+                else:
                     await self._resumed.wait()
             except asyncio.CancelledError:
                 error = ChannelClosed("channel reset")
             except Exception as e:  # noqa: BLE001 - reported to the receiver
                 error = e
+            if error is None and self._reset:
+                error = ChannelClosed("channel reset")
             on_end(error)
 
         self._pump = asyncio.get_running_loop().create_task(pump())
@@ -100,12 +117,14 @@ class SocketChannel:
         return data or None
 
     def reset(self, code: int) -> None:
+        # The receiver's task ends itself (the abort wakes its read): a task cancelled before it first
+        # ran would never call on_end.
+        self._reset = True
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            self._resumed.set()
         transport = self._writer.transport
         if transport is not None and not transport.is_closing():
             transport.abort()
-        if self._pump is not None and self._pump is not asyncio.current_task():
-            with contextlib.suppress(RuntimeError):
-                self._pump.cancel()
 
 
 async def socketpair_channels() -> tuple[SocketChannel, SocketChannel]:
