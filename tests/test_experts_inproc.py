@@ -453,3 +453,25 @@ def test_echo_rtt_goes_the_layer_calls_way(tmp_path: Path, lt: LoopThread) -> No
     ex.remove_worker("w0", "test")
     with pytest.raises(KeyError):
         ex.echo_rtt("w0", b"x")
+
+
+def test_layer_timeout_bounds_fast_and_general_attempts_together(tmp_path: Path, lt: LoopThread) -> None:
+    """Two hung holders: the fast path waits one message timeout on the owner, the general path retries on
+    the other holder with only what is left of the layer timeout (not a fresh one)."""
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    x = _inputs(fx.layout.hidden_size)[0]
+    owner, spare = _Gate(), _Gate()
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout,
+                        CoordinatorConfig(mode="on", message_timeout_s=1.0, layer_timeout_s=1.3))
+    _connect(lt, ex, _worker(fx, reply_hook=owner), "owner")
+    _connect(lt, ex, _worker(fx, reply_hook=spare, capacity=1e-9), "spare")  # holds all, owns nothing
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ExpertsUnavailable, match="did not answer within"):
+            fx.forward(x, ex)
+        dt = time.monotonic() - t0
+    finally:
+        owner.release.set()
+        spare.release.set()
+    assert owner.entered.is_set() and spare.entered.is_set()  # both were tried
+    assert dt < 1.8, dt  # 1.0 + 1.0 with a fresh layer timeout for the retry

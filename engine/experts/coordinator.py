@@ -453,12 +453,14 @@ class RemoteExecutor:
         omap = self._map_for(layer)
         x = np.ascontiguousarray(x, dtype=np.float32)
         work = list(work)
+        started = time.monotonic()
         fast = self._run_fast(layer, x, work, omap)
         if fast is not None:
             results: list[np.ndarray | None] = fast
             local: list[int] = []
-        else:
-            results, local = self._run_general(layer, x, work, omap)
+        else:  # what the fast path spent waiting counts against the layer's timeout
+            budget = self.config.layer_timeout_s - (time.monotonic() - started)
+            results, local = self._run_general(layer, x, work, omap, budget)
         if local:
             self._fallback(layer, x, work, results, local)
         with self._stats_lock:
@@ -474,11 +476,11 @@ class RemoteExecutor:
             raise RuntimeError(f"layer {layer}: {len(work) - len(out)} expert outputs missing")
         return out
 
-    def _run_general(self, layer: int, x: np.ndarray, work: list[WorkItem],
-                     omap: OwnershipMap) -> tuple[list[np.ndarray | None], list[int]]:
-        fut = asyncio.run_coroutine_threadsafe(self._run_layer(layer, x, work, omap), self.loop)
+    def _run_general(self, layer: int, x: np.ndarray, work: list[WorkItem], omap: OwnershipMap,
+                     budget_s: float) -> tuple[list[np.ndarray | None], list[int]]:
+        fut = asyncio.run_coroutine_threadsafe(self._run_layer(layer, x, work, omap, budget_s), self.loop)
         try:
-            return fut.result(timeout=self.config.layer_timeout_s + 1.0)
+            return fut.result(timeout=max(budget_s, 0.0) + 1.0)
         except concurrent.futures.TimeoutError:
             fut.cancel()
             if self.config.mode == "on":
@@ -518,7 +520,7 @@ class RemoteExecutor:
             sends.append(_FastSend(node, link, rid, rpc.encode(req, rid), items, req.x.shape[0], req.pairs.shape[0]))
         call = _FastCall(layer, sends)
         self.loop.call_soon_threadsafe(self._fast_dispatch, call)
-        if not call.lock.acquire(timeout=self.config.message_timeout_s):
+        if not call.lock.acquire(timeout=min(self.config.message_timeout_s, self.config.layer_timeout_s)):
             self.loop.call_soon_threadsafe(self._fast_timeout, call)
             return None
         if call.error is not None:
@@ -602,11 +604,12 @@ class RemoteExecutor:
             self._last_fallback_log = now
             log.warning("experts_local_fallback", layer=layer, items=len(local), fallback_layers_total=n)
 
-    async def _run_layer(self, layer: int, x: np.ndarray, work: list[WorkItem],
-                         omap: OwnershipMap) -> tuple[list[np.ndarray | None], list[int]]:
-        """On the loop: results per item (None where computed locally) and the items left for local compute."""
+    async def _run_layer(self, layer: int, x: np.ndarray, work: list[WorkItem], omap: OwnershipMap,
+                         budget_s: float | None = None) -> tuple[list[np.ndarray | None], list[int]]:
+        """On the loop: results per item (None where computed locally) and the items left for local compute.
+        The layer has ``budget_s`` (default: the layer timeout) for all its attempts."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.layer_timeout_s
+        deadline = loop.time() + (self.config.layer_timeout_s if budget_s is None else budget_s)
         results: list[np.ndarray | None] = [None] * len(work)
         remaining = list(range(len(work)))
         local: list[int] = []
