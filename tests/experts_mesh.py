@@ -46,6 +46,7 @@ class WorkerProc:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
+        self._close_pipe()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -55,6 +56,11 @@ class WorkerProc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 def spawn_worker(mesh: MeshFixture, tmp: Path, specs: list[str], **extra: Any) -> WorkerProc:
