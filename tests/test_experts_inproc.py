@@ -475,3 +475,87 @@ def test_layer_timeout_bounds_fast_and_general_attempts_together(tmp_path: Path,
         spare.release.set()
     assert owner.entered.is_set() and spare.entered.is_set()  # both were tried
     assert dt < 1.8, dt  # 1.0 + 1.0 with a fresh layer timeout for the retry
+
+
+def test_a_request_too_big_for_one_write_takes_the_general_path(tmp_path: Path, lt: LoopThread,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast path sends a request as one frame; one larger than a send slice goes the general way (in
+    slices) and the link stays in use."""
+    from transport import limits
+
+    monkeypatch.setattr(limits, "EXPERT_SEND_CHUNK_BYTES", 2048)
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    w = _worker(fx)
+    _connect(lt, ex, w, "w0")
+    local = local_executor(fx.full.weights)
+    for x in _inputs(fx.layout.hidden_size):  # 1..37 rows: small ones fit 2048 bytes, large ones do not
+        assert _equal(fx.forward(x, ex), fx.forward(x, local))
+    assert "w0" in ex.links and not ex.links["w0"].closed and ex.status()["retries"] == 0
+
+
+def test_a_link_that_breaks_by_itself_is_forgotten_and_coverage_says_so(tmp_path: Path, lt: LoopThread) -> None:
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout, CoordinatorConfig(mode="on"))
+    chans = {}
+
+    async def go() -> None:
+        a, b = await socketpair_channels()
+        chans["b"] = b
+        _spawn(_worker(fx).serve(b))
+        await ex.add_worker("w0", a)
+
+    lt.run(go())
+    assert ex.coverage() == []
+    lt.loop.call_soon_threadsafe(chans["b"].reset, 0)  # the worker's end of the stream breaks
+    deadline = time.monotonic() + 5
+    while "w0" in ex.links and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "w0" not in ex.links and ex.coverage() and ex.unavailable_reason()
+    _connect(lt, ex, _worker(fx), "w0")  # greeted again, it is used again
+    x = _inputs(fx.layout.hidden_size)[0]
+    assert _equal(fx.forward(x, ex), fx.forward(x, local_executor(fx.full.weights)))
+
+
+def test_a_layer_out_of_time_does_not_drop_the_holders_it_did_not_wait_for(tmp_path: Path, lt: LoopThread) -> None:
+    """message timeout == layer timeout: the fast attempt on a hung owner uses the layer's time up; the
+    healthy spare holder is not tried with no time left, so it is not blamed (dropped) for it."""
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    gate = _Gate()
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout,
+                        CoordinatorConfig(mode="on", message_timeout_s=0.5, layer_timeout_s=0.5))
+    _connect(lt, ex, _worker(fx, reply_hook=gate), "hung")
+    _connect(lt, ex, _worker(fx, capacity=1e-9), "spare")  # holds all, owns nothing
+    try:
+        with pytest.raises(ExpertsUnavailable, match="did not answer within"):
+            fx.forward(_inputs(fx.layout.hidden_size)[0], ex)
+    finally:
+        gate.release.set()
+    deadline = time.monotonic() + 5
+    while "hung" in ex.links and time.monotonic() < deadline:  # dropped on the loop, just after
+        time.sleep(0.01)
+    assert "hung" not in ex.links and "spare" in ex.links
+    assert ex.status()["workers"]["spare"]["errors"] == 0  # type: ignore[index]
+
+
+def test_worker_answers_a_burst_of_small_messages_in_order(tmp_path: Path, lt: LoopThread) -> None:
+    """Many messages in one write: answered in order, a batch per loop turn (input paused in between)."""
+    from engine.experts import rpc
+
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    w = _worker(fx)
+
+    async def burst() -> list[int]:
+        a, b = await socketpair_channels()
+        _spawn(w.serve(b))
+        data = rpc.encode(rpc.Hello(fx.fp), 1) + b"".join(rpc.encode(rpc.Echo(bytes([i])), 100 + i) for i in range(40))
+        await a.send(data)
+        dec, ids = rpc.MessageDecoder(), []
+        while len(ids) < 41:
+            chunk = await asyncio.wait_for(a.recv(), 5)
+            assert chunk is not None
+            ids += [env.request_id for env in dec.feed(chunk)]
+        a.reset(0)
+        return ids
+
+    assert lt.run(burst()) == [1] + [100 + i for i in range(40)]

@@ -226,6 +226,8 @@ class Stream:
                     return
                 on_data(frame.payload)
             self._conn._consumed(self)
+            if self._paused:
+                return  # the end (or error) is delivered on resume, after any data queued meanwhile
             if self._error is not None:
                 self._receiver = None
                 on_end(self._error)

@@ -137,6 +137,7 @@ class WorkerLink:
         self._ids = itertools.count(1)  # next() is atomic: ids may be taken on the engine thread
         self._send_lock = asyncio.Lock()
         self._decoder = rpc.MessageDecoder()
+        self.on_close: Callable[[WorkerLink, str], None] | None = None  # the executor forgets a closed link
 
     def next_id(self) -> int:
         return (next(self._ids) - 1) % 0xFFFFFFFF + 1
@@ -242,6 +243,8 @@ class WorkerLink:
             sink(WorkerFailed(reason))
         with contextlib.suppress(Exception):
             self.channel.reset(0)
+        if self.on_close is not None:
+            self.on_close(self, reason)
 
 
 @dataclass(eq=False)
@@ -335,10 +338,11 @@ class RemoteExecutor:
         except WorkerRefused:
             stats.errors += 1
             raise
-        old = self.links.get(node_id)
+        old = self.links.pop(node_id, None)
         if old is not None:
             old.close("replaced")
         self.links[node_id] = link
+        link.on_close = self._link_closed
         self._rebuild()
         log.info("experts_worker_added", worker=node_id, held=len(link.holds), capacity=ack.capacity)
         return ack
@@ -349,6 +353,14 @@ class RemoteExecutor:
             link.close(reason)
             self._rebuild()
             log.info("experts_worker_removed", worker=node_id, reason=reason)
+
+    def _link_closed(self, link: WorkerLink, reason: str) -> None:
+        """A link ended by itself (stream broke or ended, protocol error, failed send): stop counting on it,
+        so the ownership map and coverage say so and the service greets the worker again."""
+        if self.links.get(link.node_id) is link:
+            del self.links[link.node_id]
+            self._rebuild()
+            log.info("experts_worker_removed", worker=link.node_id, reason=reason)
 
     def _rebuild(self) -> None:
         live = [WorkerInfo(n, link.ack.capacity if link.ack else 1.0, link.holds)
@@ -392,6 +404,8 @@ class RemoteExecutor:
         box: dict[str, object] = {}
 
         def sink(reply: rpc.Message | WorkerFailed) -> None:
+            if "reply" in box:
+                return  # a failed send may report twice (the link's close, then the raise)
             box["t1"], box["reply"] = time.perf_counter(), reply
             done.release()
 
@@ -478,9 +492,15 @@ class RemoteExecutor:
 
     def _run_general(self, layer: int, x: np.ndarray, work: list[WorkItem], omap: OwnershipMap,
                      budget_s: float) -> tuple[list[np.ndarray | None], list[int]]:
+        if budget_s <= 0:  # the fast attempt used the layer's time up: no retry round
+            if self.config.mode == "on":
+                self._count_unavailable()
+                raise ExpertsUnavailable(f"layer {layer}: expert workers did not answer within "
+                                         f"{self.config.layer_timeout_s}s")
+            return [None] * len(work), list(range(len(work)))
         fut = asyncio.run_coroutine_threadsafe(self._run_layer(layer, x, work, omap, budget_s), self.loop)
         try:
-            return fut.result(timeout=max(budget_s, 0.0) + 1.0)
+            return fut.result(timeout=budget_s + 1.0)
         except concurrent.futures.TimeoutError:
             fut.cancel()
             if self.config.mode == "on":
@@ -517,7 +537,10 @@ class RemoteExecutor:
                 return None
             req = self._request(layer, x, work, items)
             rid = link.next_id()
-            sends.append(_FastSend(node, link, rid, rpc.encode(req, rid), items, req.x.shape[0], req.pairs.shape[0]))
+            data = rpc.encode(req, rid)
+            if len(data) > limits.EXPERT_SEND_CHUNK_BYTES:
+                return None  # the general path sends it in slices, under flow control
+            sends.append(_FastSend(node, link, rid, data, items, req.x.shape[0], req.pairs.shape[0]))
         call = _FastCall(layer, sends)
         self.loop.call_soon_threadsafe(self._fast_dispatch, call)
         if not call.lock.acquire(timeout=min(self.config.message_timeout_s, self.config.layer_timeout_s)):
@@ -652,9 +675,10 @@ class RemoteExecutor:
             window: dict[str, deque[tuple[list[int], asyncio.Future[rpc.Message], float, int]]] = {
                 node: deque() for node in queues}
 
-            def fail_worker(node: str, why: str, drop: bool = True) -> None:
+            def fail_worker(node: str, why: str, drop: bool = True, error: bool = True) -> None:
                 nonlocal failed
-                self.link_stats[node].errors += 1
+                if error:
+                    self.link_stats[node].errors += 1
                 if drop:
                     self._drop(node, why)
                 excluded.add(node)
@@ -665,7 +689,11 @@ class RemoteExecutor:
 
             async def send_more(node: str) -> None:
                 link, q, win = self.links.get(node), queues[node], window[node]
-                while q and link is not None:
+                if link is None:  # its link closed meanwhile (and was forgotten): retry its items elsewhere
+                    if q:
+                        fail_worker(node, "link closed", drop=False, error=False)
+                    return
+                while q:
                     size = q[0][1].x.nbytes + q[0][1].pairs.nbytes
                     if win and sum(w[3] for w in win) + size > limits.EXPERT_WINDOW_BYTES:
                         return
@@ -685,12 +713,15 @@ class RemoteExecutor:
                 win, link_stats = window[node], self.link_stats[node]
                 while win:
                     chunk, fut, t0, _ = win[0]
-                    timeout = max(0.0, min(self.config.message_timeout_s - (time.perf_counter() - t0),
-                                           deadline - loop.time()))
+                    message_left = self.config.message_timeout_s - (time.perf_counter() - t0)
+                    layer_left = deadline - loop.time()
                     try:
-                        reply = await asyncio.wait_for(asyncio.shield(fut), timeout)
+                        reply = await asyncio.wait_for(asyncio.shield(fut), max(0.0, min(message_left, layer_left)))
                     except (TimeoutError, WorkerFailed) as e:
-                        fail_worker(node, f"layer {layer}: {e}" if str(e) else f"layer {layer}: timeout")
+                        # a worker is dropped for its own silence, not for a wait the layer's deadline cut short
+                        cut = isinstance(e, TimeoutError) and layer_left < message_left
+                        fail_worker(node, f"layer {layer}: {e}" if str(e) else f"layer {layer}: timeout",
+                                    drop=not cut, error=not cut)
                         return
                     win.popleft()
                     if isinstance(reply, rpc.ExpertReply) and self._fill(layer, work, chunk, reply, results):
