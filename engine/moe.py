@@ -17,7 +17,14 @@ protocol version):
 4. Combination, on the node that routed: ``out = 0``; for slot j = 0..k-1 in order:
    ``out += w[:, j, None] * Y[:, j, :]`` where ``Y[t, j]`` is token t's output from its j-th expert.
    The summation order is therefore fixed per token (slot order), independent of how experts were
-   spread over workers.
+   spread over workers. ``weighted_sum`` is this loop; every node that combines calls it.
+
+Combining on a worker (the optional ``RoutedExecutor`` extension) keeps this order: a worker that holds
+all k experts of a token in one request may run step 4 for that token itself, with the same fp32 slot
+weights, in the same slot order, through the same ``weighted_sum`` (zeros, then ``+= w_j * y_j`` for
+j = 0..k-1). Elementwise fp32 multiply and add are exactly rounded per element, so the row is the same
+bits whichever node (and whichever subset of rows) computes it; step 3 still runs on exactly the rows of
+the work list. Tokens whose experts are spread over several workers are combined by the routing node.
 
 ``expert_ffn`` is SwiGLU: ``down(silu(x @ gate.T) * (x @ up.T))`` with weights in Hugging Face layout
 (``gate``/``up``: [I, D], ``down``: [D, I]).
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -93,6 +101,39 @@ def local_executor(weights: ExpertWeightsFn) -> ExpertExecutor:
     return run
 
 
+class RoutedExecutor(Protocol):
+    """An executor that may also take a whole layer's routing and return the combined output.
+
+    ``run_routed(layer, x, routing)`` must return exactly (bit for bit) what
+    ``combine(routing, executor(layer, x, routing.work), T, D)`` would: [T, D] fp32. ``moe_block`` uses it
+    when the executor has it; the plain call keeps working for every other caller.
+    """
+
+    def __call__(self, layer: int, x: np.ndarray, work: Sequence[WorkItem]) -> list[np.ndarray]: ...
+
+    def run_routed(self, layer: int, x: np.ndarray, routing: Routing) -> np.ndarray: ...
+
+
+def weighted_sum(weights: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Step 4 for n rows: ``acc = 0``, then ``acc += w[:, j, None] * y[:, j]`` for j in slot order.
+
+    [n, k] fp32, [n, k, D] fp32 -> [n, D] fp32. Elementwise, so each row's bits depend only on that row.
+    """
+    acc = np.zeros((y.shape[0], y.shape[2]), dtype=np.float32)  # [n, D]
+    for j in range(y.shape[1]):
+        acc += weights[:, j, None] * y[:, j, :]
+    return acc
+
+
+def slot_positions(routing: Routing, item: int) -> np.ndarray:
+    """Flat slot index ``t * k + j`` of each row of work item ``item``, in the item's row order."""
+    if routing.positions is not None:
+        return routing.positions[item]
+    expert, rows = routing.work[item]
+    slots = np.argmax(routing.experts[rows] == expert, axis=-1)  # [n]
+    return rows * routing.experts.shape[1] + slots
+
+
 def combine(routing: Routing, outputs: Sequence[np.ndarray], t: int, d: int) -> np.ndarray:
     """Step 4: weighted sum of per-(row, expert) outputs in slot order. -> [T, D] fp32."""
     top_k = routing.experts.shape[1]
@@ -106,11 +147,7 @@ def combine(routing: Routing, outputs: Sequence[np.ndarray], t: int, d: int) -> 
         for (expert, rows), out in zip(routing.work, outputs):
             slots = np.argmax(routing.experts[rows] == expert, axis=-1)  # [n]
             y[rows, slots] = out
-    w = routing.weights
-    acc = np.zeros((t, d), dtype=np.float32)
-    for j in range(top_k):
-        acc += w[:, j, None] * y[:, j, :]
-    return acc
+    return weighted_sum(routing.weights, y)
 
 
 def moe_block(
@@ -123,6 +160,13 @@ def moe_block(
 ) -> np.ndarray:
     """Routed-experts output for one layer: [T, D] -> [T, D]. Shared experts are added by the caller."""
     routing = route(router_logits, top_k, norm_topk_prob)
+    run_routed = getattr(executor, "run_routed", None)  # the RoutedExecutor extension, if offered
+    if run_routed is not None:
+        out = run_routed(layer, x, routing)
+        if out.shape != x.shape or out.dtype != np.float32:
+            raise RuntimeError(f"expert executor returned {out.dtype}{list(out.shape)} for layer {layer},"
+                               f" expected float32{list(x.shape)}")
+        return out
     outputs = executor(layer, x, routing.work)
     if len(outputs) != len(routing.work):
         raise RuntimeError(f"expert executor returned {len(outputs)} outputs for {len(routing.work)} items")
