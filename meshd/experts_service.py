@@ -372,7 +372,9 @@ class ExpertsService:
         if self.worker is not None:
             st = self.worker.stats
             for key, what in (("requests", "expert requests served"), ("rows", "hidden rows received"),
-                              ("pairs", "(row, expert) outputs computed"), ("bytes_in", "bytes received"),
+                              ("pairs", "(row, expert) outputs computed"),
+                              ("rows_combined", "rows combined here and sent as one row"),
+                              ("bytes_in", "bytes received"),
                               ("bytes_out", "bytes sent"), ("errors", "requests answered with an error")):
                 m.append((f"meshd_experts_worker_{key}_total", "counter", f"Worker: {what}", {},
                           float(getattr(st, key))))
@@ -394,6 +396,7 @@ class ExpertsService:
                               ("items_local", "expert work items computed locally (prefer fallback)"),
                               ("local_fallback_layers", "layers that fell back to local compute"),
                               ("retries", "work items retried on another holder"),
+                              ("rows_combined", "token rows combined by a worker"),
                               ("unavailable", "layers failed for lack of workers")):
                 m.append((f"meshd_experts_{key}_total", "counter", f"Coordinator: {what}", lab,
                           float(getattr(s, key))))

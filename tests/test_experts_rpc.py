@@ -15,7 +15,7 @@ FP = bytes(range(32))
 GOLDEN = {
     # coordinator -> worker
     "hello": (
-        rpc.Hello(fingerprint=FP, max_message_bytes=1 << 20, max_rows=512), 1,
+        rpc.Hello(fingerprint=FP, min_version=1, max_version=1, max_message_bytes=1 << 20, max_rows=512), 1,
         "4d58010100000000010000002a0000000101000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"
         "00001000000200008a40a33a"),
     "request": (
@@ -23,6 +23,19 @@ GOLDEN = {
                           pairs=np.array([[0, 1], [1, 1], [1, 4]], dtype=np.uint32)), 7,
         "4d58010300000000070000003900000003000000010200000002000000030000000000803f000000c00000003f0000803e"
         "0000000001000000010000000100000001000000040000009ed56296"),
+    "hello_v2": (  # a v2 coordinator's hello: same layout, offers versions 1-2
+        rpc.Hello(fingerprint=FP, max_message_bytes=1 << 20, max_rows=512), 1,
+        "4d58010100000000010000002a0000000102000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"
+        "000010000002000028f7ead9"),
+    "request_combine": (  # v2: row 1 (experts 4 then 1) is combined here, row 0's pair goes back raw
+        rpc.ExpertCombineRequest(layer=3, x=np.array([[1.0, -2.0], [0.5, 0.25]], dtype=np.float32),
+                                 pairs=np.array([[0, 1], [1, 1], [1, 4]], dtype=np.uint32),
+                                 rows=np.array([1], dtype=np.uint32),
+                                 experts=np.array([[4, 1]], dtype=np.uint32),
+                                 weights=np.array([[0.75, 0.25]], dtype=np.float32)), 8,
+        "4d580208000000000800000055000000030000000102000000020000000300000002000000010000000000803f000000c0"
+        "0000003f0000803e0000000001000000010000000100000001000000040000000100000004000000010000000000403f"
+        "0000803e4a3a870b"),
     "echo": (rpc.Echo(b"ping"), 9, "4d58010600000000090000000400000070696e67f220838e"),
     # worker -> coordinator
     "hello_ack": (
@@ -41,6 +54,11 @@ GOLDEN = {
         rpc.ErrorMsg(code=rpc.ErrorCode.NOT_HELD, text="layer 3 expert 4 is not held here", layer=3, expert=4), 7,
         "4d58010500000000070000002d0000000400030000000400000021006c617965722033206578706572742034206973206e6f"
         "742068656c6420686572658ebbe6f5"),
+    "reply_combined": (  # v2: one combined row, then the raw pair
+        rpc.ExpertCombinedReply(layer=3, combined=np.array([[1.5, 2.0]], dtype=np.float32),
+                                out=np.array([[-0.0, 3.0]], dtype=np.float32), compute_us=42), 8,
+        "4d580209000000000800000024000000030000000100000001000000020000002a0000000000c03f00000040000000800000"
+        "40405bc040b3"),
     "echo_reply": (rpc.EchoReply(b"ping"), 9, "4d58010700000000090000000400000070696e67b1eb2509"),
 }
 
@@ -54,6 +72,14 @@ def _same(a: rpc.Message, b: rpc.Message) -> bool:
     if isinstance(a, rpc.ExpertReply):
         assert isinstance(b, rpc.ExpertReply)
         return a.layer == b.layer and a.compute_us == b.compute_us and a.out.tobytes() == b.out.tobytes()
+    if isinstance(a, rpc.ExpertCombineRequest):
+        assert isinstance(b, rpc.ExpertCombineRequest)
+        fields = ("x", "pairs", "rows", "experts", "weights")
+        return a.layer == b.layer and all(getattr(a, f).tobytes() == getattr(b, f).tobytes() for f in fields)
+    if isinstance(a, rpc.ExpertCombinedReply):
+        assert isinstance(b, rpc.ExpertCombinedReply)
+        return (a.layer == b.layer and a.compute_us == b.compute_us and a.out.tobytes() == b.out.tobytes()
+                and a.combined.tobytes() == b.combined.tobytes())
     return a == b
 
 
@@ -126,6 +152,55 @@ def test_semantic_violations_raise_protocol_error() -> None:
         body = bytearray(ack[16:-4])
         body[1 + 32 + 8: 1 + 32 + 16] = struct.pack("<d", float("nan"))
         rpc.decode(_reframe(rpc.MsgType.HELLO_ACK, bytes(body)))
+
+
+def test_combine_request_semantic_violations_raise_protocol_error() -> None:
+    import struct
+
+    x = np.zeros((2, 2), dtype="<f4").tobytes()
+    pairs = np.array([[0, 1], [1, 1], [1, 4]], dtype="<u4").tobytes()
+
+    def payload(rows: list[int], experts: list[list[int]], weights: list[list[float]], k: int = 2,
+                pairs: bytes = pairs, npairs: int = 3) -> bytes:
+        head = struct.pack("<IBIIIII", 0, 1, 2, 2, npairs, k, len(rows))
+        slots = np.array(rows, dtype="<u4").tobytes() + np.array(experts, dtype="<u4").tobytes()
+        return head + x + pairs + slots + np.array(weights, dtype="<f4").tobytes()
+
+    cases = {
+        "row outside x": payload([2], [[4, 1]], [[0.5, 0.5]]),
+        "rows not ascending": payload([1, 1], [[4, 1], [4, 1]], [[0.5, 0.5], [0.5, 0.5]]),
+        "a slot expert has no pair": payload([1], [[4, 2]], [[0.5, 0.5]]),
+        "repeated slot expert": payload([1], [[4, 4]], [[0.5, 0.5]]),
+        "row has a pair outside its slots": payload([1], [[4]], [[1.0]], k=1),
+        "row missing a slot": payload([0], [[1, 4]], [[0.5, 0.5]]),
+        "nan weight": payload([1], [[4, 1]], [[float("nan"), 0.5]]),
+        "inf weight": payload([1], [[4, 1]], [[0.5, float("-inf")]]),
+        "zero top_k": payload([], [], [], k=0),
+        "no combined row": payload([], [], []),
+        "unsorted pairs": payload([1], [[4, 1]], [[0.5, 0.5]], pairs=np.array([[1, 4], [0, 1], [1, 1]],
+                                                                                dtype="<u4").tobytes()),
+    }
+    for why, body in cases.items():
+        with pytest.raises(rpc.ExpertProtocolError):
+            rpc.decode(_reframe(rpc.MsgType.EXPERT_REQUEST_COMBINE, body, version=2))
+        assert why
+    good = payload([1], [[4, 1]], [[0.5, 0.5]])
+    env = rpc.decode(_reframe(rpc.MsgType.EXPERT_REQUEST_COMBINE, good, version=2))
+    assert isinstance(env.message, rpc.ExpertCombineRequest)
+    assert env.message.slot_pairs().tolist() == [[2, 1]]
+    assert env.message.raw_mask().tolist() == [True, False, False]
+    with pytest.raises(rpc.ExpertProtocolError, match="version"):  # a v2 type in a v1 header
+        rpc.decode(_reframe(rpc.MsgType.EXPERT_REQUEST_COMBINE, good, version=1))
+    reply = rpc.encode(GOLDEN["reply_combined"][0], 1)
+    with pytest.raises(rpc.ExpertProtocolError, match="version"):
+        rpc.decode(_reframe(rpc.MsgType.EXPERT_REPLY_COMBINED, reply[16:-4], version=1))
+
+
+def test_combined_reply_without_raw_pairs_round_trips() -> None:
+    msg = rpc.ExpertCombinedReply(layer=1, combined=np.ones((2, 3), dtype=np.float32),
+                                  out=np.zeros((0, 3), dtype=np.float32))
+    env = rpc.decode(rpc.encode(msg, 5))
+    assert _same(env.message, msg)
 
 
 def test_length_is_checked_before_buffering() -> None:

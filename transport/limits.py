@@ -102,6 +102,7 @@ EXPERT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # one expert request/reply; a 4096
 #   well-behaved coordinator and bounds what a peer can make us buffer
 EXPERT_MAX_ROWS = 65536  # hidden rows in one request: more than any prefill chunk the engine runs
 EXPERT_MAX_PAIRS = 65536 * 16  # (row, expert) pairs in one request: rows x the largest top-k we know (8) x2
+EXPERT_MAX_TOP_K = 64  # slots per token a worker may be asked to combine: published MoEs route to <= 8
 EXPERT_MAX_DIM = 65536  # hidden size: the largest published MoE (DeepSeek-V3, 7168) with headroom
 EXPERT_MAX_ERROR_TEXT_BYTES = 1024  # an error's human text: one line naming what failed
 EXPERT_MAX_SHARD_RANGES = 1024  # (layer, expert) rectangles a worker advertises in its hello

@@ -12,6 +12,14 @@ within ``layer_timeout_s``. A worker that fails (timeout, typed error, broken st
 items are retried on the next live holder; items nobody live holds are computed locally in ``prefer``
 mode (counted, logged) or make the call raise :class:`ExpertsUnavailable` in ``on`` mode.
 
+Combining on workers (``run_routed``, the ``engine.moe.RoutedExecutor`` extension ``moe_block`` uses): on
+the fast path, a worker that acked protocol v2 is also sent, for each token whose k experts all went to
+it, the token's slot experts and weights, and returns that token's combined row instead of k rows; the
+coordinator combines the other tokens from raw outputs. Both sum in slot order with ``weighted_sum``, so
+the result is bit-identical to ``combine``. The general path sends v1 requests only (raw pairs, combined
+here): it chunks, retries and falls back by work item, and a layer lands there only when something is
+unusual or too large for one request.
+
 The ownership map is rebuilt when workers come or go but an engine thread picks it up only at the start of
 a forward pass (the call for the first sparse layer) or of an explicit :meth:`RemoteExecutor.pinned`
 scope, so ownership never changes in the middle of a token.
@@ -37,7 +45,7 @@ from engine.experts import rpc
 from engine.experts.channel import ByteChannel
 from engine.experts.layout import MoeLayout
 from engine.experts.ownership import OwnershipMap, WorkerInfo, build_map
-from engine.moe import ExpertWeightsFn, WorkItem, expert_ffn
+from engine.moe import ExpertWeightsFn, Routing, WorkItem, combine, expert_ffn, slot_positions, weighted_sum
 from transport import limits
 
 log = structlog.get_logger(__name__)
@@ -160,6 +168,10 @@ class WorkerLink:
             self.close("fingerprint mismatch")
             raise WorkerRefused(self.node_id, f"holds checkpoint {reply.fingerprint.hex()[:16]}, expected "
                                 f"{fingerprint.hex()[:16]}", rpc.ErrorCode.FINGERPRINT_MISMATCH)
+        if not rpc.PROTOCOL_MIN <= reply.version <= rpc.PROTOCOL_MAX:
+            self.close("bad protocol version")
+            raise WorkerRefused(self.node_id, f"acked expert protocol {reply.version}, we offered "
+                                f"{rpc.PROTOCOL_MIN}-{rpc.PROTOCOL_MAX}", rpc.ErrorCode.VERSION_UNSUPPORTED)
         self.ack = reply
         self.holds = frozenset((layer, e) for layer in layout.sparse_layers for e in range(layout.num_experts)
                                if reply.holds(layer, e))
@@ -258,8 +270,21 @@ class _FastSend:
     items: list[int]
     rows: int
     pairs: int
-    reply: rpc.ExpertReply | None = None
+    dim: int
+    combined: np.ndarray | None = None  # token rows (into the layer's x) the worker combines, ascending
+    raw_mask: np.ndarray | None = None  # [pairs] bool: request pairs whose outputs come back raw
+    reply: rpc.ExpertReply | rpc.ExpertCombinedReply | None = None
     t0: float = 0.0
+
+    def answers(self, reply: rpc.Message, layer: int) -> bool:
+        """Whether ``reply`` is a well-formed answer to this request."""
+        if self.combined is None:
+            return (isinstance(reply, rpc.ExpertReply) and reply.layer == layer
+                    and reply.out.shape == (self.pairs, self.dim))
+        assert self.raw_mask is not None  # noqa: S101 - set together with combined
+        return (isinstance(reply, rpc.ExpertCombinedReply) and reply.layer == layer
+                and reply.combined.shape == (len(self.combined), self.dim)
+                and reply.out.shape == (int(np.count_nonzero(self.raw_mask)), self.dim))
 
 
 class _FastCall:
@@ -299,6 +324,7 @@ class CoordinatorStats:
     items_local: int = 0  # items computed here (prefer fallback)
     local_fallback_layers: int = 0
     retries: int = 0  # items moved to another holder after a failure
+    rows_combined: int = 0  # token rows a worker combined (one reply row instead of k)
     unavailable: int = 0  # 'on' calls that failed
     expert_rows: dict[tuple[int, int], int] = field(default_factory=dict)  # hits, delegated and local
 
@@ -458,6 +484,48 @@ class RemoteExecutor:
 
     def __call__(self, layer: int, x: np.ndarray, work: Sequence[WorkItem]) -> list[np.ndarray]:
         """The executor: ``expert_ffn(x[rows], W_e)`` for each work item, computed by workers."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        work = list(work)
+        sends, results = self._execute(layer, x, work, None)
+        if sends is None:
+            return results
+        out: list[np.ndarray | None] = [None] * len(work)
+        for snd in sends:
+            assert isinstance(snd.reply, rpc.ExpertReply)  # noqa: S101 - no routing: v1 requests only
+            self._fill(layer, work, snd.items, snd.reply, out)
+        return [r for r in out if r is not None]
+
+    def run_routed(self, layer: int, x: np.ndarray, routing: Routing) -> np.ndarray:
+        """The ``RoutedExecutor`` extension: [T, D] fp32, bit for bit ``combine(routing, self(...), T, D)``.
+
+        On the fast path v2 workers combine the tokens whose experts they all hold (module docstring)."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        t, d = x.shape
+        sends, results = self._execute(layer, x, routing.work, routing)
+        if sends is None:
+            return combine(routing, results, t, d)
+        k = routing.experts.shape[1]
+        out = np.empty((t, d), dtype=np.float32)  # [T, D]
+        y = np.empty((t * k, d), dtype=np.float32)  # [T * k, D]: row t * k + j is token t's slot j output
+        split = np.ones(t, dtype=bool)  # tokens combined here, from raw outputs
+        for snd in sends:
+            assert snd.reply is not None  # noqa: S101 - settled without error: every reply is in
+            pos = np.concatenate([slot_positions(routing, i) for i in snd.items])  # request pair order
+            if snd.combined is not None:
+                assert isinstance(snd.reply, rpc.ExpertCombinedReply)  # noqa: S101 - checked by answers()
+                out[snd.combined] = snd.reply.combined
+                split[snd.combined] = False
+                pos = pos[snd.raw_mask]
+            y[pos] = snd.reply.out
+        rows = np.flatnonzero(split)
+        if len(rows):
+            out[rows] = weighted_sum(routing.weights[rows], y.reshape(t, k, d)[rows])
+        return out
+
+    def _execute(self, layer: int, x: np.ndarray, work: list[WorkItem],
+                 routing: Routing | None) -> tuple[list[_FastSend] | None, list[np.ndarray]]:
+        """Run a layer: the fast path's answered requests (and no outputs), or, when it gave up, None and
+        every item's output from the general path and the local fallback."""
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
@@ -465,18 +533,15 @@ class RemoteExecutor:
         if running is self.loop:
             raise RuntimeError("the remote expert executor must not be called from its event loop thread")
         omap = self._map_for(layer)
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        work = list(work)
         started = time.monotonic()
-        fast = self._run_fast(layer, x, work, omap)
-        if fast is not None:
-            results: list[np.ndarray | None] = fast
-            local: list[int] = []
-        else:  # what the fast path spent waiting counts against the layer's timeout
+        sends = self._run_fast(layer, x, work, omap, routing)
+        local: list[int] = []
+        results: list[np.ndarray | None] = []
+        if sends is None:  # what the fast path spent waiting counts against the layer's timeout
             budget = self.config.layer_timeout_s - (time.monotonic() - started)
             results, local = self._run_general(layer, x, work, omap, budget)
-        if local:
-            self._fallback(layer, x, work, results, local)
+            if local:
+                self._fallback(layer, x, work, results, local)
         with self._stats_lock:
             st = self.stats
             st.layers += 1
@@ -485,10 +550,14 @@ class RemoteExecutor:
             st.items_delegated += len(work) - len(local)
             for expert, rows in work:
                 st.expert_rows[(layer, expert)] = st.expert_rows.get((layer, expert), 0) + len(rows)
+            if sends is not None:
+                st.rows_combined += sum(len(snd.combined) for snd in sends if snd.combined is not None)
+        if sends is not None:
+            return sends, []
         out = [r for r in results if r is not None]
         if len(out) != len(work):
             raise RuntimeError(f"layer {layer}: {len(work) - len(out)} expert outputs missing")
-        return out
+        return None, out
 
     def _run_general(self, layer: int, x: np.ndarray, work: list[WorkItem], omap: OwnershipMap,
                      budget_s: float) -> tuple[list[np.ndarray | None], list[int]]:
@@ -516,10 +585,12 @@ class RemoteExecutor:
     # replies are matched as their packets are read; the engine thread sleeps on a lock meanwhile. No task,
     # no future chain: a layer costs the loop two wake-ups (send, and each reply's packet). Anything else
     # (a worker gone, a typed error, a timeout, a full send buffer) gives up and the layer is run again by
-    # the general path, which retries, falls back and reports.
+    # the general path, which retries, falls back and reports. With the layer's routing, a v2 worker also
+    # gets the slot experts and weights of the tokens whose k experts all went to it, and combines them.
 
-    def _run_fast(self, layer: int, x: np.ndarray, work: list[WorkItem],
-                  omap: OwnershipMap) -> list[np.ndarray | None] | None:
+    def _run_fast(self, layer: int, x: np.ndarray, work: list[WorkItem], omap: OwnershipMap,
+                  routing: Routing | None) -> list[_FastSend] | None:
+        """The answered requests, or None when the layer must take the general path."""
         by_worker: dict[str, list[int]] = {}
         links = self.links
         for i, (expert, _rows) in enumerate(work):
@@ -530,17 +601,24 @@ class RemoteExecutor:
                     break
             else:
                 return None
+        whole = self._whole_rows(work, by_worker, routing) if routing is not None and work else None
         sends: list[_FastSend] = []
-        for node, items in by_worker.items():
+        for w, (node, items) in enumerate(by_worker.items()):
             link = links.get(node)
-            if link is None or not self._fits_one(link, x, work, items):
+            if link is None or link.ack is None or not self._fits_one(link, x, work, items):
                 return None
-            req = self._request(layer, x, work, items)
-            rid = link.next_id()
-            data = rpc.encode(req, rid)
-            if len(data) > limits.EXPERT_SEND_CHUNK_BYTES:
+            req: rpc.ExpertRequest | rpc.ExpertCombineRequest = self._request(layer, x, work, items)
+            snd = _FastSend(node, link, 0, b"", items, req.x.shape[0], req.pairs.shape[0], x.shape[1])
+            if whole is not None and routing is not None and link.ack.version >= 2:
+                rows = np.flatnonzero(whole == w)  # tokens whose k experts all went to this worker
+                if len(rows):
+                    req, snd.raw_mask = self._combine_request(req, work, items, routing, rows)
+                    snd.combined = rows
+            snd.rid = link.next_id()
+            snd.data = rpc.encode(req, snd.rid)
+            if len(snd.data) > min(limits.EXPERT_SEND_CHUNK_BYTES, link.ack.max_message_bytes):
                 return None  # the general path sends it in slices, under flow control
-            sends.append(_FastSend(node, link, rid, data, items, req.x.shape[0], req.pairs.shape[0]))
+            sends.append(snd)
         call = _FastCall(layer, sends)
         self.loop.call_soon_threadsafe(self._fast_dispatch, call)
         if not call.lock.acquire(timeout=min(self.config.message_timeout_s, self.config.layer_timeout_s)):
@@ -548,11 +626,31 @@ class RemoteExecutor:
             return None
         if call.error is not None:
             return None
-        results: list[np.ndarray | None] = [None] * len(work)
-        for snd in sends:
-            assert snd.reply is not None  # noqa: S101 - settled without error: every reply is in
-            self._fill(layer, work, snd.items, snd.reply, results)
-        return results
+        return sends
+
+    @staticmethod
+    def _whole_rows(work: list[WorkItem], by_worker: dict[str, list[int]], routing: Routing) -> np.ndarray:
+        """[T] int: for each token, the index (in ``by_worker`` order) of the worker all its experts went
+        to, or -1 if they are spread over several."""
+        worker_of = np.full(max(e for e, _ in work) + 1, -1, dtype=np.int64)  # expert -> worker index
+        for w, items in enumerate(by_worker.values()):
+            worker_of[[work[i][0] for i in items]] = w
+        slots = worker_of[routing.experts]  # [T, k]
+        return np.where(np.all(slots == slots[:, :1], axis=1), slots[:, 0], -1)
+
+    @staticmethod
+    def _combine_request(req: rpc.ExpertRequest, work: list[WorkItem], items: list[int], routing: Routing,
+                         rows: np.ndarray) -> tuple[rpc.ExpertCombineRequest, np.ndarray]:
+        """``req`` also asking the worker to combine token ``rows``; the mask of its pairs sent back raw."""
+        rows_all = np.concatenate([work[i][1] for i in items])  # token of each request pair
+        uniq = np.unique(rows_all)  # the request's x rows, as _request built them
+        here = np.zeros(routing.experts.shape[0], dtype=bool)
+        here[rows] = True
+        creq = rpc.ExpertCombineRequest(layer=req.layer, x=req.x, pairs=req.pairs,
+                                        rows=np.searchsorted(uniq, rows).astype(np.uint32),
+                                        experts=routing.experts[rows].astype(np.uint32),
+                                        weights=routing.weights[rows])
+        return creq, ~here[rows_all]
 
     def _fast_dispatch(self, call: _FastCall) -> None:
         """Loop thread: send every request of the call."""
@@ -577,8 +675,7 @@ class RemoteExecutor:
         """Loop thread: one worker's reply (or its link's failure)."""
         if call.settled:
             return
-        if not (isinstance(reply, rpc.ExpertReply) and reply.layer == call.layer
-                and reply.out.shape[0] == snd.pairs):
+        if isinstance(reply, WorkerFailed) or not snd.answers(reply, call.layer):
             self._count_retries(len(snd.items))
             call.settle(f"worker {snd.node}: {reply if isinstance(reply, WorkerFailed) else type(reply).__name__}")
             return
@@ -586,7 +683,7 @@ class RemoteExecutor:
         st.calls += 1
         st.compute_sum_s += reply.compute_us / 1e6
         st.observe(time.perf_counter() - snd.t0)
-        snd.reply = reply
+        snd.reply = reply  # type: ignore[assignment]  # answers() checked its type
         call.left -= 1
         if call.left == 0:
             call.settle()
@@ -834,6 +931,7 @@ class RemoteExecutor:
             d = st.as_dict()
             d["connected"] = link is not None and not link.closed
             d["owned"] = shares.get(node_id, 0)
+            d["protocol"] = link.ack.version if link is not None and link.ack is not None else None
             workers[node_id] = d
         with self._stats_lock:
             s = self.stats
@@ -842,5 +940,6 @@ class RemoteExecutor:
                     "covered": not self.coverage(), "workers": workers, "layers": s.layers,
                     "layers_delegated": s.layers_delegated, "items_delegated": s.items_delegated,
                     "items_local": s.items_local, "local_fallback_layers": s.local_fallback_layers,
-                    "retries": s.retries, "unavailable": s.unavailable, "expert_hits": hits,
+                    "retries": s.retries, "rows_combined": s.rows_combined, "unavailable": s.unavailable,
+                    "expert_hits": hits,
                     "experts_hit": len(s.expert_rows)}

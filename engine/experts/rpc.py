@@ -3,7 +3,13 @@
 Every message is ``header | payload | crc32`` (all integers little-endian):
 
 ``header`` (16 bytes): magic ``b"MX"``, ``version`` u8, ``type`` u8 (:class:`MsgType`), ``flags`` u16 (must
-be 0), ``reserved`` u16 (must be 0), ``request_id`` u32, ``payload_len`` u32.
+be 0), ``reserved`` u16 (must be 0), ``request_id`` u32, ``payload_len`` u32. ``version`` is the protocol
+version that introduced the message type (1 for HELLO .. ECHO_REPLY, 2 for the COMBINE pair), so a peer
+of any version can read the hello, and a message of a type its version lacks is refused by its header.
+
+Versions: the HELLO offers ``[min_version, max_version]``; the worker acks the highest version both speak
+and the coordinator sends only that version's message types (v2: EXPERT_REQUEST_COMBINE) afterwards; a
+worker refuses a message type above the version it acked.
 ``crc32`` (4 bytes): ``zlib.crc32`` of header and payload, so any corrupted or tampered byte is detected.
 
 Payloads (``x`` and ``out`` are fp32 little-endian, row-major):
@@ -19,6 +25,16 @@ Payloads (``x`` and ``out`` are fp32 little-endian, row-major):
   local path would give it, and every hidden row is sent once.
 - EXPERT_REPLY (w -> c): ``layer`` u32, ``n_pairs`` u32, ``dim`` u32, ``compute_us`` u32, ``out``
   [n_pairs, dim]: ``expert_ffn`` output for each request pair, in request order.
+- EXPERT_REQUEST_COMBINE (c -> w, v2): ``layer`` u32, ``dtype`` u8 (1 = fp32), ``n_rows`` u32, ``dim`` u32,
+  ``n_pairs`` u32, ``top_k`` u32, ``n_combined`` u32, ``x`` [n_rows, dim], ``pairs`` [n_pairs, 2] u32 (the
+  EXPERT_REQUEST rules), ``rows`` [n_combined] u32 (rows into x to combine, strictly ascending),
+  ``slot_experts`` [n_combined, top_k] u32 and ``slot_weights`` [n_combined, top_k] fp32 (each combined
+  row's experts and weights in slot order). A combined row's pairs are exactly its ``top_k`` distinct slot
+  experts; every weight is finite; ``n_combined`` >= 1.
+- EXPERT_REPLY_COMBINED (w -> c, v2): ``layer`` u32, ``n_combined`` u32, ``n_pairs`` u32, ``dim`` u32,
+  ``compute_us`` u32, ``combined`` [n_combined, dim]: each combined row's ``weighted_sum`` (engine.moe) of
+  its slot outputs, in ``rows`` order; ``out`` [n_pairs, dim]: ``expert_ffn`` output for each request pair
+  whose row is not combined, in request order (``n_pairs`` may be 0).
 - ERROR (either way): ``code`` u16 (:class:`ErrorCode`), ``layer`` u32, ``expert`` u32 (``NONE`` if not
   applicable), ``text_len`` u16, ``text`` UTF-8.
 - ECHO / ECHO_REPLY: raw bytes (round-trip measurement).
@@ -38,9 +54,8 @@ import numpy as np
 from transport import limits
 
 MAGIC = b"MX"
-PROTOCOL_VERSION = 1
 PROTOCOL_MIN = 1
-PROTOCOL_MAX = 1
+PROTOCOL_MAX = 2
 NONE = 0xFFFFFFFF  # "no layer / no expert" in ERROR
 FINGERPRINT_BYTES = 32
 DTYPE_F32 = 1
@@ -62,6 +77,14 @@ class MsgType(IntEnum):
     ERROR = 5
     ECHO = 6
     ECHO_REPLY = 7
+    EXPERT_REQUEST_COMBINE = 8
+    EXPERT_REPLY_COMBINED = 9
+
+
+# The protocol version that introduced each message type: the ``version`` its header carries. APPEND ONLY.
+MSG_VERSION = {MsgType.HELLO: 1, MsgType.HELLO_ACK: 1, MsgType.EXPERT_REQUEST: 1, MsgType.EXPERT_REPLY: 1,
+               MsgType.ERROR: 1, MsgType.ECHO: 1, MsgType.ECHO_REPLY: 1, MsgType.EXPERT_REQUEST_COMBINE: 2,
+               MsgType.EXPERT_REPLY_COMBINED: 2}
 
 
 class ErrorCode(IntEnum):
@@ -136,17 +159,61 @@ class ExpertRequest:
 
     def groups(self) -> list[tuple[int, np.ndarray]]:
         """(expert, rows into x) in pair order: the work items this request carries."""
-        experts = self.pairs[:, 1]
-        bounds = np.flatnonzero(np.diff(experts)) + 1
-        starts = np.concatenate(([0], bounds))
-        ends = np.concatenate((bounds, [len(experts)]))
-        return [(int(experts[s]), self.pairs[s:e, 0].astype(np.int64)) for s, e in zip(starts, ends)]
+        return _groups(self.pairs)
+
+
+def _groups(pairs: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    experts = pairs[:, 1]
+    bounds = np.flatnonzero(np.diff(experts)) + 1
+    starts = np.concatenate(([0], bounds))
+    ends = np.concatenate((bounds, [len(experts)]))
+    return [(int(experts[s]), pairs[s:e, 0].astype(np.int64)) for s, e in zip(starts, ends)]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ExpertCombineRequest:
+    """An EXPERT_REQUEST (v2) that also asks the worker to combine ``rows`` in slot order."""
+
+    layer: int
+    x: np.ndarray  # [n_rows, dim] fp32
+    pairs: np.ndarray  # [n_pairs, 2] uint32, as in ExpertRequest
+    rows: np.ndarray  # [n_combined] uint32 rows into x, strictly ascending
+    experts: np.ndarray  # [n_combined, k] uint32 slot experts
+    weights: np.ndarray  # [n_combined, k] fp32 slot weights
+
+    def groups(self) -> list[tuple[int, np.ndarray]]:
+        """(expert, rows into x) in pair order: the work items this request carries."""
+        return _groups(self.pairs)
+
+    def slot_pairs(self) -> np.ndarray:
+        """[n_combined, k] int64: the index into ``pairs`` of (rows[c], experts[c, j]), -1 if absent."""
+        n_rows = self.x.shape[0] + 1
+        key = self.pairs[:, 1].astype(np.int64) * n_rows + self.pairs[:, 0]  # ascending (parser checks)
+        want = self.experts.astype(np.int64) * n_rows + self.rows.astype(np.int64)[:, None]  # [n_c, k]
+        idx = np.minimum(np.searchsorted(key, want), len(key) - 1)
+        return np.where(key[idx] == want, idx, -1)
+
+    def raw_mask(self) -> np.ndarray:
+        """[n_pairs] bool: the pairs whose row is not combined (their outputs are sent raw)."""
+        combined = np.zeros(self.x.shape[0], dtype=bool)
+        combined[self.rows] = True
+        return ~combined[self.pairs[:, 0]]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ExpertReply:
     layer: int
     out: np.ndarray  # [n_pairs, dim] fp32, request order
+    compute_us: int = 0
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ExpertCombinedReply:
+    """The reply to an ExpertCombineRequest: combined rows, then the other rows' raw pair outputs."""
+
+    layer: int
+    combined: np.ndarray  # [n_combined, dim] fp32, in the request's ``rows`` order
+    out: np.ndarray  # [n_raw_pairs, dim] fp32: pairs of rows not combined, request order
     compute_us: int = 0
 
 
@@ -168,7 +235,8 @@ class EchoReply:
     payload: bytes
 
 
-Message = Hello | HelloAck | ExpertRequest | ExpertReply | ErrorMsg | Echo | EchoReply
+Message = (Hello | HelloAck | ExpertRequest | ExpertReply | ErrorMsg | Echo | EchoReply | ExpertCombineRequest
+           | ExpertCombinedReply)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,12 +254,19 @@ _HELLO_ACK = struct.Struct("<B32sIIdI")
 _RANGE = struct.Struct("<IIII")
 _REQ = struct.Struct("<IBIII")
 _REPLY = struct.Struct("<IIII")
+_CREQ = struct.Struct("<IBIIIII")
+_CREPLY = struct.Struct("<IIIII")
 _ERR = struct.Struct("<HIIH")
 
 
 def _check_u32(name: str, v: int) -> None:
     if not 0 <= v <= 0xFFFFFFFF:
         raise ValueError(f"{name} {v} does not fit u32")
+
+
+def _raw(a: np.ndarray) -> bytes | memoryview:
+    """A contiguous array's bytes without a copy (memoryview cannot cast an empty array)."""
+    return memoryview(a).cast("B") if a.size else b""
 
 
 def _payload(msg: Message) -> tuple[MsgType, list[bytes | memoryview]]:
@@ -221,6 +296,27 @@ def _payload(msg: Message) -> tuple[MsgType, list[bytes | memoryview]]:
             raise ValueError("out must be [m, D]")
         head = _REPLY.pack(msg.layer, out.shape[0], out.shape[1], min(msg.compute_us, 0xFFFFFFFF))
         return MsgType.EXPERT_REPLY, [head, memoryview(out).cast("B")]
+    if isinstance(msg, ExpertCombineRequest):
+        x = np.ascontiguousarray(msg.x, dtype=_F32)
+        pairs = np.ascontiguousarray(msg.pairs, dtype=_U32)
+        rows = np.ascontiguousarray(msg.rows, dtype=_U32)
+        experts = np.ascontiguousarray(msg.experts, dtype=_U32)
+        weights = np.ascontiguousarray(msg.weights, dtype=_F32)
+        if (x.ndim != 2 or pairs.ndim != 2 or pairs.shape[1] != 2 or rows.ndim != 1 or experts.ndim != 2
+                or experts.shape != weights.shape or experts.shape[0] != rows.shape[0]):
+            raise ValueError("x must be [n, D], pairs [m, 2], rows [c], experts and weights [c, k]")
+        _check_u32("layer", msg.layer)
+        head = _CREQ.pack(msg.layer, DTYPE_F32, x.shape[0], x.shape[1], pairs.shape[0], experts.shape[1],
+                          rows.shape[0])
+        return MsgType.EXPERT_REQUEST_COMBINE, [head, *(_raw(a) for a in (x, pairs, rows, experts, weights))]
+    if isinstance(msg, ExpertCombinedReply):
+        combined = np.ascontiguousarray(msg.combined, dtype=_F32)
+        out = np.ascontiguousarray(msg.out, dtype=_F32)
+        if combined.ndim != 2 or out.ndim != 2 or out.shape[1] != combined.shape[1]:
+            raise ValueError("combined must be [c, D] and out [m, D]")
+        head = _CREPLY.pack(msg.layer, combined.shape[0], out.shape[0], combined.shape[1],
+                            min(msg.compute_us, 0xFFFFFFFF))
+        return MsgType.EXPERT_REPLY_COMBINED, [head, _raw(combined), _raw(out)]
     if isinstance(msg, ErrorMsg):
         text = msg.text.encode("utf-8")[: limits.EXPERT_MAX_ERROR_TEXT_BYTES]
         text = text.decode("utf-8", "ignore").encode("utf-8")  # never cut a character in half
@@ -232,14 +328,15 @@ def _payload(msg: Message) -> tuple[MsgType, list[bytes | memoryview]]:
     raise TypeError(f"not a message: {type(msg).__name__}")
 
 
-def encode(msg: Message, request_id: int, version: int = PROTOCOL_VERSION) -> bytes:
-    """Serialize one message. Raises ``ValueError`` for a message we must never send."""
+def encode(msg: Message, request_id: int) -> bytes:
+    """Serialize one message (its header carries its type's ``MSG_VERSION``). Raises ``ValueError`` for a
+    message we must never send."""
     _check_u32("request_id", request_id)
     mtype, parts = _payload(msg)
     length = sum(len(p) for p in parts)
     if length > limits.EXPERT_MAX_MESSAGE_BYTES:
         raise ValueError(f"message of {length} bytes exceeds {limits.EXPERT_MAX_MESSAGE_BYTES}")
-    header = _HEADER.pack(MAGIC, version, int(mtype), 0, 0, request_id, length)
+    header = _HEADER.pack(MAGIC, MSG_VERSION[mtype], int(mtype), 0, 0, request_id, length)
     crc = zlib.crc32(header)
     for p in parts:
         crc = zlib.crc32(p, crc)
@@ -261,6 +358,8 @@ def _parse_header(header: bytes | memoryview, max_message_bytes: int) -> tuple[i
         kind = MsgType(mtype)
     except ValueError:
         raise _bad(f"unknown message type {mtype}") from None
+    if version != MSG_VERSION[kind]:
+        raise ExpertProtocolError(ErrorCode.VERSION_UNSUPPORTED, f"message version {version} for {kind.name}")
     if length > max_message_bytes:
         raise ExpertProtocolError(ErrorCode.TOO_LARGE, f"message of {length} bytes exceeds {max_message_bytes}")
     return version, kind, request_id, length
@@ -304,18 +403,10 @@ def _parse_payload(kind: MsgType, p: memoryview) -> Message:
             raise ExpertProtocolError(ErrorCode.TOO_LARGE, "expert_request sizes out of range")
         if n != _REQ.size + 4 * rows * dim + 8 * npairs:
             raise _bad("expert_request has the wrong length")
-        x = np.frombuffer(p, dtype=_F32, count=rows * dim, offset=_REQ.size).reshape(rows, dim)
-        pairs = np.frombuffer(p, dtype=_U32, count=2 * npairs, offset=_REQ.size + 4 * rows * dim)
-        pairs = pairs.reshape(npairs, 2)
-        r, e = pairs[:, 0].astype(np.int64), pairs[:, 1].astype(np.int64)
-        if int(r.max()) >= rows:
-            raise _bad("expert_request pair names a row outside x")
-        key = e * (rows + 1) + r
-        if npairs > 1 and not bool(np.all(np.diff(key) > 0)):
-            raise _bad("expert_request pairs are not strictly ascending by (expert, row)")
-        if len(np.unique(r)) != rows:
-            raise _bad("expert_request sends a row no pair uses")
+        x, pairs = _rows_and_pairs(p, _REQ.size, rows, dim, npairs)
         return ExpertRequest(layer=layer, x=x, pairs=pairs)
+    if kind is MsgType.EXPERT_REQUEST_COMBINE:
+        return _parse_combine_request(p)
     if kind is MsgType.EXPERT_REPLY:
         if n < _REPLY.size:
             raise _bad("expert_reply is truncated")
@@ -326,6 +417,19 @@ def _parse_payload(kind: MsgType, p: memoryview) -> Message:
             raise _bad("expert_reply has the wrong length")
         out = np.frombuffer(p, dtype=_F32, count=npairs * dim, offset=_REPLY.size).reshape(npairs, dim)
         return ExpertReply(layer=layer, out=out, compute_us=us)
+    if kind is MsgType.EXPERT_REPLY_COMBINED:
+        if n < _CREPLY.size:
+            raise _bad("expert_reply_combined is truncated")
+        layer, ncomb, npairs, dim, us = _CREPLY.unpack_from(p)
+        if not (1 <= ncomb <= limits.EXPERT_MAX_ROWS and 0 <= npairs <= limits.EXPERT_MAX_PAIRS
+                and 1 <= dim <= limits.EXPERT_MAX_DIM):
+            raise ExpertProtocolError(ErrorCode.TOO_LARGE, "expert_reply_combined sizes out of range")
+        if n != _CREPLY.size + 4 * (ncomb + npairs) * dim:
+            raise _bad("expert_reply_combined has the wrong length")
+        combined = np.frombuffer(p, dtype=_F32, count=ncomb * dim, offset=_CREPLY.size).reshape(ncomb, dim)
+        out = np.frombuffer(p, dtype=_F32, count=npairs * dim, offset=_CREPLY.size + 4 * ncomb * dim)
+        out = out.reshape(npairs, dim)
+        return ExpertCombinedReply(layer=layer, combined=combined, out=out, compute_us=us)
     if kind is MsgType.ERROR:
         if n < _ERR.size:
             raise _bad("error is truncated")
@@ -343,6 +447,54 @@ def _parse_payload(kind: MsgType, p: memoryview) -> Message:
             raise ExpertProtocolError(ErrorCode.TOO_LARGE, "echo too large")
         return Echo(bytes(p)) if kind is MsgType.ECHO else EchoReply(bytes(p))
     raise _bad(f"unhandled type {kind}")  # unreachable: MsgType() already checked
+
+
+def _rows_and_pairs(p: memoryview, offset: int, rows: int, dim: int,
+                    npairs: int) -> tuple[np.ndarray, np.ndarray]:
+    """x [rows, dim] and pairs [npairs, 2] at ``offset``, pairs checked by the EXPERT_REQUEST rules."""
+    x = np.frombuffer(p, dtype=_F32, count=rows * dim, offset=offset).reshape(rows, dim)
+    pairs = np.frombuffer(p, dtype=_U32, count=2 * npairs, offset=offset + 4 * rows * dim).reshape(npairs, 2)
+    r, e = pairs[:, 0].astype(np.int64), pairs[:, 1].astype(np.int64)
+    if int(r.max()) >= rows:
+        raise _bad("expert_request pair names a row outside x")
+    key = e * (rows + 1) + r
+    if npairs > 1 and not bool(np.all(np.diff(key) > 0)):
+        raise _bad("expert_request pairs are not strictly ascending by (expert, row)")
+    if len(np.unique(r)) != rows:
+        raise _bad("expert_request sends a row no pair uses")
+    return x, pairs
+
+
+def _parse_combine_request(p: memoryview) -> ExpertCombineRequest:
+    n = len(p)
+    if n < _CREQ.size:
+        raise _bad("expert_request_combine is truncated")
+    layer, dtype, rows, dim, npairs, k, ncomb = _CREQ.unpack_from(p)
+    if dtype != DTYPE_F32:
+        raise _bad(f"unknown dtype {dtype}")
+    if not (1 <= rows <= limits.EXPERT_MAX_ROWS and 1 <= dim <= limits.EXPERT_MAX_DIM
+            and 1 <= npairs <= limits.EXPERT_MAX_PAIRS and 1 <= k <= limits.EXPERT_MAX_TOP_K
+            and 1 <= ncomb <= rows):
+        raise ExpertProtocolError(ErrorCode.TOO_LARGE, "expert_request_combine sizes out of range")
+    if n != _CREQ.size + 4 * rows * dim + 8 * npairs + 4 * ncomb + 8 * ncomb * k:
+        raise _bad("expert_request_combine has the wrong length")
+    x, pairs = _rows_and_pairs(p, _CREQ.size, rows, dim, npairs)
+    off = _CREQ.size + 4 * rows * dim + 8 * npairs
+    crow = np.frombuffer(p, dtype=_U32, count=ncomb, offset=off)
+    experts = np.frombuffer(p, dtype=_U32, count=ncomb * k, offset=off + 4 * ncomb).reshape(ncomb, k)
+    weights = np.frombuffer(p, dtype=_F32, count=ncomb * k, offset=off + 4 * ncomb + 4 * ncomb * k)
+    weights = weights.reshape(ncomb, k)
+    if int(crow.max()) >= rows or (ncomb > 1 and not bool(np.all(np.diff(crow.astype(np.int64)) > 0))):
+        raise _bad("expert_request_combine rows are not strictly ascending rows of x")
+    if k > 1 and not bool(np.all(np.diff(np.sort(experts, axis=1).astype(np.int64), axis=1) > 0)):
+        raise _bad("expert_request_combine repeats an expert in a row's slots")
+    if not bool(np.all(np.isfinite(weights))):
+        raise _bad("expert_request_combine has a weight that is not finite")
+    req = ExpertCombineRequest(layer=layer, x=x, pairs=pairs, rows=crow, experts=experts, weights=weights)
+    per_row = np.bincount(pairs[:, 0].astype(np.int64), minlength=rows)
+    if bool(np.any(per_row[crow] != k)) or bool(np.any(req.slot_pairs() < 0)):
+        raise _bad("expert_request_combine combines a row whose pairs are not exactly its slot experts")
+    return req
 
 
 def decode(data: bytes, max_message_bytes: int = limits.EXPERT_MAX_MESSAGE_BYTES) -> Envelope:

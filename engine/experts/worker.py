@@ -2,9 +2,11 @@
 
 :meth:`ExpertWorker.serve` runs one channel to its end. The first message must be HELLO: the worker
 picks the shard whose fingerprint matches (else answers FINGERPRINT_MISMATCH naming the checkpoints it
-holds and ends the channel). Each EXPERT_REQUEST is computed with the shared ``expert_ffn`` on exactly the
-rows of each expert in the request (decode-sized ones inline, as their packet is read, and the reply flushed
-at once; larger ones in a thread, the input paused meanwhile) and answered in request order. Errors in a
+holds and ends the channel); it acks the highest protocol version both sides speak. Each EXPERT_REQUEST
+(and, from v2, EXPERT_REQUEST_COMBINE) is computed with the shared ``expert_ffn`` on exactly the rows of
+each expert in the request (decode-sized ones inline, as their packet is read, and the reply flushed at
+once; larger ones in a thread, the input paused meanwhile) and answered in request order; a combine
+request's whole rows are then summed in slot order by the engine's own ``weighted_sum``. Errors in a
 request are answered with a typed ERROR; a protocol violation ends the channel.
 """
 
@@ -25,7 +27,7 @@ import structlog
 from engine.experts import rpc
 from engine.experts.channel import ByteChannel
 from engine.experts.shard import ExpertShard
-from engine.moe import ExpertWeightsFn, expert_ffn
+from engine.moe import ExpertWeightsFn, expert_ffn, weighted_sum
 from transport import limits
 
 log = structlog.get_logger(__name__)
@@ -38,6 +40,8 @@ PUMP_BATCH = 8  # messages answered in one read callback before the loop gets a 
 # A test hook: mutate a reply's outputs before they are sent (negative controls). Never set in production.
 ReplyHook = Callable[[int, np.ndarray], None]
 
+AnyRequest = rpc.ExpertRequest | rpc.ExpertCombineRequest
+
 
 @dataclass
 class WorkerStats:
@@ -47,6 +51,7 @@ class WorkerStats:
     requests: int = 0
     rows: int = 0
     pairs: int = 0
+    rows_combined: int = 0  # rows summed here (combine requests) and sent as one row instead of k
     bytes_in: int = 0
     bytes_out: int = 0
     errors: int = 0
@@ -55,11 +60,12 @@ class WorkerStats:
 
     def as_dict(self) -> dict[str, object]:
         return {"channels": self.channels, "requests": self.requests, "rows": self.rows, "pairs": self.pairs,
-                "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "errors": self.errors,
+                "rows_combined": self.rows_combined, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
+                "errors": self.errors,
                 "compute_s": round(self.compute_s, 6), "experts_hit": len(self.expert_rows)}
 
 
-def compute_request(weights: ExpertWeightsFn, req: rpc.ExpertRequest,
+def compute_request(weights: ExpertWeightsFn, req: AnyRequest,
                     groups: list[tuple[int, np.ndarray]] | None = None) -> np.ndarray:
     """[n_pairs, D] outputs in request order: ``expert_ffn(x[rows_e], W_e)`` for each expert's rows."""
     out = np.empty((req.pairs.shape[0], req.x.shape[1]), dtype=np.float32)
@@ -71,12 +77,21 @@ def compute_request(weights: ExpertWeightsFn, req: rpc.ExpertRequest,
     return out
 
 
+def combine_rows(req: rpc.ExpertCombineRequest, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Step 4 of ``engine.moe`` for a combine request's rows, from ``compute_request``'s ``out``:
+    (combined [n_combined, D] in ``req.rows`` order, the other pairs' outputs [m, D] in request order)."""
+    y = out[req.slot_pairs()]  # [n_combined, k, D]
+    return weighted_sum(req.weights, y), out[req.raw_mask()]
+
+
 class ExpertWorker:
     """Serves the shards it was given (one per checkpoint fingerprint)."""
 
     def __init__(self, shards: list[ExpertShard], fingerprints: list[bytes], capacity: float = 1.0,
                  reply_hook: ReplyHook | None = None,
-                 max_message_bytes: int = limits.EXPERT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = limits.EXPERT_MAX_MESSAGE_BYTES,
+                 protocol_max: int = rpc.PROTOCOL_MAX) -> None:
+        """``protocol_max``: the highest expert protocol version to ack (1 serves like a v1-only worker)."""
         if len(shards) != len(fingerprints):
             raise ValueError("one fingerprint per shard")
         self._by_fp: dict[bytes, list[ExpertShard]] = {}
@@ -84,6 +99,7 @@ class ExpertWorker:
             self._by_fp.setdefault(fp, []).append(s)
         self.capacity = capacity
         self.max_message_bytes = max_message_bytes
+        self.protocol_max = protocol_max
         self.stats = WorkerStats()
         self._reply_hook = reply_hook
         self._closing = False
@@ -94,9 +110,9 @@ class ExpertWorker:
     def close(self) -> None:
         self._closing = True
 
-    def _ack(self, fp: bytes) -> rpc.HelloAck:
+    def _ack(self, fp: bytes, version: int) -> rpc.HelloAck:
         ranges = tuple(r for s in self._by_fp[fp] for r in s.ranges)
-        return rpc.HelloAck(version=rpc.PROTOCOL_VERSION, fingerprint=fp, capacity=self.capacity, ranges=ranges,
+        return rpc.HelloAck(version=version, fingerprint=fp, capacity=self.capacity, ranges=ranges,
                             max_message_bytes=self.max_message_bytes)
 
     def _holder(self, fp: bytes, layer: int, expert: int) -> ExpertShard | None:
@@ -123,7 +139,7 @@ class ExpertWorker:
         finally:
             session.close()
 
-    def _check_request(self, fp: bytes, req: rpc.ExpertRequest, groups: list[tuple[int, np.ndarray]],
+    def _check_request(self, fp: bytes, req: AnyRequest, groups: list[tuple[int, np.ndarray]],
                        peer_max_bytes: int) -> rpc.ErrorMsg | None:
         """The typed error a request gets instead of a reply, if any."""
         if self._closing:
@@ -133,30 +149,47 @@ class ExpertWorker:
             return rpc.ErrorMsg(rpc.ErrorCode.NOT_HELD, f"layer {req.layer} expert {missing[0]} is not held here",
                                 req.layer, missing[0])
         hidden = self._by_fp[fp][0].layout.hidden_size
-        reply_bytes = rpc.HEADER_BYTES + 16 + 4 * req.pairs.shape[0] * hidden + rpc.CRC_BYTES
+        if isinstance(req, rpc.ExpertCombineRequest):
+            rows_out = len(req.rows) + req.pairs.shape[0] - len(req.rows) * req.experts.shape[1]
+            reply_bytes = rpc.HEADER_BYTES + 20 + 4 * rows_out * hidden + rpc.CRC_BYTES
+        else:
+            reply_bytes = rpc.HEADER_BYTES + 16 + 4 * req.pairs.shape[0] * hidden + rpc.CRC_BYTES
         if reply_bytes > peer_max_bytes:
             return rpc.ErrorMsg(rpc.ErrorCode.TOO_LARGE, f"the reply would be {reply_bytes} bytes", req.layer)
         if req.x.shape[1] != hidden:
             return rpc.ErrorMsg(rpc.ErrorCode.BAD_REQUEST, f"hidden size {req.x.shape[1]} != {hidden}", req.layer)
         return None
 
-    def _inline(self, fp: bytes, req: rpc.ExpertRequest) -> bool:
+    def _inline(self, fp: bytes, req: AnyRequest) -> bool:
         layout = self._by_fp[fp][0].layout
         flops = req.pairs.shape[0] * layout.hidden_size * layout.intermediate_size * 6
         return flops <= INLINE_MAX_FLOPS and self._reply_hook is None
 
-    def _compute(self, weights: ExpertWeightsFn, req: rpc.ExpertRequest,
-                 groups: list[tuple[int, np.ndarray]]) -> np.ndarray:
+    def _compute(self, weights: ExpertWeightsFn, req: AnyRequest,
+                 groups: list[tuple[int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray | None]:
+        """(outputs of the pairs sent raw, the combined rows or None for a v1 request)."""
         out = compute_request(weights, req, groups)
         if self._reply_hook is not None:
             self._reply_hook(req.layer, out)  # runs in the compute thread, like the computation
-        return out
+        if isinstance(req, rpc.ExpertCombineRequest):
+            combined, raw = combine_rows(req, out)
+            return raw, combined
+        return out, None
 
-    def _served(self, req: rpc.ExpertRequest, groups: list[tuple[int, np.ndarray]], dt: float) -> None:
+    @staticmethod
+    def _reply(req: AnyRequest, result: tuple[np.ndarray, np.ndarray | None], dt: float) -> rpc.Message:
+        out, combined = result
+        if combined is None:
+            return rpc.ExpertReply(layer=req.layer, out=out, compute_us=int(dt * 1e6))
+        return rpc.ExpertCombinedReply(layer=req.layer, combined=combined, out=out, compute_us=int(dt * 1e6))
+
+    def _served(self, req: AnyRequest, groups: list[tuple[int, np.ndarray]], dt: float) -> None:
         st = self.stats
         st.requests += 1
         st.rows += req.x.shape[0]
         st.pairs += req.pairs.shape[0]
+        if isinstance(req, rpc.ExpertCombineRequest):
+            st.rows_combined += len(req.rows)
         st.compute_s += dt
         for expert, rows in groups:
             st.expert_rows[(req.layer, expert)] = st.expert_rows.get((req.layer, expert), 0) + len(rows)
@@ -178,6 +211,7 @@ class _Session:
         self.peer = peer
         self.decoder = rpc.MessageDecoder(worker.max_message_bytes)
         self.fp: bytes | None = None
+        self.version = 0  # the protocol version acked in the hello (0 before it)
         self.peer_max_bytes = limits.EXPERT_MAX_MESSAGE_BYTES
         self.inbox: deque[rpc.Envelope] = deque()
         self.task: asyncio.Task[None] | None = None
@@ -272,9 +306,12 @@ class _Session:
             return self._emit(rpc.EchoReply(msg.payload), rid)
         if isinstance(msg, rpc.Hello):
             return self._hello(msg, rid)
-        if isinstance(msg, rpc.ExpertRequest):
+        if isinstance(msg, rpc.ExpertRequest | rpc.ExpertCombineRequest):
             if self.fp is None:
                 raise rpc.ExpertProtocolError(rpc.ErrorCode.PROTOCOL, "expert_request before hello")
+            if isinstance(msg, rpc.ExpertCombineRequest) and self.version < 2:
+                raise rpc.ExpertProtocolError(rpc.ErrorCode.PROTOCOL,
+                                              f"combine request in protocol {self.version}")
             return self._request(self.fp, msg, rid)
         raise rpc.ExpertProtocolError(rpc.ErrorCode.PROTOCOL, f"unexpected {type(msg).__name__}")
 
@@ -282,9 +319,10 @@ class _Session:
         w = self.w
         if self.fp is not None:
             raise rpc.ExpertProtocolError(rpc.ErrorCode.PROTOCOL, "second hello")
-        if not msg.min_version <= rpc.PROTOCOL_VERSION <= msg.max_version:
-            return self._emit(rpc.ErrorMsg(rpc.ErrorCode.VERSION_UNSUPPORTED,
-                                           f"worker speaks expert protocol {rpc.PROTOCOL_VERSION}"), rid, last=True)
+        version = min(msg.max_version, w.protocol_max)
+        if version < max(msg.min_version, rpc.PROTOCOL_MIN):
+            speaks = f"worker speaks expert protocol {rpc.PROTOCOL_MIN}-{w.protocol_max}"
+            return self._emit(rpc.ErrorMsg(rpc.ErrorCode.VERSION_UNSUPPORTED, speaks), rid, last=True)
         if msg.fingerprint not in w._by_fp:
             held = ", ".join(f"{s.path} ({f.hex()[:16]})" for f, ss in w._by_fp.items() for s in ss)
             w.stats.errors += 1
@@ -295,9 +333,10 @@ class _Session:
                 rid, last=True)
         self.peer_max_bytes = msg.max_message_bytes
         self.fp = msg.fingerprint
-        return self._emit(w._ack(msg.fingerprint), rid)
+        self.version = version
+        return self._emit(w._ack(msg.fingerprint, version), rid)
 
-    def _request(self, fp: bytes, req: rpc.ExpertRequest, rid: int) -> Coroutine[Any, Any, None] | None:
+    def _request(self, fp: bytes, req: AnyRequest, rid: int) -> Coroutine[Any, Any, None] | None:
         w = self.w
         groups = req.groups()
         error = w._check_request(fp, req, groups, self.peer_max_bytes)
@@ -310,28 +349,28 @@ class _Session:
             return self._threaded(weights, req, groups, rid)
         t0 = time.perf_counter()  # small (decode): a thread hop would cost more than the compute
         try:
-            out = w._compute(weights, req, groups)
+            result = w._compute(weights, req, groups)
         except Exception as e:  # noqa: BLE001 - answered as a typed error
             return self._compute_failed(req, e, rid)
         dt = time.perf_counter() - t0
         w._served(req, groups, dt)
-        return self._emit(rpc.ExpertReply(layer=req.layer, out=out, compute_us=int(dt * 1e6)), rid)
+        return self._emit(w._reply(req, result, dt), rid)
 
-    async def _threaded(self, weights: ExpertWeightsFn, req: rpc.ExpertRequest,
+    async def _threaded(self, weights: ExpertWeightsFn, req: AnyRequest,
                         groups: list[tuple[int, np.ndarray]], rid: int) -> None:
         t0 = time.perf_counter()
         try:
-            out = await asyncio.to_thread(self.w._compute, weights, req, groups)
+            result = await asyncio.to_thread(self.w._compute, weights, req, groups)
         except Exception as e:  # noqa: BLE001 - answered as a typed error
             rest = self._compute_failed(req, e, rid)
         else:
             dt = time.perf_counter() - t0
             self.w._served(req, groups, dt)
-            rest = self._emit(rpc.ExpertReply(layer=req.layer, out=out, compute_us=int(dt * 1e6)), rid)
+            rest = self._emit(self.w._reply(req, result, dt), rid)
         if rest is not None:
             await rest
 
-    def _compute_failed(self, req: rpc.ExpertRequest, e: Exception, rid: int) -> Coroutine[Any, Any, None] | None:
+    def _compute_failed(self, req: AnyRequest, e: Exception, rid: int) -> Coroutine[Any, Any, None] | None:
         self.w.stats.errors += 1
         log.warning("experts_worker_compute_failed", layer=req.layer, error=repr(e))
         return self._emit(rpc.ErrorMsg(rpc.ErrorCode.INTERNAL, "compute failed", req.layer), rid)
