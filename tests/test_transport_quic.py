@@ -653,3 +653,32 @@ def test_server_stream_that_beats_the_accept_is_held_not_refused(
             await b.close()
 
     asyncio.run(scenario())
+
+
+def test_udp_sockets_ask_for_a_larger_receive_buffer(mesh: MeshCredentials) -> None:
+    """The listening and the dialling socket get SO_RCVBUF raised (within the kernel's cap); 0 keeps the
+    OS default."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        default = s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * 1024 * 1024)
+        if s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) <= default:
+            pytest.skip("the kernel caps UDP receive buffers at their default")
+
+    def rcvbuf(transport: Any) -> int:
+        return int(transport.get_extra_info("socket").getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))
+
+    async def scenario() -> None:
+        server, client, plain = new_member(mesh), new_member(mesh), new_member(
+            mesh, replace(FAST, udp_recv_buffer_bytes=0))
+        addr = await server.listen("127.0.0.1", 0)
+        try:
+            await client.connect(addr)
+            await plain.connect(addr)
+            assert rcvbuf(server._server._transport) > default  # type: ignore[union-attr]
+            assert rcvbuf(next(iter(client._conns))._transport) > default
+            assert rcvbuf(next(iter(plain._conns))._transport) == default
+        finally:
+            for t in (server, client, plain):
+                await t.close()
+
+    asyncio.run(scenario())

@@ -25,6 +25,7 @@ class TransportConfig:
     max_streams_per_peer: int = limits.MAX_STREAMS_PER_PEER
     stream_send_buffer_bytes: int = limits.STREAM_SEND_BUFFER_BYTES
     stream_recv_queue_bytes: int = limits.STREAM_RECV_QUEUE_BYTES
+    udp_recv_buffer_bytes: int = limits.UDP_RECV_BUFFER_BYTES  # SO_RCVBUF asked for; 0 = the OS default
     max_datagram_size: int = 1350  # QUIC packet payload; 1350 fits common internet paths
     loopback_datagram_size: int = 16384  # used instead when the peer is on loopback; 0 = never
     # (the loopback MTU is 64 KiB; aioquic 1.x breaks above ~16 KiB: "Failed to parse frame")

@@ -22,6 +22,9 @@ MAX_REFUSAL_REASON_BYTES = 200  # refusal/close reasons are one short line
 # Per-connection and per-transport caps.
 MAX_CONNECTIONS = 256  # simultaneous QUIC connections (admitted or handshaking) per transport
 MAX_STREAMS_PER_PEER = 256  # concurrently open application streams per connection (each way)
+UDP_RECV_BUFFER_BYTES = 4 * 1024 * 1024  # kernel receive buffer asked for on each UDP socket (the kernel caps
+#   it, Linux at net.core.rmem_max): the default (~208 KiB on Linux) overflows on a burst of a dozen 16 KiB
+#   loopback datagrams, and a dropped tail packet waits for a probe timeout (>= max_ack_delay, 25 ms)
 STREAM_SEND_BUFFER_BYTES = 512 * 1024  # unacknowledged bytes queued per stream before send() waits
 STREAM_RECV_QUEUE_FRAMES = 1024  # frames received but not yet read per stream before it is reset
 STREAM_RECV_QUEUE_BYTES = 8 * 1024 * 1024  # bytes received but not yet read per stream before reset

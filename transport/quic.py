@@ -979,6 +979,19 @@ class _MeshServer(QuicServer):
             log.warning("transport_server_datagram_failed", error=repr(e))
 
 
+def _grow_recv_buffer(transport: asyncio.BaseTransport, size: int) -> None:
+    """Ask for a ``size``-byte kernel receive buffer on a UDP socket (never shrinking it); the kernel may
+    grant less. See ``limits.UDP_RECV_BUFFER_BYTES`` for why."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or size <= 0:
+        return
+    try:
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) < size:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+    except OSError as e:  # a platform refusing the size keeps its default
+        log.debug("transport_recv_buffer_refused", size=size, error=repr(e))
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
@@ -1071,6 +1084,7 @@ class MeshTransport:
             )
         except OSError as e:
             raise TransportError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        _grow_recv_buffer(transport, self.config.udp_recv_buffer_bytes)
         self._server = transport.get_protocol()  # type: ignore[assignment]
         sockname = transport.get_extra_info("sockname")
         return (str(sockname[0]), int(sockname[1]))
@@ -1196,7 +1210,7 @@ class MeshTransport:
         local = ("::", 0) if family == socket.AF_INET6 else ("0.0.0.0", 0)
         quic = QuicConnection(configuration=self._quic_config(True, _is_loopback(str(sockaddr[0]))))
         try:
-            _, protocol = await loop.create_datagram_endpoint(
+            udp, protocol = await loop.create_datagram_endpoint(
                 lambda: _Connection(
                     quic, mesh=self, is_client=True, mode=mode, expected_node_id=expected_node_id,
                     join_request=join_request,
@@ -1208,6 +1222,7 @@ class MeshTransport:
             )
         except OSError as e:
             raise TransportError(f"cannot reach {host}:{port}: {e.strerror or e}") from None
+        _grow_recv_buffer(udp, self.config.udp_recv_buffer_bytes)
         conn: _Connection = protocol  # type: ignore[assignment]
         conn.remote_address = (str(sockaddr[0]), int(sockaddr[1]))
         conn.connect(sockaddr[:2] if family == socket.AF_INET else sockaddr)
