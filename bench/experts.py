@@ -8,7 +8,8 @@ head_dim 64, 16 experts of width 384, top-4, vocab 8192, fp32), written here wit
 
 For each setup (local, then N workers): prefill tok/s on a --prompt-token prompt (best of 2 after a
 warm-up) and decode tok/s over --decode greedy tokens; during decode every sparse layer's executor call is
-timed. The per-layer delegation overhead is (median remote layer call) - (median local layer call), set
+timed (expert work and the weighted combination, which workers may do themselves). The per-layer
+delegation overhead is (median remote layer call) - (median local layer call), set
 against the median round trip of a 4 KB ECHO on the same expert streams, sent and read the way a layer
 call is (``RemoteExecutor.echo_rtt``), measured in the same run twice: back to back (a tight loop) and in
 decode (one echo before each sparse layer of a local decode run, i.e. after the same compute gaps a
@@ -102,15 +103,24 @@ class EchoProbe:
 
 
 class Timed:
-    """Wraps an executor and records each call's wall time (seconds)."""
+    """Wraps an executor and records each layer's wall time (seconds), combination included, so a remote
+    executor whose workers combine (``run_routed``) and the local one are timed alike."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.times: list[float] = []
 
     def __call__(self, layer: int, x: Any, work: Any) -> Any:
+        return self.inner(layer, x, work)
+
+    def run_routed(self, layer: int, x: Any, routing: Any) -> Any:
+        from engine.moe import combine
+
         t0 = time.perf_counter()
-        out = self.inner(layer, x, work)
+        if hasattr(self.inner, "run_routed"):
+            out = self.inner.run_routed(layer, x, routing)
+        else:
+            out = combine(routing, self.inner(layer, x, routing.work), x.shape[0], x.shape[1])
         self.times.append(time.perf_counter() - t0)
         return out
 
@@ -192,10 +202,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 res = run(model, ex, prompt, args.decode, reset)
                 calls = sum(st.calls for st in ex.link_stats.values())
                 compute_ms = sum(st.compute_sum_s for st in ex.link_stats.values()) / max(calls, 1) * 1e3
+                reply_kb = sum(st.bytes_in for st in ex.link_stats.values()) / max(calls, 1) / 1024
                 exact = res["logits"] == local["logits"] and res["tokens"] == local["tokens"]
                 rtt_ms = statistics.median(rtts) * 1e3
                 overhead = res["layer_call_ms_median"] - local["layer_call_ms_median"]
                 rows.append({"setup": f"{n} worker{'s' if n > 1 else ''}", "prefill_tok_s": res["prefill_tok_s"],
+                             "prefill_vs_local": res["prefill_tok_s"] / local["prefill_tok_s"],
+                             "decode_reply_kb": reply_kb,
                              "decode_tok_s": res["decode_tok_s"], "layer_call_ms_median": res["layer_call_ms_median"],
                              "overhead_ms": overhead, "rtt_4k_ms": rtt_ms, "overhead_rtts": overhead / rtt_ms,
                              "rtt_decode_ms": rtt_decode_ms, "overhead_rtts_decode": overhead / rtt_decode_ms,
@@ -209,17 +222,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nQwen3-MoE mid-size ({CONFIG['num_hidden_layers']} sparse layers, {CONFIG['num_experts']} experts, "
           f"top-{CONFIG['num_experts_per_tok']}), prompt {args.prompt}, decode {args.decode}, "
           f"{args.threads} BLAS thread(s)/process, loopback QUIC\n")
-    print("| setup | prefill tok/s | decode tok/s | decode vs local | layer call ms | per-layer overhead ms "
-          "| RTT ms back-to-back | overhead / RTT | RTT ms in decode | overhead / RTT in decode "
-          "| worker compute ms/request | bit-exact |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| setup | prefill tok/s | prefill vs local | decode tok/s | decode vs local | layer call ms "
+          "| per-layer overhead ms | RTT ms back-to-back | overhead / RTT | RTT ms in decode "
+          "| overhead / RTT in decode | worker compute ms/request | decode reply KB/request | bit-exact |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         def f(key: str, fmt: str = "{:.2f}") -> str:
             return fmt.format(row[key]) if key in row else "-"
-        print(f"| {row['setup']} | {f('prefill_tok_s', '{:.1f}')} | {f('decode_tok_s')} | {f('decode_vs_local')} | "
+        print(f"| {row['setup']} | {f('prefill_tok_s', '{:.1f}')} | {f('prefill_vs_local')} | "
+              f"{f('decode_tok_s')} | "
+              f"{f('decode_vs_local')} | "
               f"{f('layer_call_ms_median', '{:.3f}')} | {f('overhead_ms', '{:.3f}')} | {f('rtt_4k_ms', '{:.3f}')} | "
               f"{f('overhead_rtts')} | {f('rtt_decode_ms', '{:.3f}')} | {f('overhead_rtts_decode')} | "
-              f"{f('worker_compute_ms', '{:.3f}')} | {row.get('bit_exact', '-')} |")
+              f"{f('worker_compute_ms', '{:.3f}')} | {f('decode_reply_kb', '{:.1f}')} | "
+              f"{row.get('bit_exact', '-')} |")
     print(json.dumps({"rows": rows}))
     return 0
 
