@@ -169,3 +169,39 @@ def test_scheduler_batched_generation_is_identical_with_workers(setup: Setup) ->
         assert ex.status()["items_local"] == 0 and ex.status()["layers_delegated"] > 0
     finally:
         coord.close()
+
+
+@pytest.mark.parametrize("n_workers", [1, 2])
+def test_parity_gate_over_quic_with_workers_combining_every_whole_row(setup: Setup, n_workers: int,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """On loopback a decode-sized reply fits one packet raw, so workers do not combine it (it would not pay);
+    forced to, over real QUIC, the gate still holds byte for byte."""
+    monkeypatch.setattr(RemoteExecutor, "_combining_pays", staticmethod(lambda *a: True))
+    coord = Coordinator(setup.mesh)
+    try:
+        coord.connect(setup.workers[:n_workers])
+        for family, path in setup.ckpts.items():
+            ex: RemoteExecutor = coord.executor(path, "on")
+            bad = gate(setup.models[family], ex)
+            assert bad == [], f"{family} with {n_workers} workers combining: {bad[:5]}"
+            assert ex.status()["rows_combined"] > 0
+    finally:
+        coord.close()
+
+
+def test_workers_combine_only_when_it_saves_a_packet(setup: Setup) -> None:
+    """The policy, against real links: 16 KiB loopback packets hold a top-2 hidden-32 decode reply raw."""
+    coord = Coordinator(setup.mesh)
+    try:
+        coord.connect(setup.workers[:1])
+        path = next(iter(setup.ckpts.values()))
+        ex: RemoteExecutor = coord.executor(path, "on")
+        link = next(iter(ex.links.values()))
+        assert link.channel.max_datagram_bytes == 16384  # type: ignore[attr-defined]
+        assert not ex._combining_pays(link, 1, 2, 32)  # 128 bytes saved
+        assert ex._combining_pays(link, 128, 2, 32)  # 16 KiB saved
+        model = setup.models[next(iter(setup.ckpts))]
+        model.forward(PROMPT[:1], model.new_cache(), executor=ex)
+        assert ex.status()["rows_combined"] == 0
+    finally:
+        coord.close()

@@ -127,6 +127,11 @@ class Stream:
     def peer(self) -> Peer | None:
         return self._conn.peer
 
+    @property
+    def max_datagram_bytes(self) -> int:
+        """The QUIC packet size this stream's connection uses (16 KiB on loopback, else ~1350)."""
+        return int(self._conn._quic._max_datagram_size)
+
     async def send(self, payload: bytes, end: bool = False) -> None:
         """Send one DATA frame; waits while this stream's send buffer is full."""
         await self._send_frame(FrameType.DATA, payload, end)

@@ -611,7 +611,7 @@ class RemoteExecutor:
             snd = _FastSend(node, link, 0, b"", items, req.x.shape[0], req.pairs.shape[0], x.shape[1])
             if whole is not None and routing is not None and link.ack.version >= 2:
                 rows = np.flatnonzero(whole == w)  # tokens whose k experts all went to this worker
-                if len(rows):
+                if len(rows) and self._combining_pays(link, len(rows), routing.experts.shape[1], x.shape[1]):
                     req, snd.raw_mask = self._combine_request(req, work, items, routing, rows)
                     snd.combined = rows
             snd.rid = link.next_id()
@@ -627,6 +627,14 @@ class RemoteExecutor:
         if call.error is not None:
             return None
         return sends
+
+    @staticmethod
+    def _combining_pays(link: WorkerLink, rows: int, k: int, d: int) -> bool:
+        """Whether combining ``rows`` tokens on the worker saves at least one packet of reply: it costs both
+        sides CPU (slot arrays built, sent, checked), which a decode step on loopback (16 KiB packets hold
+        the raw reply too) does not earn back. Channels without packets (tests) always combine."""
+        packet = getattr(link.channel, "max_datagram_bytes", None)
+        return packet is None or rows * (k - 1) * d * 4 >= packet
 
     @staticmethod
     def _whole_rows(work: list[WorkItem], by_worker: dict[str, list[int]], routing: Routing) -> np.ndarray:
