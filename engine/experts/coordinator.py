@@ -23,6 +23,11 @@ unusual or too large for one request.
 The ownership map is rebuilt when workers come or go but an engine thread picks it up only at the start of
 a forward pass (the call for the first sparse layer) or of an explicit :meth:`RemoteExecutor.pinned`
 scope, so ownership never changes in the middle of a token.
+
+This module decides where a layer's work goes and waits for it (``RemoteExecutor``). The channel to one
+worker, its hello and counters are ``engine.experts.link`` (``WorkerLink``, ``LinkStats``, ``WorkerFailed``,
+``WorkerRefused``, re-exported here); splitting work into requests, building them and filling outputs from
+replies are pure functions in ``engine.experts.planning``.
 """
 
 from __future__ import annotations
@@ -30,28 +35,32 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
 import structlog
 
-from engine.experts import rpc
+from engine.experts import planning, rpc
 from engine.experts.channel import ByteChannel
 from engine.experts.layout import MoeLayout
+from engine.experts.link import LATENCY_BUCKETS_S, LinkStats, WorkerFailed, WorkerLink, WorkerRefused
 from engine.experts.ownership import OwnershipMap, WorkerInfo, build_map
+from engine.experts.planning import _FastCall, _FastSend
 from engine.moe import ExpertWeightsFn, Routing, WorkItem, combine, expert_ffn, slot_positions, weighted_sum
 from transport import limits
+
+# The link's names are re-exported: callers import everything the coordinator API uses from here.
+__all__ = ["LATENCY_BUCKETS_S", "MODES", "CoordinatorConfig", "CoordinatorStats", "ExpertsUnavailable",
+           "LinkStats", "RemoteExecutor", "WorkerFailed", "WorkerLink", "WorkerRefused"]
 
 log = structlog.get_logger(__name__)
 
 MODES = ("on", "prefer")
-LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 class ExpertsUnavailable(Exception):
@@ -60,19 +69,6 @@ class ExpertsUnavailable(Exception):
     def __init__(self, reason: str, missing: Sequence[tuple[int, int]] = ()) -> None:
         super().__init__(reason)
         self.missing = list(missing)
-
-
-class WorkerRefused(Exception):
-    """A worker's hello failed: different checkpoint, no common version, or a bad answer."""
-
-    def __init__(self, node_id: str, reason: str, code: rpc.ErrorCode | None = None) -> None:
-        super().__init__(f"expert worker {node_id} refused: {reason}")
-        self.node_id = node_id
-        self.code = code
-
-
-class WorkerFailed(Exception):
-    """One call on a worker link failed (timeout, typed error, broken channel)."""
 
 
 @dataclass(frozen=True)
@@ -92,228 +88,6 @@ class CoordinatorConfig:
                 raise ValueError(f"{name} must be positive and finite")
 
 
-@dataclass
-class LinkStats:
-    calls: int = 0
-    rows: int = 0
-    pairs: int = 0
-    bytes_out: int = 0
-    bytes_in: int = 0
-    errors: int = 0
-    latency_sum_s: float = 0.0
-    latency_max_s: float = 0.0
-    compute_sum_s: float = 0.0  # the worker's own compute time, from its replies
-    latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
-
-    def observe(self, dt: float) -> None:
-        self.latency_sum_s += dt
-        self.latency_max_s = max(self.latency_max_s, dt)
-        for i, b in enumerate(LATENCY_BUCKETS_S):
-            if dt <= b:
-                self.latency_buckets[i] += 1
-                return
-        self.latency_buckets[-1] += 1
-
-    def as_dict(self) -> dict[str, object]:
-        avg = self.latency_sum_s / self.calls if self.calls else 0.0
-        return {"calls": self.calls, "rows": self.rows, "pairs": self.pairs, "bytes_out": self.bytes_out,
-                "bytes_in": self.bytes_in, "errors": self.errors, "latency_ms_avg": round(avg * 1e3, 3),
-                "compute_ms_avg": round(self.compute_sum_s / self.calls * 1e3 if self.calls else 0.0, 3),
-                "latency_ms_max": round(self.latency_max_s * 1e3, 3)}
-
-
-Sink = Callable[["rpc.Message | WorkerFailed"], None]  # gets a request's reply, or why it has none
-
-
-class WorkerLink:
-    """One hello'd channel to a worker; many requests may be in flight (matched by request id).
-
-    Replies are read by callback on the loop as their packets arrive (``set_receiver``) and handed to the
-    sink registered for their request id: an asyncio future's for :meth:`submit`, the layer call's for the
-    engine thread's fast path.
-    """
-
-    def __init__(self, node_id: str, channel: ByteChannel, stats: LinkStats) -> None:
-        self.node_id = node_id
-        self.channel = channel
-        self.stats = stats
-        self.ack: rpc.HelloAck | None = None
-        self.holds: frozenset[tuple[int, int]] = frozenset()
-        self.closed = False
-        self.close_reason = ""
-        self._pending: dict[int, Sink] = {}
-        self._ids = itertools.count(1)  # next() is atomic: ids may be taken on the engine thread
-        self._send_lock = asyncio.Lock()
-        self._decoder = rpc.MessageDecoder()
-        self.on_close: Callable[[WorkerLink, str], None] | None = None  # the executor forgets a closed link
-
-    def next_id(self) -> int:
-        return (next(self._ids) - 1) % 0xFFFFFFFF + 1
-
-    async def hello(self, fingerprint: bytes, layout: MoeLayout, timeout_s: float) -> rpc.HelloAck:
-        self.channel.set_receiver(self._on_data, self._on_end)
-        try:
-            fut = await self.submit(rpc.Hello(fingerprint=fingerprint))
-            reply = await asyncio.wait_for(fut, timeout_s)
-        except (WorkerFailed, TimeoutError) as e:
-            self.close(f"hello failed: {e or 'timeout'}")
-            raise WorkerRefused(self.node_id, f"no hello answer ({e or 'timeout'})") from None
-        if isinstance(reply, rpc.ErrorMsg):
-            self.close("refused")
-            raise WorkerRefused(self.node_id, reply.text, reply.code)
-        if not isinstance(reply, rpc.HelloAck):
-            self.close("bad hello answer")
-            raise WorkerRefused(self.node_id, f"answered hello with {type(reply).__name__}", rpc.ErrorCode.PROTOCOL)
-        if reply.fingerprint != fingerprint:
-            self.close("fingerprint mismatch")
-            raise WorkerRefused(self.node_id, f"holds checkpoint {reply.fingerprint.hex()[:16]}, expected "
-                                f"{fingerprint.hex()[:16]}", rpc.ErrorCode.FINGERPRINT_MISMATCH)
-        if not rpc.PROTOCOL_MIN <= reply.version <= rpc.PROTOCOL_MAX:
-            self.close("bad protocol version")
-            raise WorkerRefused(self.node_id, f"acked expert protocol {reply.version}, we offered "
-                                f"{rpc.PROTOCOL_MIN}-{rpc.PROTOCOL_MAX}", rpc.ErrorCode.VERSION_UNSUPPORTED)
-        self.ack = reply
-        self.holds = frozenset((layer, e) for layer in layout.sparse_layers for e in range(layout.num_experts)
-                               if reply.holds(layer, e))
-        return reply
-
-    def expect(self, rid: int, sink: Sink) -> None:
-        """Route the reply to request ``rid`` to ``sink`` (loop thread)."""
-        if self.closed:
-            raise WorkerFailed(f"link closed ({self.close_reason})")
-        if len(self._pending) >= limits.EXPERT_MAX_INFLIGHT_PER_WORKER:
-            raise WorkerFailed("too many requests in flight")
-        self._pending[rid] = sink
-
-    def forget(self, rid: int) -> None:
-        """A reply to ``rid`` is no longer wanted (it is dropped when it comes)."""
-        self._pending.pop(rid, None)
-
-    def send_now(self, data: bytes) -> bool:
-        """Send one encoded message at once (loop thread); False if the channel's send buffer is full."""
-        try:
-            sent = self.channel.send_now(data)
-        except Exception as e:  # noqa: BLE001 - any send failure means the link is gone
-            self.close(f"send failed: {e!r}")
-            raise WorkerFailed(f"send failed: {e!r}") from None
-        if sent:
-            self.stats.bytes_out += len(data)
-        return sent
-
-    async def submit(self, msg: rpc.Message) -> asyncio.Future[rpc.Message]:
-        """Send one message; the returned future resolves to the reply (or fails with WorkerFailed)."""
-        rid = self.next_id()
-        fut: asyncio.Future[rpc.Message] = asyncio.get_running_loop().create_future()
-
-        def sink(reply: rpc.Message | WorkerFailed) -> None:
-            if fut.done():
-                return
-            if isinstance(reply, WorkerFailed):
-                fut.set_exception(reply)
-                fut.exception()  # nobody may await it any more (timed out): not an unretrieved error
-            else:
-                fut.set_result(reply)
-
-        self.expect(rid, sink)
-        data = rpc.encode(msg, rid)
-        step = limits.EXPERT_SEND_CHUNK_BYTES
-        try:
-            async with self._send_lock:
-                for i in range(0, len(data), step):
-                    await self.channel.send(data[i:i + step])
-        except Exception as e:  # noqa: BLE001 - any send failure means the link is gone
-            self.close(f"send failed: {e!r}")
-            raise WorkerFailed(f"send failed: {e!r}") from None
-        self.stats.bytes_out += len(data)
-        return fut
-
-    def _on_data(self, data: bytes) -> None:
-        if self.closed:
-            return
-        self.stats.bytes_in += len(data)
-        try:
-            for env in self._decoder.feed(data):
-                sink = self._pending.pop(env.request_id, None)
-                if sink is not None:
-                    sink(env.message)
-                elif isinstance(env.message, rpc.ErrorMsg) and env.request_id == 0:
-                    self.close(f"worker error: {env.message.text}")
-                    return
-        except rpc.ExpertProtocolError as e:
-            self.close(f"protocol error: {e}")
-
-    def _on_end(self, error: Exception | None) -> None:
-        self.close("stream ended" if error is None else f"stream broke: {error!r}")
-
-    def close(self, reason: str) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.close_reason = reason
-        pending, self._pending = self._pending, {}
-        for sink in pending.values():
-            sink(WorkerFailed(reason))
-        with contextlib.suppress(Exception):
-            self.channel.reset(0)
-        if self.on_close is not None:
-            self.on_close(self, reason)
-
-
-@dataclass(eq=False)
-class _FastSend:
-    """One worker's request in a fast-path layer call."""
-
-    node: str
-    link: WorkerLink
-    rid: int
-    data: bytes
-    items: list[int]
-    rows: int
-    pairs: int
-    dim: int
-    combined: np.ndarray | None = None  # token rows (into the layer's x) the worker combines, ascending
-    raw_mask: np.ndarray | None = None  # [pairs] bool: request pairs whose outputs come back raw
-    reply: rpc.ExpertReply | rpc.ExpertCombinedReply | None = None
-    t0: float = 0.0
-
-    def answers(self, reply: rpc.Message, layer: int) -> bool:
-        """Whether ``reply`` is a well-formed answer to this request."""
-        if self.combined is None:
-            return (isinstance(reply, rpc.ExpertReply) and reply.layer == layer
-                    and reply.out.shape == (self.pairs, self.dim))
-        assert self.raw_mask is not None  # noqa: S101 - set together with combined
-        return (isinstance(reply, rpc.ExpertCombinedReply) and reply.layer == layer
-                and reply.combined.shape == (len(self.combined), self.dim)
-                and reply.out.shape == (int(np.count_nonzero(self.raw_mask)), self.dim))
-
-
-class _FastCall:
-    """A layer whose requests are sent by one loop callback and whose replies are taken as they are read.
-
-    The engine thread waits on ``lock`` (released once, by :meth:`settle`, on the loop thread): every reply
-    arrived (``error`` None) or the call gave up (``error`` says why) and the engine thread takes the
-    general path instead.
-    """
-
-    def __init__(self, layer: int, sends: list[_FastSend]) -> None:
-        self.layer = layer
-        self.sends = sends
-        self.left = len(sends)
-        self.error: str | None = None
-        self.settled = False
-        self.lock = threading.Lock()
-        self.lock.acquire()
-
-    def settle(self, error: str | None = None) -> None:
-        if self.settled:
-            return
-        self.settled = True
-        self.error = error
-        if error is not None:
-            for s in self.sends:
-                if s.reply is None:
-                    s.link.forget(s.rid)
-        self.lock.release()
 
 
 @dataclass
@@ -492,7 +266,7 @@ class RemoteExecutor:
         out: list[np.ndarray | None] = [None] * len(work)
         for snd in sends:
             assert isinstance(snd.reply, rpc.ExpertReply)  # noqa: S101 - no routing: v1 requests only
-            self._fill(layer, work, snd.items, snd.reply, out)
+            planning.fill(layer, work, snd.items, snd.reply, out)
         return [r for r in out if r is not None]
 
     def run_routed(self, layer: int, x: np.ndarray, routing: Routing) -> np.ndarray:
@@ -601,18 +375,18 @@ class RemoteExecutor:
                     break
             else:
                 return None
-        whole = self._whole_rows(work, by_worker, routing) if routing is not None and work else None
+        whole = planning.whole_rows(work, by_worker, routing) if routing is not None and work else None
         sends: list[_FastSend] = []
         for w, (node, items) in enumerate(by_worker.items()):
             link = links.get(node)
-            if link is None or link.ack is None or not self._fits_one(link, x, work, items):
+            if link is None or link.ack is None or not planning.fits_one(link, x, work, items):
                 return None
-            req: rpc.ExpertRequest | rpc.ExpertCombineRequest = self._request(layer, x, work, items)
+            req: rpc.ExpertRequest | rpc.ExpertCombineRequest = planning.request(layer, x, work, items)
             snd = _FastSend(node, link, 0, b"", items, req.x.shape[0], req.pairs.shape[0], x.shape[1])
             if whole is not None and routing is not None and link.ack.version >= 2:
                 rows = np.flatnonzero(whole == w)  # tokens whose k experts all went to this worker
                 if len(rows) and self._combining_pays(link, len(rows), routing.experts.shape[1], x.shape[1]):
-                    req, snd.raw_mask = self._combine_request(req, work, items, routing, rows)
+                    req, snd.raw_mask = planning.combine_request(req, work, items, routing, rows)
                     snd.combined = rows
             snd.rid = link.next_id()
             snd.data = rpc.encode(req, snd.rid)
@@ -636,29 +410,6 @@ class RemoteExecutor:
         packet = getattr(link.channel, "max_datagram_bytes", None)
         return packet is None or rows * (k - 1) * d * 4 >= packet
 
-    @staticmethod
-    def _whole_rows(work: list[WorkItem], by_worker: dict[str, list[int]], routing: Routing) -> np.ndarray:
-        """[T] int: for each token, the index (in ``by_worker`` order) of the worker all its experts went
-        to, or -1 if they are spread over several."""
-        worker_of = np.full(max(e for e, _ in work) + 1, -1, dtype=np.int64)  # expert -> worker index
-        for w, items in enumerate(by_worker.values()):
-            worker_of[[work[i][0] for i in items]] = w
-        slots = worker_of[routing.experts]  # [T, k]
-        return np.where(np.all(slots == slots[:, :1], axis=1), slots[:, 0], -1)
-
-    @staticmethod
-    def _combine_request(req: rpc.ExpertRequest, work: list[WorkItem], items: list[int], routing: Routing,
-                         rows: np.ndarray) -> tuple[rpc.ExpertCombineRequest, np.ndarray]:
-        """``req`` also asking the worker to combine token ``rows``; the mask of its pairs sent back raw."""
-        rows_all = np.concatenate([work[i][1] for i in items])  # token of each request pair
-        uniq = np.unique(rows_all)  # the request's x rows, as _request built them
-        here = np.zeros(routing.experts.shape[0], dtype=bool)
-        here[rows] = True
-        creq = rpc.ExpertCombineRequest(layer=req.layer, x=req.x, pairs=req.pairs,
-                                        rows=np.searchsorted(uniq, rows).astype(np.uint32),
-                                        experts=routing.experts[rows].astype(np.uint32),
-                                        weights=routing.weights[rows])
-        return creq, ~here[rows_all]
 
     def _fast_dispatch(self, call: _FastCall) -> None:
         """Loop thread: send every request of the call."""
@@ -774,8 +525,8 @@ class RemoteExecutor:
             # stream with too much unread data.
             failed: list[int] = []
             queues: dict[str, list[tuple[list[int], rpc.ExpertRequest]]] = {
-                node: [(chunk, self._request(layer, x, work, chunk))
-                       for chunk in self._chunks(self.links[node], x, work, items)]
+                node: [(chunk, planning.request(layer, x, work, chunk))
+                       for chunk in planning.chunks(self.links[node], x, work, items)]
                 for node, items in by_worker.items()}
             window: dict[str, deque[tuple[list[int], asyncio.Future[rpc.Message], float, int]]] = {
                 node: deque() for node in queues}
@@ -829,7 +580,7 @@ class RemoteExecutor:
                                     drop=not cut, error=not cut)
                         return
                     win.popleft()
-                    if isinstance(reply, rpc.ExpertReply) and self._fill(layer, work, chunk, reply, results):
+                    if isinstance(reply, rpc.ExpertReply) and planning.fill(layer, work, chunk, reply, results):
                         link_stats.calls += 1
                         link_stats.compute_sum_s += reply.compute_us / 1e6
                         link_stats.observe(time.perf_counter() - t0)
@@ -869,64 +620,6 @@ class RemoteExecutor:
             log.warning("experts_worker_dropped", worker=node_id, reason=reason)
             self.remove_worker(node_id, reason)
 
-    def _fits_one(self, link: WorkerLink, x: np.ndarray, work: list[WorkItem], items: list[int]) -> bool:
-        """Whether one request carries all of ``items`` (a quick bound first: every row of x, every pair)."""
-        ack = link.ack
-        pairs = sum(len(work[i][1]) for i in items)
-        max_bytes = min(limits.EXPERT_MAX_MESSAGE_BYTES, ack.max_message_bytes if ack else 0)
-        max_rows = min(limits.EXPERT_MAX_ROWS, ack.max_rows if ack else 0)
-        if x.shape[0] <= max_rows and 64 + 4 * x.shape[1] * (x.shape[0] + pairs) + 8 * pairs <= max_bytes:
-            return True
-        return len(self._chunks(link, x, work, items)) == 1
-
-    def _chunks(self, link: WorkerLink, x: np.ndarray, work: list[WorkItem], items: list[int]) -> list[list[int]]:
-        """Split a worker's items (whole work items only) so each request and reply fits its limits."""
-        ack = link.ack
-        max_bytes = min(limits.EXPERT_MAX_MESSAGE_BYTES, ack.max_message_bytes if ack else 0)
-        max_rows = min(limits.EXPERT_MAX_ROWS, ack.max_rows if ack else 0)
-        d = x.shape[1]
-        chunks: list[list[int]] = []
-        cur: list[int] = []
-        seen = np.zeros(x.shape[0], dtype=bool)  # rows already in the current request
-        n_rows = pairs = 0
-        for i in items:
-            r = work[i][1]
-            fresh = int(np.count_nonzero(~seen[r]))
-            size = 64 + 4 * d * (n_rows + fresh + pairs + len(r)) + 8 * (pairs + len(r))
-            if cur and (size > max_bytes or n_rows + fresh > max_rows):
-                chunks.append(cur)
-                cur, n_rows, pairs = [], 0, 0
-                seen[:] = False
-                fresh = len(r)
-            cur.append(i)
-            seen[r] = True
-            n_rows += fresh
-            pairs += len(r)
-        if cur:
-            chunks.append(cur)
-        return chunks
-
-    @staticmethod
-    def _request(layer: int, x: np.ndarray, work: list[WorkItem], items: list[int]) -> rpc.ExpertRequest:
-        rows_all = np.concatenate([work[i][1] for i in items])
-        uniq = np.unique(rows_all)  # [n] ascending
-        local = np.searchsorted(uniq, rows_all)
-        experts = np.concatenate([np.full(len(work[i][1]), work[i][0], dtype=np.int64) for i in items])
-        pairs = np.stack([local, experts], axis=1).astype(np.uint32)  # [m, 2]
-        return rpc.ExpertRequest(layer=layer, x=x[uniq], pairs=pairs)
-
-    @staticmethod
-    def _fill(layer: int, work: list[WorkItem], items: list[int], reply: rpc.ExpertReply,
-              results: list[np.ndarray | None]) -> bool:
-        n = sum(len(work[i][1]) for i in items)
-        if reply.layer != layer or reply.out.shape[0] != n:
-            return False
-        pos = 0
-        for i in items:
-            k = len(work[i][1])
-            results[i] = np.array(reply.out[pos:pos + k], dtype=np.float32, copy=True)
-            pos += k
-        return True
 
     # --- telemetry ------------------------------------------------------------------------------
 

@@ -1,0 +1,161 @@
+"""A layer's expert requests: which work items one request to a worker carries (``chunks``,
+``fits_one``), the request itself (``request``, and ``combine_request`` when the worker combines whole
+tokens, ``whole_rows``), and the outputs its reply gives back (``fill``); plus the fast path's record of one
+request in flight (``_FastSend``) and of the layer call waiting on them all (``_FastCall``).
+
+Pure functions over arrays; ``engine.experts.coordinator`` decides where the requests go and sends them.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.experts import rpc
+from engine.experts.link import WorkerLink
+from engine.moe import Routing, WorkItem
+from transport import limits
+
+
+def fits_one(link: WorkerLink, x: np.ndarray, work: list[WorkItem], items: list[int]) -> bool:
+    """Whether one request carries all of ``items`` (a quick bound first: every row of x, every pair)."""
+    ack = link.ack
+    pairs = sum(len(work[i][1]) for i in items)
+    max_bytes = min(limits.EXPERT_MAX_MESSAGE_BYTES, ack.max_message_bytes if ack else 0)
+    max_rows = min(limits.EXPERT_MAX_ROWS, ack.max_rows if ack else 0)
+    if x.shape[0] <= max_rows and 64 + 4 * x.shape[1] * (x.shape[0] + pairs) + 8 * pairs <= max_bytes:
+        return True
+    return len(chunks(link, x, work, items)) == 1
+
+
+def chunks(link: WorkerLink, x: np.ndarray, work: list[WorkItem], items: list[int]) -> list[list[int]]:
+    """Split a worker's items (whole work items only) so each request and reply fits its limits."""
+    ack = link.ack
+    max_bytes = min(limits.EXPERT_MAX_MESSAGE_BYTES, ack.max_message_bytes if ack else 0)
+    max_rows = min(limits.EXPERT_MAX_ROWS, ack.max_rows if ack else 0)
+    d = x.shape[1]
+    chunks: list[list[int]] = []
+    cur: list[int] = []
+    seen = np.zeros(x.shape[0], dtype=bool)  # rows already in the current request
+    n_rows = pairs = 0
+    for i in items:
+        r = work[i][1]
+        fresh = int(np.count_nonzero(~seen[r]))
+        size = 64 + 4 * d * (n_rows + fresh + pairs + len(r)) + 8 * (pairs + len(r))
+        if cur and (size > max_bytes or n_rows + fresh > max_rows):
+            chunks.append(cur)
+            cur, n_rows, pairs = [], 0, 0
+            seen[:] = False
+            fresh = len(r)
+        cur.append(i)
+        seen[r] = True
+        n_rows += fresh
+        pairs += len(r)
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+def request(layer: int, x: np.ndarray, work: list[WorkItem], items: list[int]) -> rpc.ExpertRequest:
+    rows_all = np.concatenate([work[i][1] for i in items])
+    uniq = np.unique(rows_all)  # [n] ascending
+    local = np.searchsorted(uniq, rows_all)
+    experts = np.concatenate([np.full(len(work[i][1]), work[i][0], dtype=np.int64) for i in items])
+    pairs = np.stack([local, experts], axis=1).astype(np.uint32)  # [m, 2]
+    return rpc.ExpertRequest(layer=layer, x=x[uniq], pairs=pairs)
+
+
+def fill(layer: int, work: list[WorkItem], items: list[int], reply: rpc.ExpertReply,
+         results: list[np.ndarray | None]) -> bool:
+    n = sum(len(work[i][1]) for i in items)
+    if reply.layer != layer or reply.out.shape[0] != n:
+        return False
+    pos = 0
+    for i in items:
+        k = len(work[i][1])
+        results[i] = np.array(reply.out[pos:pos + k], dtype=np.float32, copy=True)
+        pos += k
+    return True
+
+
+def whole_rows(work: list[WorkItem], by_worker: dict[str, list[int]], routing: Routing) -> np.ndarray:
+    """[T] int: for each token, the index (in ``by_worker`` order) of the worker all its experts went
+    to, or -1 if they are spread over several."""
+    worker_of = np.full(max(e for e, _ in work) + 1, -1, dtype=np.int64)  # expert -> worker index
+    for w, items in enumerate(by_worker.values()):
+        worker_of[[work[i][0] for i in items]] = w
+    slots = worker_of[routing.experts]  # [T, k]
+    return np.where(np.all(slots == slots[:, :1], axis=1), slots[:, 0], -1)
+
+
+def combine_request(req: rpc.ExpertRequest, work: list[WorkItem], items: list[int], routing: Routing,
+                    rows: np.ndarray) -> tuple[rpc.ExpertCombineRequest, np.ndarray]:
+    """``req`` also asking the worker to combine token ``rows``; the mask of its pairs sent back raw."""
+    rows_all = np.concatenate([work[i][1] for i in items])  # token of each request pair
+    uniq = np.unique(rows_all)  # the request's x rows, as request() built them
+    here = np.zeros(routing.experts.shape[0], dtype=bool)
+    here[rows] = True
+    creq = rpc.ExpertCombineRequest(layer=req.layer, x=req.x, pairs=req.pairs,
+                                    rows=np.searchsorted(uniq, rows).astype(np.uint32),
+                                    experts=routing.experts[rows].astype(np.uint32),
+                                    weights=routing.weights[rows])
+    return creq, ~here[rows_all]
+
+
+@dataclass(eq=False)
+class _FastSend:
+    """One worker's request in a fast-path layer call."""
+
+    node: str
+    link: WorkerLink
+    rid: int
+    data: bytes
+    items: list[int]
+    rows: int
+    pairs: int
+    dim: int
+    combined: np.ndarray | None = None  # token rows (into the layer's x) the worker combines, ascending
+    raw_mask: np.ndarray | None = None  # [pairs] bool: request pairs whose outputs come back raw
+    reply: rpc.ExpertReply | rpc.ExpertCombinedReply | None = None
+    t0: float = 0.0
+
+    def answers(self, reply: rpc.Message, layer: int) -> bool:
+        """Whether ``reply`` is a well-formed answer to this request."""
+        if self.combined is None:
+            return (isinstance(reply, rpc.ExpertReply) and reply.layer == layer
+                    and reply.out.shape == (self.pairs, self.dim))
+        assert self.raw_mask is not None  # noqa: S101 - set together with combined
+        return (isinstance(reply, rpc.ExpertCombinedReply) and reply.layer == layer
+                and reply.combined.shape == (len(self.combined), self.dim)
+                and reply.out.shape == (int(np.count_nonzero(self.raw_mask)), self.dim))
+
+
+class _FastCall:
+    """A layer whose requests are sent by one loop callback and whose replies are taken as they are read.
+
+    The engine thread waits on ``lock`` (released once, by :meth:`settle`, on the loop thread): every reply
+    arrived (``error`` None) or the call gave up (``error`` says why) and the engine thread takes the
+    general path instead.
+    """
+
+    def __init__(self, layer: int, sends: list[_FastSend]) -> None:
+        self.layer = layer
+        self.sends = sends
+        self.left = len(sends)
+        self.error: str | None = None
+        self.settled = False
+        self.lock = threading.Lock()
+        self.lock.acquire()
+
+    def settle(self, error: str | None = None) -> None:
+        if self.settled:
+            return
+        self.settled = True
+        self.error = error
+        if error is not None:
+            for s in self.sends:
+                if s.reply is None:
+                    s.link.forget(s.rid)
+        self.lock.release()
