@@ -50,7 +50,7 @@ from engine.experts.channel import ByteChannel
 from engine.experts.layout import MoeLayout
 from engine.experts.link import LATENCY_BUCKETS_S, LinkStats, WorkerFailed, WorkerLink, WorkerRefused
 from engine.experts.ownership import OwnershipMap, WorkerInfo, build_map
-from engine.experts.planning import _FastCall, _FastSend
+from engine.experts.planning import FastCall, FastSend
 from engine.moe import ExpertWeightsFn, Routing, WorkItem, combine, expert_ffn, slot_positions, weighted_sum
 from transport import limits
 
@@ -297,7 +297,7 @@ class RemoteExecutor:
         return out
 
     def _execute(self, layer: int, x: np.ndarray, work: list[WorkItem],
-                 routing: Routing | None) -> tuple[list[_FastSend] | None, list[np.ndarray]]:
+                 routing: Routing | None) -> tuple[list[FastSend] | None, list[np.ndarray]]:
         """Run a layer: the fast path's answered requests (and no outputs), or, when it gave up, None and
         every item's output from the general path and the local fallback."""
         try:
@@ -363,7 +363,7 @@ class RemoteExecutor:
     # gets the slot experts and weights of the tokens whose k experts all went to it, and combines them.
 
     def _run_fast(self, layer: int, x: np.ndarray, work: list[WorkItem], omap: OwnershipMap,
-                  routing: Routing | None) -> list[_FastSend] | None:
+                  routing: Routing | None) -> list[FastSend] | None:
         """The answered requests, or None when the layer must take the general path."""
         by_worker: dict[str, list[int]] = {}
         links = self.links
@@ -376,13 +376,13 @@ class RemoteExecutor:
             else:
                 return None
         whole = planning.whole_rows(work, by_worker, routing) if routing is not None and work else None
-        sends: list[_FastSend] = []
+        sends: list[FastSend] = []
         for w, (node, items) in enumerate(by_worker.items()):
             link = links.get(node)
             if link is None or link.ack is None or not planning.fits_one(link, x, work, items):
                 return None
             req: rpc.ExpertRequest | rpc.ExpertCombineRequest = planning.request(layer, x, work, items)
-            snd = _FastSend(node, link, 0, b"", items, req.x.shape[0], req.pairs.shape[0], x.shape[1])
+            snd = FastSend(node, link, 0, b"", items, req.x.shape[0], req.pairs.shape[0], x.shape[1])
             if whole is not None and routing is not None and link.ack.version >= 2:
                 rows = np.flatnonzero(whole == w)  # tokens whose k experts all went to this worker
                 if len(rows) and self._combining_pays(link, len(rows), routing.experts.shape[1], x.shape[1]):
@@ -393,7 +393,7 @@ class RemoteExecutor:
             if len(snd.data) > min(limits.EXPERT_SEND_CHUNK_BYTES, link.ack.max_message_bytes):
                 return None  # the general path sends it in slices, under flow control
             sends.append(snd)
-        call = _FastCall(layer, sends)
+        call = FastCall(layer, sends)
         self.loop.call_soon_threadsafe(self._fast_dispatch, call)
         if not call.lock.acquire(timeout=min(self.config.message_timeout_s, self.config.layer_timeout_s)):
             self.loop.call_soon_threadsafe(self._fast_timeout, call)
@@ -411,7 +411,7 @@ class RemoteExecutor:
         return packet is None or rows * (k - 1) * d * 4 >= packet
 
 
-    def _fast_dispatch(self, call: _FastCall) -> None:
+    def _fast_dispatch(self, call: FastCall) -> None:
         """Loop thread: send every request of the call."""
         now = time.perf_counter()
         for snd in call.sends:
@@ -430,7 +430,7 @@ class RemoteExecutor:
             snd.link.stats.rows += snd.rows
             snd.link.stats.pairs += snd.pairs
 
-    def _fast_reply(self, call: _FastCall, snd: _FastSend, reply: rpc.Message | WorkerFailed) -> None:
+    def _fast_reply(self, call: FastCall, snd: FastSend, reply: rpc.Message | WorkerFailed) -> None:
         """Loop thread: one worker's reply (or its link's failure)."""
         if call.settled:
             return
@@ -447,7 +447,7 @@ class RemoteExecutor:
         if call.left == 0:
             call.settle()
 
-    def _fast_timeout(self, call: _FastCall) -> None:
+    def _fast_timeout(self, call: FastCall) -> None:
         """Loop thread: the engine thread stopped waiting; drop the workers that did not answer."""
         if call.settled and call.error is None:
             return  # the replies came just after the engine gave up; the general path recomputes the layer

@@ -1,7 +1,7 @@
 """A layer's expert requests: which work items one request to a worker carries (``chunks``,
 ``fits_one``), the request itself (``request``, and ``combine_request`` when the worker combines whole
 tokens, ``whole_rows``), and the outputs its reply gives back (``fill``); plus the fast path's record of one
-request in flight (``_FastSend``) and of the layer call waiting on them all (``_FastCall``).
+request in flight (``FastSend``) and of the layer call waiting on them all (``FastCall``).
 
 Pure functions over arrays; ``engine.experts.coordinator`` decides where the requests go and sends them.
 """
@@ -105,7 +105,7 @@ def combine_request(req: rpc.ExpertRequest, work: list[WorkItem], items: list[in
 
 
 @dataclass(eq=False)
-class _FastSend:
+class FastSend:
     """One worker's request in a fast-path layer call."""
 
     node: str
@@ -132,7 +132,7 @@ class _FastSend:
                 and reply.out.shape == (int(np.count_nonzero(self.raw_mask)), self.dim))
 
 
-class _FastCall:
+class FastCall:
     """A layer whose requests are sent by one loop callback and whose replies are taken as they are read.
 
     The engine thread waits on ``lock`` (released once, by :meth:`settle`, on the loop thread): every reply
@@ -140,7 +140,7 @@ class _FastCall:
     general path instead.
     """
 
-    def __init__(self, layer: int, sends: list[_FastSend]) -> None:
+    def __init__(self, layer: int, sends: list[FastSend]) -> None:
         self.layer = layer
         self.sends = sends
         self.left = len(sends)
