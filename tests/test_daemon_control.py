@@ -359,3 +359,17 @@ def test_slow_start_extends_the_systemd_start_timeout(
     ready = next(i for i, m in enumerate(msgs) if "READY=1" in m.split("\n"))
     extends = [i for i, m in enumerate(msgs) if m.startswith("EXTEND_TIMEOUT_USEC=60000000")]
     assert len(extends) >= 2 and max(extends) < ready  # only while starting
+
+
+@pytest.mark.parametrize("token,message", [("garbage", "not a meshd invite token"),
+                                           ("meshd1garbage", "invite token is corrupt or was tampered with")])
+def test_join_with_a_malformed_token_is_a_usage_error(tmp_path: Path, token: str, message: str) -> None:
+    """Exit 2 and one line, before the daemon is even asked (as `serve --join` does); no daemon needed."""
+    import subprocess
+
+    from conftest import meshd_cmd, meshd_env
+
+    res = subprocess.run(meshd_cmd("join", "--state-dir", str(tmp_path / "s"), token), capture_output=True,
+                         text=True, env=meshd_env(), timeout=60)
+    assert res.returncode == 2, res
+    assert res.stderr.startswith(f"meshd: {message}") and res.stderr.count("\n") == 1 and res.stdout == ""

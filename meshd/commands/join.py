@@ -6,13 +6,19 @@ import argparse
 import os
 import sys
 
+from discovery.invite import InviteError, InviteToken
 from meshd.control import call
+from meshd.errors import UsageError
 from meshd.state import CONTROL_SOCKET, resolve_state_dir
 
 JOIN_TIMEOUT_S = 40.0  # the daemon retries an unreachable issuer for up to 20 s
 
 
 def run(args: argparse.Namespace) -> int:
+    try:  # a malformed or tampered token is a usage error (exit 2), as for `serve --join`
+        InviteToken.decode(args.token)
+    except InviteError as e:
+        raise UsageError(str(e)) from None
     state_dir = resolve_state_dir(args.state_dir, os.environ)
     reply = call(state_dir / CONTROL_SOCKET, "join", timeout_s=JOIN_TIMEOUT_S, token=args.token)
     sys.stdout.write(f"joined mesh {reply['mesh_name']} ({reply['mesh_id']})\n")
