@@ -375,7 +375,9 @@ class RemoteExecutor:
                     break
             else:
                 return None
-        whole = planning.whole_rows(work, by_worker, routing) if routing is not None and work else None
+        whole = None  # per token, the worker all its experts went to (only worked out if combining can pay)
+        if routing is not None and work and any(self._may_combine(links.get(n), x, routing) for n in by_worker):
+            whole = planning.whole_rows(work, by_worker, routing)
         sends: list[FastSend] = []
         for w, (node, items) in enumerate(by_worker.items()):
             link = links.get(node)
@@ -401,6 +403,11 @@ class RemoteExecutor:
         if call.error is not None:
             return None
         return sends
+
+    def _may_combine(self, link: WorkerLink | None, x: np.ndarray, routing: Routing) -> bool:
+        """Whether combining could pay on ``link`` even if every token of the layer were whole there."""
+        return (link is not None and link.ack is not None and link.ack.version >= 2
+                and self._combining_pays(link, x.shape[0], routing.experts.shape[1], x.shape[1]))
 
     @staticmethod
     def _combining_pays(link: WorkerLink, rows: int, k: int, d: int) -> bool:
