@@ -10,6 +10,7 @@ import asyncio
 from pathlib import Path
 
 import numpy as np
+import pytest
 from experts_util import make_moe_checkpoint
 from test_experts_inproc import Fixture, _connect, _equal, _inputs, _worker, lt  # noqa: F401 - lt: fixture
 
@@ -125,3 +126,81 @@ def test_a_v1_session_refuses_a_combine_request(tmp_path: Path, lt: LoopThread) 
         assert isinstance(got[0], rpc.HelloAck) and got[0].version == version
         assert isinstance(got[1], answer), got
         assert (w.stats.errors > 0) == (version == 1)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the inf row makes NaNs on purpose
+def test_a_token_with_non_finite_weights_is_combined_here_and_the_worker_kept(tmp_path: Path,
+                                                                              lt: LoopThread) -> None:
+    """An inf in a hidden row gives that token NaN weights; a worker refuses non-finite weights from a
+    peer, so the coordinator keeps that token raw (combining it itself) instead of losing the worker."""
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m", experts=8, top_k=4), "qwen3_moe")
+    x = _inputs(fx.layout.hidden_size)[-1].copy()
+    x[3, 0] = np.inf
+    ref = fx.forward(x, local_executor(fx.full.weights))
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    w = _worker(fx)
+    _connect(lt, ex, w, "w0")
+    assert _equal(fx.forward(x, ex), ref)  # NaN rows included, bit for bit
+    st = ex.status()
+    assert "w0" in ex.links and w.stats.errors == 0 and st["retries"] == 0
+    assert 0 < st["rows_combined"] < len(x) * len(fx.layout.sparse_layers)  # the bad token stayed raw
+
+
+def test_a_worker_whose_combined_reply_does_not_fit_is_dropped(tmp_path: Path, lt: LoopThread,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reply that does not match its request counts as the worker's error and the worker is dropped
+    (the layer moves to the other holder), as the general path does; the output stays exact."""
+    import engine.experts.worker as worker_mod
+
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m", experts=8, top_k=4), "qwen3_moe")
+    x = _inputs(fx.layout.hidden_size)[-1]
+    ref = fx.forward(x, local_executor(fx.full.weights))
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    bad, good = _worker(fx), _worker(fx, capacity=1e-9)  # 'bad' owns everything, 'good' holds it too
+    real = worker_mod.combine_rows
+
+    calls = [0]
+
+    def one_row_short(req: rpc.ExpertCombineRequest, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        combined, raw = real(req, out)
+        calls[0] += 1
+        return (combined[:-1] if calls[0] == 1 else combined), raw  # only the first reply (the owner's)
+
+    _connect(lt, ex, bad, "bad")
+    _connect(lt, ex, good, "good")
+    monkeypatch.setattr(worker_mod, "combine_rows", one_row_short)  # both are in-process: patch, then stop
+    assert _equal(fx.forward(x, ex), ref)
+    st = ex.status()
+    assert calls[0] > 1 and "bad" not in ex.links and st["workers"]["bad"]["errors"] == 1  # type: ignore[index]
+    assert "good" in ex.links and good.stats.requests > 0 and st["retries"] > 0
+
+
+def test_worker_bounds_what_a_combine_request_makes_it_compute(tmp_path: Path, lt: LoopThread) -> None:
+    """The reply of a combine request is small, but every pair's output is computed first: a request whose
+    outputs exceed what the peer may receive is TOO_LARGE, as its v1 form would be."""
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m", experts=8, top_k=2), "qwen3_moe")
+    d = fx.layout.hidden_size
+    w = _worker(fx)
+    x = np.ones((4, d), np.float32)
+    pairs = np.array([[r, e] for e in (0, 1) for r in range(4)], dtype=np.uint32)  # 8 pairs, ascending
+    creq = rpc.ExpertCombineRequest(layer=0, x=x, pairs=pairs, rows=np.arange(4, dtype=np.uint32),
+                                    experts=np.array([[0, 1]] * 4, dtype=np.uint32),
+                                    weights=np.full((4, 2), 0.5, dtype=np.float32))
+    limit = 64 + 4 * 4 * d  # room for the 4 combined rows, not for the 8 outputs computed first
+
+    async def talk() -> rpc.Message:
+        a, b = await socketpair_channels()
+        task = asyncio.get_running_loop().create_task(w.serve(b))
+        await a.send(rpc.encode(rpc.Hello(fx.fp, max_version=2, max_message_bytes=limit), 1)
+                     + rpc.encode(creq, 2))
+        dec, got = rpc.MessageDecoder(), []
+        while len(got) < 2:
+            chunk = await asyncio.wait_for(a.recv(), 5)
+            assert chunk is not None
+            got += dec.feed(chunk)
+        a.reset(0)
+        await asyncio.wait_for(task, 5)
+        return got[1].message
+
+    reply = lt.run(talk())
+    assert isinstance(reply, rpc.ErrorMsg) and reply.code == rpc.ErrorCode.TOO_LARGE, reply

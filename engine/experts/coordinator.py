@@ -406,8 +406,9 @@ class RemoteExecutor:
 
     def _may_combine(self, link: WorkerLink | None, x: np.ndarray, routing: Routing) -> bool:
         """Whether combining could pay on ``link`` even if every token of the layer were whole there."""
+        k = routing.experts.shape[1]
         return (link is not None and link.ack is not None and link.ack.version >= 2
-                and self._combining_pays(link, x.shape[0], routing.experts.shape[1], x.shape[1]))
+                and k <= limits.EXPERT_MAX_TOP_K and self._combining_pays(link, x.shape[0], k, x.shape[1]))
 
     @staticmethod
     def _combining_pays(link: WorkerLink, rows: int, k: int, d: int) -> bool:
@@ -441,9 +442,17 @@ class RemoteExecutor:
         """Loop thread: one worker's reply (or its link's failure)."""
         if call.settled:
             return
-        if isinstance(reply, WorkerFailed) or not snd.answers(reply, call.layer):
+        if isinstance(reply, WorkerFailed | rpc.ErrorMsg):  # the general path retries, moves or reports
             self._count_retries(len(snd.items))
-            call.settle(f"worker {snd.node}: {reply if isinstance(reply, WorkerFailed) else type(reply).__name__}")
+            call.settle(f"worker {snd.node}: {reply if isinstance(reply, WorkerFailed) else reply.text}")
+            return
+        if not snd.answers(reply, call.layer):  # a reply that does not fit the request: drop its worker
+            why = f"layer {call.layer}: reply does not match the request ({type(reply).__name__})"
+            log.warning("experts_worker_error", worker=snd.node, layer=call.layer, reason=why)
+            self.link_stats[snd.node].errors += 1
+            self._count_retries(len(snd.items))
+            call.settle(f"worker {snd.node}: {why}")
+            self._drop(snd.node, why)
             return
         st = snd.link.stats
         st.calls += 1

@@ -82,12 +82,14 @@ def fill(layer: int, work: list[WorkItem], items: list[int], reply: rpc.ExpertRe
 
 def whole_rows(work: list[WorkItem], by_worker: dict[str, list[int]], routing: Routing) -> np.ndarray:
     """[T] int: for each token, the index (in ``by_worker`` order) of the worker all its experts went
-    to, or -1 if they are spread over several."""
+    to, or -1 if they are spread over several or its weights are not all finite (a worker refuses
+    non-finite weights from a peer; such a token is combined here, as the local path would)."""
     worker_of = np.full(max(e for e, _ in work) + 1, -1, dtype=np.int64)  # expert -> worker index
     for w, items in enumerate(by_worker.values()):
         worker_of[[work[i][0] for i in items]] = w
     slots = worker_of[routing.experts]  # [T, k]
-    return np.where(np.all(slots == slots[:, :1], axis=1), slots[:, 0], -1)
+    whole = np.all(slots == slots[:, :1], axis=1) & np.all(np.isfinite(routing.weights), axis=1)
+    return np.where(whole, slots[:, 0], -1)
 
 
 def combine_request(req: rpc.ExpertRequest, work: list[WorkItem], items: list[int], routing: Routing,

@@ -99,7 +99,7 @@ class ExpertWorker:
             self._by_fp.setdefault(fp, []).append(s)
         self.capacity = capacity
         self.max_message_bytes = max_message_bytes
-        self.protocol_max = protocol_max
+        self.protocol_max = min(protocol_max, rpc.PROTOCOL_MAX)
         self.stats = WorkerStats()
         self._reply_hook = reply_hook
         self._closing = False
@@ -156,6 +156,9 @@ class ExpertWorker:
             reply_bytes = rpc.HEADER_BYTES + 16 + 4 * req.pairs.shape[0] * hidden + rpc.CRC_BYTES
         if reply_bytes > peer_max_bytes:
             return rpc.ErrorMsg(rpc.ErrorCode.TOO_LARGE, f"the reply would be {reply_bytes} bytes", req.layer)
+        work_bytes = 4 * req.pairs.shape[0] * hidden  # every pair's output is computed before any combining
+        if work_bytes > min(peer_max_bytes, self.max_message_bytes):
+            return rpc.ErrorMsg(rpc.ErrorCode.TOO_LARGE, f"the outputs would take {work_bytes} bytes", req.layer)
         if req.x.shape[1] != hidden:
             return rpc.ErrorMsg(rpc.ErrorCode.BAD_REQUEST, f"hidden size {req.x.shape[1]} != {hidden}", req.layer)
         return None
@@ -331,7 +334,7 @@ class _Session:
                 rpc.ErrorCode.FINGERPRINT_MISMATCH,
                 f"worker holds a different checkpoint: {held or 'none'}; asked for {msg.fingerprint.hex()[:16]}"),
                 rid, last=True)
-        self.peer_max_bytes = msg.max_message_bytes
+        self.peer_max_bytes = min(msg.max_message_bytes, limits.EXPERT_MAX_MESSAGE_BYTES)
         self.fp = msg.fingerprint
         self.version = version
         return self._emit(w._ack(msg.fingerprint, version), rid)
