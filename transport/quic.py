@@ -220,9 +220,7 @@ class Stream:
                 if self._paused:
                     self._conn._consumed(self)
                     return
-                frame = self._frames.popleft()
-                self._queued_bytes -= len(frame.payload)
-                self._raw_queued -= limits.FRAME_HEADER_BYTES + len(frame.payload)
+                frame = self._pop_frame()
                 if frame.type is FrameType.ERROR:
                     self._receiver = None
                     self._frames.clear()
@@ -274,10 +272,14 @@ class Stream:
                 await self._waiter
             finally:
                 self._waiter = None
+        frame = self._pop_frame()
+        self._conn._consumed(self)
+        return frame
+
+    def _pop_frame(self) -> Frame:
         frame = self._frames.popleft()
         self._queued_bytes -= len(frame.payload)
         self._raw_queued -= limits.FRAME_HEADER_BYTES + len(frame.payload)
-        self._conn._consumed(self)
         return frame
 
     def reset(self, code: int = ErrorCode.CANCELLED) -> None:
@@ -469,12 +471,7 @@ class _Connection(QuicConnectionProtocol):
             if self._pending_send_bytes(stream_id) <= limit:
                 break
             await self._wait_progress()
-        try:
-            self._quic.send_stream_data(stream_id, data, end_stream=end)
-        except ValueError as e:  # aioquic: the stream was reset or finished meanwhile
-            raise TransportError(f"stream closed: {e}") from None
-        if isinstance(self._quic, MeshQuicConnection):
-            self._quic.ack_with_data(self._loop.time())
+        self._queue_data(stream_id, data, end)
         self._transmit_soon()
 
     def write_now(self, stream_id: int, data: bytes) -> bool:
@@ -483,14 +480,17 @@ class _Connection(QuicConnectionProtocol):
             raise TransportError(f"connection closed: {self.close_reason or 'closed'}")
         if self._pending_send_bytes(stream_id) > self.mesh.config.stream_send_buffer_bytes:
             return False
-        try:
-            self._quic.send_stream_data(stream_id, data)
-        except ValueError as e:  # aioquic: the stream was reset or finished meanwhile
-            raise TransportError(f"stream closed: {e}") from None
-        if isinstance(self._quic, MeshQuicConnection):
-            self._quic.ack_with_data(self._loop.time())
+        self._queue_data(stream_id, data, False)
         self.transmit()
         return True
+
+    def _queue_data(self, stream_id: int, data: bytes, end: bool) -> None:
+        """Hand stream data to aioquic; a pending ACK will ride on the packet that carries it."""
+        try:
+            self._quic.send_stream_data(stream_id, data, end_stream=end)
+        except ValueError as e:  # aioquic: the stream was reset or finished meanwhile
+            raise TransportError(f"stream closed: {e}") from None
+        self._flow.ack_with_data(self._loop.time())
 
     def reset_stream(self, stream_id: int, code: int) -> None:
         try:
