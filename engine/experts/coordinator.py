@@ -381,19 +381,24 @@ class RemoteExecutor:
         sends: list[FastSend] = []
         for w, (node, items) in enumerate(by_worker.items()):
             link = links.get(node)
-            if link is None or link.ack is None or not planning.fits_one(link, x, work, items):
+            if link is None or link.ack is None:
                 return None
-            req: rpc.ExpertRequest | rpc.ExpertCombineRequest = planning.request(layer, x, work, items)
+            tokens = planning.token_rows(work, items)
+            max_bytes, max_rows = planning.limits_of(link)
+            size = planning.request_bytes(x.shape[1], len(tokens[1]), len(tokens[0]))
+            if len(tokens[1]) > max_rows or size > min(max_bytes, limits.EXPERT_SEND_CHUNK_BYTES):
+                return None  # not one frame: the general path splits it and sends it in slices
+            req: rpc.ExpertRequest | rpc.ExpertCombineRequest = planning.request(layer, x, work, items, tokens)
             snd = FastSend(node, link, 0, b"", items, req.x.shape[0], req.pairs.shape[0], x.shape[1])
             if whole is not None and routing is not None and link.ack.version >= 2:
                 rows = np.flatnonzero(whole == w)  # tokens whose k experts all went to this worker
                 if len(rows) and self._combining_pays(link, len(rows), routing.experts.shape[1], x.shape[1]):
-                    req, snd.raw_mask = planning.combine_request(req, work, items, routing, rows)
+                    req, snd.raw_mask = planning.combine_request(req, tokens, routing, rows)
                     snd.combined = rows
             snd.rid = link.next_id()
             snd.data = rpc.encode(req, snd.rid)
-            if len(snd.data) > min(limits.EXPERT_SEND_CHUNK_BYTES, link.ack.max_message_bytes):
-                return None  # the general path sends it in slices, under flow control
+            if len(snd.data) > min(limits.EXPERT_SEND_CHUNK_BYTES, max_bytes):
+                return None  # the combine fields took it over the bound checked above
             sends.append(snd)
         call = FastCall(layer, sends)
         self.loop.call_soon_threadsafe(self._fast_dispatch, call)
@@ -417,7 +422,6 @@ class RemoteExecutor:
         the raw reply too) does not earn back. Channels without packets (tests) always combine."""
         packet = getattr(link.channel, "max_datagram_bytes", None)
         return packet is None or rows * (k - 1) * d * 4 >= packet
-
 
     def _fast_dispatch(self, call: FastCall) -> None:
         """Loop thread: send every request of the call."""

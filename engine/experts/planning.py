@@ -1,6 +1,6 @@
 """A layer's expert requests: which work items one request to a worker carries (``chunks``,
-``fits_one``), the request itself (``request``, and ``combine_request`` when the worker combines whole
-tokens, ``whole_rows``), and the outputs its reply gives back (``fill``); plus the fast path's record of one
+``limits_of``, ``request_bytes``), the request itself (``token_rows``, ``request``, and
+``combine_request`` when the worker combines whole tokens, ``whole_rows``), and the outputs its reply gives back (``fill``); plus the fast path's record of one
 request in flight (``FastSend``) and of the layer call waiting on them all (``FastCall``).
 
 Pure functions over arrays; ``engine.experts.coordinator`` decides where the requests go and sends them.
@@ -19,33 +19,32 @@ from engine.moe import Routing, WorkItem
 from transport import limits
 
 
-def fits_one(link: WorkerLink, x: np.ndarray, work: list[WorkItem], items: list[int]) -> bool:
-    """Whether one request carries all of ``items`` (a quick bound first: every row of x, every pair)."""
+def limits_of(link: WorkerLink) -> tuple[int, int]:
+    """(bytes, rows) one request to ``link``'s worker may carry: ours and the worker's, whichever is lower."""
     ack = link.ack
-    pairs = sum(len(work[i][1]) for i in items)
-    max_bytes = min(limits.EXPERT_MAX_MESSAGE_BYTES, ack.max_message_bytes if ack else 0)
-    max_rows = min(limits.EXPERT_MAX_ROWS, ack.max_rows if ack else 0)
-    if x.shape[0] <= max_rows and 64 + 4 * x.shape[1] * (x.shape[0] + pairs) + 8 * pairs <= max_bytes:
-        return True
-    return len(chunks(link, x, work, items)) == 1
+    return (min(limits.EXPERT_MAX_MESSAGE_BYTES, ack.max_message_bytes if ack else 0),
+            min(limits.EXPERT_MAX_ROWS, ack.max_rows if ack else 0))
+
+
+def request_bytes(d: int, rows: int, pairs: int) -> int:
+    """An upper bound of a request's (and its v1 reply's) encoded size."""
+    return 64 + 4 * d * (rows + pairs) + 8 * pairs
 
 
 def chunks(link: WorkerLink, x: np.ndarray, work: list[WorkItem], items: list[int]) -> list[list[int]]:
     """Split a worker's items (whole work items only) so each request and reply fits its limits."""
-    ack = link.ack
-    max_bytes = min(limits.EXPERT_MAX_MESSAGE_BYTES, ack.max_message_bytes if ack else 0)
-    max_rows = min(limits.EXPERT_MAX_ROWS, ack.max_rows if ack else 0)
+    max_bytes, max_rows = limits_of(link)
     d = x.shape[1]
-    chunks: list[list[int]] = []
+    out: list[list[int]] = []
     cur: list[int] = []
     seen = np.zeros(x.shape[0], dtype=bool)  # rows already in the current request
     n_rows = pairs = 0
     for i in items:
         r = work[i][1]
         fresh = int(np.count_nonzero(~seen[r]))
-        size = 64 + 4 * d * (n_rows + fresh + pairs + len(r)) + 8 * (pairs + len(r))
+        size = request_bytes(d, n_rows + fresh, pairs + len(r))
         if cur and (size > max_bytes or n_rows + fresh > max_rows):
-            chunks.append(cur)
+            out.append(cur)
             cur, n_rows, pairs = [], 0, 0
             seen[:] = False
             fresh = len(r)
@@ -54,13 +53,21 @@ def chunks(link: WorkerLink, x: np.ndarray, work: list[WorkItem], items: list[in
         n_rows += fresh
         pairs += len(r)
     if cur:
-        chunks.append(cur)
-    return chunks
+        out.append(cur)
+    return out
 
 
-def request(layer: int, x: np.ndarray, work: list[WorkItem], items: list[int]) -> rpc.ExpertRequest:
+def token_rows(work: list[WorkItem], items: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(the token of each pair of a request for ``items``, in pair order; the request's x rows: those
+    tokens, ascending and once each)."""
     rows_all = np.concatenate([work[i][1] for i in items])
-    uniq = np.unique(rows_all)  # [n] ascending
+    return rows_all, np.unique(rows_all)
+
+
+def request(layer: int, x: np.ndarray, work: list[WorkItem], items: list[int],
+            tokens: tuple[np.ndarray, np.ndarray] | None = None) -> rpc.ExpertRequest:
+    """The request carrying ``items`` (``tokens``: their ``token_rows``, if already worked out)."""
+    rows_all, uniq = token_rows(work, items) if tokens is None else tokens
     local = np.searchsorted(uniq, rows_all)
     experts = np.concatenate([np.full(len(work[i][1]), work[i][0], dtype=np.int64) for i in items])
     pairs = np.stack([local, experts], axis=1).astype(np.uint32)  # [m, 2]
@@ -92,11 +99,11 @@ def whole_rows(work: list[WorkItem], by_worker: dict[str, list[int]], routing: R
     return np.where(whole, slots[:, 0], -1)
 
 
-def combine_request(req: rpc.ExpertRequest, work: list[WorkItem], items: list[int], routing: Routing,
+def combine_request(req: rpc.ExpertRequest, tokens: tuple[np.ndarray, np.ndarray], routing: Routing,
                     rows: np.ndarray) -> tuple[rpc.ExpertCombineRequest, np.ndarray]:
-    """``req`` also asking the worker to combine token ``rows``; the mask of its pairs sent back raw."""
-    rows_all = np.concatenate([work[i][1] for i in items])  # token of each request pair
-    uniq = np.unique(rows_all)  # the request's x rows, as request() built them
+    """``req`` (built from ``tokens``) also asking the worker to combine token ``rows``; the mask of its
+    pairs sent back raw."""
+    rows_all, uniq = tokens
     here = np.zeros(routing.experts.shape[0], dtype=bool)
     here[rows] = True
     creq = rpc.ExpertCombineRequest(layer=req.layer, x=req.x, pairs=req.pairs,

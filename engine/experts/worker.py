@@ -149,16 +149,11 @@ class ExpertWorker:
             return rpc.ErrorMsg(rpc.ErrorCode.NOT_HELD, f"layer {req.layer} expert {missing[0]} is not held here",
                                 req.layer, missing[0])
         hidden = self._by_fp[fp][0].layout.hidden_size
-        if isinstance(req, rpc.ExpertCombineRequest):
-            rows_out = len(req.rows) + req.pairs.shape[0] - len(req.rows) * req.experts.shape[1]
-            reply_bytes = rpc.HEADER_BYTES + 20 + 4 * rows_out * hidden + rpc.CRC_BYTES
-        else:
-            reply_bytes = rpc.HEADER_BYTES + 16 + 4 * req.pairs.shape[0] * hidden + rpc.CRC_BYTES
-        if reply_bytes > peer_max_bytes:
-            return rpc.ErrorMsg(rpc.ErrorCode.TOO_LARGE, f"the reply would be {reply_bytes} bytes", req.layer)
-        work_bytes = 4 * req.pairs.shape[0] * hidden  # every pair's output is computed before any combining
-        if work_bytes > min(peer_max_bytes, self.max_message_bytes):
-            return rpc.ErrorMsg(rpc.ErrorCode.TOO_LARGE, f"the outputs would take {work_bytes} bytes", req.layer)
+        # Every pair's output is computed (and, in a v1 reply, sent) before any combining: bound that by
+        # what the peer may receive and what we accept, whichever the request's kind.
+        out_bytes = rpc.HEADER_BYTES + 20 + 4 * req.pairs.shape[0] * hidden + rpc.CRC_BYTES
+        if out_bytes > min(peer_max_bytes, self.max_message_bytes):
+            return rpc.ErrorMsg(rpc.ErrorCode.TOO_LARGE, f"the outputs would take {out_bytes} bytes", req.layer)
         if req.x.shape[1] != hidden:
             return rpc.ErrorMsg(rpc.ErrorCode.BAD_REQUEST, f"hidden size {req.x.shape[1]} != {hidden}", req.layer)
         return None
