@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 import numpy as np
@@ -180,6 +180,7 @@ class ExpertCombineRequest:
     rows: np.ndarray  # [n_combined] uint32 rows into x, strictly ascending
     experts: np.ndarray  # [n_combined, k] uint32 slot experts
     weights: np.ndarray  # [n_combined, k] fp32 slot weights
+    slots: np.ndarray | None = field(default=None, repr=False)  # slot_pairs(), kept by the parser
 
     def groups(self) -> list[tuple[int, np.ndarray]]:
         """(expert, rows into x) in pair order: the work items this request carries."""
@@ -187,11 +188,9 @@ class ExpertCombineRequest:
 
     def slot_pairs(self) -> np.ndarray:
         """[n_combined, k] int64: the index into ``pairs`` of (rows[c], experts[c, j]), -1 if absent."""
-        n_rows = self.x.shape[0] + 1
-        key = self.pairs[:, 1].astype(np.int64) * n_rows + self.pairs[:, 0]  # ascending (parser checks)
-        want = self.experts.astype(np.int64) * n_rows + self.rows.astype(np.int64)[:, None]  # [n_c, k]
-        idx = np.minimum(np.searchsorted(key, want), len(key) - 1)
-        return np.where(key[idx] == want, idx, -1)
+        if self.slots is not None:
+            return self.slots
+        return _slot_pairs(self.pairs, self.x.shape[0], self.rows, self.experts)
 
     def raw_mask(self) -> np.ndarray:
         """[n_pairs] bool: the pairs whose row is not combined (their outputs are sent raw)."""
@@ -465,6 +464,15 @@ def _rows_and_pairs(p: memoryview, offset: int, rows: int, dim: int,
     return x, pairs
 
 
+def _slot_pairs(pairs: np.ndarray, n_x_rows: int, rows: np.ndarray, experts: np.ndarray) -> np.ndarray:
+    """ExpertCombineRequest.slot_pairs: the pair index of each (rows[c], experts[c, j]), -1 if absent."""
+    n = n_x_rows + 1
+    key = pairs[:, 1].astype(np.int64) * n + pairs[:, 0]  # ascending (the parser checks)
+    want = experts.astype(np.int64) * n + rows.astype(np.int64)[:, None]  # [n_c, k]
+    idx = np.minimum(np.searchsorted(key, want), len(key) - 1)
+    return np.where(key[idx] == want, idx, -1)
+
+
 def _parse_combine_request(p: memoryview) -> ExpertCombineRequest:
     n = len(p)
     if n < _CREQ.size:
@@ -490,11 +498,12 @@ def _parse_combine_request(p: memoryview) -> ExpertCombineRequest:
         raise _bad("expert_request_combine repeats an expert in a row's slots")
     if not bool(np.all(np.isfinite(weights))):
         raise _bad("expert_request_combine has a weight that is not finite")
-    req = ExpertCombineRequest(layer=layer, x=x, pairs=pairs, rows=crow, experts=experts, weights=weights)
+    slots = _slot_pairs(pairs, rows, crow, experts)
     per_row = np.bincount(pairs[:, 0].astype(np.int64), minlength=rows)
-    if bool(np.any(per_row[crow] != k)) or bool(np.any(req.slot_pairs() < 0)):
+    if bool(np.any(per_row[crow] != k)) or bool(np.any(slots < 0)):
         raise _bad("expert_request_combine combines a row whose pairs are not exactly its slot experts")
-    return req
+    return ExpertCombineRequest(layer=layer, x=x, pairs=pairs, rows=crow, experts=experts, weights=weights,
+                                slots=slots)  # the worker combines with these slots: not worked out again
 
 
 def decode(data: bytes, max_message_bytes: int = limits.EXPERT_MAX_MESSAGE_BYTES) -> Envelope:
