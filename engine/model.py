@@ -9,14 +9,17 @@ Usage::
     logits = model.forward([next_id], cache)  # one decode step
     model.forward_batch(ids, caches)          # one decode step of B sequences -> [B, V]
 
-The routed-expert part of every sparse layer goes through ``engine.moe.moe_block`` with an executor
-(default: :meth:`Model.local_executor`), so a remote executor plugs in without touching this file.
+The routed-expert part of every sparse layer goes through an executor (default:
+:meth:`Model.local_executor`), so a remote executor plugs in without touching this file. Both passes are
+written as steps (``forward_steps``/``forward_batch_steps``, the ``engine.moe.ForwardSteps`` protocol):
+they yield each sparse layer's routed call and are sent its output, and ``engine.moe.drive`` runs them
+with the executor, which may run the layers on another thread (the remote executor's event loop).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +29,7 @@ import structlog
 from . import families
 from .checkpoint import Checkpoint, CheckpointError, ProgressFn, TensorRef, load_checkpoint, to_f32
 from .config import ModelConfig
-from .moe import ExpertExecutor, expert_ffn, local_executor, moe_block, silu
+from .moe import ExpertExecutor, ForwardSteps, RoutedCall, drive, expert_ffn, local_executor, route, silu
 from .ops import RopeTable, apply_rope, attention, rmsnorm
 
 log = structlog.get_logger(__name__)
@@ -310,12 +313,19 @@ class Model:
         ``last_only`` returns only the last position's logits ([1, V]), skipping the output head for the
         others (a prefill that only needs the next token).
         """
+        return drive(self.forward_steps(ids, cache, last_only=last_only), executor or self._local)
+
+    def forward_steps(self, ids: Sequence[int] | np.ndarray, cache: KVCache, *,
+                      last_only: bool = False) -> ForwardSteps:
+        """``forward`` as steps: yields each sparse layer's routed call, returns the logits."""
         arr = self._check_ids(ids)
         t, past = arr.shape[0], cache.length
         cache.reserve(past + t)
+        return self._forward_steps(arr, cache, t, past, last_only)
+
+    def _forward_steps(self, arr: np.ndarray, cache: KVCache, t: int, past: int, last_only: bool) -> ForwardSteps:
         cos, sin = self.rope.span(past, past + t)
         x = self.embed(arr)  # [T, D]
-        ex = executor or self._local
         window = self.config.sliding_window
         for i, layer in enumerate(self.layers):
             h = rmsnorm(x, layer.attn_norm, self.config.rms_norm_eps)
@@ -325,7 +335,7 @@ class Model:
             vc[:, past : past + t] = v.transpose(1, 0, 2)
             att = attention(q, kc[:, : past + t], vc[:, : past + t], past, self.scale, window)
             x = x + self._out(layer, att)
-            x += self._mlp(i, layer, rmsnorm(x, layer.mlp_norm, self.config.rms_norm_eps), ex)
+            x += yield from self._mlp(i, layer, rmsnorm(x, layer.mlp_norm, self.config.rms_norm_eps))
         cache.length = past + t
         return self._logits(x[-1:] if last_only else x)
 
@@ -335,18 +345,25 @@ class Model:
 
         Each sequence has its own cache (any lengths); each gets one position appended.
         """
+        return drive(self.forward_batch_steps(ids, caches), executor or self._local)
+
+    def forward_batch_steps(self, ids: Sequence[int] | np.ndarray, caches: Sequence[KVCache]) -> ForwardSteps:
+        """``forward_batch`` as steps: yields each sparse layer's routed call, returns the logits."""
         arr = self._check_ids(ids)
         b = arr.shape[0]
         if len(caches) != b:
             raise ValueError(f"{b} ids for {len(caches)} caches")
         if len({id(c) for c in caches}) != b:
             raise ValueError("each sequence needs its own cache")
-        pos = np.array([c.length for c in caches], dtype=np.int64)
         for c in caches:
             c.reserve(c.length + 1)
+        return self._forward_batch_steps(arr, list(caches))
+
+    def _forward_batch_steps(self, arr: np.ndarray, caches: list[KVCache]) -> ForwardSteps:
+        b = arr.shape[0]
+        pos = np.array([c.length for c in caches], dtype=np.int64)
         cos, sin = self.rope.gather(pos)
         x = self.embed(arr)  # [B, D]
-        ex = executor or self._local
         window = self.config.sliding_window
         for i, layer in enumerate(self.layers):
             h = rmsnorm(x, layer.attn_norm, self.config.rms_norm_eps)
@@ -359,7 +376,7 @@ class Model:
                 vc[:, p] = v[s]
                 att[s] = attention(q[s : s + 1], kc[:, : p + 1], vc[:, : p + 1], p, self.scale, window)[0]
             x = x + self._out(layer, att)
-            x += self._mlp(i, layer, rmsnorm(x, layer.mlp_norm, self.config.rms_norm_eps), ex)
+            x += yield from self._mlp(i, layer, rmsnorm(x, layer.mlp_norm, self.config.rms_norm_eps))
         for c in caches:
             c.length += 1
         return self._logits(x)
@@ -399,8 +416,8 @@ class Model:
             out += layer.o_bias
         return out
 
-    def _mlp(self, i: int, layer: Layer, h: np.ndarray, ex: ExpertExecutor) -> np.ndarray:
-        """Feed-forward of layer i on normed h [T, D] -> [T, D]."""
+    def _mlp(self, i: int, layer: Layer, h: np.ndarray) -> Generator[RoutedCall, np.ndarray, np.ndarray]:
+        """Feed-forward of layer i on normed h [T, D] -> [T, D]; a sparse layer yields its routed call."""
         if not layer.sparse:
             if layer.gate_bias is None:
                 return expert_ffn(h, layer.gate, layer.up, layer.down)  # type: ignore[arg-type]
@@ -408,8 +425,8 @@ class Model:
             a = silu(a) * (h @ layer.up.T + layer.up_bias)  # type: ignore[union-attr]
             return a @ layer.down.T + layer.down_bias  # type: ignore[union-attr]
         c = self.config
-        logits = h @ layer.router.T  # type: ignore[union-attr]  # [T, E]
-        out = moe_block(h, logits, c.top_k, c.norm_topk_prob, ex, i)
+        routing = route(h @ layer.router.T, c.top_k, c.norm_topk_prob)  # type: ignore[union-attr]  # [T, E] logits
+        out = yield (i, h, routing)
         if layer.shared is not None:
             shared = expert_ffn(h, *layer.shared)
             gate = h @ layer.shared_expert_gate.T  # type: ignore[union-attr]  # [T, 1]

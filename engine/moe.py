@@ -32,7 +32,7 @@ the work list. Tokens whose experts are spread over several workers are combined
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -105,7 +105,7 @@ class RoutedExecutor(Protocol):
     """An executor that may also take a whole layer's routing and return the combined output.
 
     ``run_routed(layer, x, routing)`` must return exactly (bit for bit) what
-    ``combine(routing, executor(layer, x, routing.work), T, D)`` would: [T, D] fp32. ``moe_block`` uses it
+    ``combine(routing, executor(layer, x, routing.work), T, D)`` would: [T, D] fp32. ``run_block`` uses it
     when the executor has it; the plain call keeps working for every other caller.
     """
 
@@ -159,8 +159,13 @@ def moe_block(
     layer: int,
 ) -> np.ndarray:
     """Routed-experts output for one layer: [T, D] -> [T, D]. Shared experts are added by the caller."""
-    routing = route(router_logits, top_k, norm_topk_prob)
-    run_routed = getattr(executor, "run_routed", None)  # the RoutedExecutor extension, if offered
+    return run_block(executor, layer, x, route(router_logits, top_k, norm_topk_prob))
+
+
+def run_block(executor: ExpertExecutor, layer: int, x: np.ndarray, routing: Routing) -> np.ndarray:
+    """Steps 3-4 for one routed layer: [T, D] -> [T, D] fp32, through ``run_routed`` when the executor
+    has it (``RoutedExecutor``), else its plain call and ``combine``."""
+    run_routed = getattr(executor, "run_routed", None)
     if run_routed is not None:
         out = run_routed(layer, x, routing)
         if out.shape != x.shape or out.dtype != np.float32:
@@ -177,3 +182,28 @@ def moe_block(
                 f" expected float32{[len(rows), x.shape[1]]}"
             )
     return combine(routing, outputs, x.shape[0], x.shape[1])
+
+
+# A forward pass written as steps: it yields one RoutedCall per sparse layer, (layer, normed hidden x [T, D],
+# routing), is sent that layer's routed-experts output [T, D] fp32, and returns the pass's logits. Whoever
+# drives it decides where and on which thread each layer's experts run; the arithmetic is the same.
+RoutedCall = tuple[int, np.ndarray, Routing]
+ForwardSteps = Generator[RoutedCall, np.ndarray, np.ndarray]
+
+
+def drive(steps: ForwardSteps, executor: ExpertExecutor) -> np.ndarray:
+    """Run a forward pass's steps with ``executor``; -> the pass's result.
+
+    An executor with its own ``drive(steps)`` runs the pass itself (the remote executor runs a decode
+    step's layers on its event loop, without a thread hand-off per layer); any other executor gets one
+    ``run_block`` per sparse layer on this thread.
+    """
+    own = getattr(executor, "drive", None)
+    if own is not None:
+        return own(steps)
+    try:
+        call = next(steps)
+        while True:
+            call = steps.send(run_block(executor, *call))
+    except StopIteration as stop:
+        return stop.value

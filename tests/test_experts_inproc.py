@@ -22,7 +22,7 @@ from engine.experts.coordinator import CoordinatorConfig, ExpertsUnavailable, Re
 from engine.experts.fingerprint import model_fingerprint
 from engine.experts.shard import ExpertShard, load_shard
 from engine.experts.worker import ExpertWorker
-from engine.moe import ExpertExecutor, local_executor, moe_block
+from engine.moe import ExpertExecutor, ForwardSteps, drive, local_executor, route
 
 
 _TASKS: set[asyncio.Task[None]] = set()  # strong references: the loop keeps only weak ones
@@ -51,14 +51,20 @@ class Fixture:
         self.routers = {la: router_weights(path, la, family) for la in self.layout.sparse_layers}
 
     def forward(self, x: np.ndarray, executor: ExpertExecutor) -> list[np.ndarray]:
-        """A residual stack of MoE blocks; returns every layer's output. [T, D] -> [[T, D]]."""
+        """A residual stack of MoE blocks; returns every layer's output. [T, D] -> [[T, D]].
+
+        Driven like the engine's forward passes (``engine.moe.drive``): the remote executor runs a pass of
+        up to ``LOOP_STEP_MAX_ROWS`` rows on its loop thread, a larger one layer by layer."""
+        return drive(self.steps(x), executor)  # type: ignore[no-any-return]
+
+    def steps(self, x: np.ndarray) -> ForwardSteps:
         h = x
         outs = []
         for layer in self.layout.sparse_layers:
-            y = moe_block(h, h @ self.routers[layer].T, self.layout.top_k, self.layout.norm_topk_prob, executor, layer)
+            y = yield (layer, h, route(h @ self.routers[layer].T, self.layout.top_k, self.layout.norm_topk_prob))
             outs.append(y)
             h = h + y
-        return outs
+        return outs  # type: ignore[return-value]
 
 
 def _inputs(d: int, seed: int = 7) -> list[np.ndarray]:
@@ -559,3 +565,75 @@ def test_worker_answers_a_burst_of_small_messages_in_order(tmp_path: Path, lt: L
         return ids
 
     assert lt.run(burst()) == [1] + [100 + i for i in range(40)]
+
+
+def test_small_passes_run_on_the_loop_and_larger_ones_layer_by_layer(tmp_path: Path, lt: LoopThread) -> None:
+    """``drive`` hands a pass of up to LOOP_STEP_MAX_ROWS rows to the loop thread (no hand-off per layer);
+    a larger one runs here; both are exact."""
+    from engine.experts.coordinator import LOOP_STEP_MAX_ROWS
+
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m", experts=8), "qwen3_moe")
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    w = _worker(fx)
+    _connect(lt, ex, w, "w0")
+    local = local_executor(fx.full.weights)
+    inputs = _inputs(fx.layout.hidden_size)
+    for x in inputs:
+        assert _equal(fx.forward(x, ex), fx.forward(x, local))
+    st = ex.status()
+    small = sum(1 for x in inputs if x.shape[0] <= LOOP_STEP_MAX_ROWS)
+    assert 0 < small < len(inputs)
+    assert st["passes_on_loop"] == small and st["passes_handed_back"] == 0, st
+    assert st["layers"] == len(inputs) * len(fx.layout.sparse_layers) and st["items_local"] == 0
+
+
+def test_a_layer_failing_in_a_loop_driven_pass_hands_the_pass_back(tmp_path: Path, lt: LoopThread) -> None:
+    """A typed error on the loop gives the layer (and the rest of the pass) back to the calling thread: the
+    general path moves it to the other holder, exactly, and the next pass runs on the loop again."""
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m", experts=8), "qwen3_moe")
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    a, b = _worker(fx), _worker(fx)
+    _connect(lt, ex, a, "a")
+    _connect(lt, ex, b, "b")
+    a.close()  # answers SHUTTING_DOWN from now on
+    x = _inputs(fx.layout.hidden_size)[0]
+    ref = fx.forward(x, local_executor(fx.full.weights))
+    assert _equal(fx.forward(x, ex), ref)
+    st = ex.status()
+    assert st["passes_on_loop"] == 1 and st["passes_handed_back"] == 1 and st["retries"] > 0, st
+    assert "a" not in ex.links  # a stopping worker is dropped by the general path
+    assert _equal(fx.forward(x, ex), ref)
+    st = ex.status()
+    assert st["passes_on_loop"] == 2 and st["passes_handed_back"] == 1, st
+
+
+def test_an_error_inside_a_loop_driven_pass_is_raised_to_its_caller(tmp_path: Path, lt: LoopThread) -> None:
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    _connect(lt, ex, _worker(fx), "w0")
+    x = _inputs(fx.layout.hidden_size)[0]
+    ran_on: list[str] = []
+
+    def failing() -> ForwardSteps:
+        first = fx.layout.sparse_layers[0]
+        yield (first, x, route(x @ fx.routers[first].T, fx.layout.top_k, fx.layout.norm_topk_prob))
+        ran_on.append(threading.current_thread().name)
+        raise ValueError("broken pass")
+
+    with pytest.raises(ValueError, match="broken pass"):
+        ex.drive(failing())
+    assert ran_on == ["experts-loop"]  # resumed on the loop thread, raised on this one
+    assert _equal(fx.forward(x, ex), fx.forward(x, local_executor(fx.full.weights)))  # the executor is fine
+
+
+def test_drive_from_the_loop_thread_is_refused(tmp_path: Path, lt: LoopThread) -> None:
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    _connect(lt, ex, _worker(fx), "w0")
+    x = _inputs(fx.layout.hidden_size)[0]
+
+    async def on_loop() -> None:
+        fx.forward(x, ex)
+
+    with pytest.raises(RuntimeError, match="event loop thread"):
+        lt.run(on_loop())

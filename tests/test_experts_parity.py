@@ -109,6 +109,8 @@ def test_parity_gate_over_quic(setup: Setup, n_workers: int) -> None:
             assert bad == [], f"{family} with {n_workers} workers: {bad[:5]}"
             st = ex.status()
             assert st["items_local"] == 0 and st["layers_delegated"] == st["layers"] > 0, st
+            # decode steps (and these short prompts) ran on the executor's loop, none handed back
+            assert st["passes_on_loop"] >= DECODE_STEPS and st["passes_handed_back"] == 0, st
             workers = st["workers"]
             assert isinstance(workers, dict)
             used = set(ex.stats.expert_rows)

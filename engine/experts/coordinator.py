@@ -51,7 +51,8 @@ from engine.experts.layout import MoeLayout
 from engine.experts.link import LATENCY_BUCKETS_S, LinkStats, WorkerFailed, WorkerLink, WorkerRefused
 from engine.experts.ownership import OwnershipMap, WorkerInfo, build_map
 from engine.experts.planning import FastCall, FastSend
-from engine.moe import ExpertWeightsFn, Routing, WorkItem, combine, expert_ffn, slot_positions, weighted_sum
+from engine.moe import (ExpertWeightsFn, ForwardSteps, RoutedCall, Routing, WorkItem, combine, expert_ffn,
+                        slot_positions, weighted_sum)
 from transport import limits
 
 # The link's names are re-exported: callers import everything the coordinator API uses from here.
@@ -61,6 +62,11 @@ __all__ = ["LATENCY_BUCKETS_S", "MODES", "CoordinatorConfig", "CoordinatorStats"
 log = structlog.get_logger(__name__)
 
 MODES = ("on", "prefer")
+
+# ``RemoteExecutor.drive`` runs a forward pass on the loop thread when its routed layers have at most this
+# many token rows: decode steps, batched decode of up to this many sequences, tiny prefills. The pass's
+# own compute then runs on the loop between replies, so only short passes go there.
+LOOP_STEP_MAX_ROWS = 16
 
 
 class ExpertsUnavailable(Exception):
@@ -100,7 +106,38 @@ class CoordinatorStats:
     retries: int = 0  # items moved to another holder after a failure
     rows_combined: int = 0  # token rows a worker combined (one reply row instead of k)
     unavailable: int = 0  # 'on' calls that failed
+    passes_on_loop: int = 0  # forward passes ``drive`` ran on the loop thread (decode steps)
+    passes_handed_back: int = 0  # of those, passes a layer handed back to the engine thread
     expert_rows: dict[tuple[int, int], int] = field(default_factory=dict)  # hits, delegated and local
+
+
+class _LoopStep:
+    """A forward pass the loop thread is running for an engine thread, which waits on ``lock``.
+
+    Released once: with ``result`` (the pass ended), ``error`` (the pass raised), or ``pending`` (a routed
+    layer the fast path did not take, first tried at ``fast_started``: the engine thread runs it, and the
+    rest of the pass, itself).
+    """
+
+    def __init__(self, steps: ForwardSteps, omap: OwnershipMap) -> None:
+        self.steps = steps
+        self.omap = omap  # pinned by the engine thread when the pass started
+        self.lock = threading.Lock()
+        self.lock.acquire()
+        self.result: np.ndarray | None = None
+        self.error: Exception | None = None
+        self.pending: RoutedCall | None = None
+        self.fast_started = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+        self.abandoned = False  # the engine thread stopped waiting: leave the pass alone
+
+    def hand_back(self, call: RoutedCall, started: float) -> None:
+        self.pending, self.fast_started = call, started
+        self.lock.release()
+
+    def finish(self, result: np.ndarray | None, error: Exception | None) -> None:
+        self.result, self.error = result, error
+        self.lock.release()
 
 
 class RemoteExecutor:
@@ -273,11 +310,60 @@ class RemoteExecutor:
         """The ``RoutedExecutor`` extension: [T, D] fp32, bit for bit ``combine(routing, self(...), T, D)``.
 
         On the fast path v2 workers combine the tokens whose experts they all hold (module docstring)."""
+        return self._routed(layer, x, routing, None)
+
+    def drive(self, steps: ForwardSteps) -> np.ndarray:
+        """Run a forward pass written as steps (``engine.moe.drive``); -> its result.
+
+        A pass whose first routed layer has at most ``LOOP_STEP_MAX_ROWS`` rows (a decode step) is handed
+        to the loop thread from there on: each layer's requests go out from the loop, and the last reply
+        resumes the pass on the loop, which computes up to the next routed layer and sends it. A layer then
+        costs no thread hand-off; the pass costs two. Anything the fast path does not take hands the pass
+        back to this thread, where that layer takes the general path and the rest runs layer by layer.
+        """
+        try:
+            call = next(steps)
+        except StopIteration as stop:
+            return stop.value
+        self._check_thread()
+        omap = self._map_for(call[0])
+        fast_started: float | None = None
+        if call[1].shape[0] <= LOOP_STEP_MAX_ROWS and self.loop.is_running():
+            step = _LoopStep(steps, omap)
+            with self._stats_lock:
+                self.stats.passes_on_loop += 1
+            self.loop.call_soon_threadsafe(self._step_layer, step, call)
+            if not step.lock.acquire(timeout=self.config.layer_timeout_s * (len(self.layout.sparse_layers) + 1)):
+                step.abandoned = True
+                self._count_unavailable()
+                raise ExpertsUnavailable("the expert event loop did not run the forward pass in time")
+            if step.error is not None:
+                raise step.error
+            if step.pending is None:
+                return step.result  # type: ignore[return-value]  # set with the release
+            call, fast_started = step.pending, step.fast_started
+            with self._stats_lock:
+                self.stats.passes_handed_back += 1
+        try:
+            while True:
+                out = self._routed(*call, fast_started)
+                fast_started = None
+                call = steps.send(out)
+        except StopIteration as stop:
+            return stop.value
+
+    def _routed(self, layer: int, x: np.ndarray, routing: Routing, fast_started: float | None) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         t, d = x.shape
-        sends, results = self._execute(layer, x, routing.work, routing)
+        sends, results = self._execute(layer, x, routing.work, routing, fast_started)
         if sends is None:
             return combine(routing, results, t, d)
+        return self._assemble(routing, sends, t, d)
+
+    @staticmethod
+    def _assemble(routing: Routing, sends: list[FastSend], t: int, d: int) -> np.ndarray:
+        """A fast-path layer's output [T, D] from its replies: combined rows as the workers sent them, the
+        other tokens combined here from raw outputs (``weighted_sum``, slot order)."""
         k = routing.experts.shape[1]
         out = np.empty((t, d), dtype=np.float32)  # [T, D]
         y = np.empty((t * k, d), dtype=np.float32)  # [T * k, D]: row t * k + j is token t's slot j output
@@ -296,19 +382,23 @@ class RemoteExecutor:
             out[rows] = weighted_sum(routing.weights[rows], y.reshape(t, k, d)[rows])
         return out
 
-    def _execute(self, layer: int, x: np.ndarray, work: list[WorkItem],
-                 routing: Routing | None) -> tuple[list[FastSend] | None, list[np.ndarray]]:
-        """Run a layer: the fast path's answered requests (and no outputs), or, when it gave up, None and
-        every item's output from the general path and the local fallback."""
+    def _check_thread(self) -> None:
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
         if running is self.loop:
             raise RuntimeError("the remote expert executor must not be called from its event loop thread")
+
+    def _execute(self, layer: int, x: np.ndarray, work: list[WorkItem], routing: Routing | None,
+                 fast_started: float | None = None) -> tuple[list[FastSend] | None, list[np.ndarray]]:
+        """Run a layer: the fast path's answered requests (and no outputs), or, when it gave up, None and
+        every item's output from the general path and the local fallback. ``fast_started``: the fast path
+        was already tried (on the loop) from that ``time.monotonic()``, and gave up."""
+        self._check_thread()
         omap = self._map_for(layer)
-        started = time.monotonic()
-        sends = self._run_fast(layer, x, work, omap, routing)
+        started = time.monotonic() if fast_started is None else fast_started
+        sends = self._run_fast(layer, x, work, omap, routing) if fast_started is None else None
         local: list[int] = []
         results: list[np.ndarray | None] = []
         if sends is None:  # what the fast path spent waiting counts against the layer's timeout
@@ -316,6 +406,15 @@ class RemoteExecutor:
             results, local = self._run_general(layer, x, work, omap, budget)
             if local:
                 self._fallback(layer, x, work, results, local)
+        self._account(layer, work, local, sends)
+        if sends is not None:
+            return sends, []
+        out = [r for r in results if r is not None]
+        if len(out) != len(work):
+            raise RuntimeError(f"layer {layer}: {len(work) - len(out)} expert outputs missing")
+        return None, out
+
+    def _account(self, layer: int, work: Sequence[WorkItem], local: list[int], sends: list[FastSend] | None) -> None:
         with self._stats_lock:
             st = self.stats
             st.layers += 1
@@ -326,12 +425,6 @@ class RemoteExecutor:
                 st.expert_rows[(layer, expert)] = st.expert_rows.get((layer, expert), 0) + len(rows)
             if sends is not None:
                 st.rows_combined += sum(len(snd.combined) for snd in sends if snd.combined is not None)
-        if sends is not None:
-            return sends, []
-        out = [r for r in results if r is not None]
-        if len(out) != len(work):
-            raise RuntimeError(f"layer {layer}: {len(work) - len(out)} expert outputs missing")
-        return None, out
 
     def _run_general(self, layer: int, x: np.ndarray, work: list[WorkItem], omap: OwnershipMap,
                      budget_s: float) -> tuple[list[np.ndarray | None], list[int]]:
@@ -364,7 +457,21 @@ class RemoteExecutor:
 
     def _run_fast(self, layer: int, x: np.ndarray, work: list[WorkItem], omap: OwnershipMap,
                   routing: Routing | None) -> list[FastSend] | None:
-        """The answered requests, or None when the layer must take the general path."""
+        """Engine thread: the answered requests, or None when the layer must take the general path."""
+        call = self._fast_call(layer, x, work, omap, routing)
+        if call is None:
+            return None
+        self.loop.call_soon_threadsafe(self._fast_dispatch, call)
+        if not call.lock.acquire(timeout=min(self.config.message_timeout_s, self.config.layer_timeout_s)):
+            self.loop.call_soon_threadsafe(self._fast_timeout, call)
+            return None
+        if call.error is not None:
+            return None
+        return call.sends
+
+    def _fast_call(self, layer: int, x: np.ndarray, work: list[WorkItem], omap: OwnershipMap,
+                   routing: Routing | None) -> FastCall | None:
+        """The layer's requests, built and encoded (any thread), or None when they are not for the fast path."""
         by_worker: dict[str, list[int]] = {}
         links = self.links
         for i, (expert, _rows) in enumerate(work):
@@ -400,14 +507,54 @@ class RemoteExecutor:
             if len(snd.data) > min(limits.EXPERT_SEND_CHUNK_BYTES, max_bytes):
                 return None  # the combine fields took it over the bound checked above
             sends.append(snd)
-        call = FastCall(layer, sends)
-        self.loop.call_soon_threadsafe(self._fast_dispatch, call)
-        if not call.lock.acquire(timeout=min(self.config.message_timeout_s, self.config.layer_timeout_s)):
-            self.loop.call_soon_threadsafe(self._fast_timeout, call)
-            return None
-        if call.error is not None:
-            return None
-        return sends
+        return FastCall(layer, sends)
+
+    # --- loop-driven passes (``drive``) ---------------------------------------------------------------
+
+    def _step_layer(self, step: _LoopStep, call: RoutedCall) -> None:
+        """Loop thread: send one routed layer of a loop-driven pass, or hand the pass back."""
+        if step.abandoned:
+            return
+        layer, x, routing = call
+        started = time.monotonic()
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        fast = (self._fast_call(layer, x, routing.work, step.omap, routing)
+                if x.shape[0] <= LOOP_STEP_MAX_ROWS else None)
+        if fast is None:
+            step.hand_back((layer, x, routing), started)
+            return
+        fast.on_settle = partial(self._step_settled, step, (layer, x, routing), fast, started)
+        step.timer = self.loop.call_later(min(self.config.message_timeout_s, self.config.layer_timeout_s),
+                                          self._fast_timeout, fast)
+        self._fast_dispatch(fast)
+
+    def _step_settled(self, step: _LoopStep, call: RoutedCall, fast: FastCall, started: float) -> None:
+        """Loop thread: a loop-driven layer settled (maybe in a read callback): resume the pass soon after,
+        or hand it back to its engine thread for the general path."""
+        if step.timer is not None:
+            step.timer.cancel()
+            step.timer = None
+        if fast.error is not None:
+            step.hand_back(call, started)
+        else:
+            self.loop.call_soon(self._step_resume, step, call, fast)
+
+    def _step_resume(self, step: _LoopStep, call: RoutedCall, fast: FastCall) -> None:
+        """Loop thread: every reply of the layer is in; run the pass up to its next routed layer."""
+        if step.abandoned:
+            return
+        layer, x, routing = call
+        try:
+            out = self._assemble(routing, fast.sends, *x.shape)
+            self._account(layer, routing.work, [], fast.sends)
+            nxt = step.steps.send(out)
+        except StopIteration as stop:
+            step.finish(stop.value, None)
+            return
+        except Exception as e:  # noqa: BLE001 - the pass's own error, raised again on its engine thread
+            step.finish(None, e)
+            return
+        self._step_layer(step, nxt)
 
     def _may_combine(self, link: WorkerLink | None, x: np.ndarray, routing: Routing) -> bool:
         """Whether combining could pay on ``link`` even if every token of the layer were whole there."""
@@ -662,5 +809,6 @@ class RemoteExecutor:
                     "layers_delegated": s.layers_delegated, "items_delegated": s.items_delegated,
                     "items_local": s.items_local, "local_fallback_layers": s.local_fallback_layers,
                     "retries": s.retries, "rows_combined": s.rows_combined, "unavailable": s.unavailable,
+                    "passes_on_loop": s.passes_on_loop, "passes_handed_back": s.passes_handed_back,
                     "expert_hits": hits,
                     "experts_hit": len(s.expert_rows)}

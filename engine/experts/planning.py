@@ -9,6 +9,7 @@ Pure functions over arrays; ``engine.experts.coordinator`` decides where the req
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -144,12 +145,13 @@ class FastSend:
 class FastCall:
     """A layer whose requests are sent by one loop callback and whose replies are taken as they are read.
 
-    The engine thread waits on ``lock`` (released once, by :meth:`settle`, on the loop thread): every reply
-    arrived (``error`` None) or the call gave up (``error`` says why) and the engine thread takes the
-    general path instead.
+    It settles once, on the loop thread (:meth:`settle`): every reply arrived (``error`` None) or the call
+    gave up (``error`` says why) and the layer takes the general path instead. By default an engine thread
+    waits on ``lock``, which settling releases; a call made on the loop (a loop-driven step) passes
+    ``on_settle`` instead, called in place of the release.
     """
 
-    def __init__(self, layer: int, sends: list[FastSend]) -> None:
+    def __init__(self, layer: int, sends: list[FastSend], on_settle: Callable[[], None] | None = None) -> None:
         self.layer = layer
         self.sends = sends
         self.left = len(sends)
@@ -157,6 +159,7 @@ class FastCall:
         self.settled = False
         self.lock = threading.Lock()
         self.lock.acquire()
+        self.on_settle = on_settle
 
     def settle(self, error: str | None = None) -> None:
         if self.settled:
@@ -167,4 +170,7 @@ class FastCall:
             for s in self.sends:
                 if s.reply is None:
                     s.link.forget(s.rid)
-        self.lock.release()
+        if self.on_settle is not None:
+            self.on_settle()
+        else:
+            self.lock.release()
