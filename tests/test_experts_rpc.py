@@ -275,3 +275,46 @@ def test_error_text_is_bounded_and_never_split() -> None:
     env = rpc.decode(rpc.encode(rpc.ErrorMsg(rpc.ErrorCode.INTERNAL, long), 3))
     assert isinstance(env.message, rpc.ErrorMsg)
     assert len(env.message.text.encode()) <= 1024 and set(env.message.text) == {"é"}
+
+
+def _verdict(check, pairs: np.ndarray, rows: int) -> tuple[str, object]:  # type: ignore[no-untyped-def]
+    try:
+        return "ok", [(e, r.dtype.str, r.tolist()) for e, r in check(pairs, rows)]
+    except rpc.ExpertProtocolError as e:
+        return "bad", str(e)
+
+
+@st.composite
+def _valid_pairs(draw: st.DrawFn) -> tuple[np.ndarray, int]:
+    """Pairs strictly ascending by (expert, row), as a coordinator sends them; x has rows up to the
+    largest one used (valid when every row in between is used too, else refused for the unused row)."""
+    experts = draw(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=8, unique=True))
+    pairs = sorted({(r, e) for e in experts for r in draw(st.sets(st.integers(0, 5), min_size=1))},
+                   key=lambda p: (p[1], p[0]))
+    return np.array(pairs, dtype=np.uint32).reshape(-1, 2), max(r for r, _ in pairs) + 1
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(
+    _valid_pairs(),
+    st.tuples(st.lists(st.tuples(st.integers(0, 7), st.integers(0, 5)), min_size=1, max_size=12).map(
+        lambda ps: np.array(ps, dtype=np.uint32).reshape(-1, 2)), st.integers(1, 6)),
+))
+def test_small_request_checks_and_groups_match_the_numpy_ones(case: tuple[np.ndarray, int]) -> None:
+    """A decode-sized request is checked and grouped in Python (``_small_pairs``); it must give exactly the
+    verdict (the same error) and groups as the numpy path every larger request takes."""
+    pairs, rows = case
+    small = _verdict(lambda p, n: rpc._small_pairs(p.tolist(), n), pairs, rows)
+    assert small == _verdict(rpc._large_pairs, pairs, rows)
+
+
+def test_small_and_large_requests_both_round_trip_with_their_groups() -> None:
+    rng = np.random.default_rng(3)
+    for rows, experts in ((1, 4), (40, 8)):  # 4 pairs (Python path), 320 pairs (numpy path)
+        x = rng.standard_normal((rows, 16)).astype(np.float32)
+        pairs = np.array([(r, e) for e in range(experts) for r in range(rows)], dtype=np.uint32)
+        assert (len(pairs) <= rpc._SMALL_PAIRS) == (rows == 1)
+        got = rpc.decode(rpc.encode(rpc.ExpertRequest(layer=2, x=x, pairs=pairs), 9)).message
+        assert isinstance(got, rpc.ExpertRequest) and got.work is not None
+        assert [(e, r.tolist()) for e, r in got.groups()] == [(e, list(range(rows))) for e in range(experts)]
+        assert [(e, r.tolist()) for e, r in got.groups()] == [(e, r.tolist()) for e, r in rpc._groups(pairs)]

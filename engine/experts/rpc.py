@@ -156,10 +156,17 @@ class ExpertRequest:
     layer: int
     x: np.ndarray  # [n_rows, dim] fp32
     pairs: np.ndarray  # [n_pairs, 2] uint32: (row into x, expert), strictly ascending by (expert, row)
+    work: list[tuple[int, np.ndarray]] | None = field(default=None, repr=False)  # groups(), kept by the parser
 
     def groups(self) -> list[tuple[int, np.ndarray]]:
         """(expert, rows into x) in pair order: the work items this request carries."""
-        return _groups(self.pairs)
+        return _groups(self.pairs) if self.work is None else self.work
+
+
+# Up to this many pairs, a request's pairs are checked and grouped in plain Python: a decode-sized request
+# (a few pairs) then costs a handful of Python operations instead of a dozen numpy calls, which is what
+# dominates its handling. Larger requests use numpy. Both give the same verdicts and groups.
+_SMALL_PAIRS = 64
 
 
 def _groups(pairs: np.ndarray) -> list[tuple[int, np.ndarray]]:
@@ -181,10 +188,11 @@ class ExpertCombineRequest:
     experts: np.ndarray  # [n_combined, k] uint32 slot experts
     weights: np.ndarray  # [n_combined, k] fp32 slot weights
     slots: np.ndarray | None = field(default=None, repr=False)  # slot_pairs(), kept by the parser
+    work: list[tuple[int, np.ndarray]] | None = field(default=None, repr=False)  # groups(), kept by the parser
 
     def groups(self) -> list[tuple[int, np.ndarray]]:
         """(expert, rows into x) in pair order: the work items this request carries."""
-        return _groups(self.pairs)
+        return _groups(self.pairs) if self.work is None else self.work
 
     def slot_pairs(self) -> np.ndarray:
         """[n_combined, k] int64: the index into ``pairs`` of (rows[c], experts[c, j]), -1 if absent."""
@@ -402,8 +410,8 @@ def _parse_payload(kind: MsgType, p: memoryview) -> Message:
             raise ExpertProtocolError(ErrorCode.TOO_LARGE, "expert_request sizes out of range")
         if n != _REQ.size + 4 * rows * dim + 8 * npairs:
             raise _bad("expert_request has the wrong length")
-        x, pairs = _rows_and_pairs(p, _REQ.size, rows, dim, npairs)
-        return ExpertRequest(layer=layer, x=x, pairs=pairs)
+        x, pairs, work = _rows_and_pairs(p, _REQ.size, rows, dim, npairs)
+        return ExpertRequest(layer=layer, x=x, pairs=pairs, work=work)
     if kind is MsgType.EXPERT_REQUEST_COMBINE:
         return _parse_combine_request(p)
     if kind is MsgType.EXPERT_REPLY:
@@ -449,19 +457,49 @@ def _parse_payload(kind: MsgType, p: memoryview) -> Message:
 
 
 def _rows_and_pairs(p: memoryview, offset: int, rows: int, dim: int,
-                    npairs: int) -> tuple[np.ndarray, np.ndarray]:
-    """x [rows, dim] and pairs [npairs, 2] at ``offset``, pairs checked by the EXPERT_REQUEST rules."""
+                    npairs: int) -> tuple[np.ndarray, np.ndarray, list[tuple[int, np.ndarray]]]:
+    """x [rows, dim], pairs [npairs, 2] at ``offset``, pairs checked by the EXPERT_REQUEST rules, and their
+    groups (``ExpertRequest.groups``)."""
     x = np.frombuffer(p, dtype=_F32, count=rows * dim, offset=offset).reshape(rows, dim)
     pairs = np.frombuffer(p, dtype=_U32, count=2 * npairs, offset=offset + 4 * rows * dim).reshape(npairs, 2)
+    if npairs <= _SMALL_PAIRS:
+        return x, pairs, _small_pairs(pairs.tolist(), rows)
+    return x, pairs, _large_pairs(pairs, rows)
+
+
+def _large_pairs(pairs: np.ndarray, rows: int) -> list[tuple[int, np.ndarray]]:
+    """The EXPERT_REQUEST checks of ``pairs`` [n, 2] against ``rows`` rows of x, and their groups."""
     r, e = pairs[:, 0].astype(np.int64), pairs[:, 1].astype(np.int64)
     if int(r.max()) >= rows:
         raise _bad("expert_request pair names a row outside x")
     key = e * (rows + 1) + r
-    if npairs > 1 and not bool(np.all(np.diff(key) > 0)):
+    if len(pairs) > 1 and not bool(np.all(np.diff(key) > 0)):
         raise _bad("expert_request pairs are not strictly ascending by (expert, row)")
     if len(np.unique(r)) != rows:
         raise _bad("expert_request sends a row no pair uses")
-    return x, pairs
+    return _groups(pairs)
+
+
+def _small_pairs(pairs: list[list[int]], rows: int) -> list[tuple[int, np.ndarray]]:
+    """``_large_pairs`` in Python, for a few pairs (``pairs.tolist()``): the same checks in the same order,
+    the same verdicts and groups."""
+    if max(r for r, _ in pairs) >= rows:
+        raise _bad("expert_request pair names a row outside x")
+    prev = -1
+    for r, e in pairs:
+        key = e * (rows + 1) + r
+        if key <= prev:
+            raise _bad("expert_request pairs are not strictly ascending by (expert, row)")
+        prev = key
+    if len({r for r, _ in pairs}) != rows:
+        raise _bad("expert_request sends a row no pair uses")
+    groups: list[tuple[int, list[int]]] = []
+    for r, e in pairs:
+        if groups and groups[-1][0] == e:
+            groups[-1][1].append(r)
+        else:
+            groups.append((e, [r]))
+    return [(e, np.array(rs, dtype=np.int64)) for e, rs in groups]
 
 
 def _slot_pairs(pairs: np.ndarray, n_x_rows: int, rows: np.ndarray, experts: np.ndarray) -> np.ndarray:
@@ -486,7 +524,7 @@ def _parse_combine_request(p: memoryview) -> ExpertCombineRequest:
         raise ExpertProtocolError(ErrorCode.TOO_LARGE, "expert_request_combine sizes out of range")
     if n != _CREQ.size + 4 * rows * dim + 8 * npairs + 4 * ncomb + 8 * ncomb * k:
         raise _bad("expert_request_combine has the wrong length")
-    x, pairs = _rows_and_pairs(p, _CREQ.size, rows, dim, npairs)
+    x, pairs, work = _rows_and_pairs(p, _CREQ.size, rows, dim, npairs)
     off = _CREQ.size + 4 * rows * dim + 8 * npairs
     crow = np.frombuffer(p, dtype=_U32, count=ncomb, offset=off)
     experts = np.frombuffer(p, dtype=_U32, count=ncomb * k, offset=off + 4 * ncomb).reshape(ncomb, k)
@@ -503,7 +541,7 @@ def _parse_combine_request(p: memoryview) -> ExpertCombineRequest:
     if bool(np.any(per_row[crow] != k)) or bool(np.any(slots < 0)):
         raise _bad("expert_request_combine combines a row whose pairs are not exactly its slot experts")
     return ExpertCombineRequest(layer=layer, x=x, pairs=pairs, rows=crow, experts=experts, weights=weights,
-                                slots=slots)  # the worker combines with these slots: not worked out again
+                                slots=slots, work=work)  # the worker combines with these: not worked out again
 
 
 def decode(data: bytes, max_message_bytes: int = limits.EXPERT_MAX_MESSAGE_BYTES) -> Envelope:
