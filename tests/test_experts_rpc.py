@@ -313,7 +313,7 @@ def test_small_and_large_requests_both_round_trip_with_their_groups() -> None:
     for rows, experts in ((1, 4), (40, 8)):  # 4 pairs (Python path), 320 pairs (numpy path)
         x = rng.standard_normal((rows, 16)).astype(np.float32)
         pairs = np.array([(r, e) for e in range(experts) for r in range(rows)], dtype=np.uint32)
-        assert (len(pairs) <= rpc._SMALL_PAIRS) == (rows == 1)
+        assert (len(pairs) <= rpc.SMALL_PAIRS) == (rows == 1)
         got = rpc.decode(rpc.encode(rpc.ExpertRequest(layer=2, x=x, pairs=pairs), 9)).message
         assert isinstance(got, rpc.ExpertRequest) and got.work is not None
         assert [(e, r.tolist()) for e, r in got.groups()] == [(e, list(range(rows))) for e in range(experts)]

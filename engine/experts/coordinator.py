@@ -365,8 +365,13 @@ class RemoteExecutor:
         """A fast-path layer's output [T, D] from its replies: combined rows as the workers sent them, the
         other tokens combined here from raw outputs (``weighted_sum``, slot order)."""
         k = routing.experts.shape[1]
-        out = np.empty((t, d), dtype=np.float32)  # [T, D]
         y = np.empty((t * k, d), dtype=np.float32)  # [T * k, D]: row t * k + j is token t's slot j output
+        if all(snd.combined is None for snd in sends):  # no worker combined (a decode step on loopback)
+            for snd in sends:
+                assert snd.reply is not None  # noqa: S101 - settled without error: every reply is in
+                y[np.concatenate([slot_positions(routing, i) for i in snd.items])] = snd.reply.out
+            return weighted_sum(routing.weights, y.reshape(t, k, d))
+        out = np.empty((t, d), dtype=np.float32)  # [T, D]
         split = np.ones(t, dtype=bool)  # tokens combined here, from raw outputs
         for snd in sends:
             assert snd.reply is not None  # noqa: S101 - settled without error: every reply is in

@@ -61,7 +61,11 @@ def chunks(link: WorkerLink, x: np.ndarray, work: list[WorkItem], items: list[in
 def token_rows(work: list[WorkItem], items: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """(the token of each pair of a request for ``items``, in pair order; the request's x rows: those
     tokens, ascending and once each)."""
-    rows_all = np.concatenate([work[i][1] for i in items])
+    parts = [work[i][1] for i in items]
+    if sum(len(p) for p in parts) <= rpc.SMALL_PAIRS:  # a decode step: lists beat numpy calls
+        rows_all = [r for p in parts for r in p.tolist()]
+        return np.array(rows_all, dtype=np.int64), np.array(sorted(set(rows_all)), dtype=np.int64)
+    rows_all = np.concatenate(parts)
     return rows_all, np.unique(rows_all)
 
 
@@ -69,10 +73,15 @@ def request(layer: int, x: np.ndarray, work: list[WorkItem], items: list[int],
             tokens: tuple[np.ndarray, np.ndarray] | None = None) -> rpc.ExpertRequest:
     """The request carrying ``items`` (``tokens``: their ``token_rows``, if already worked out)."""
     rows_all, uniq = token_rows(work, items) if tokens is None else tokens
+    rows = x if len(uniq) == x.shape[0] else x[uniq]  # every token used: uniq is 0..T-1, x as it is
+    if len(rows_all) <= rpc.SMALL_PAIRS:
+        index = {r: j for j, r in enumerate(uniq.tolist())}
+        pairs = np.array([(index[r], work[i][0]) for i in items for r in work[i][1].tolist()], dtype=np.uint32)
+        return rpc.ExpertRequest(layer=layer, x=rows, pairs=pairs.reshape(-1, 2))
     local = np.searchsorted(uniq, rows_all)
     experts = np.concatenate([np.full(len(work[i][1]), work[i][0], dtype=np.int64) for i in items])
     pairs = np.stack([local, experts], axis=1).astype(np.uint32)  # [m, 2]
-    return rpc.ExpertRequest(layer=layer, x=x[uniq], pairs=pairs)
+    return rpc.ExpertRequest(layer=layer, x=rows, pairs=pairs)
 
 
 def fill(layer: int, work: list[WorkItem], items: list[int], reply: rpc.ExpertReply,

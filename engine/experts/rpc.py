@@ -163,10 +163,11 @@ class ExpertRequest:
         return _groups(self.pairs) if self.work is None else self.work
 
 
-# Up to this many pairs, a request's pairs are checked and grouped in plain Python: a decode-sized request
-# (a few pairs) then costs a handful of Python operations instead of a dozen numpy calls, which is what
-# dominates its handling. Larger requests use numpy. Both give the same verdicts and groups.
-_SMALL_PAIRS = 64
+# Up to this many pairs, a request's pairs are checked and grouped (and, by engine.experts.planning, built)
+# in plain Python: a decode-sized request (a few pairs) then costs a handful of Python operations instead
+# of a dozen numpy calls, which is what dominates its handling. Larger requests use numpy. Both give the
+# same verdicts, groups and bytes.
+SMALL_PAIRS = 64
 
 
 def _groups(pairs: np.ndarray) -> list[tuple[int, np.ndarray]]:
@@ -462,7 +463,7 @@ def _rows_and_pairs(p: memoryview, offset: int, rows: int, dim: int,
     groups (``ExpertRequest.groups``)."""
     x = np.frombuffer(p, dtype=_F32, count=rows * dim, offset=offset).reshape(rows, dim)
     pairs = np.frombuffer(p, dtype=_U32, count=2 * npairs, offset=offset + 4 * rows * dim).reshape(npairs, 2)
-    if npairs <= _SMALL_PAIRS:
+    if npairs <= SMALL_PAIRS:
         return x, pairs, _small_pairs(pairs.tolist(), rows)
     return x, pairs, _large_pairs(pairs, rows)
 
@@ -574,6 +575,14 @@ class MessageDecoder:
     def feed(self, data: bytes) -> list[Envelope]:
         if self._failed:
             raise _bad("decoder already failed")
+        if not self._have and type(data) is bytes and len(data) >= HEADER_BYTES:  # one whole message: in place
+            try:
+                head = _parse_header(memoryview(data)[:HEADER_BYTES], self._max)
+                if len(data) == HEADER_BYTES + head[3] + CRC_BYTES:
+                    return [self._parse_frame(data, head)]
+            except ExpertProtocolError:
+                self._failed = True
+                raise
         if data:
             self._chunks.append(bytes(data))
             self._have += len(data)
@@ -608,10 +617,11 @@ class MessageDecoder:
         self._have = len(rest)
         return frame
 
-    def _parse_frame(self, frame: bytes) -> Envelope:
+    def _parse_frame(self, frame: bytes, head: tuple[int, MsgType, int, int] | None = None) -> Envelope:
+        """One whole message (``head``: its header, if already parsed)."""
         body = memoryview(frame)[:-CRC_BYTES]
         crc = int.from_bytes(frame[-CRC_BYTES:], "little")
         if zlib.crc32(body) != crc:
             raise _bad("checksum mismatch")
-        _, kind, request_id, _ = _parse_header(body[:HEADER_BYTES], self._max)
+        _, kind, request_id, _ = _parse_header(body[:HEADER_BYTES], self._max) if head is None else head
         return Envelope(request_id, _parse_payload(kind, body[HEADER_BYTES:]))
