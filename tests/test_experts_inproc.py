@@ -637,3 +637,26 @@ def test_drive_from_the_loop_thread_is_refused(tmp_path: Path, lt: LoopThread) -
 
     with pytest.raises(RuntimeError, match="event loop thread"):
         lt.run(on_loop())
+
+
+def test_a_pass_with_long_compute_stays_on_the_engine_thread(tmp_path: Path, lt: LoopThread,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode-sized pass whose compute up to its first routed layer is long (a long context, say) would
+    hold the loop that long at every layer: it runs layer by layer on the calling thread instead."""
+    import engine.experts.coordinator as coord_mod
+
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    _connect(lt, ex, _worker(fx), "w0")
+    x = _inputs(fx.layout.hidden_size)[0]
+    ref = fx.forward(x, local_executor(fx.full.weights))
+
+    def slow(x: np.ndarray) -> ForwardSteps:
+        time.sleep(0.02)  # the compute before the first routed layer
+        return (yield from fx.steps(x))
+
+    monkeypatch.setattr(coord_mod, "LOOP_STEP_MAX_COMPUTE_S", 0.01)
+    assert _equal(ex.drive(slow(x)), ref)
+    assert ex.status()["passes_on_loop"] == 0
+    assert _equal(ex.drive(fx.steps(x)), ref)
+    assert ex.status()["passes_on_loop"] == 1

@@ -64,9 +64,12 @@ log = structlog.get_logger(__name__)
 MODES = ("on", "prefer")
 
 # ``RemoteExecutor.drive`` runs a forward pass on the loop thread when its routed layers have at most this
-# many token rows: decode steps, batched decode of up to this many sequences, tiny prefills. The pass's
-# own compute then runs on the loop between replies, so only short passes go there.
+# many token rows (decode steps, batched decode of up to this many sequences, tiny prefills) and its
+# compute up to the first routed layer took at most LOOP_STEP_MAX_COMPUTE_S. The pass's own compute then
+# runs on the loop between replies, holding up the node's other traffic that long at each layer, so only
+# short passes go there (long contexts or big batches stay on the engine thread).
 LOOP_STEP_MAX_ROWS = 16
+LOOP_STEP_MAX_COMPUTE_S = 0.005
 
 
 class ExpertsUnavailable(Exception):
@@ -315,20 +318,22 @@ class RemoteExecutor:
     def drive(self, steps: ForwardSteps) -> np.ndarray:
         """Run a forward pass written as steps (``engine.moe.drive``); -> its result.
 
-        A pass whose first routed layer has at most ``LOOP_STEP_MAX_ROWS`` rows (a decode step) is handed
-        to the loop thread from there on: each layer's requests go out from the loop, and the last reply
+        A pass whose first routed layer has at most ``LOOP_STEP_MAX_ROWS`` rows (a decode step), reached in
+        at most ``LOOP_STEP_MAX_COMPUTE_S``, is handed to the loop thread from there on: each layer's requests go out from the loop, and the last reply
         resumes the pass on the loop, which computes up to the next routed layer and sends it. A layer then
         costs no thread hand-off; the pass costs two. Anything the fast path does not take hands the pass
         back to this thread, where that layer takes the general path and the rest runs layer by layer.
         """
+        t0 = time.perf_counter()
         try:
             call = next(steps)
         except StopIteration as stop:
             return stop.value
+        short = time.perf_counter() - t0 <= LOOP_STEP_MAX_COMPUTE_S
         self._check_thread()
         omap = self._map_for(call[0])
         fast_started: float | None = None
-        if call[1].shape[0] <= LOOP_STEP_MAX_ROWS and self.loop.is_running():
+        if short and call[1].shape[0] <= LOOP_STEP_MAX_ROWS and self.loop.is_running():
             step = _LoopStep(steps, omap)
             with self._stats_lock:
                 self.stats.passes_on_loop += 1
