@@ -1,21 +1,24 @@
 """Expert-workers benchmark: local engine vs routed experts on 1, 2, 3 worker processes over QUIC loopback.
 
-    python bench/experts.py [--dir DIR] [--threads 1] [--workers 1,2,3] [--prompt 64] [--decode 16]
+    python bench/experts.py [--dir DIR] [--threads 1] [--workers 1,2,3] [--prompt 64] [--decode 64] [--rounds 3]
 
 Checkpoint: the engine benchmark's mid-size Qwen3-MoE (hidden 768, 8 layers, 12 heads over 4 KV heads,
-head_dim 64, 16 experts of width 384, top-4, vocab 8192, fp32), written here with numpy (no torch) into
---dir (default: a temp dir) unless already there.
+head_dim 64, 16 experts of width 384, top-4, fp32), written here with numpy (no torch) into --dir
+(default: a temp dir) unless already there.
 
-For each setup (local, then N workers): prefill tok/s on a --prompt-token prompt (best of 2 after a
-warm-up) and decode tok/s over --decode greedy tokens; during decode every sparse layer's executor call is
-timed (expert work and the weighted combination, which workers may do themselves). The per-layer
-delegation overhead is (median remote layer call) - (median local layer call), set
-against the median round trip of a 4 KB ECHO on the same expert streams, sent and read the way a layer
-call is (``RemoteExecutor.echo_rtt``), measured in the same run twice: back to back (a tight loop) and in
-decode (one echo before each sparse layer of a local decode run, i.e. after the same compute gaps a
-delegated layer sees). The workers' own compute time per request (as they report it) is shown too.
-Every remote run's decode logits are checked byte-equal to the local run. Prints a Markdown table and a
-JSON line. Workers are ``tests/experts_node.py`` processes (real MeshTransport + ExpertsService).
+Prefill tok/s on a --prompt-token prompt (best of 2 after a warm-up), locally and with N workers. For each
+N, three greedy decodes of --decode tokens run one after the other, the latter two fed the first one's
+tokens: local; local with a 4 KB ECHO to a worker before each sparse layer (the transport's round trip
+"in decode", after the same compute gaps a delegated layer sees); remote. The per-layer delegation
+overhead is ((median remote step) - (median local step)) / (sparse layers): everything delegation adds to
+a decode step, thread hand-offs included. It is set against the
+round trip of a 4 KB ECHO on the same expert streams (``RemoteExecutor.echo_rtt``: sent from the loop and
+read in the read callback, as a layer call is), measured in the same run both in decode and back to back
+(a tight loop). Every remote step's logits are checked byte-equal to the local step's. The whole
+measurement is repeated --rounds times (a shared VM drifts by +-10% between runs); the table shows each
+figure's median over the rounds and, for the ratios, the lowest and highest round. The workers' own compute time per request (as they report it) is shown
+too. Prints a Markdown table and a JSON line. Workers are ``tests/experts_node.py`` processes (real
+MeshTransport + ExpertsService).
 """
 
 from __future__ import annotations
@@ -102,54 +105,92 @@ class EchoProbe:
         return self.inner(layer, x, work)
 
 
-class Timed:
-    """Wraps an executor and records each layer's wall time (seconds), combination included, so a remote
-    executor whose workers combine (``run_routed``) and the local one are timed alike."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.times: list[float] = []
-
-    def __call__(self, layer: int, x: Any, work: Any) -> Any:
-        return self.inner(layer, x, work)
-
-    def run_routed(self, layer: int, x: Any, routing: Any) -> Any:
-        from engine.moe import combine
-
-        t0 = time.perf_counter()
-        if hasattr(self.inner, "run_routed"):
-            out = self.inner.run_routed(layer, x, routing)
-        else:
-            out = combine(routing, self.inner(layer, x, routing.work), x.shape[0], x.shape[1])
-        self.times.append(time.perf_counter() - t0)
-        return out
-
-
-def run(model: Any, executor: Any, prompt: list[int], decode: int, on_decode: Any = None) -> dict[str, Any]:
-    import numpy as np
-
-    ex = Timed(executor)
-    model.forward(prompt[:8], model.new_cache(), executor=ex)  # warm-up (page-in, BLAS init)
+def prefill(model: Any, executor: Any, prompt: list[int]) -> float:
+    """Prefill tok/s: best of 2 after a warm-up (page-in, BLAS init)."""
+    model.forward(prompt[:8], model.new_cache(), executor=executor)
     best = float("inf")
     for _ in range(2):
         t0 = time.perf_counter()
-        model.forward(prompt, model.new_cache(), executor=ex)
+        model.forward(prompt, model.new_cache(), executor=executor)
         best = min(best, time.perf_counter() - t0)
-    cache = model.new_cache()
-    logits = model.forward(prompt, cache, executor=ex)[-1]
-    ex.times.clear()
-    if on_decode is not None:
-        on_decode()
-    tokens, all_logits = [], [logits.tobytes()]
-    t0 = time.perf_counter()
-    for _ in range(decode):
-        tok = int(np.argmax(logits))
-        tokens.append(tok)
-        logits = model.forward([tok], cache, executor=ex)[-1]
-        all_logits.append(logits.tobytes())
-    dt = time.perf_counter() - t0
-    return {"prefill_tok_s": len(prompt) / best, "decode_tok_s": decode / dt, "tokens": tokens,
-            "logits": all_logits, "layer_call_ms_median": statistics.median(ex.times) * 1e3}
+    return len(prompt) / best
+
+
+def decode(model: Any, runs: dict[str, Any], prompt: list[int], steps: int,
+           on_decode: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Greedy decode of ``steps`` tokens by each executor in ``runs`` in turn (the first must be "local";
+    the others are fed its tokens, so every step's logits compare). Each run is contiguous: a decode step
+    sees the caches a steady decode leaves (interleaving the runs token by token would have each step's
+    weights evicted by the other runs'). ``on_decode[name]()`` runs after that run's prefill.
+    -> per run: step times (s) and logits bytes per position."""
+    import numpy as np
+
+    tokens: list[int] = []
+    times: dict[str, list[float]] = {}
+    logits: dict[str, list[bytes]] = {}
+    for name, ex in runs.items():
+        cache = model.new_cache()
+        out = model.forward(prompt, cache, executor=ex)[-1]
+        if on_decode and name in on_decode:
+            on_decode[name]()
+        times[name], logits[name] = [], [out.tobytes()]
+        for i in range(steps):
+            if name == "local":
+                tokens.append(int(np.argmax(out)))
+            t0 = time.perf_counter()
+            out = model.forward([tokens[i]], cache, executor=ex)[-1]
+            times[name].append(time.perf_counter() - t0)
+            logits[name].append(out.tobytes())
+    return {"times": times, "logits": logits}
+
+
+def measure(model: Any, ex: Any, prompt: list[int], args: Any, local_prefill: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One round with the workers ``ex`` has: (the local row, the remote row)."""
+    sparse = len(model.sparse_layers)
+    payload = os.urandom(4096)
+    rtts = [ex.echo_rtt(node, payload) for node in ex.links for _ in range(args.echo)]
+    remote_prefill = prefill(model, ex, prompt)
+    probe = EchoProbe(model.local_executor, ex, payload)
+
+    def reset() -> None:
+        for st in ex.link_stats.values():
+            st.__init__()  # count the decode steps only
+
+    res = decode(model, {"local": model.local_executor, "echo": probe, "remote": ex}, prompt, args.decode,
+                 {"echo": probe.rtts.clear, "remote": reset})
+    t = res["times"]
+    calls = sum(st.calls for st in ex.link_stats.values())
+    overhead = (statistics.median(t["remote"]) - statistics.median(t["local"])) / sparse * 1e3
+    rtt_ms, rtt_decode_ms = statistics.median(rtts) * 1e3, statistics.median(probe.rtts) * 1e3
+    n = len(ex.links)
+    local = {"setup": "local", "prefill_tok_s": local_prefill, "decode_tok_s": len(t["local"]) / sum(t["local"]),
+             "step_ms_median": statistics.median(t["local"]) * 1e3}
+    remote = {"setup": f"{n} worker{'s' if n > 1 else ''}", "prefill_tok_s": remote_prefill,
+              "prefill_vs_local": remote_prefill / local_prefill,
+              "decode_tok_s": len(t["remote"]) / sum(t["remote"]),
+              "decode_vs_local": sum(t["local"]) / sum(t["remote"]),
+              "step_ms_median": statistics.median(t["remote"]) * 1e3,
+              "overhead_ms": overhead, "rtt_4k_ms": rtt_ms, "overhead_rtts": overhead / rtt_ms,
+              "rtt_decode_ms": rtt_decode_ms, "overhead_rtts_decode": overhead / rtt_decode_ms,
+              "worker_compute_ms": sum(st.compute_sum_s for st in ex.link_stats.values()) / max(calls, 1) * 1e3,
+              "decode_reply_kb": sum(st.bytes_in for st in ex.link_stats.values()) / max(calls, 1) / 1024,
+              "passes_on_loop": ex.stats.passes_on_loop,
+              "bit_exact": res["logits"]["remote"] == res["logits"]["local"]}
+    return local, remote
+
+
+def summarize(name: str, rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of each figure over the rounds; the ratios' ranges too; bit-exact only if every round was."""
+    row: dict[str, Any] = {"setup": name, "rounds": len(rounds)}
+    for key in rounds[0]:
+        values = [r[key] for r in rounds if key in r]
+        if key == "bit_exact":
+            row[key] = all(values)
+        elif key != "setup":
+            row[key] = statistics.median(values)
+            if key in ("overhead_rtts", "overhead_rtts_decode", "decode_vs_local"):
+                row[key + "_range"] = [min(values), max(values)]
+    return row
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -158,8 +199,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="BLAS threads per process (default 1)")
     ap.add_argument("--workers", default="1,2,3")
     ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--decode", type=int, default=16)
-    ap.add_argument("--echo", type=int, default=200, help="4 KB echoes per worker")
+    ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--echo", type=int, default=200, help="4 KB echoes per worker, back to back")
+    ap.add_argument("--rounds", type=int, default=3, help="repeat every setup; the table has the medians")
     args = ap.parse_args(argv)
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(args.threads)
@@ -177,63 +219,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = Model.load(path)
     r = random.Random(1)
     prompt = [r.randrange(CONFIG["vocab_size"]) for _ in range(args.prompt)]
-    rows: list[dict[str, Any]] = []
-    local = run(model, model.local_executor, prompt, args.decode)
-    rows.append({"setup": "local", **{k: v for k, v in local.items() if k not in ("tokens", "logits")}})
+    local_prefill = prefill(model, model.local_executor, prompt)
     mesh = MeshFixture()
     tmp = Path(tempfile.mkdtemp(prefix="meshd-bench-nodes-"))
     counts = [int(n) for n in args.workers.split(",") if n]
     procs = [spawn_worker(mesh, tmp, [str(path)]) for _ in range(max(counts, default=0))]
+    runs: dict[str, list[dict[str, Any]]] = {}  # setup -> one row per round
     try:
-        for n in counts:
-            coord = Coordinator(mesh)
-            try:
-                coord.connect(procs[:n])
-                ex = coord.executor(path, "on")
-                payload = os.urandom(4096)
-                rtts = [ex.echo_rtt(node, payload) for node in ex.links for _ in range(args.echo)]
-                probe = EchoProbe(model.local_executor, ex, payload)
-                run(model, probe, prompt, args.decode, probe.rtts.clear)
-                rtt_decode_ms = statistics.median(probe.rtts) * 1e3
-                def reset(ex: Any = ex) -> None:
-                    for st in ex.link_stats.values():
-                        st.__init__()  # count the decode steps only
-
-                res = run(model, ex, prompt, args.decode, reset)
-                calls = sum(st.calls for st in ex.link_stats.values())
-                compute_ms = sum(st.compute_sum_s for st in ex.link_stats.values()) / max(calls, 1) * 1e3
-                reply_kb = sum(st.bytes_in for st in ex.link_stats.values()) / max(calls, 1) / 1024
-                exact = res["logits"] == local["logits"] and res["tokens"] == local["tokens"]
-                rtt_ms = statistics.median(rtts) * 1e3
-                overhead = res["layer_call_ms_median"] - local["layer_call_ms_median"]
-                rows.append({"setup": f"{n} worker{'s' if n > 1 else ''}", "prefill_tok_s": res["prefill_tok_s"],
-                             "prefill_vs_local": res["prefill_tok_s"] / local["prefill_tok_s"],
-                             "decode_reply_kb": reply_kb,
-                             "decode_tok_s": res["decode_tok_s"], "layer_call_ms_median": res["layer_call_ms_median"],
-                             "overhead_ms": overhead, "rtt_4k_ms": rtt_ms, "overhead_rtts": overhead / rtt_ms,
-                             "rtt_decode_ms": rtt_decode_ms, "overhead_rtts_decode": overhead / rtt_decode_ms,
-                             "worker_compute_ms": compute_ms,
-                             "decode_vs_local": res["decode_tok_s"] / local["decode_tok_s"], "bit_exact": exact})
-            finally:
-                coord.close()
+        for _ in range(args.rounds):
+            for n in counts:
+                coord = Coordinator(mesh)
+                try:
+                    coord.connect(procs[:n])
+                    local, remote = measure(model, coord.executor(path, "on"), prompt, args, local_prefill)
+                finally:
+                    coord.close()
+                runs.setdefault("local", []).append(local)
+                runs.setdefault(remote["setup"], []).append(remote)
     finally:
         for p in procs:
             p.stop()
+    rows = [summarize(name, rounds) for name, rounds in runs.items()]
     print(f"\nQwen3-MoE mid-size ({CONFIG['num_hidden_layers']} sparse layers, {CONFIG['num_experts']} experts, "
           f"top-{CONFIG['num_experts_per_tok']}), prompt {args.prompt}, decode {args.decode}, "
-          f"{args.threads} BLAS thread(s)/process, loopback QUIC\n")
-    print("| setup | prefill tok/s | prefill vs local | decode tok/s | decode vs local | layer call ms "
+          f"{args.threads} BLAS thread(s)/process, loopback QUIC; medians of {args.rounds} rounds "
+          f"(ratios: median (lowest-highest))\n")
+    print("| setup | prefill tok/s | prefill vs local | decode tok/s | decode vs local | decode step ms "
           "| per-layer overhead ms | RTT ms back-to-back | overhead / RTT | RTT ms in decode "
           "| overhead / RTT in decode | worker compute ms/request | decode reply KB/request | bit-exact |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         def f(key: str, fmt: str = "{:.2f}") -> str:
-            return fmt.format(row[key]) if key in row else "-"
+            if key not in row:
+                return "-"
+            lo_hi = row.get(key + "_range")
+            spread = f" ({fmt.format(lo_hi[0])}-{fmt.format(lo_hi[1])})" if lo_hi and row["rounds"] > 1 else ""
+            return fmt.format(row[key]) + spread
         print(f"| {row['setup']} | {f('prefill_tok_s', '{:.1f}')} | {f('prefill_vs_local')} | "
-              f"{f('decode_tok_s')} | "
-              f"{f('decode_vs_local')} | "
-              f"{f('layer_call_ms_median', '{:.3f}')} | {f('overhead_ms', '{:.3f}')} | {f('rtt_4k_ms', '{:.3f}')} | "
-              f"{f('overhead_rtts')} | {f('rtt_decode_ms', '{:.3f}')} | {f('overhead_rtts_decode')} | "
+              f"{f('decode_tok_s')} | {f('decode_vs_local')} | {f('step_ms_median', '{:.3f}')} | "
+              f"{f('overhead_ms', '{:.3f}')} | {f('rtt_4k_ms', '{:.3f}')} | {f('overhead_rtts')} | "
+              f"{f('rtt_decode_ms', '{:.3f}')} | {f('overhead_rtts_decode')} | "
               f"{f('worker_compute_ms', '{:.3f}')} | {f('decode_reply_kb', '{:.1f}')} | "
               f"{row.get('bit_exact', '-')} |")
     print(json.dumps({"rows": rows}))
