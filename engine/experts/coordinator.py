@@ -1,8 +1,11 @@
 """The coordinator: an ``ExpertExecutor`` that runs routed experts on workers, bit for bit.
 
-Threads: the engine calls the executor from its own thread; the links live on an asyncio loop. Each call
-hands one layer to the loop with ``run_coroutine_threadsafe`` and waits on the returned future, so the
-loop is never blocked. Calling the executor from the loop thread itself is refused (it would deadlock).
+Threads: the engine calls the executor from its own thread; the links live on an asyncio loop, which the
+engine thread never blocks on. A layer call (``__call__``/``run_routed``) takes the fast path (below) or
+hands the layer to the loop with ``run_coroutine_threadsafe`` and waits. A whole forward pass written as
+steps (``drive``, the ``engine.moe.drive`` protocol) of a decode step runs on the loop thread instead: the
+loop sends each layer's requests and the last reply resumes the pass there, so a layer costs no thread
+hand-off. Calling the executor from the loop thread itself is refused (it would deadlock).
 
 Per layer: every work item goes to the highest-ranked live holder of its (layer, expert) in the ownership
 map pinned for the current forward pass; one request per worker carries the rows it needs once and the
