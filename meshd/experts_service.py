@@ -397,7 +397,9 @@ class ExpertsService:
                               ("local_fallback_layers", "layers that fell back to local compute"),
                               ("retries", "work items retried on another holder"),
                               ("rows_combined", "token rows combined by a worker"),
-                              ("unavailable", "layers failed for lack of workers")):
+                              ("unavailable", "layers failed for lack of workers"),
+                              ("passes_on_loop", "forward passes run on the event loop (decode steps)"),
+                              ("passes_handed_back", "loop-run passes handed back to the engine thread")):
                 m.append((f"meshd_experts_{key}_total", "counter", f"Coordinator: {what}", lab,
                           float(getattr(s, key))))
             m.append(("meshd_experts_hit_rows_total", "counter", "Routed (row, expert) hits, delegated and local",

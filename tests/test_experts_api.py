@@ -67,6 +67,7 @@ def test_remote_experts_on_matches_local_and_503s_without_workers(tmp_path: Path
 
         st = _status(tmp_path / "c")["services"]["experts"]["coordinators"][0]
         assert st["layers_delegated"] > 0 and st["items_local"] == 0, st  # the worker did the expert work
+        assert st["passes_on_loop"] > 0 and st["passes_handed_back"] == 0, st  # decode steps ran on the loop
         wst = _status(tmp_path / "w")["services"]["experts"]["worker"]
         assert wst["requests"] > 0 and wst["pairs"] > 0, wst
 

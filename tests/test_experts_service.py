@@ -46,6 +46,7 @@ def test_advertisement_and_metrics(tmp_path: Path) -> None:
         text = generate_latest(reg).decode()
         assert "meshd_experts_worker_requests_total 0.0" in text
         assert 'meshd_experts_layers_total{model="m"} 0.0' in text
+        assert 'meshd_experts_passes_on_loop_total{model="m"} 0.0' in text
         assert "meshd_experts_worker_link_latency_seconds" in text
         st = svc.status()
         assert st["remote_experts"] == "prefer" and len(st["worker"]["shards"]) == 2
