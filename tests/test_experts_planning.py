@@ -1,5 +1,5 @@
-"""engine.experts.planning: building a layer's requests. A decode-sized request is built in plain Python,
-a larger one with numpy; both must give the same bytes on the wire."""
+"""engine.experts.planning: building a layer's requests. A one-token request (a decode step) and a small
+one are built in plain Python, a larger one with numpy; all must give the same bytes on the wire."""
 
 from __future__ import annotations
 
@@ -27,12 +27,13 @@ def _layer(draw: st.DrawFn) -> tuple[np.ndarray, list[tuple[int, np.ndarray]], l
 
 @settings(max_examples=300, deadline=None)
 @given(_layer())
-def test_small_and_numpy_request_building_give_the_same_bytes(case: tuple[np.ndarray, list, list[int]]) -> None:
+def test_one_token_small_and_numpy_request_building_give_the_same_bytes(case: tuple[np.ndarray, list, list[int]]) -> None:
     x, work, items = case
-    small = planning.token_rows(work, items), planning.request(3, x, work, items)
+    small = planning.token_rows(work, items), planning.request(3, x, work, items)  # one token: its own path
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(rpc, "SMALL_PAIRS", 0)  # every request takes the numpy path
-        large = planning.token_rows(work, items), planning.request(3, x, work, items)
+        tokens = planning.token_rows(work, items)
+        large = tokens, planning.request(3, x, work, items, tokens)
     for a, b in zip(small[0], large[0]):
         assert a.dtype == b.dtype and a.tolist() == b.tolist()
     assert rpc.encode(small[1], 1) == rpc.encode(large[1], 1)

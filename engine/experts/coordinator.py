@@ -41,7 +41,7 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -475,6 +475,7 @@ class RemoteExecutor:
         if call is None:
             return None
         self.loop.call_soon_threadsafe(self._fast_dispatch, call)
+        assert call.lock is not None  # noqa: S101 - made without on_settle
         if not call.lock.acquire(timeout=min(self.config.message_timeout_s, self.config.layer_timeout_s)):
             self.loop.call_soon_threadsafe(self._fast_timeout, call)
             return None
@@ -483,8 +484,9 @@ class RemoteExecutor:
         return call.sends
 
     def _fast_call(self, layer: int, x: np.ndarray, work: list[WorkItem], omap: OwnershipMap,
-                   routing: Routing | None) -> FastCall | None:
-        """The layer's requests, built and encoded (any thread), or None when they are not for the fast path."""
+                   routing: Routing | None, on_settle: Callable[[FastCall], None] | None = None) -> FastCall | None:
+        """The layer's requests, built and encoded (any thread), or None when they are not for the fast path.
+        ``on_settle``: see ``FastCall`` (None: an engine thread waits on the call's lock)."""
         by_worker: dict[str, list[int]] = {}
         links = self.links
         for i, (expert, _rows) in enumerate(work):
@@ -503,24 +505,27 @@ class RemoteExecutor:
             link = links.get(node)
             if link is None or link.ack is None:
                 return None
-            tokens = planning.token_rows(work, items)
             max_bytes, max_rows = planning.limits_of(link)
-            size = planning.request_bytes(x.shape[1], len(tokens[1]), len(tokens[0]))
-            if len(tokens[1]) > max_rows or size > min(max_bytes, limits.EXPERT_SEND_CHUNK_BYTES):
+            # one token (a decode step): one row, one pair per item, and the request builds without them
+            tokens = None if x.shape[0] == 1 else planning.token_rows(work, items)
+            n_rows, n_pairs = (1, len(items)) if tokens is None else (len(tokens[1]), len(tokens[0]))
+            size = planning.request_bytes(x.shape[1], n_rows, n_pairs)
+            if n_rows > max_rows or size > min(max_bytes, limits.EXPERT_SEND_CHUNK_BYTES):
                 return None  # not one frame: the general path splits it and sends it in slices
             req: rpc.ExpertRequest | rpc.ExpertCombineRequest = planning.request(layer, x, work, items, tokens)
             snd = FastSend(node, link, 0, b"", items, req.x.shape[0], req.pairs.shape[0], x.shape[1])
             if whole is not None and routing is not None and link.ack.version >= 2:
                 rows = np.flatnonzero(whole == w)  # tokens whose k experts all went to this worker
                 if len(rows) and self._combining_pays(link, len(rows), routing.experts.shape[1], x.shape[1]):
-                    req, snd.raw_mask = planning.combine_request(req, tokens, routing, rows)
+                    req, snd.raw_mask = planning.combine_request(
+                        req, tokens or planning.token_rows(work, items), routing, rows)
                     snd.combined = rows
             snd.rid = link.next_id()
             snd.data = rpc.encode(req, snd.rid)
             if len(snd.data) > min(limits.EXPERT_SEND_CHUNK_BYTES, max_bytes):
                 return None  # the combine fields took it over the bound checked above
             sends.append(snd)
-        return FastCall(layer, sends)
+        return FastCall(layer, sends, on_settle)
 
     # --- loop-driven passes (``drive``) ---------------------------------------------------------------
 
@@ -531,17 +536,17 @@ class RemoteExecutor:
         layer, x, routing = call
         started = time.monotonic()
         x = np.ascontiguousarray(x, dtype=np.float32)
-        fast = (self._fast_call(layer, x, routing.work, step.omap, routing)
+        settled = partial(self._step_settled, step, (layer, x, routing), started)
+        fast = (self._fast_call(layer, x, routing.work, step.omap, routing, settled)
                 if x.shape[0] <= LOOP_STEP_MAX_ROWS else None)
         if fast is None:
             step.hand_back((layer, x, routing), started)
             return
-        fast.on_settle = partial(self._step_settled, step, (layer, x, routing), fast, started)
         step.timer = self.loop.call_later(min(self.config.message_timeout_s, self.config.layer_timeout_s),
                                           self._fast_timeout, fast)
         self._fast_dispatch(fast)
 
-    def _step_settled(self, step: _LoopStep, call: RoutedCall, fast: FastCall, started: float) -> None:
+    def _step_settled(self, step: _LoopStep, call: RoutedCall, started: float, fast: FastCall) -> None:
         """Loop thread: a loop-driven layer settled (maybe in a read callback): resume the pass soon after,
         or hand it back to its engine thread for the general path."""
         if step.timer is not None:

@@ -72,6 +72,9 @@ def token_rows(work: list[WorkItem], items: list[int]) -> tuple[np.ndarray, np.n
 def request(layer: int, x: np.ndarray, work: list[WorkItem], items: list[int],
             tokens: tuple[np.ndarray, np.ndarray] | None = None) -> rpc.ExpertRequest:
     """The request carrying ``items`` (``tokens``: their ``token_rows``, if already worked out)."""
+    if x.shape[0] == 1 and tokens is None:  # one token (a decode step): every pair is (row 0, expert)
+        pairs = np.array([(0, work[i][0]) for i in items], dtype=np.uint32)
+        return rpc.ExpertRequest(layer=layer, x=x, pairs=pairs.reshape(-1, 2))
     rows_all, uniq = token_rows(work, items) if tokens is None else tokens
     rows = x if len(uniq) == x.shape[0] else x[uniq]  # every token used: uniq is 0..T-1, x as it is
     if len(rows_all) <= rpc.SMALL_PAIRS:
@@ -156,19 +159,22 @@ class FastCall:
 
     It settles once, on the loop thread (:meth:`settle`): every reply arrived (``error`` None) or the call
     gave up (``error`` says why) and the layer takes the general path instead. By default an engine thread
-    waits on ``lock``, which settling releases; a call made on the loop (a loop-driven step) passes
-    ``on_settle`` instead, called in place of the release.
+    waits on ``lock``, which settling releases; a call made on the loop (a loop-driven pass) passes
+    ``on_settle`` instead, called with the call in place of the release (and it has no lock).
     """
 
-    def __init__(self, layer: int, sends: list[FastSend], on_settle: Callable[[], None] | None = None) -> None:
+    def __init__(self, layer: int, sends: list[FastSend],
+                 on_settle: Callable[[FastCall], None] | None = None) -> None:
         self.layer = layer
         self.sends = sends
         self.left = len(sends)
         self.error: str | None = None
         self.settled = False
-        self.lock = threading.Lock()
-        self.lock.acquire()
         self.on_settle = on_settle
+        self.lock: threading.Lock | None = None
+        if on_settle is None:
+            self.lock = threading.Lock()
+            self.lock.acquire()
 
     def settle(self, error: str | None = None) -> None:
         if self.settled:
@@ -180,6 +186,7 @@ class FastCall:
                 if s.reply is None:
                     s.link.forget(s.rid)
         if self.on_settle is not None:
-            self.on_settle()
+            self.on_settle(self)
         else:
+            assert self.lock is not None  # noqa: S101 - made with the call when there is no on_settle
             self.lock.release()
