@@ -660,3 +660,61 @@ def test_a_pass_with_long_compute_stays_on_the_engine_thread(tmp_path: Path, lt:
     assert ex.status()["passes_on_loop"] == 0
     assert _equal(ex.drive(fx.steps(x)), ref)
     assert ex.status()["passes_on_loop"] == 1
+
+
+def test_an_error_sending_a_later_layer_on_the_loop_reaches_the_caller_at_once(
+        tmp_path: Path, lt: LoopThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building or sending a layer on the loop can fail too (a bug, no memory): the pass ends with that
+    error on its engine thread, not with a wait for the loop's timeouts."""
+    import engine.experts.coordinator as coord_mod
+
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout, CoordinatorConfig(message_timeout_s=5.0, layer_timeout_s=5.0))
+    _connect(lt, ex, _worker(fx), "w0")
+    x = _inputs(fx.layout.hidden_size)[0]
+    real, requests = coord_mod.rpc.encode, []
+
+    def encode(msg: object, rid: int) -> bytes:
+        if isinstance(msg, coord_mod.rpc.ExpertRequest | coord_mod.rpc.ExpertCombineRequest):
+            requests.append(msg)
+            if len(requests) == 2:  # the second layer, built on the loop thread
+                raise MemoryError("encode failed")
+        return real(msg, rid)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(coord_mod.rpc, "encode", encode)
+    t0 = time.monotonic()
+    with pytest.raises(MemoryError, match="encode failed"):
+        fx.forward(x, ex)
+    assert time.monotonic() - t0 < 1.0
+    monkeypatch.setattr(coord_mod.rpc, "encode", real)
+    assert _equal(fx.forward(x, ex), fx.forward(x, local_executor(fx.full.weights)))  # the executor is fine
+
+
+def test_a_pass_the_loop_stops_moving_is_given_up_and_never_resumed(
+        tmp_path: Path, lt: LoopThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine thread gives up on a loop-run pass that makes no progress for a layer's timeout plus a
+    margin (here: the loop is held by the pass's own compute), waits for that compute to end, and the
+    loop then leaves the pass alone: it is not resumed after the caller was told it failed."""
+    import engine.experts.coordinator as coord_mod
+
+    monkeypatch.setattr(coord_mod, "LOOP_STALL_MARGIN_S", 0.2)
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m", layers=3), "qwen3_moe")
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout, CoordinatorConfig(message_timeout_s=0.3, layer_timeout_s=5.0))
+    _connect(lt, ex, _worker(fx), "w0")
+    x = _inputs(fx.layout.hidden_size)[0]
+    segments: list[str] = []
+
+    def stalling() -> ForwardSteps:
+        h = x
+        for i, layer in enumerate(fx.layout.sparse_layers):
+            if i == 1:
+                time.sleep(1.0)  # on the loop thread: nothing else moves meanwhile
+            segments.append(threading.current_thread().name)
+            h = h + (yield (layer, h, route(h @ fx.routers[layer].T, fx.layout.top_k, fx.layout.norm_topk_prob)))
+        return h
+
+    with pytest.raises(ExpertsUnavailable, match="stopped running the forward pass"):
+        ex.drive(stalling())
+    time.sleep(0.5)  # the loop had the next layer's reply by now, had it gone on
+    assert segments == [threading.current_thread().name, "experts-loop"], segments
+    assert ex.status()["unavailable"] == 1

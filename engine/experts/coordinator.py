@@ -73,6 +73,9 @@ MODES = ("on", "prefer")
 # short passes go there (long contexts or big batches stay on the engine thread).
 LOOP_STEP_MAX_ROWS = 16
 LOOP_STEP_MAX_COMPUTE_S = 0.005
+# An engine thread gives up on a loop-run pass the loop has not moved for a layer's timeout plus this
+# (each layer settles or hands back within its timeout; the margin covers the pass's own compute).
+LOOP_STALL_MARGIN_S = 5.0
 
 
 class ExpertsUnavailable(Exception):
@@ -120,9 +123,12 @@ class CoordinatorStats:
 class _LoopStep:
     """A forward pass the loop thread is running for an engine thread, which waits on ``lock``.
 
-    Released once: with ``result`` (the pass ended), ``error`` (the pass raised), or ``pending`` (a routed
-    layer the fast path did not take, first tried at ``fast_started``: the engine thread runs it, and the
-    rest of the pass, itself).
+    Released once (``done``): with ``result`` (the pass ended), ``error`` (the pass or the loop's handling of
+    it raised), or ``pending`` (a routed layer the fast path did not take, first tried at ``fast_started``:
+    the engine thread runs it, and the rest of the pass, itself). ``mutex`` is held while the loop runs the
+    pass's own code and while the engine thread gives up on it (``abandoned``), so an abandoned pass never
+    resumes, and one that finished just as the engine gave up is not lost. ``beat`` is when the loop last
+    made progress on it.
     """
 
     def __init__(self, steps: ForwardSteps, omap: OwnershipMap) -> None:
@@ -130,19 +136,31 @@ class _LoopStep:
         self.omap = omap  # pinned by the engine thread when the pass started
         self.lock = threading.Lock()
         self.lock.acquire()
+        self.mutex = threading.Lock()
+        self.done = False
         self.result: np.ndarray | None = None
-        self.error: Exception | None = None
+        self.error: BaseException | None = None
         self.pending: RoutedCall | None = None
         self.fast_started = 0.0
         self.timer: asyncio.TimerHandle | None = None
         self.abandoned = False  # the engine thread stopped waiting: leave the pass alone
+        self.beat = time.monotonic()
 
     def hand_back(self, call: RoutedCall, started: float) -> None:
-        self.pending, self.fast_started = call, started
-        self.lock.release()
+        if not self.done:
+            self.pending, self.fast_started = call, started
+            self._release()
 
-    def finish(self, result: np.ndarray | None, error: Exception | None) -> None:
-        self.result, self.error = result, error
+    def finish(self, result: np.ndarray | None, error: BaseException | None) -> None:
+        if not self.done:
+            self.result, self.error = result, error
+            self._release()
+
+    def _release(self) -> None:
+        self.done = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         self.lock.release()
 
 
@@ -322,10 +340,11 @@ class RemoteExecutor:
         """Run a forward pass written as steps (``engine.moe.drive``); -> its result.
 
         A pass whose first routed layer has at most ``LOOP_STEP_MAX_ROWS`` rows (a decode step), reached in
-        at most ``LOOP_STEP_MAX_COMPUTE_S``, is handed to the loop thread from there on: each layer's requests go out from the loop, and the last reply
-        resumes the pass on the loop, which computes up to the next routed layer and sends it. A layer then
-        costs no thread hand-off; the pass costs two. Anything the fast path does not take hands the pass
-        back to this thread, where that layer takes the general path and the rest runs layer by layer.
+        at most ``LOOP_STEP_MAX_COMPUTE_S``, is handed to the loop thread from there on: each layer's
+        requests go out from the loop, and the last reply resumes the pass on the loop, which computes up
+        to the next routed layer and sends it. A layer then costs no thread hand-off; the pass costs two.
+        Anything the fast path does not take hands the pass back to this thread, where that layer takes the
+        general path and the rest runs layer by layer.
         """
         t0 = time.perf_counter()
         try:
@@ -341,10 +360,7 @@ class RemoteExecutor:
             with self._stats_lock:
                 self.stats.passes_on_loop += 1
             self.loop.call_soon_threadsafe(self._step_layer, step, call)
-            if not step.lock.acquire(timeout=self.config.layer_timeout_s * (len(self.layout.sparse_layers) + 1)):
-                step.abandoned = True
-                self._count_unavailable()
-                raise ExpertsUnavailable("the expert event loop did not run the forward pass in time")
+            self._wait_for_loop(step)
             if step.error is not None:
                 raise step.error
             if step.pending is None:
@@ -359,6 +375,21 @@ class RemoteExecutor:
                 call = steps.send(out)
         except StopIteration as stop:
             return stop.value
+
+    def _wait_for_loop(self, step: _LoopStep) -> None:
+        """Engine thread: until the loop is done with ``step``. Each layer settles or hands back within its
+        timeout, so a pass the loop has not moved for longer than that (plus a margin for compute), or a
+        loop that stopped, is given up: raises :class:`ExpertsUnavailable`."""
+        stall_s = min(self.config.message_timeout_s, self.config.layer_timeout_s) + LOOP_STALL_MARGIN_S
+        while not step.lock.acquire(timeout=0.5):
+            if time.monotonic() - step.beat < stall_s and self.loop.is_running():
+                continue
+            with step.mutex:  # waits out the pass's own code if the loop is running it right now
+                step.abandoned = True
+            if step.done:  # it finished (or handed back) just now after all
+                return
+            self._count_unavailable()
+            raise ExpertsUnavailable("the expert event loop stopped running the forward pass")
 
     def _routed(self, layer: int, x: np.ndarray, routing: Routing, fast_started: float | None) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -530,21 +561,25 @@ class RemoteExecutor:
     # --- loop-driven passes (``drive``) ---------------------------------------------------------------
 
     def _step_layer(self, step: _LoopStep, call: RoutedCall) -> None:
-        """Loop thread: send one routed layer of a loop-driven pass, or hand the pass back."""
+        """Loop thread: send one routed layer of a loop-driven pass, or hand the pass back. Never raises:
+        an error here (a bug, no memory) ends the pass with it, raised on its engine thread."""
         if step.abandoned:
             return
-        layer, x, routing = call
-        started = time.monotonic()
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        settled = partial(self._step_settled, step, (layer, x, routing), started)
-        fast = (self._fast_call(layer, x, routing.work, step.omap, routing, settled)
-                if x.shape[0] <= LOOP_STEP_MAX_ROWS else None)
-        if fast is None:
-            step.hand_back((layer, x, routing), started)
-            return
-        step.timer = self.loop.call_later(min(self.config.message_timeout_s, self.config.layer_timeout_s),
-                                          self._fast_timeout, fast)
-        self._fast_dispatch(fast)
+        step.beat = started = time.monotonic()
+        try:
+            layer, x, routing = call
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            settled = partial(self._step_settled, step, (layer, x, routing), started)
+            fast = (self._fast_call(layer, x, routing.work, step.omap, routing, settled)
+                    if x.shape[0] <= LOOP_STEP_MAX_ROWS else None)
+            if fast is None:
+                step.hand_back((layer, x, routing), started)
+                return
+            step.timer = self.loop.call_later(min(self.config.message_timeout_s, self.config.layer_timeout_s),
+                                              self._fast_timeout, fast)
+            self._fast_dispatch(fast)
+        except Exception as e:  # noqa: BLE001 - raised again on the pass's engine thread
+            step.finish(None, e)
 
     def _step_settled(self, step: _LoopStep, call: RoutedCall, started: float, fast: FastCall) -> None:
         """Loop thread: a loop-driven layer settled (maybe in a read callback): resume the pass soon after,
@@ -559,19 +594,21 @@ class RemoteExecutor:
 
     def _step_resume(self, step: _LoopStep, call: RoutedCall, fast: FastCall) -> None:
         """Loop thread: every reply of the layer is in; run the pass up to its next routed layer."""
-        if step.abandoned:
-            return
         layer, x, routing = call
-        try:
-            out = self._assemble(routing, fast.sends, *x.shape)
-            self._account(layer, routing.work, [], fast.sends)
-            nxt = step.steps.send(out)
-        except StopIteration as stop:
-            step.finish(stop.value, None)
-            return
-        except Exception as e:  # noqa: BLE001 - the pass's own error, raised again on its engine thread
-            step.finish(None, e)
-            return
+        with step.mutex:
+            if step.abandoned:
+                return
+            step.beat = time.monotonic()
+            try:
+                out = self._assemble(routing, fast.sends, *x.shape)
+                self._account(layer, routing.work, [], fast.sends)
+                nxt = step.steps.send(out)
+            except StopIteration as stop:
+                step.finish(stop.value, None)
+                return
+            except Exception as e:  # noqa: BLE001 - the pass's own error, raised again on its engine thread
+                step.finish(None, e)
+                return
         self._step_layer(step, nxt)
 
     def _may_combine(self, link: WorkerLink | None, x: np.ndarray, routing: Routing) -> bool:
