@@ -699,7 +699,8 @@ def test_a_pass_the_loop_stops_moving_is_given_up_and_never_resumed(
 
     monkeypatch.setattr(coord_mod, "LOOP_STALL_MARGIN_S", 0.2)
     fx = Fixture(make_moe_checkpoint(tmp_path / "m", layers=3), "qwen3_moe")
-    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout, CoordinatorConfig(message_timeout_s=0.3, layer_timeout_s=5.0))
+    # a layer may take 1 s (a loaded CI machine), the pass may stall for 1.2 s before it is given up
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout, CoordinatorConfig(message_timeout_s=1.0, layer_timeout_s=5.0))
     _connect(lt, ex, _worker(fx), "w0")
     x = _inputs(fx.layout.hidden_size)[0]
     segments: list[str] = []
@@ -708,7 +709,7 @@ def test_a_pass_the_loop_stops_moving_is_given_up_and_never_resumed(
         h = x
         for i, layer in enumerate(fx.layout.sparse_layers):
             if i == 1:
-                time.sleep(1.0)  # on the loop thread: nothing else moves meanwhile
+                time.sleep(2.0)  # on the loop thread: nothing else moves meanwhile
             segments.append(threading.current_thread().name)
             h = h + (yield (layer, h, route(h @ fx.routers[layer].T, fx.layout.top_k, fx.layout.norm_topk_prob)))
         return h
