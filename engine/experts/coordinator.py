@@ -125,10 +125,10 @@ class _LoopStep:
 
     Released once (``done``): with ``result`` (the pass ended), ``error`` (the pass or the loop's handling of
     it raised), or ``pending`` (a routed layer the fast path did not take, first tried at ``fast_started``:
-    the engine thread runs it, and the rest of the pass, itself). ``mutex`` is held while the loop runs the
-    pass's own code and while the engine thread gives up on it (``abandoned``), so an abandoned pass never
-    resumes, and one that finished just as the engine gave up is not lost. ``beat`` is when the loop last
-    made progress on it.
+    the engine thread runs it, and the rest of the pass, itself). The loop holds ``mutex`` while it runs
+    the pass's own code and checks ``abandoned`` first; an engine thread that gives up sets ``abandoned``,
+    then takes ``mutex`` to wait out code already running, so an abandoned pass never resumes, and one that
+    finished just then is not lost (``done``). ``beat`` is when the loop last made progress on it.
     """
 
     def __init__(self, steps: ForwardSteps, omap: OwnershipMap) -> None:
@@ -384,8 +384,9 @@ class RemoteExecutor:
         while not step.lock.acquire(timeout=0.5):
             if time.monotonic() - step.beat < stall_s and self.loop.is_running():
                 continue
+            step.abandoned = True  # the loop checks this before it runs any more of the pass
             with step.mutex:  # waits out the pass's own code if the loop is running it right now
-                step.abandoned = True
+                pass
             if step.done:  # it finished (or handed back) just now after all
                 return
             self._count_unavailable()
