@@ -47,6 +47,9 @@ class TokenEvent:
     top_logprobs: tuple[tuple[int, float], ...] = ()
     finish_reason: str | None = None
     error: str | None = None
+    # The exception behind an ``error`` event, for callers that answer by its kind (the API answers
+    # 503 when routed-expert workers became unavailable mid-generation).
+    exception: BaseException | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(slots=True)

@@ -260,7 +260,7 @@ class Scheduler:
         log.error("generation_failed", model=self.name, error=str(e), error_type=type(e).__name__,
                   requests=len(seqs))
         for s in seqs:
-            self._end(s, TokenEvent(None, "", None, (), "error", error=f"{type(e).__name__}: {e}"))
+            self._end(s, TokenEvent(None, "", None, (), "error", error=f"{type(e).__name__}: {e}", exception=e))
 
     def _prefill_chunk(self, s: _Seq) -> None:
         """Run the next ``PREFILL_CHUNK_TOKENS`` of a prompt; after the last chunk, pick the first token.

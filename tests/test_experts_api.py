@@ -91,3 +91,41 @@ def test_unanswered_hello_retry_delay_doubles_to_a_cap(failures: int, delay_s: f
     from meshd.experts_service import refusal_retry_delay_s
 
     assert refusal_retry_delay_s(failures) == delay_s
+
+
+def test_workers_lost_mid_request_answer_503_not_500(tmp_path: Path) -> None:
+    """A request accepted while its worker looked alive, whose worker then stops answering: the layer times
+    out, no other holder is left, and the request fails with the documented 503 naming what is missing
+    (it was a 500 'generation failed' when the engine failed mid-generation)."""
+    coord = start_node(tmp_path / "c", "--model", "tiny", "--remote-experts", "on",
+                       "--experts-message-timeout", "1", "--experts-layer-timeout", "2")
+    nodes = [coord]
+    try:
+        token = subprocess.run(meshd_cmd("invite", "--state-dir", str(tmp_path / "c")), env=meshd_env(),
+                               capture_output=True, text=True, timeout=20, check=True).stdout.strip()
+        worker = start_node(tmp_path / "w", "--experts", "tiny", "--join", token)
+        nodes.append(worker)
+        deadline = time.monotonic() + 30
+        while True:
+            code, got, _ = _post(coord.run["api"], BODY)
+            if code != 503 or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert code == 200, got
+        worker.proc.send_signal(signal.SIGSTOP)  # alive to the transport for a while, but silent
+        try:
+            t0 = time.monotonic()
+            code, err, headers = _post(coord.run["api"], BODY)
+            took = time.monotonic() - t0
+        finally:
+            worker.proc.send_signal(signal.SIGKILL)
+            worker.proc.send_signal(signal.SIGCONT)
+        assert code == 503, err
+        assert err["error"]["code"] == "experts_unavailable" and "Retry-After" in headers, err
+        assert "expert" in err["error"]["message"], err
+        assert took < 10, took
+        st = _status(tmp_path / "c")["services"]["experts"]["coordinators"][0]
+        assert st["unavailable"] >= 1, st
+    finally:
+        for n in reversed(nodes):
+            n.stop()

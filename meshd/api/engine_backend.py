@@ -25,9 +25,10 @@ log = structlog.get_logger(__name__)
 
 
 class _EngineRun:
-    def __init__(self, handle: Any, tokenizer: Any) -> None:
+    def __init__(self, handle: Any, tokenizer: Any, name: str) -> None:
         self.handle = handle
         self.tokenizer = tokenizer
+        self.name = name
 
     def cancel(self) -> None:
         self.handle.cancel()
@@ -39,8 +40,13 @@ class _EngineRun:
             return ""
 
     async def __aiter__(self) -> AsyncIterator[GenToken]:
+        from engine.experts.coordinator import ExpertsUnavailable
+
         async for ev in self.handle:
             if ev.finish_reason == "error":
+                if isinstance(ev.exception, ExpertsUnavailable):  # workers went away mid-generation
+                    raise ApiError(503, f"model '{self.name}' cannot be served now: {ev.exception}",
+                                   code="experts_unavailable", retry_after_s=5)
                 raise RuntimeError(ev.error or "engine error")
             if ev.token_id is None:
                 if ev.finish_reason == "cancelled":
@@ -105,7 +111,7 @@ class EngineSource:
             raise ApiError(503, f"model '{self.name}' is shutting down on this node") from None
         except ValueError as e:
             raise ApiError(400, str(e), code="invalid_request") from None
-        return _EngineRun(handle, self.tokenizer)
+        return _EngineRun(handle, self.tokenizer, self.name)
 
     def in_flight(self) -> int:
         return int(self.scheduler.active)
