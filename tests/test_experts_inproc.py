@@ -602,6 +602,7 @@ def test_a_layer_failing_in_a_loop_driven_pass_hands_the_pass_back(tmp_path: Pat
     st = ex.status()
     assert st["passes_on_loop"] == 1 and st["passes_handed_back"] == 1 and st["retries"] > 0, st
     assert "a" not in ex.links  # a stopping worker is dropped by the general path
+    assert st["workers"]["a"]["errors"] >= 1 and st["workers"]["b"]["errors"] == 0, st  # type: ignore[index]
     assert _equal(fx.forward(x, ex), ref)
     st = ex.status()
     assert st["passes_on_loop"] == 2 and st["passes_handed_back"] == 1, st

@@ -650,6 +650,7 @@ class RemoteExecutor:
         if call.settled:
             return
         if isinstance(reply, WorkerFailed | rpc.ErrorMsg):  # the general path retries, moves or reports
+            self.link_stats[snd.node].errors += 1  # a request that failed: its link broke, or a typed error
             self._count_retries(len(snd.items))
             call.settle(f"worker {snd.node}: {reply if isinstance(reply, WorkerFailed) else reply.text}")
             return
