@@ -43,3 +43,37 @@ def test_one_token_small_and_numpy_request_building_give_the_same_bytes(case: tu
     rows_all, uniq = small[0]
     assert [(e, uniq[r].tolist()) for e, r in got.groups()] == [(work[i][0], work[i][1].tolist()) for i in items]
     assert got.x.tobytes() == x[uniq].tobytes()
+
+
+@settings(max_examples=300, deadline=None)
+@given(_layer(), st.integers(1, 3), st.integers(0, 2**31))
+def test_whole_rows_and_combine_requests_match_the_numpy_path(case: tuple[np.ndarray, list, list[int]],
+                                                               n_workers: int, seed: int) -> None:
+    """Which tokens a worker may combine, and the combine request for them, do not depend on which path
+    (lists for a decode step, numpy for larger layers) worked them out."""
+    x, work, _ = case
+    rng = np.random.default_rng(seed)
+    t = x.shape[0]
+    routing_logits = rng.standard_normal((t, max(e for e, _ in work) + 2)).astype(np.float32)
+    routing = route(routing_logits, min(3, routing_logits.shape[1]), True)
+    if seed % 5 == 0:  # a non-finite weight: never combined by a worker
+        routing.weights[rng.integers(t), 0] = np.inf
+    work = routing.work
+    by_worker: dict[str, list[int]] = {}
+    for i in range(len(work)):
+        by_worker.setdefault(f"w{rng.integers(n_workers)}", []).append(i)
+    small = planning.whole_rows(work, by_worker, routing)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rpc, "SMALL_PAIRS", 0)
+        large = planning.whole_rows(work, by_worker, routing)
+    assert small.dtype == large.dtype and small.tolist() == large.tolist()
+    for w, items in enumerate(by_worker.values()):
+        rows = np.flatnonzero(small == w)
+        if t != 1 or not len(rows):
+            continue
+        req = planning.request(3, x, work, items)
+        one = planning.combine_request(req, None, routing, rows)  # the one-token path
+        tokens = planning.token_rows(work, items)
+        general = planning.combine_request(planning.request(3, x, work, items, tokens), tokens, routing, rows)
+        assert rpc.encode(one[0], 1) == rpc.encode(general[0], 1)
+        assert one[1].dtype == general[1].dtype and one[1].tolist() == general[1].tolist()

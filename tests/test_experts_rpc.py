@@ -318,3 +318,48 @@ def test_small_and_large_requests_both_round_trip_with_their_groups() -> None:
         assert isinstance(got, rpc.ExpertRequest) and got.work is not None
         assert [(e, r.tolist()) for e, r in got.groups()] == [(e, list(range(rows))) for e in range(experts)]
         assert [(e, r.tolist()) for e, r in got.groups()] == [(e, r.tolist()) for e, r in rpc._groups(pairs)]
+
+
+@st.composite
+def _combine_case(draw: st.DrawFn) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray, int]:
+    """Checked pairs plus combine fields that are often right and sometimes wrong in each way."""
+    pairs, rows = draw(_valid_pairs())
+    k = draw(st.integers(1, 3))
+    per_row: dict[int, list[int]] = {}
+    for r, e in pairs.tolist():
+        per_row.setdefault(r, []).append(e)
+    candidates = sorted(r for r, es in per_row.items() if len(es) == k) or [0]
+    crow = sorted(draw(st.sets(st.sampled_from(candidates), min_size=1)))
+    if draw(st.booleans()):  # sometimes a bad row list: unsorted, repeated or out of x
+        crow = draw(st.lists(st.integers(0, rows), min_size=1, max_size=3))
+    experts = []
+    for c in crow:
+        es = (per_row.get(c, []) + [0] * k)[:k]
+        if draw(st.booleans()):
+            es = draw(st.permutations(es))  # slot order is any order of the row's experts
+        if draw(st.integers(0, 5)) == 0:
+            es[0] = draw(st.integers(0, 2**32 - 1))  # an expert the row has no pair for (or a repeat)
+        experts.append(es)
+    weights = [[draw(st.sampled_from([0.25, 0.5, 1.0, float("inf"), float("nan")])) if draw(st.integers(0, 6)) == 0
+                else 0.5 for _ in range(k)] for _ in crow]
+    return (pairs, rows, np.array(crow, dtype=np.uint32), np.array(experts, dtype=np.uint32).reshape(len(crow), k),
+            np.array(weights, dtype=np.float32).reshape(len(crow), k), k)
+
+
+def _combine_verdict(check, *args) -> tuple[str, object, object]:  # type: ignore[no-untyped-def]
+    try:
+        slots, raw = check(*args)
+        return "ok", (slots.dtype.str, slots.tolist()), (raw.dtype.str, raw.tolist())
+    except rpc.ExpertProtocolError as e:
+        return "bad", str(e), None
+
+
+@settings(max_examples=400, deadline=None)
+@given(_combine_case())
+def test_small_combine_checks_match_the_numpy_ones(case: tuple) -> None:  # type: ignore[type-arg]
+    """A decode-sized combine request is checked in Python (``_small_combine``): the same verdicts (the same
+    error), slot map and raw mask as the numpy path of larger requests."""
+    pairs, rows, crow, experts, weights, k = case
+    small = _combine_verdict(rpc._small_combine, pairs.tolist(), rows, crow.tolist(), experts.tolist(),
+                             weights.tolist(), k)
+    assert small == _combine_verdict(rpc._large_combine, pairs, rows, crow, experts, weights, k)

@@ -411,6 +411,9 @@ class RemoteExecutor:
                 assert snd.reply is not None  # noqa: S101 - settled without error: every reply is in
                 y[np.concatenate([slot_positions(routing, i) for i in snd.items])] = snd.reply.out
             return weighted_sum(routing.weights, y.reshape(t, k, d))
+        if len(sends) == 1 and len(sends[0].combined) == t:  # one worker combined every token (a decode step)
+            assert sends[0].reply is not None  # noqa: S101 - settled without error: every reply is in
+            return np.array(sends[0].reply.combined, dtype=np.float32)  # rows 0..T-1 in order; a writable copy
         out = np.empty((t, d), dtype=np.float32)  # [T, D]
         split = np.ones(t, dtype=bool)  # tokens combined here, from raw outputs
         for snd in sends:
@@ -549,8 +552,7 @@ class RemoteExecutor:
             if whole is not None and routing is not None and link.ack.version >= 2:
                 rows = np.flatnonzero(whole == w)  # tokens whose k experts all went to this worker
                 if len(rows) and self._combining_pays(link, len(rows), routing.experts.shape[1], x.shape[1]):
-                    req, snd.raw_mask = planning.combine_request(
-                        req, tokens or planning.token_rows(work, items), routing, rows)
+                    req, snd.raw_mask = planning.combine_request(req, tokens, routing, rows)
                     snd.combined = rows
             snd.rid = link.next_id()
             snd.data = rpc.encode(req, snd.rid)

@@ -8,6 +8,7 @@ Pure functions over arrays; ``engine.experts.coordinator`` decides where the req
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -104,6 +105,14 @@ def whole_rows(work: list[WorkItem], by_worker: dict[str, list[int]], routing: R
     """[T] int: for each token, the index (in ``by_worker`` order) of the worker all its experts went
     to, or -1 if they are spread over several or its weights are not all finite (a worker refuses
     non-finite weights from a peer; such a token is combined here, as the local path would)."""
+    if routing.experts.size <= rpc.SMALL_PAIRS:  # a decode step: lists beat numpy calls
+        owner = {work[i][0]: w for w, items in enumerate(by_worker.values()) for i in items}
+        out = []
+        for experts, weights in zip(routing.experts.tolist(), routing.weights.tolist()):
+            w = owner.get(experts[0], -1)
+            whole = all(owner.get(e, -1) == w for e in experts) and all(math.isfinite(v) for v in weights)
+            out.append(w if whole else -1)
+        return np.array(out, dtype=np.int64)
     worker_of = np.full(max(e for e, _ in work) + 1, -1, dtype=np.int64)  # expert -> worker index
     for w, items in enumerate(by_worker.values()):
         worker_of[[work[i][0] for i in items]] = w
@@ -112,10 +121,14 @@ def whole_rows(work: list[WorkItem], by_worker: dict[str, list[int]], routing: R
     return np.where(whole, slots[:, 0], -1)
 
 
-def combine_request(req: rpc.ExpertRequest, tokens: tuple[np.ndarray, np.ndarray], routing: Routing,
+def combine_request(req: rpc.ExpertRequest, tokens: tuple[np.ndarray, np.ndarray] | None, routing: Routing,
                     rows: np.ndarray) -> tuple[rpc.ExpertCombineRequest, np.ndarray]:
     """``req`` (built from ``tokens``) also asking the worker to combine token ``rows``; the mask of its
-    pairs sent back raw."""
+    pairs sent back raw. ``tokens`` None: a one-token request (its only row is combined)."""
+    if tokens is None:
+        creq = rpc.ExpertCombineRequest(layer=req.layer, x=req.x, pairs=req.pairs, rows=np.zeros(1, dtype=np.uint32),
+                                        experts=routing.experts.astype(np.uint32), weights=routing.weights)
+        return creq, np.zeros(req.pairs.shape[0], dtype=bool)
     rows_all, uniq = tokens
     here = np.zeros(routing.experts.shape[0], dtype=bool)
     here[rows] = True

@@ -44,6 +44,8 @@ Parsing is strict: anything malformed raises :class:`ExpertProtocolError` and no
 
 from __future__ import annotations
 
+import collections
+import math
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -190,6 +192,7 @@ class ExpertCombineRequest:
     weights: np.ndarray  # [n_combined, k] fp32 slot weights
     slots: np.ndarray | None = field(default=None, repr=False)  # slot_pairs(), kept by the parser
     work: list[tuple[int, np.ndarray]] | None = field(default=None, repr=False)  # groups(), kept by the parser
+    raw: np.ndarray | None = field(default=None, repr=False)  # raw_mask(), kept by the parser
 
     def groups(self) -> list[tuple[int, np.ndarray]]:
         """(expert, rows into x) in pair order: the work items this request carries."""
@@ -203,6 +206,8 @@ class ExpertCombineRequest:
 
     def raw_mask(self) -> np.ndarray:
         """[n_pairs] bool: the pairs whose row is not combined (their outputs are sent raw)."""
+        if self.raw is not None:
+            return self.raw
         combined = np.zeros(self.x.shape[0], dtype=bool)
         combined[self.rows] = True
         return ~combined[self.pairs[:, 0]]
@@ -531,7 +536,19 @@ def _parse_combine_request(p: memoryview) -> ExpertCombineRequest:
     experts = np.frombuffer(p, dtype=_U32, count=ncomb * k, offset=off + 4 * ncomb).reshape(ncomb, k)
     weights = np.frombuffer(p, dtype=_F32, count=ncomb * k, offset=off + 4 * ncomb + 4 * ncomb * k)
     weights = weights.reshape(ncomb, k)
-    if int(crow.max()) >= rows or (ncomb > 1 and not bool(np.all(np.diff(crow.astype(np.int64)) > 0))):
+    if npairs <= SMALL_PAIRS and ncomb * k <= SMALL_PAIRS:
+        slots, raw = _small_combine(pairs.tolist(), rows, crow.tolist(), experts.tolist(), weights.tolist(), k)
+    else:
+        slots, raw = _large_combine(pairs, rows, crow, experts, weights, k)
+    return ExpertCombineRequest(layer=layer, x=x, pairs=pairs, rows=crow, experts=experts, weights=weights,
+                                slots=slots, work=work, raw=raw)  # the worker combines with these
+
+
+def _large_combine(pairs: np.ndarray, rows: int, crow: np.ndarray, experts: np.ndarray, weights: np.ndarray,
+                   k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The EXPERT_REQUEST_COMBINE checks of the combine fields against checked ``pairs`` (of ``rows`` x
+    rows); -> (slot_pairs, raw_mask)."""
+    if int(crow.max()) >= rows or (len(crow) > 1 and not bool(np.all(np.diff(crow.astype(np.int64)) > 0))):
         raise _bad("expert_request_combine rows are not strictly ascending rows of x")
     if k > 1 and not bool(np.all(np.diff(np.sort(experts, axis=1).astype(np.int64), axis=1) > 0)):
         raise _bad("expert_request_combine repeats an expert in a row's slots")
@@ -541,8 +558,29 @@ def _parse_combine_request(p: memoryview) -> ExpertCombineRequest:
     per_row = np.bincount(pairs[:, 0].astype(np.int64), minlength=rows)
     if bool(np.any(per_row[crow] != k)) or bool(np.any(slots < 0)):
         raise _bad("expert_request_combine combines a row whose pairs are not exactly its slot experts")
-    return ExpertCombineRequest(layer=layer, x=x, pairs=pairs, rows=crow, experts=experts, weights=weights,
-                                slots=slots, work=work)  # the worker combines with these: not worked out again
+    combined = np.zeros(rows, dtype=bool)
+    combined[crow] = True
+    return slots, ~combined[pairs[:, 0]]
+
+
+def _small_combine(pairs: list[list[int]], rows: int, crow: list[int], experts: list[list[int]],
+                   weights: list[list[float]], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``_large_combine`` in Python, for a decode-sized request (lists of its fields): the same checks in
+    the same order, the same verdicts, slots and mask."""
+    if max(crow) >= rows or any(b <= a for a, b in zip(crow, crow[1:])):
+        raise _bad("expert_request_combine rows are not strictly ascending rows of x")
+    if k > 1 and any(len(set(es)) != k for es in experts):
+        raise _bad("expert_request_combine repeats an expert in a row's slots")
+    if not all(math.isfinite(w) for ws in weights for w in ws):
+        raise _bad("expert_request_combine has a weight that is not finite")
+    index = {(r, e): i for i, (r, e) in enumerate(pairs)}
+    slots = [[index.get((c, e), -1) for e in es] for c, es in zip(crow, experts)]
+    per_row = collections.Counter(r for r, _ in pairs)
+    if any(per_row[c] != k for c in crow) or any(i < 0 for s in slots for i in s):
+        raise _bad("expert_request_combine combines a row whose pairs are not exactly its slot experts")
+    combined = set(crow)
+    return (np.array(slots, dtype=np.int64).reshape(len(crow), k),
+            np.array([r not in combined for r, _ in pairs], dtype=bool))
 
 
 def decode(data: bytes, max_message_bytes: int = limits.EXPERT_MAX_MESSAGE_BYTES) -> Envelope:
