@@ -434,8 +434,9 @@ def test_decode_steps_take_the_fast_path_and_larger_layers_the_general_one(
 
 
 def test_fast_path_gives_a_failed_layer_to_the_general_path(tmp_path: Path, lt: LoopThread) -> None:
-    """A worker that answers a typed error (here: it stops) makes the fast path give up; the general path
-    moves the layer to the other holder, exactly."""
+    """A worker that answers a typed error (here: it stops) makes the fast path give up: on the loop, the
+    layer (and the rest of the pass) goes back to the calling thread, whose general path moves it to the
+    other holder, exactly; the next pass runs on the loop again."""
     fx = Fixture(make_moe_checkpoint(tmp_path / "m", experts=8), "qwen3_moe")
     ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
     a, b = _worker(fx), _worker(fx)
@@ -443,9 +444,16 @@ def test_fast_path_gives_a_failed_layer_to_the_general_path(tmp_path: Path, lt: 
     _connect(lt, ex, b, "b")
     a.close()  # answers SHUTTING_DOWN from now on
     x = _inputs(fx.layout.hidden_size)[0]
-    assert _equal(fx.forward(x, ex), fx.forward(x, local_executor(fx.full.weights)))
+    ref = fx.forward(x, local_executor(fx.full.weights))
+    assert _equal(fx.forward(x, ex), ref)
     st = ex.status()
     assert st["retries"] > 0 and st["items_local"] == 0 and b.stats.requests >= len(fx.layout.sparse_layers)
+    assert st["passes_on_loop"] == 1 and st["passes_handed_back"] == 1, st
+    assert "a" not in ex.links  # a stopping worker is dropped by the general path
+    assert st["workers"]["a"]["errors"] >= 1 and st["workers"]["b"]["errors"] == 0, st  # type: ignore[index]
+    assert _equal(fx.forward(x, ex), ref)
+    st = ex.status()
+    assert st["passes_on_loop"] == 2 and st["passes_handed_back"] == 1, st
 
 
 def test_echo_rtt_goes_the_layer_calls_way(tmp_path: Path, lt: LoopThread) -> None:
@@ -585,27 +593,6 @@ def test_small_passes_run_on_the_loop_and_larger_ones_layer_by_layer(tmp_path: P
     assert 0 < small < len(inputs)
     assert st["passes_on_loop"] == small and st["passes_handed_back"] == 0, st
     assert st["layers"] == len(inputs) * len(fx.layout.sparse_layers) and st["items_local"] == 0
-
-
-def test_a_layer_failing_in_a_loop_driven_pass_hands_the_pass_back(tmp_path: Path, lt: LoopThread) -> None:
-    """A typed error on the loop gives the layer (and the rest of the pass) back to the calling thread: the
-    general path moves it to the other holder, exactly, and the next pass runs on the loop again."""
-    fx = Fixture(make_moe_checkpoint(tmp_path / "m", experts=8), "qwen3_moe")
-    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
-    a, b = _worker(fx), _worker(fx)
-    _connect(lt, ex, a, "a")
-    _connect(lt, ex, b, "b")
-    a.close()  # answers SHUTTING_DOWN from now on
-    x = _inputs(fx.layout.hidden_size)[0]
-    ref = fx.forward(x, local_executor(fx.full.weights))
-    assert _equal(fx.forward(x, ex), ref)
-    st = ex.status()
-    assert st["passes_on_loop"] == 1 and st["passes_handed_back"] == 1 and st["retries"] > 0, st
-    assert "a" not in ex.links  # a stopping worker is dropped by the general path
-    assert st["workers"]["a"]["errors"] >= 1 and st["workers"]["b"]["errors"] == 0, st  # type: ignore[index]
-    assert _equal(fx.forward(x, ex), ref)
-    st = ex.status()
-    assert st["passes_on_loop"] == 2 and st["passes_handed_back"] == 1, st
 
 
 def test_an_error_inside_a_loop_driven_pass_is_raised_to_its_caller(tmp_path: Path, lt: LoopThread) -> None:
