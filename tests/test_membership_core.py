@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import fields, replace
 
 import pytest
@@ -381,3 +382,37 @@ def test_banned_node_is_told_directly() -> None:
     [(dest, data)] = m.cores[a].messages_to_send()
     m.cores[b].receive(a, data, 1.0)
     assert dest == b and m.take_events(b) == [NodeBanned(b, 1)] and m.cores[b].is_banned(b)
+
+
+def test_a_late_probe_still_ends_in_suspicion_when_the_next_one_is_due() -> None:
+    """Probes run on a fixed grid, but a probe that started late would end after the next grid tick: that
+    tick must end it (failed) before starting the next, not overwrite it unanswered."""
+    m = Mesh(3)
+    m.introduce_all()
+    a, b, c = m.names
+    ca = m.cores[a]
+    ca._probe_order, ca._probe_idx = [c, b], 0  # probe c (dead), then b
+    ca.handle_timer(ca.get_timer() + 0.002)  # the loop woke 2 ms late: ping to c
+    ca.messages_to_send()  # lost: c is dead
+    ca.handle_timer(ca.get_timer())  # indirect probes, lost too
+    ca.messages_to_send()
+    ca.handle_timer(ca.get_timer())  # on time: the next probe is due, 2 ms before c's would end
+    assert PeerSuspected(c, 10, a) in m.take_events(a)
+
+
+def test_a_dead_member_is_suspected_at_its_first_probe_on_a_jittery_loop() -> None:
+    m = Mesh(3, config=MembershipConfig.local())
+    m.introduce_all()
+    a, _, c = m.names
+    ca = m.cores[a]
+    rng = random.Random(1)
+    now, probes_of_c = 0.0, 0
+    while now < 30.0 and ca.member(c).state == "alive":  # type: ignore[union-attr]
+        now = max(now, ca.get_timer()) + rng.uniform(0.0, 0.004)  # asyncio timers fire 0-4 ms late
+        ca.handle_timer(now)
+        ca.messages_to_send()  # nobody answers: only this node's probes matter here
+        p = ca._probe
+        if p is not None and p.target == c and p.sent_at == now:
+            probes_of_c += 1
+    assert ca.member(c).state == "suspect"  # type: ignore[union-attr]
+    assert probes_of_c == 1, f"c was probed {probes_of_c} times before it was suspected"

@@ -639,7 +639,10 @@ class Membership:
                 helpers = [i for i in self._live if i != p.target]
                 for helper in self._rng.sample(helpers, min(cfg.indirect_checks, len(helpers))):
                     self._send(helper, Frame(MsgType.PING_REQ, {"seq": p.seq, "target": p.target}), True)
-            if now >= p.end_at:
+            # A probe ends at its own deadline, or when the next one is due, whichever comes first: probes
+            # are on a fixed grid but a late-started one ends later, and the next must not overwrite it
+            # unanswered (its failure would be lost; on a real loop about every other one was).
+            if now >= p.end_at or now >= self._next_probe:
                 self._probe = None
                 e = self._entries.get(p.target)
                 if e is not None and e.state in ("alive", "suspect"):
