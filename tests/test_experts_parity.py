@@ -141,9 +141,14 @@ def test_negative_control_perturbed_worker_fails_the_gate(setup: Setup) -> None:
         bad_worker.stop()
 
 
-def test_scheduler_batched_generation_is_identical_with_workers(setup: Setup) -> None:
+@pytest.mark.parametrize("batching", ["always", "never"])
+def test_scheduler_batched_generation_is_identical_with_workers(setup: Setup, batching: str) -> None:
     """The engine's Scheduler (its own thread, forward_batch for concurrent requests) with the remote
-    executor produces the same tokens and logprobs as without it."""
+    executor produces the same tokens and logprobs as without it.
+
+    Both runs must take the same steps: a batched step is not bit-identical to single steps (BLAS on
+    more rows), so the batching mode is fixed (``auto`` decides from timings) and all requests are
+    admitted before the scheduler thread looks (else it may start one before the others arrive)."""
     from engine.sampling import SamplingParams
     from engine.scheduler import Scheduler
     from engine.tokenizer import Tokenizer
@@ -153,13 +158,17 @@ def test_scheduler_batched_generation_is_identical_with_workers(setup: Setup) ->
     prompts = [tok.encode("the quick brown fox"), tok.encode("hello mesh"), tok.encode("a")]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, top_logprobs=2)
 
+    batched: list[int] = []
+
     def run(executor: ExpertExecutor | None) -> list[list[tuple[int | None, float | None]]]:
-        sched = Scheduler(model, tok, 4, executor=executor, name="t")
+        sched = Scheduler(model, tok, 4, executor=executor, name="t", batching=batching)
         try:
-            handles = [sched.submit(p, params, loop=None) for p in prompts]
+            with sched._lock:  # the scheduler thread sees all three at once
+                handles = [sched.submit(p, params, loop=None) for p in prompts]
             return [[(ev.token_id, ev.logprob) for ev in h] for h in handles]
         finally:
             sched.close()
+            batched.append(sched.batched_steps)
 
     coord = Coordinator(setup.mesh)
     try:
@@ -169,6 +178,7 @@ def test_scheduler_batched_generation_is_identical_with_workers(setup: Setup) ->
         remote = run(ex)
         assert remote == local and all(len(r) == 12 for r in local)
         assert ex.status()["items_local"] == 0 and ex.status()["layers_delegated"] > 0
+        assert batched[0] == batched[1] and (batched[0] > 0) == (batching == "always"), batched
     finally:
         coord.close()
 
