@@ -346,13 +346,13 @@ class RemoteExecutor:
         Anything the fast path does not take hands the pass back to this thread, where that layer takes the
         general path and the rest runs layer by layer.
         """
+        self._check_thread()
         t0 = time.perf_counter()
         try:
             call = next(steps)
         except StopIteration as stop:
             return stop.value
         short = time.perf_counter() - t0 <= LOOP_STEP_MAX_COMPUTE_S
-        self._check_thread()
         omap = self._map_for(call[0])
         fast_started: float | None = None
         if short and call[1].shape[0] <= LOOP_STEP_MAX_ROWS and self.loop.is_running():
@@ -495,10 +495,11 @@ class RemoteExecutor:
 
     # --- the fast path: the common case of a decode step -----------------------------------------
     #
-    # Every item has a live pinned holder and each worker's share fits one request. The engine thread
-    # builds and encodes the requests, one loop callback sends them all (each flushed at once), and the
-    # replies are matched as their packets are read; the engine thread sleeps on a lock meanwhile. No task,
-    # no future chain: a layer costs the loop two wake-ups (send, and each reply's packet). Anything else
+    # Every item has a live pinned holder and each worker's share fits one request. The requests are built
+    # and encoded (by the engine thread, or by the loop for a loop-driven pass), one loop callback sends
+    # them all (each flushed at once), and the replies are matched as their packets are read; an engine
+    # thread sleeps on a lock meanwhile, or the last reply resumes the loop-driven pass. No task, no
+    # future chain: a layer costs the loop two wake-ups (send, and each reply's packet). Anything else
     # (a worker gone, a typed error, a timeout, a full send buffer) gives up and the layer is run again by
     # the general path, which retries, falls back and reports. With the layer's routing, a v2 worker also
     # gets the slot experts and weights of the tokens whose k experts all went to it, and combines them.
@@ -573,8 +574,7 @@ class RemoteExecutor:
             layer, x, routing = call
             x = np.ascontiguousarray(x, dtype=np.float32)
             settled = partial(self._step_settled, step, (layer, x, routing), started)
-            fast = (self._fast_call(layer, x, routing.work, step.omap, routing, settled)
-                    if x.shape[0] <= LOOP_STEP_MAX_ROWS else None)
+            fast = self._fast_call(layer, x, routing.work, step.omap, routing, settled)  # rows: checked by drive
             if fast is None:
                 step.hand_back((layer, x, routing), started)
                 return
