@@ -24,6 +24,12 @@ from meshd.api.schema import GenRequest
 log = structlog.get_logger(__name__)
 
 
+def experts_unavailable(model: str, reason: str) -> ApiError:
+    """The 503 for a model whose routed experts have no live worker, before or during generation."""
+    return ApiError(503, f"model '{model}' cannot be served now: {reason}", code="experts_unavailable",
+                    retry_after_s=5)
+
+
 class _EngineRun:
     def __init__(self, handle: Any, tokenizer: Any, name: str) -> None:
         self.handle = handle
@@ -45,8 +51,7 @@ class _EngineRun:
         async for ev in self.handle:
             if ev.finish_reason == "error":
                 if isinstance(ev.exception, ExpertsUnavailable):  # workers went away mid-generation
-                    raise ApiError(503, f"model '{self.name}' cannot be served now: {ev.exception}",
-                                   code="experts_unavailable", retry_after_s=5)
+                    raise experts_unavailable(self.name, str(ev.exception))
                 raise RuntimeError(ev.error or "engine error")
             if ev.token_id is None:
                 if ev.finish_reason == "cancelled":
@@ -100,8 +105,7 @@ class EngineSource:
 
         reason = self.executor.unavailable_reason() if self.executor is not None else None
         if reason:  # --remote-experts on and some routed expert has no live worker
-            raise ApiError(503, f"model '{self.name}' cannot be served now: {reason}", code="experts_unavailable",
-                           retry_after_s=5)
+            raise experts_unavailable(self.name, reason)
         try:
             params = self._params(prompt_ids, req)
             handle = self.scheduler.submit(prompt_ids, params, loop=asyncio.get_running_loop())
