@@ -1,7 +1,9 @@
 """A layer's expert requests: which work items one request to a worker carries (``chunks``,
 ``limits_of``, ``request_bytes``), the request itself (``token_rows``, ``request``, and
-``combine_request`` when the worker combines whole tokens, ``whole_rows``), and the outputs its reply gives back (``fill``); plus the fast path's record of one
-request in flight (``FastSend``) and of the layer call waiting on them all (``FastCall``).
+``combine_request`` when the worker combines whole tokens, ``whole_rows``), and the outputs its reply
+gives back (``fill``); plus the fast path's record of one request in flight (``FastSend``) and of the
+layer call waiting on them all (``FastCall``). Decode-sized requests are built with lists (numpy calls
+dominate their cost); property tests pin those paths to the numpy ones.
 
 Pure functions over arrays; ``engine.experts.coordinator`` decides where the requests go and sends them.
 """
@@ -80,7 +82,8 @@ def request(layer: int, x: np.ndarray, work: list[WorkItem], items: list[int],
     rows = x if len(uniq) == x.shape[0] else x[uniq]  # every token used: uniq is 0..T-1, x as it is
     if len(rows_all) <= rpc.SMALL_PAIRS:
         index = {r: j for j, r in enumerate(uniq.tolist())}
-        pairs = np.array([(index[r], work[i][0]) for i in items for r in work[i][1].tolist()], dtype=np.uint32)
+        experts = [work[i][0] for i in items for _ in range(len(work[i][1]))]  # each pair's, in pair order
+        pairs = np.array([(index[r], e) for r, e in zip(rows_all.tolist(), experts)], dtype=np.uint32)
         return rpc.ExpertRequest(layer=layer, x=rows, pairs=pairs.reshape(-1, 2))
     local = np.searchsorted(uniq, rows_all)
     experts = np.concatenate([np.full(len(work[i][1]), work[i][0], dtype=np.int64) for i in items])
