@@ -142,7 +142,8 @@ class _LoopStep:
         self.error: BaseException | None = None
         self.pending: RoutedCall | None = None
         self.fast_started = 0.0
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: asyncio.TimerHandle | None = None  # the pass's watchdog (``RemoteExecutor._step_watch``)
+        self.fast: FastCall | None = None  # the routed layer in flight
         self.abandoned = False  # the engine thread stopped waiting: leave the pass alone
         self.beat = time.monotonic()
 
@@ -564,36 +565,62 @@ class RemoteExecutor:
 
     # --- loop-driven passes (``drive``) ---------------------------------------------------------------
 
-    def _step_layer(self, step: _LoopStep, call: RoutedCall) -> None:
+    def _step_layer(self, step: _LoopStep, call: RoutedCall, done: tuple[RoutedCall, FastCall] | None = None) -> None:
         """Loop thread: send one routed layer of a loop-driven pass, or hand the pass back. Never raises:
-        an error here (a bug, no memory) ends the pass with it, raised on its engine thread."""
+        an error here (a bug, no memory) ends the pass with it, raised on its engine thread. ``done``: the
+        layer before, whose bookkeeping waits until this one's requests are out (off the critical path),
+        or until the pass is handed back."""
         if step.abandoned:
             return
         step.beat = started = time.monotonic()
         try:
             layer, x, routing = call
             x = np.ascontiguousarray(x, dtype=np.float32)
-            settled = partial(self._step_settled, step, (layer, x, routing), started)
+            settled = partial(self._step_settled, step, (layer, x, routing))
             fast = self._fast_call(layer, x, routing.work, step.omap, routing, settled)  # rows: checked by drive
             if fast is None:
+                self._step_done(done)
                 step.hand_back((layer, x, routing), started)
                 return
-            step.timer = self.loop.call_later(min(self.config.message_timeout_s, self.config.layer_timeout_s),
-                                              self._fast_timeout, fast)
+            step.fast, step.fast_started = fast, started
+            if step.timer is None:
+                step.timer = self.loop.call_later(self._step_timeout_s(), self._step_watch, step)
             self._fast_dispatch(fast)
+            self._step_done(done)
         except Exception as e:  # noqa: BLE001 - raised again on the pass's engine thread
             step.finish(None, e)
 
-    def _step_settled(self, step: _LoopStep, call: RoutedCall, started: float, fast: FastCall) -> None:
-        """Loop thread: a loop-driven layer settled (maybe in a read callback): resume the pass soon after,
-        or hand it back to its engine thread for the general path."""
-        if step.timer is not None:
-            step.timer.cancel()
-            step.timer = None
-        if fast.error is not None:
-            step.hand_back(call, started)
+    def _step_timeout_s(self) -> float:
+        return min(self.config.message_timeout_s, self.config.layer_timeout_s)
+
+    def _step_watch(self, step: _LoopStep) -> None:
+        """Loop thread: the pass's one timer (re-armed rather than made per layer). Its layer in flight
+        gets no more time than a fast-path call on the engine thread would."""
+        step.timer = None
+        fast = step.fast
+        if step.done or fast is None or fast.settled:
+            return
+        due = step.fast_started + self._step_timeout_s()
+        if time.monotonic() >= due:
+            self._fast_timeout(fast)
         else:
-            self.loop.call_soon(self._step_resume, step, call, fast)
+            step.timer = self.loop.call_later(due - time.monotonic(), self._step_watch, step)
+
+    def _step_done(self, done: tuple[RoutedCall, FastCall] | None) -> None:
+        """Loop thread: the bookkeeping of a loop-driven layer whose output the pass has taken."""
+        if done is not None:
+            (layer, _x, routing), fast = done
+            self._observe(fast)
+            self._account(layer, routing.work, [], fast.sends)
+
+    def _step_settled(self, step: _LoopStep, call: RoutedCall, fast: FastCall) -> None:
+        """Loop thread: a loop-driven layer settled, usually in the read callback of its last reply: resume
+        the pass right there (its next requests go out before that callback returns), or hand it back to
+        its engine thread for the general path."""
+        if fast.error is not None:
+            step.hand_back(call, step.fast_started)
+        else:
+            self._step_resume(step, call, fast)
 
     def _step_resume(self, step: _LoopStep, call: RoutedCall, fast: FastCall) -> None:
         """Loop thread: every reply of the layer is in; run the pass up to its next routed layer."""
@@ -604,15 +631,15 @@ class RemoteExecutor:
             step.beat = time.monotonic()
             try:
                 out = self._assemble(routing, fast.sends, *x.shape)
-                self._account(layer, routing.work, [], fast.sends)
                 nxt = step.steps.send(out)
             except StopIteration as stop:
+                self._step_done((call, fast))
                 step.finish(stop.value, None)
                 return
             except Exception as e:  # noqa: BLE001 - the pass's own error, raised again on its engine thread
                 step.finish(None, e)
                 return
-        self._step_layer(step, nxt)
+        self._step_layer(step, nxt, (call, fast))
 
     def _may_combine(self, link: WorkerLink | None, x: np.ndarray, routing: Routing) -> bool:
         """Whether combining could pay on ``link`` even if every token of the layer were whole there."""
@@ -664,14 +691,23 @@ class RemoteExecutor:
             call.settle(f"worker {snd.node}: {why}")
             self._drop(snd.node, why)
             return
-        st = snd.link.stats
-        st.calls += 1
-        st.compute_sum_s += reply.compute_us / 1e6
-        st.observe(time.perf_counter() - snd.t0)
+        snd.t1 = time.perf_counter()
         snd.reply = reply  # type: ignore[assignment]  # answers() checked its type
         call.left -= 1
         if call.left == 0:
             call.settle()
+            if call.on_settle is None:  # an engine thread waits: it wakes while the loop counts
+                self._observe(call)
+
+    @staticmethod
+    def _observe(call: FastCall) -> None:
+        """Loop thread: an answered call's link counters (kept off the path of its last reply)."""
+        for snd in call.sends:
+            if snd.reply is not None:
+                st = snd.link.stats
+                st.calls += 1
+                st.compute_sum_s += snd.reply.compute_us / 1e6
+                st.observe(snd.t1 - snd.t0)
 
     def _fast_timeout(self, call: FastCall) -> None:
         """Loop thread: the engine thread stopped waiting; drop the workers that did not answer."""

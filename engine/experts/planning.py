@@ -157,7 +157,8 @@ class FastSend:
     combined: np.ndarray | None = None  # token rows (into the layer's x) the worker combines, ascending
     raw_mask: np.ndarray | None = None  # [pairs] bool: request pairs whose outputs come back raw
     reply: rpc.ExpertReply | rpc.ExpertCombinedReply | None = None
-    t0: float = 0.0
+    t0: float = 0.0  # sent (perf_counter)
+    t1: float = 0.0  # its reply read
 
     def answers(self, reply: rpc.Message, layer: int) -> bool:
         """Whether ``reply`` is a well-formed answer to this request."""
