@@ -707,3 +707,37 @@ def test_a_pass_the_loop_stops_moving_is_given_up_and_never_resumed(
     time.sleep(0.5)  # the loop had the next layer's reply by now, had it gone on
     assert segments == [threading.current_thread().name, "experts-loop"], segments
     assert ex.status()["unavailable"] == 1
+
+
+def test_a_loop_driven_pass_times_each_layer_not_the_whole_pass(tmp_path: Path, lt: LoopThread) -> None:
+    """A loop-driven pass has one watchdog timer, re-armed per layer: layers that each take most of the
+    message timeout (together well over it) run on the loop to the end, and a layer that hangs is handed
+    back after the timeout and retried on the other holder, exactly."""
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    x = _inputs(fx.layout.hidden_size)[0]  # one row: the pass runs on the loop
+    ref = fx.forward(x, local_executor(fx.full.weights))
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout, CoordinatorConfig(message_timeout_s=0.5, layer_timeout_s=5.0))
+    _connect(lt, ex, _worker(fx, reply_hook=lambda la, o: time.sleep(0.3)), "slow")
+    t0 = time.monotonic()
+    assert _equal(fx.forward(x, ex), ref)
+    assert len(fx.layout.sparse_layers) * 0.3 > 0.5 and time.monotonic() - t0 > 0.5  # over one timeout in all
+    st = ex.status()
+    assert st["passes_on_loop"] == 1 and st["passes_handed_back"] == 0 and st["retries"] == 0, st
+    assert st["workers"]["slow"]["calls"] == len(fx.layout.sparse_layers), st  # type: ignore[index]
+
+    gate = _Gate()
+    lt.run(_remove(ex, "slow"))
+    _connect(lt, ex, _worker(fx, reply_hook=gate), "hung")
+    _connect(lt, ex, _worker(fx, capacity=1e-9), "spare")  # holds all, owns nothing
+    t0 = time.monotonic()
+    out = fx.forward(x, ex)
+    dt = time.monotonic() - t0
+    gate.release.set()
+    assert _equal(out, ref) and 0.5 <= dt < 3.0
+    st = ex.status()
+    assert st["passes_on_loop"] == 2 and st["passes_handed_back"] == 1 and st["retries"] > 0, st
+    assert "hung" not in ex.links and st["workers"]["hung"]["errors"] >= 1  # type: ignore[index]
+
+
+async def _remove(ex: RemoteExecutor, node_id: str) -> None:
+    ex.remove_worker(node_id)
