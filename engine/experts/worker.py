@@ -95,8 +95,13 @@ class ExpertWorker:
         if len(shards) != len(fingerprints):
             raise ValueError("one fingerprint per shard")
         self._by_fp: dict[bytes, list[ExpertShard]] = {}
+        self._held: dict[bytes, dict[tuple[int, int], ExpertShard]] = {}  # (layer, expert) -> its first holder
         for s, fp in zip(shards, fingerprints):
             self._by_fp.setdefault(fp, []).append(s)
+            held = self._held.setdefault(fp, {})
+            for key in s.tensors:
+                held.setdefault(key, s)
+        self._weights = {fp: self._make_weights(held) for fp, held in self._held.items()}
         self.capacity = capacity
         self.max_message_bytes = max_message_bytes
         self.protocol_max = min(protocol_max, rpc.PROTOCOL_MAX)
@@ -116,14 +121,15 @@ class ExpertWorker:
                             max_message_bytes=self.max_message_bytes)
 
     def _holder(self, fp: bytes, layer: int, expert: int) -> ExpertShard | None:
-        for s in self._by_fp[fp]:
-            if s.holds(layer, expert):
-                return s
-        return None
+        return self._held[fp].get((layer, expert))
 
     def _weights_for(self, fp: bytes) -> ExpertWeightsFn:
+        return self._weights[fp]
+
+    @staticmethod
+    def _make_weights(held: dict[tuple[int, int], ExpertShard]) -> ExpertWeightsFn:
         def weights(layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            shard = self._holder(fp, layer, expert)
+            shard = held.get((layer, expert))
             if shard is None:
                 raise KeyError((layer, expert))
             return shard.weights(layer, expert)
@@ -351,8 +357,9 @@ class _Session:
         except Exception as e:  # noqa: BLE001 - answered as a typed error
             return self._compute_failed(req, e, rid)
         dt = time.perf_counter() - t0
-        w._served(req, groups, dt)
-        return self._emit(w._reply(req, result, dt), rid)
+        rest = self._emit(w._reply(req, result, dt), rid)
+        w._served(req, groups, dt)  # counted once the reply is on its way
+        return rest
 
     async def _threaded(self, weights: ExpertWeightsFn, req: AnyRequest,
                         groups: list[tuple[int, np.ndarray]], rid: int) -> None:
