@@ -486,9 +486,20 @@ def _large_pairs(pairs: np.ndarray, rows: int) -> list[tuple[int, np.ndarray]]:
     return _groups(pairs)
 
 
+_ROW0 = np.zeros(1, dtype=np.int64)  # the rows of every group of a one-row request (shared, read-only)
+_ROW0.flags.writeable = False
+
+
 def _small_pairs(pairs: list[list[int]], rows: int) -> list[tuple[int, np.ndarray]]:
     """``_large_pairs`` in Python, for a few pairs (``pairs.tolist()``): the same checks in the same order,
     the same verdicts and groups."""
+    if rows == 1:  # one token (a decode step): every pair is (0, expert), one group each
+        if any(r for r, _ in pairs):
+            raise _bad("expert_request pair names a row outside x")
+        experts = [e for _, e in pairs]
+        if any(a >= b for a, b in zip(experts, experts[1:])):
+            raise _bad("expert_request pairs are not strictly ascending by (expert, row)")
+        return [(e, _ROW0) for e in experts]
     if max(r for r, _ in pairs) >= rows:
         raise _bad("expert_request pair names a row outside x")
     prev = -1
