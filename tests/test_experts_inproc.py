@@ -741,3 +741,42 @@ def test_a_loop_driven_pass_times_each_layer_not_the_whole_pass(tmp_path: Path, 
 
 async def _remove(ex: RemoteExecutor, node_id: str) -> None:
     ex.remove_worker(node_id)
+
+
+def test_a_pass_that_failed_after_its_requests_went_out_is_not_resumed_by_their_replies(
+        tmp_path: Path, lt: LoopThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop counts a layer after the next layer's requests are out; if that fails (a bug, no memory),
+    the pass ends with the error at once, and the replies still on their way do not run the pass on."""
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m", layers=3), "qwen3_moe")
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    w = _worker(fx)
+    _connect(lt, ex, w, "w0")
+    x = _inputs(fx.layout.hidden_size)[0]
+    real, calls = ex._account, []
+
+    def account(*a: object) -> None:
+        calls.append(a)
+        if len(calls) == 1:  # the first layer's, once the second layer's requests are out
+            raise MemoryError("account failed")
+        real(*a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ex, "_account", account)
+    resumed: list[int] = []
+
+    def steps() -> ForwardSteps:
+        h = x
+        for layer in fx.layout.sparse_layers:
+            y = yield (layer, h, route(h @ fx.routers[layer].T, fx.layout.top_k, fx.layout.norm_topk_prob))
+            resumed.append(layer)
+            h = h + y
+        return h  # type: ignore[return-value]
+
+    with pytest.raises(MemoryError, match="account failed"):
+        ex.drive(steps())
+    link = ex.links["w0"]
+    deadline = time.monotonic() + 5.0
+    while (w.stats.requests < 2 or link._pending) and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the second layer's reply has been read
+    assert not link._pending and w.stats.requests == 2 and resumed == [fx.layout.sparse_layers[0]], (w.stats.requests, resumed)
+    monkeypatch.setattr(ex, "_account", real)
+    assert _equal(fx.forward(x, ex), fx.forward(x, local_executor(fx.full.weights)))  # the executor is fine

@@ -570,7 +570,7 @@ class RemoteExecutor:
         an error here (a bug, no memory) ends the pass with it, raised on its engine thread. ``done``: the
         layer before, whose bookkeeping waits until this one's requests are out (off the critical path),
         or until the pass is handed back."""
-        if step.abandoned:
+        if step.abandoned or step.done:
             return
         step.beat = started = time.monotonic()
         try:
@@ -626,7 +626,7 @@ class RemoteExecutor:
         """Loop thread: every reply of the layer is in; run the pass up to its next routed layer."""
         layer, x, routing = call
         with step.mutex:
-            if step.abandoned:
+            if step.abandoned or step.done:  # given up, or already ended (an error after its requests went out)
                 return
             step.beat = time.monotonic()
             try:
