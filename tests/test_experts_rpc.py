@@ -363,3 +363,28 @@ def test_small_combine_checks_match_the_numpy_ones(case: tuple) -> None:  # type
     small = _combine_verdict(rpc._small_combine, pairs.tolist(), rows, crow.tolist(), experts.tolist(),
                              weights.tolist(), k)
     assert small == _combine_verdict(rpc._large_combine, pairs, rows, crow, experts, weights, k)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 2**32 - 1), st.integers(1, 48),
+       st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=8, unique=True).map(sorted), st.integers(0, 2**31))
+def test_one_row_request_encoder_gives_the_generic_bytes(layer: int, rid: int, dim: int, experts: list[int],
+                                                         seed: int) -> None:
+    """A decode step's request is encoded without the message object (``encode_row_request``): byte for
+    byte what ``encode`` makes of the same ``ExpertRequest``, and it decodes to the same groups."""
+    x = np.random.default_rng(seed).standard_normal((1, dim)).astype(np.float32)
+    data = rpc.encode_row_request(layer, x, experts, rid)
+    pairs = np.array([(0, e) for e in experts], dtype=np.uint32).reshape(-1, 2)
+    assert data == rpc.encode(rpc.ExpertRequest(layer=layer, x=x, pairs=pairs), rid)
+    got = rpc.decode(data)
+    assert got.request_id == rid and [(e, r.tolist()) for e, r in got.message.groups()] == [(e, [0]) for e in experts]
+
+
+@pytest.mark.parametrize("layer, rid, experts", [(2**32, 1, [0]), (-1, 1, [0]), (0, 2**32, [0]), (0, 1, [2**32]),
+                                                 (0, 1, [-1])])
+def test_one_row_request_encoder_refuses_what_does_not_fit(layer: int, rid: int, experts: list[int]) -> None:
+    x = np.zeros((1, 4), dtype=np.float32)
+    with pytest.raises(ValueError):
+        rpc.encode_row_request(layer, x, experts, rid)
+    with pytest.raises(ValueError):
+        rpc.encode_row_request(0, np.zeros((2, 4), dtype=np.float32), [0], 1)  # not one row

@@ -549,15 +549,22 @@ class RemoteExecutor:
             size = planning.request_bytes(x.shape[1], n_rows, n_pairs)
             if n_rows > max_rows or size > min(max_bytes, limits.EXPERT_SEND_CHUNK_BYTES):
                 return None  # not one frame: the general path splits it and sends it in slices
-            req: rpc.ExpertRequest | rpc.ExpertCombineRequest = planning.request(layer, x, work, items, tokens)
-            snd = FastSend(node, link, 0, b"", items, req.x.shape[0], req.pairs.shape[0], x.shape[1])
+            combined = None
             if whole is not None and routing is not None and link.ack.version >= 2:
                 rows = np.flatnonzero(whole == w)  # tokens whose k experts all went to this worker
                 if len(rows) and self._combining_pays(link, len(rows), routing.experts.shape[1], x.shape[1]):
-                    req, snd.raw_mask = planning.combine_request(req, tokens, routing, rows)
-                    snd.combined = rows
-            snd.rid = link.next_id()
-            snd.data = rpc.encode(req, snd.rid)
+                    combined = rows
+            rid = link.next_id()
+            if tokens is None and combined is None:  # one token, its outputs sent back raw (a decode step)
+                data = rpc.encode_row_request(layer, x, [work[i][0] for i in items], rid)
+                snd = FastSend(node, link, rid, data, items, 1, len(items), x.shape[1])
+            else:
+                req: rpc.ExpertRequest | rpc.ExpertCombineRequest = planning.request(layer, x, work, items, tokens)
+                snd = FastSend(node, link, rid, b"", items, req.x.shape[0], req.pairs.shape[0], x.shape[1])
+                if combined is not None and routing is not None:
+                    req, snd.raw_mask = planning.combine_request(req, tokens, routing, combined)
+                    snd.combined = combined
+                snd.data = rpc.encode(req, rid)
             if len(snd.data) > min(limits.EXPERT_SEND_CHUNK_BYTES, max_bytes):
                 return None  # the combine fields took it over the bound checked above
             sends.append(snd)

@@ -356,6 +356,30 @@ def encode(msg: Message, request_id: int) -> bytes:
     return b"".join([header, *parts, crc.to_bytes(4, "little")])
 
 
+def encode_row_request(layer: int, x: np.ndarray, experts: list[int], request_id: int) -> bytes:
+    """``encode(ExpertRequest(layer, x, [(0, e) for e in experts]), request_id)`` for one token's row ``x``
+    [1, D] fp32 (a decode step's request, built without the message object and the generic checks): the
+    same bytes. Raises ``ValueError`` for a layer, request id or expert that does not fit u32."""
+    _check_u32("request_id", request_id)
+    _check_u32("layer", layer)
+    if x.ndim != 2 or x.shape[0] != 1 or x.dtype != _F32 or not x.flags.c_contiguous:
+        raise ValueError("x must be one contiguous fp32 row [1, D]")
+    n = len(experts)
+    try:
+        pairs = struct.pack(f"<{2 * n}I", *[v for e in experts for v in (0, e)])
+    except struct.error:
+        raise ValueError("an expert does not fit u32") from None
+    head = _REQ.pack(layer, DTYPE_F32, 1, x.shape[1], n)
+    row = memoryview(x).cast("B")
+    length = len(head) + len(row) + len(pairs)
+    if length > limits.EXPERT_MAX_MESSAGE_BYTES:
+        raise ValueError(f"message of {length} bytes exceeds {limits.EXPERT_MAX_MESSAGE_BYTES}")
+    header = _HEADER.pack(MAGIC, MSG_VERSION[MsgType.EXPERT_REQUEST], int(MsgType.EXPERT_REQUEST), 0, 0,
+                          request_id, length)
+    crc = zlib.crc32(pairs, zlib.crc32(row, zlib.crc32(head, zlib.crc32(header))))
+    return b"".join((header, head, row, pairs, crc.to_bytes(4, "little")))
+
+
 # --- decoding ---------------------------------------------------------------------------------------
 
 
