@@ -743,10 +743,12 @@ async def _remove(ex: RemoteExecutor, node_id: str) -> None:
     ex.remove_worker(node_id)
 
 
-def test_a_pass_that_failed_after_its_requests_went_out_is_not_resumed_by_their_replies(
-        tmp_path: Path, lt: LoopThread, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The loop counts a layer after the next layer's requests are out; if that fails (a bug, no memory),
-    the pass ends with the error at once, and the replies still on their way do not run the pass on."""
+@pytest.mark.parametrize("fail_at", [1, 3])
+def test_a_pass_whose_bookkeeping_fails_ends_at_once_and_is_not_resumed_by_later_replies(
+        tmp_path: Path, lt: LoopThread, monkeypatch: pytest.MonkeyPatch, fail_at: int) -> None:
+    """The loop counts a layer after the next layer's requests are out (or, for the last, before the pass
+    ends); if that fails (a bug, no memory), the pass ends with the error at once, and replies still on
+    their way do not run the pass on."""
     fx = Fixture(make_moe_checkpoint(tmp_path / "m", layers=3), "qwen3_moe")
     ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
     w = _worker(fx)
@@ -756,7 +758,7 @@ def test_a_pass_that_failed_after_its_requests_went_out_is_not_resumed_by_their_
 
     def account(*a: object) -> None:
         calls.append(a)
-        if len(calls) == 1:  # the first layer's, once the second layer's requests are out
+        if len(calls) == fail_at:
             raise MemoryError("account failed")
         real(*a)  # type: ignore[arg-type]
 
@@ -771,12 +773,16 @@ def test_a_pass_that_failed_after_its_requests_went_out_is_not_resumed_by_their_
             h = h + y
         return h  # type: ignore[return-value]
 
+    t0 = time.monotonic()
     with pytest.raises(MemoryError, match="account failed"):
         ex.drive(steps())
+    assert time.monotonic() - t0 < 1.0
+    sent = min(fail_at + 1, len(fx.layout.sparse_layers))  # layers whose requests went out
     link = ex.links["w0"]
     deadline = time.monotonic() + 5.0
-    while (w.stats.requests < 2 or link._pending) and time.monotonic() < deadline:
-        time.sleep(0.01)  # until the second layer's reply has been read
-    assert not link._pending and w.stats.requests == 2 and resumed == [fx.layout.sparse_layers[0]], (w.stats.requests, resumed)
+    while (w.stats.requests < sent or link._pending) and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the last request's reply has been read
+    assert not link._pending and w.stats.requests == sent
+    assert resumed == list(fx.layout.sparse_layers[:fail_at]), resumed
     monkeypatch.setattr(ex, "_account", real)
     assert _equal(fx.forward(x, ex), fx.forward(x, local_executor(fx.full.weights)))  # the executor is fine

@@ -638,11 +638,12 @@ class RemoteExecutor:
             step.beat = time.monotonic()
             try:
                 out = self._assemble(routing, fast.sends, *x.shape)
-                nxt = step.steps.send(out)
-            except StopIteration as stop:
-                self._step_done((call, fast))
-                step.finish(stop.value, None)
-                return
+                try:
+                    nxt = step.steps.send(out)
+                except StopIteration as stop:
+                    self._step_done((call, fast))  # counted before its caller can look
+                    step.finish(stop.value, None)
+                    return
             except Exception as e:  # noqa: BLE001 - the pass's own error, raised again on its engine thread
                 step.finish(None, e)
                 return
@@ -702,13 +703,13 @@ class RemoteExecutor:
         snd.reply = reply  # type: ignore[assignment]  # answers() checked its type
         call.left -= 1
         if call.left == 0:
-            call.settle()
-            if call.on_settle is None:  # an engine thread waits: it wakes while the loop counts
+            if call.on_settle is None:  # an engine thread waits: counted before it wakes
                 self._observe(call)
+            call.settle()
 
     @staticmethod
     def _observe(call: FastCall) -> None:
-        """Loop thread: an answered call's link counters (kept off the path of its last reply)."""
+        """Loop thread: an answered call's link counters (a loop-driven layer's once the next layer is out)."""
         for snd in call.sends:
             if snd.reply is not None:
                 st = snd.link.stats
