@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transport import limits
 
 from engine.experts import rpc
 
@@ -388,3 +389,26 @@ def test_one_row_request_encoder_refuses_what_does_not_fit(layer: int, rid: int,
         rpc.encode_row_request(layer, x, experts, rid)
     with pytest.raises(ValueError):
         rpc.encode_row_request(0, np.zeros((2, 4), dtype=np.float32), [0], 1)  # not one row
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1), st.integers(1, 9), st.integers(1, 48),
+       st.integers(0, 2**40), st.integers(0, 2**31))
+def test_reply_built_in_place_gives_the_generic_bytes(layer: int, rid: int, pairs: int, dim: int, us: int,
+                                                      seed: int) -> None:
+    """A decode step's reply is computed into its message (``ReplyBuffer``): byte for byte what ``encode``
+    makes of the same ``ExpertReply`` (compute time clamped alike), and it decodes to the outputs."""
+    out = np.random.default_rng(seed).standard_normal((pairs, dim)).astype(np.float32)
+    buf = rpc.ReplyBuffer(layer, pairs, dim, rid)
+    buf.out[...] = out
+    data = bytes(buf.finish(us))
+    assert data == rpc.encode(rpc.ExpertReply(layer=layer, out=out, compute_us=us), rid)
+    got = rpc.decode(data)
+    assert got.request_id == rid and got.message.out.tobytes() == out.tobytes()
+
+
+def test_reply_buffer_refuses_what_does_not_fit() -> None:
+    for args in ((2**32, 1, 4, 1), (0, 1, 4, 2**32), (0, 0, 4, 1), (0, 1, 0, 1),
+                 (0, limits.EXPERT_MAX_MESSAGE_BYTES // 4, 2, 1)):
+        with pytest.raises(ValueError):
+            rpc.ReplyBuffer(*args)

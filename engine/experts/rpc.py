@@ -380,6 +380,38 @@ def encode_row_request(layer: int, x: np.ndarray, experts: list[int], request_id
     return b"".join((header, head, row, pairs, crc.to_bytes(4, "little")))
 
 
+class ReplyBuffer:
+    """An EXPERT_REPLY built where its outputs are computed: the worker writes the [pairs, D] outputs into
+    ``out`` (a view of the message), then :meth:`finish` adds the compute time and the checksum. The
+    message is byte for byte ``encode(ExpertReply(layer, out, compute_us), request_id)``, without the copy
+    and the message object after the compute."""
+
+    __slots__ = ("_buf", "_head", "out")
+
+    def __init__(self, layer: int, pairs: int, dim: int, request_id: int) -> None:
+        _check_u32("request_id", request_id)
+        _check_u32("layer", layer)
+        if pairs < 1 or dim < 1:
+            raise ValueError("out must be [m, D]")
+        length = _REPLY.size + 4 * pairs * dim
+        if length > limits.EXPERT_MAX_MESSAGE_BYTES:
+            raise ValueError(f"message of {length} bytes exceeds {limits.EXPERT_MAX_MESSAGE_BYTES}")
+        self._buf = bytearray(HEADER_BYTES + length + CRC_BYTES)
+        _HEADER.pack_into(self._buf, 0, MAGIC, MSG_VERSION[MsgType.EXPERT_REPLY], int(MsgType.EXPERT_REPLY), 0, 0,
+                          request_id, length)
+        self._head = (layer, pairs, dim)
+        self.out = np.frombuffer(self._buf, dtype=_F32, count=pairs * dim, offset=HEADER_BYTES + _REPLY.size)
+        self.out = self.out.reshape(pairs, dim)
+
+    def finish(self, compute_us: int) -> bytearray:
+        """The whole message, once ``out`` holds the outputs."""
+        buf = self._buf
+        _REPLY.pack_into(buf, HEADER_BYTES, *self._head, min(compute_us, 0xFFFFFFFF))
+        crc = zlib.crc32(memoryview(buf)[:-CRC_BYTES])
+        buf[-CRC_BYTES:] = crc.to_bytes(CRC_BYTES, "little")
+        return buf
+
+
 # --- decoding ---------------------------------------------------------------------------------------
 
 

@@ -65,10 +65,12 @@ class WorkerStats:
                 "compute_s": round(self.compute_s, 6), "experts_hit": len(self.expert_rows)}
 
 
-def compute_request(weights: ExpertWeightsFn, req: AnyRequest,
-                    groups: list[tuple[int, np.ndarray]] | None = None) -> np.ndarray:
-    """[n_pairs, D] outputs in request order: ``expert_ffn(x[rows_e], W_e)`` for each expert's rows."""
-    out = np.empty((req.pairs.shape[0], req.x.shape[1]), dtype=np.float32)
+def compute_request(weights: ExpertWeightsFn, req: AnyRequest, groups: list[tuple[int, np.ndarray]] | None = None,
+                    out: np.ndarray | None = None) -> np.ndarray:
+    """[n_pairs, D] outputs in request order: ``expert_ffn(x[rows_e], W_e)`` for each expert's rows
+    (written into ``out`` if given)."""
+    if out is None:
+        out = np.empty((req.pairs.shape[0], req.x.shape[1]), dtype=np.float32)
     pos = 0
     for expert, rows in (req.groups() if groups is None else groups):
         y = expert_ffn(req.x[rows], *weights(req.layer, expert))  # [n, D]
@@ -351,13 +353,23 @@ class _Session:
         weights = w._weights_for(fp)
         if not w._inline(fp, req):
             return self._threaded(weights, req, groups, rid)
-        t0 = time.perf_counter()  # small (decode): a thread hop would cost more than the compute
-        try:
-            result = w._compute(weights, req, groups)
-        except Exception as e:  # noqa: BLE001 - answered as a typed error
-            return self._compute_failed(req, e, rid)
-        dt = time.perf_counter() - t0
-        rest = self._emit(w._reply(req, result, dt), rid)
+        if isinstance(req, rpc.ExpertRequest) and w._reply_hook is None:  # a decode step: computed into its reply
+            reply = rpc.ReplyBuffer(req.layer, req.pairs.shape[0], req.x.shape[1], rid)
+            t0 = time.perf_counter()
+            try:
+                compute_request(weights, req, groups, reply.out)
+            except Exception as e:  # noqa: BLE001 - answered as a typed error
+                return self._compute_failed(req, e, rid)
+            dt = time.perf_counter() - t0
+            rest = self._emit_bytes(reply.finish(int(dt * 1e6)))
+        else:
+            t0 = time.perf_counter()  # small (decode): a thread hop would cost more than the compute
+            try:
+                result = w._compute(weights, req, groups)
+            except Exception as e:  # noqa: BLE001 - answered as a typed error
+                return self._compute_failed(req, e, rid)
+            dt = time.perf_counter() - t0
+            rest = self._emit(w._reply(req, result, dt), rid)
         w._served(req, groups, dt)  # counted once the reply is on its way
         return rest
 
@@ -384,13 +396,15 @@ class _Session:
 
     def _emit(self, msg: rpc.Message, rid: int, last: bool = False) -> Coroutine[Any, Any, None] | None:
         """Send a reply now if the channel takes it at once; else a coroutine that sends it."""
-        data = rpc.encode(msg, rid)
+        return self._emit_bytes(rpc.encode(msg, rid), last)
+
+    def _emit_bytes(self, data: bytes | bytearray, last: bool = False) -> Coroutine[Any, Any, None] | None:
         self.w.stats.bytes_out += len(data)
         if not last and len(data) <= limits.EXPERT_SEND_CHUNK_BYTES and self.ch.send_now(data):
             return None
         return self._send_slowly(data, last)
 
-    async def _send_slowly(self, data: bytes, last: bool) -> None:
+    async def _send_slowly(self, data: bytes | bytearray, last: bool) -> None:
         step = limits.EXPERT_SEND_CHUNK_BYTES
         for i in range(0, len(data), step):
             await self.ch.send(data[i:i + step])
