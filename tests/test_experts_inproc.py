@@ -786,3 +786,70 @@ def test_a_pass_whose_bookkeeping_fails_ends_at_once_and_is_not_resumed_by_later
     assert resumed == list(fx.layout.sparse_layers[:fail_at]), resumed
     monkeypatch.setattr(ex, "_account", real)
     assert _equal(fx.forward(x, ex), fx.forward(x, local_executor(fx.full.weights)))  # the executor is fine
+
+
+def test_a_layer_answered_and_used_is_counted_when_the_pass_then_fails(tmp_path: Path, lt: LoopThread) -> None:
+    """A loop-driven layer is counted once the next layer is out; when the pass's own code raises after
+    taking a layer's output, that layer still counts (calls, layers), as the worker served it."""
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    w = _worker(fx)
+    _connect(lt, ex, w, "w0")
+    x = _inputs(fx.layout.hidden_size)[0]
+
+    def failing() -> ForwardSteps:
+        first = fx.layout.sparse_layers[0]
+        yield (first, x, route(x @ fx.routers[first].T, fx.layout.top_k, fx.layout.norm_topk_prob))
+        raise ValueError("broken pass")
+
+    with pytest.raises(ValueError, match="broken pass"):
+        ex.drive(failing())
+    st = ex.status()
+    assert st["layers"] == 1 and st["workers"]["w0"]["calls"] == w.stats.requests == 1, st  # type: ignore[index]
+
+
+def test_a_layer_answered_and_used_is_counted_when_the_next_one_fails_to_build(
+        tmp_path: Path, lt: LoopThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.experts.coordinator as coord_mod
+
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    _connect(lt, ex, _worker(fx, protocol_max=1), "w0")  # v1: decode requests take encode_row_request
+    x = _inputs(fx.layout.hidden_size)[0]
+    real, built = coord_mod.rpc.encode_row_request, []
+
+    def encode(*a: object) -> bytes:
+        built.append(a)
+        if len(built) == 2:
+            raise MemoryError("encode failed")
+        return real(*a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(coord_mod.rpc, "encode_row_request", encode)
+    with pytest.raises(MemoryError, match="encode failed"):
+        fx.forward(x, ex)
+    st = ex.status()
+    assert st["layers"] == 1 and st["workers"]["w0"]["calls"] == 1, st  # type: ignore[index]
+
+
+def test_a_worker_out_of_memory_for_a_reply_answers_a_typed_error_and_keeps_the_link(
+        tmp_path: Path, lt: LoopThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Making a decode reply can fail (no memory): the worker answers INTERNAL for that request, the
+    coordinator runs the layer again (general path), and the worker's channel is not reset."""
+    import engine.experts.worker as worker_mod
+
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    a = _worker(fx, protocol_max=1)  # v1: decode replies are built in place (ReplyBuffer)
+    _connect(lt, ex, a, "a")
+    real, made = worker_mod.rpc.ReplyBuffer, []
+
+    def reply_buffer(*args: object) -> object:
+        made.append(args)
+        if len(made) == 1:
+            raise MemoryError("no memory for the reply")
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(worker_mod.rpc, "ReplyBuffer", reply_buffer)
+    x = _inputs(fx.layout.hidden_size)[0]
+    assert _equal(fx.forward(x, ex), fx.forward(x, local_executor(fx.full.weights)))
+    assert a.stats.errors == 1 and ex.status()["retries"] > 0 and "a" in ex.links

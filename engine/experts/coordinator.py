@@ -595,6 +595,8 @@ class RemoteExecutor:
             self._fast_dispatch(fast)
             self._step_done(done)
         except Exception as e:  # noqa: BLE001 - raised again on the pass's engine thread
+            with contextlib.suppress(Exception):
+                self._step_done(done)  # the layer before was answered and used
             step.finish(None, e)
 
     def _step_timeout_s(self) -> float:
@@ -614,9 +616,10 @@ class RemoteExecutor:
             step.timer = self.loop.call_later(due - time.monotonic(), self._step_watch, step)
 
     def _step_done(self, done: tuple[RoutedCall, FastCall] | None) -> None:
-        """Loop thread: the bookkeeping of a loop-driven layer whose output the pass has taken."""
-        if done is not None:
+        """Loop thread: the bookkeeping of a loop-driven layer whose output the pass has taken (once)."""
+        if done is not None and not done[1].counted:
             (layer, _x, routing), fast = done
+            fast.counted = True
             self._observe(fast)
             self._account(layer, routing.work, [], fast.sends)
 
@@ -644,6 +647,10 @@ class RemoteExecutor:
                     self._step_done((call, fast))  # counted before its caller can look
                     step.finish(stop.value, None)
                     return
+                except Exception:
+                    with contextlib.suppress(Exception):
+                        self._step_done((call, fast))  # the layer was answered and used
+                    raise
             except Exception as e:  # noqa: BLE001 - the pass's own error, raised again on its engine thread
                 step.finish(None, e)
                 return

@@ -187,6 +187,7 @@ class FastCall:
         self.left = len(sends)
         self.error: str | None = None
         self.settled = False
+        self.counted = False  # its layer's counters are updated (a loop-driven layer's, once)
         self.on_settle = on_settle
         self.lock: threading.Lock | None = None
         if on_settle is None:

@@ -354,9 +354,9 @@ class _Session:
         if not w._inline(fp, req):
             return self._threaded(weights, req, groups, rid)
         if isinstance(req, rpc.ExpertRequest) and w._reply_hook is None:  # a decode step: computed into its reply
-            reply = rpc.ReplyBuffer(req.layer, req.pairs.shape[0], req.x.shape[1], rid)
             t0 = time.perf_counter()
             try:
+                reply = rpc.ReplyBuffer(req.layer, req.pairs.shape[0], req.x.shape[1], rid)
                 compute_request(weights, req, groups, reply.out)
             except Exception as e:  # noqa: BLE001 - answered as a typed error
                 return self._compute_failed(req, e, rid)
