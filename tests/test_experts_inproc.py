@@ -10,7 +10,7 @@ import asyncio
 import threading
 import time
 from typing import Any
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +88,20 @@ def _worker(fx: Fixture, spec: str = "", **kw: object) -> ExpertWorker:
 
 def _equal(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
     return len(a) == len(b) and all(x.tobytes() == y.tobytes() for x, y in zip(a, b))
+
+
+def _failing_call(real: Callable[..., Any], n: int, error: BaseException) -> Callable[..., Any]:
+    """``real``, except that its ``n``-th call raises ``error`` (a bug, no memory)."""
+    calls = 0
+
+    def call(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == n:
+            raise error
+        return real(*args)
+
+    return call
 
 
 @pytest.mark.parametrize("family,dtype", [("qwen3_moe", "F32"), ("mixtral", "F32"), ("qwen3_moe", "BF16")])
@@ -754,15 +768,8 @@ def test_a_pass_whose_bookkeeping_fails_ends_at_once_and_is_not_resumed_by_later
     w = _worker(fx)
     _connect(lt, ex, w, "w0")
     x = _inputs(fx.layout.hidden_size)[0]
-    real, calls = ex._account, []
-
-    def account(*a: object) -> None:
-        calls.append(a)
-        if len(calls) == fail_at:
-            raise MemoryError("account failed")
-        real(*a)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(ex, "_account", account)
+    real = ex._account
+    monkeypatch.setattr(ex, "_account", _failing_call(real, fail_at, MemoryError("account failed")))
     resumed: list[int] = []
 
     def steps() -> ForwardSteps:
@@ -816,15 +823,8 @@ def test_a_layer_answered_and_used_is_counted_when_the_next_one_fails_to_build(
     ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
     _connect(lt, ex, _worker(fx, protocol_max=1), "w0")  # v1: decode requests take encode_row_request
     x = _inputs(fx.layout.hidden_size)[0]
-    real, built = coord_mod.rpc.encode_row_request, []
-
-    def encode(*a: object) -> bytes:
-        built.append(a)
-        if len(built) == 2:
-            raise MemoryError("encode failed")
-        return real(*a)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(coord_mod.rpc, "encode_row_request", encode)
+    monkeypatch.setattr(coord_mod.rpc, "encode_row_request",
+                        _failing_call(coord_mod.rpc.encode_row_request, 2, MemoryError("encode failed")))
     with pytest.raises(MemoryError, match="encode failed"):
         fx.forward(x, ex)
     st = ex.status()
@@ -841,15 +841,8 @@ def test_a_worker_out_of_memory_for_a_reply_answers_a_typed_error_and_keeps_the_
     ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
     a = _worker(fx, protocol_max=1)  # v1: decode replies are built in place (ReplyBuffer)
     _connect(lt, ex, a, "a")
-    real, made = worker_mod.rpc.ReplyBuffer, []
-
-    def reply_buffer(*args: object) -> object:
-        made.append(args)
-        if len(made) == 1:
-            raise MemoryError("no memory for the reply")
-        return real(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(worker_mod.rpc, "ReplyBuffer", reply_buffer)
+    monkeypatch.setattr(worker_mod.rpc, "ReplyBuffer",
+                        _failing_call(worker_mod.rpc.ReplyBuffer, 1, MemoryError("no memory for the reply")))
     x = _inputs(fx.layout.hidden_size)[0]
     assert _equal(fx.forward(x, ex), fx.forward(x, local_executor(fx.full.weights)))
     assert a.stats.errors == 1 and ex.status()["retries"] > 0 and "a" in ex.links
