@@ -353,7 +353,9 @@ class _Session:
         weights = w._weights_for(fp)
         if not w._inline(fp, req):
             return self._threaded(weights, req, groups, rid)
-        if isinstance(req, rpc.ExpertRequest) and w._reply_hook is None:  # a decode step: computed into its reply
+        # Small (decode): computed here, as a thread hop would cost more than the compute. A plain request's
+        # outputs go straight into its reply message.
+        if isinstance(req, rpc.ExpertRequest) and w._reply_hook is None:
             t0 = time.perf_counter()
             try:
                 reply = rpc.ReplyBuffer(req.layer, req.pairs.shape[0], req.x.shape[1], rid)
@@ -363,7 +365,7 @@ class _Session:
             dt = time.perf_counter() - t0
             rest = self._emit_bytes(reply.finish(int(dt * 1e6)))
         else:
-            t0 = time.perf_counter()  # small (decode): a thread hop would cost more than the compute
+            t0 = time.perf_counter()
             try:
                 result = w._compute(weights, req, groups)
             except Exception as e:  # noqa: BLE001 - answered as a typed error
