@@ -341,15 +341,19 @@ def _payload(msg: Message) -> tuple[MsgType, list[bytes | memoryview]]:
     raise TypeError(f"not a message: {type(msg).__name__}")
 
 
+def _header(mtype: MsgType, request_id: int, length: int) -> bytes:
+    """The header of a message of ``length`` payload bytes; ``ValueError`` if it must never be sent."""
+    _check_u32("request_id", request_id)
+    if length > limits.EXPERT_MAX_MESSAGE_BYTES:
+        raise ValueError(f"message of {length} bytes exceeds {limits.EXPERT_MAX_MESSAGE_BYTES}")
+    return _HEADER.pack(MAGIC, MSG_VERSION[mtype], int(mtype), 0, 0, request_id, length)
+
+
 def encode(msg: Message, request_id: int) -> bytes:
     """Serialize one message (its header carries its type's ``MSG_VERSION``). Raises ``ValueError`` for a
     message we must never send."""
-    _check_u32("request_id", request_id)
     mtype, parts = _payload(msg)
-    length = sum(len(p) for p in parts)
-    if length > limits.EXPERT_MAX_MESSAGE_BYTES:
-        raise ValueError(f"message of {length} bytes exceeds {limits.EXPERT_MAX_MESSAGE_BYTES}")
-    header = _HEADER.pack(MAGIC, MSG_VERSION[mtype], int(mtype), 0, 0, request_id, length)
+    header = _header(mtype, request_id, sum(len(p) for p in parts))
     crc = zlib.crc32(header)
     for p in parts:
         crc = zlib.crc32(p, crc)
@@ -360,7 +364,6 @@ def encode_row_request(layer: int, x: np.ndarray, experts: list[int], request_id
     """``encode(ExpertRequest(layer, x, [(0, e) for e in experts]), request_id)`` for one token's row ``x``
     [1, D] fp32 (a decode step's request, built without the message object and the generic checks): the
     same bytes. Raises ``ValueError`` for a layer, request id or expert that does not fit u32."""
-    _check_u32("request_id", request_id)
     _check_u32("layer", layer)
     if x.ndim != 2 or x.shape[0] != 1 or x.dtype != _F32 or not x.flags.c_contiguous:
         raise ValueError("x must be one contiguous fp32 row [1, D]")
@@ -371,11 +374,7 @@ def encode_row_request(layer: int, x: np.ndarray, experts: list[int], request_id
         raise ValueError("an expert does not fit u32") from None
     head = _REQ.pack(layer, DTYPE_F32, 1, x.shape[1], n)
     row = memoryview(x).cast("B")
-    length = len(head) + len(row) + len(pairs)
-    if length > limits.EXPERT_MAX_MESSAGE_BYTES:
-        raise ValueError(f"message of {length} bytes exceeds {limits.EXPERT_MAX_MESSAGE_BYTES}")
-    header = _HEADER.pack(MAGIC, MSG_VERSION[MsgType.EXPERT_REQUEST], int(MsgType.EXPERT_REQUEST), 0, 0,
-                          request_id, length)
+    header = _header(MsgType.EXPERT_REQUEST, request_id, len(head) + len(row) + len(pairs))
     crc = zlib.crc32(pairs, zlib.crc32(row, zlib.crc32(head, zlib.crc32(header))))
     return b"".join((header, head, row, pairs, crc.to_bytes(4, "little")))
 
@@ -389,16 +388,13 @@ class ReplyBuffer:
     __slots__ = ("_buf", "_head", "out")
 
     def __init__(self, layer: int, pairs: int, dim: int, request_id: int) -> None:
-        _check_u32("request_id", request_id)
         _check_u32("layer", layer)
         if pairs < 1 or dim < 1:
             raise ValueError("out must be [m, D]")
         length = _REPLY.size + 4 * pairs * dim
-        if length > limits.EXPERT_MAX_MESSAGE_BYTES:
-            raise ValueError(f"message of {length} bytes exceeds {limits.EXPERT_MAX_MESSAGE_BYTES}")
+        header = _header(MsgType.EXPERT_REPLY, request_id, length)
         self._buf = bytearray(HEADER_BYTES + length + CRC_BYTES)
-        _HEADER.pack_into(self._buf, 0, MAGIC, MSG_VERSION[MsgType.EXPERT_REPLY], int(MsgType.EXPERT_REPLY), 0, 0,
-                          request_id, length)
+        self._buf[:HEADER_BYTES] = header
         self._head = (layer, pairs, dim)
         self.out = np.frombuffer(self._buf, dtype=_F32, count=pairs * dim, offset=HEADER_BYTES + _REPLY.size)
         self.out = self.out.reshape(pairs, dim)
