@@ -381,7 +381,7 @@ class RemoteExecutor:
         """Engine thread: until the loop is done with ``step``. Each layer settles or hands back within its
         timeout, so a pass the loop has not moved for longer than that (plus a margin for compute), or a
         loop that stopped, is given up: raises :class:`ExpertsUnavailable`."""
-        stall_s = min(self.config.message_timeout_s, self.config.layer_timeout_s) + LOOP_STALL_MARGIN_S
+        stall_s = self._fast_timeout_s + LOOP_STALL_MARGIN_S
         while not step.lock.acquire(timeout=0.5):
             if time.monotonic() - step.beat < stall_s and self.loop.is_running():
                 continue
@@ -513,7 +513,7 @@ class RemoteExecutor:
             return None
         self.loop.call_soon_threadsafe(self._fast_dispatch, call)
         assert call.lock is not None  # noqa: S101 - made without on_settle
-        if not call.lock.acquire(timeout=min(self.config.message_timeout_s, self.config.layer_timeout_s)):
+        if not call.lock.acquire(timeout=self._fast_timeout_s):
             self.loop.call_soon_threadsafe(self._fast_timeout, call)
             return None
         if call.error is not None:
@@ -591,7 +591,7 @@ class RemoteExecutor:
                 return
             step.fast, step.fast_started = fast, started
             if step.timer is None:
-                step.timer = self.loop.call_later(self._step_timeout_s(), self._step_watch, step)
+                step.timer = self.loop.call_later(self._fast_timeout_s, self._step_watch, step)
             self._fast_dispatch(fast)
             self._step_done(done)
         except Exception as e:  # noqa: BLE001 - raised again on the pass's engine thread
@@ -599,7 +599,9 @@ class RemoteExecutor:
                 self._step_done(done)  # the layer before was answered and used
             step.finish(None, e)
 
-    def _step_timeout_s(self) -> float:
+    @property
+    def _fast_timeout_s(self) -> float:
+        """How long a fast-path layer waits for its replies (on the engine thread or the loop)."""
         return min(self.config.message_timeout_s, self.config.layer_timeout_s)
 
     def _step_watch(self, step: _LoopStep) -> None:
@@ -609,7 +611,7 @@ class RemoteExecutor:
         fast = step.fast
         if step.done or fast is None or fast.settled:
             return
-        due = step.fast_started + self._step_timeout_s()
+        due = step.fast_started + self._fast_timeout_s
         if time.monotonic() >= due:
             self._fast_timeout(fast)
         else:
@@ -719,10 +721,7 @@ class RemoteExecutor:
         """Loop thread: an answered call's link counters (a loop-driven layer's once the next layer is out)."""
         for snd in call.sends:
             if snd.reply is not None:
-                st = snd.link.stats
-                st.calls += 1
-                st.compute_sum_s += snd.reply.compute_us / 1e6
-                st.observe(snd.t1 - snd.t0)
+                snd.link.stats.answered(snd.reply.compute_us, snd.t1 - snd.t0)
 
     def _fast_timeout(self, call: FastCall) -> None:
         """Loop thread: the engine thread stopped waiting; drop the workers that did not answer."""
@@ -858,9 +857,7 @@ class RemoteExecutor:
                         return
                     win.popleft()
                     if isinstance(reply, rpc.ExpertReply) and planning.fill(layer, work, chunk, reply, results):
-                        link_stats.calls += 1
-                        link_stats.compute_sum_s += reply.compute_us / 1e6
-                        link_stats.observe(time.perf_counter() - t0)
+                        link_stats.answered(reply.compute_us, time.perf_counter() - t0)
                         await send_more(node)
                         continue
                     why = reply.text if isinstance(reply, rpc.ErrorMsg) else f"bad reply {type(reply).__name__}"

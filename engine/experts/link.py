@@ -43,11 +43,14 @@ class LinkStats:
     compute_sum_s: float = 0.0  # the worker's own compute time, from its replies
     latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
 
-    def observe(self, dt: float) -> None:
-        self.latency_sum_s += dt
-        self.latency_max_s = max(self.latency_max_s, dt)
+    def answered(self, compute_us: int, latency_s: float) -> None:
+        """One call answered: the worker's reported compute time and the round trip seen here."""
+        self.calls += 1
+        self.compute_sum_s += compute_us / 1e6
+        self.latency_sum_s += latency_s
+        self.latency_max_s = max(self.latency_max_s, latency_s)
         for i, b in enumerate(LATENCY_BUCKETS_S):
-            if dt <= b:
+            if latency_s <= b:
                 self.latency_buckets[i] += 1
                 return
         self.latency_buckets[-1] += 1
