@@ -15,7 +15,7 @@ within ``layer_timeout_s``. A worker that fails (timeout, typed error, broken st
 items are retried on the next live holder; items nobody live holds are computed locally in ``prefer``
 mode (counted, logged) or make the call raise :class:`ExpertsUnavailable` in ``on`` mode.
 
-Combining on workers (``run_routed``, the ``engine.moe.RoutedExecutor`` extension ``moe_block`` uses): on
+Combining on workers (``run_routed``, the ``engine.moe.RoutedExecutor`` extension ``run_block`` uses): on
 the fast path, a worker that acked protocol v2 is also sent, for each token whose k experts all went to
 it, the token's slot experts and weights, and returns that token's combined row instead of k rows; the
 coordinator combines the other tokens from raw outputs. Both sum in slot order with ``weighted_sum``, so
