@@ -197,6 +197,7 @@ def test_send_now_echo_round_trips_in_order_between_receivers(mesh: MeshCredenti
             stream = await p.peer.open_stream(StreamType.EXPERT)
             assert stream.send_now(msg(0))
             served = await p.accept()
+            assert stream.on_loopback and served.stream.on_loopback  # both ends see 127.0.0.1
             echo_failures: list[bytes] = []
 
             def echo(payload: bytes) -> None:

@@ -132,6 +132,12 @@ class Stream:
         """The QUIC packet size this stream's connection uses (16 KiB on loopback, else ~1350)."""
         return int(self._conn._quic._max_datagram_size)
 
+    @property
+    def on_loopback(self) -> bool:
+        """Whether the peer is on this machine's loopback (so it shares this machine's CPU cores)."""
+        addr = self._conn.remote_address
+        return addr is not None and _is_loopback(addr[0])
+
     async def send(self, payload: bytes, end: bool = False) -> None:
         """Send one DATA frame; waits while this stream's send buffer is full."""
         await self._send_frame(FrameType.DATA, payload, end)
