@@ -35,6 +35,7 @@ from .ops import RopeTable, apply_rope, attention, rmsnorm
 log = structlog.get_logger(__name__)
 
 F32 = np.float32
+WARM_MAX_BYTES = 8 << 20  # ``Model.warm`` reads at most this per layer (~0.6 ms of memory reads)
 
 
 _PAGE = 4096
@@ -292,6 +293,30 @@ class Model:
     def sparse_layers(self) -> list[int]:
         return [i for i, lay in enumerate(self.layers) if lay.sparse]
 
+    def warm(self, i: int) -> int:
+        """Read layer ``i``'s attention weights into the CPU caches, in the order the pass uses them, up to
+        ``WARM_MAX_BYTES`` (of a matrix that does not fit, its first rows); -> the bytes covered (0 past
+        the last layer).
+
+        An executor calls it while layer ``i - 1``'s routed experts are out on the network: the pass has
+        nothing else to do until they come back, and layer ``i``'s attention is what runs next. One load per
+        64-byte cache line (a strided integer max: no arithmetic on the values, no copy). Read-only, so the
+        results do not change.
+        """
+        if not 0 <= i < len(self.layers):
+            return 0
+        lay = self.layers[i]
+        covered = 0
+        for a in (lay.attn_norm, lay.q, lay.k, lay.v, lay.o, lay.mlp_norm, lay.router):
+            if a is None or not a.flags.c_contiguous or a.dtype != F32:
+                continue
+            n = min(a.size, (WARM_MAX_BYTES - covered) // 4)  # a big matrix: its first rows
+            if n == 0:
+                break
+            a.reshape(-1)[:n].view(np.uint32)[::16].max()
+            covered += 4 * n
+        return covered
+
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """[T] -> [T, D] fp32 (a copy of the rows)."""
         return to_f32(self._embed.data[ids], self._embed.dtype)
@@ -313,7 +338,7 @@ class Model:
         ``last_only`` returns only the last position's logits ([1, V]), skipping the output head for the
         others (a prefill that only needs the next token).
         """
-        return drive(self.forward_steps(ids, cache, last_only=last_only), executor or self._local)
+        return drive(self.forward_steps(ids, cache, last_only=last_only), executor or self._local, self.warm)
 
     def forward_steps(self, ids: Sequence[int] | np.ndarray, cache: KVCache, *,
                       last_only: bool = False) -> ForwardSteps:
@@ -345,7 +370,7 @@ class Model:
 
         Each sequence has its own cache (any lengths); each gets one position appended.
         """
-        return drive(self.forward_batch_steps(ids, caches), executor or self._local)
+        return drive(self.forward_batch_steps(ids, caches), executor or self._local, self.warm)
 
     def forward_batch_steps(self, ids: Sequence[int] | np.ndarray, caches: Sequence[KVCache]) -> ForwardSteps:
         """``forward_batch`` as steps: yields each sparse layer's routed call, returns the logits."""

@@ -191,16 +191,18 @@ RoutedCall = tuple[int, np.ndarray, Routing]
 ForwardSteps = Generator[RoutedCall, np.ndarray, np.ndarray]
 
 
-def drive(steps: ForwardSteps, executor: ExpertExecutor) -> np.ndarray:
+def drive(steps: ForwardSteps, executor: ExpertExecutor,
+          warm: Callable[[int], object] | None = None) -> np.ndarray:
     """Run a forward pass's steps with ``executor``; -> the pass's result.
 
-    An executor with its own ``drive(steps)`` runs the pass itself (the remote executor runs a decode
-    step's layers on its event loop, without a thread hand-off per layer); any other executor gets one
-    ``run_block`` per sparse layer on this thread.
+    An executor with its own ``drive(steps, warm)`` runs the pass itself (the remote executor runs a decode
+    step's layers on its event loop, without a thread hand-off per layer, and may call ``warm(layer + 1)``
+    while a layer's experts are out on the network); any other executor gets one ``run_block`` per sparse
+    layer on this thread.
     """
     own = getattr(executor, "drive", None)
     if own is not None:
-        return own(steps)
+        return own(steps, warm)
     try:
         call = next(steps)
         while True:

@@ -343,6 +343,24 @@ def test_deterministic_bytes(tiny: Path) -> None:
     assert outs[0] == outs[1]
 
 
+def test_warm_covers_a_layers_attention_weights_up_to_its_budget(tiny: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Model.warm`` (run while a layer's experts are out on the network) reads the next layer's attention
+    weights in the order the pass uses them, stops at its budget, and changes no result."""
+    import engine.model as model_mod
+
+    m = Model.load(tiny)
+    ids = [1, 5, 7]
+    before = m.forward(ids, m.new_cache()).tobytes()
+    lay = m.layers[1]
+    used = [a for a in (lay.attn_norm, lay.q, lay.k, lay.v, lay.o, lay.mlp_norm, lay.router) if a is not None]
+    assert m.warm(1) == sum(a.nbytes for a in used) > 0
+    assert m.warm(len(m.layers)) == 0 and m.warm(-1) == 0  # past the last layer: nothing
+    monkeypatch.setattr(model_mod, "WARM_MAX_BYTES", lay.attn_norm.nbytes + 64)
+    assert m.warm(1) == lay.attn_norm.nbytes + 64  # the norm, then q's first 64 bytes
+    assert m.forward(ids, m.new_cache()).tobytes() == before
+
+
 def test_chunked_prefill_and_batch_match_single(tiny: Path) -> None:
     m = Model.load(tiny)
     ids = [1, 5, 7, 3, 9, 22, 39, 0, 12]
