@@ -628,6 +628,52 @@ def test_an_error_inside_a_loop_driven_pass_is_raised_to_its_caller(tmp_path: Pa
     assert _equal(fx.forward(x, ex), fx.forward(x, local_executor(fx.full.weights)))  # the executor is fine
 
 
+def test_a_loop_driven_pass_warms_each_next_layer_once_that_layers_requests_are_out(
+        tmp_path: Path, lt: LoopThread) -> None:
+    """While a layer's experts are out, the pass warms what runs next (``Model.warm(layer + 1)``), on the
+    loop, after the layer's request was sent; the outputs are the local run's. ``warm=False`` turns it off."""
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    x = _inputs(fx.layout.hidden_size)[0]  # one token: a loop-driven pass
+    ref = fx.forward(x, local_executor(fx.full.weights))
+    for on in (True, False):
+        ex = RemoteExecutor(lt.loop, fx.fp, fx.layout, CoordinatorConfig(warm=on))
+        _connect(lt, ex, _worker(fx), "w0")
+        seen: list[tuple[int, str, int]] = []
+
+        def warm(layer: int, ex: RemoteExecutor = ex, seen: list[tuple[int, str, int]] = seen) -> None:
+            seen.append((layer, threading.current_thread().name, ex.link_stats["w0"].rows))
+
+        assert _equal(ex.drive(fx.steps(x), warm), ref)
+        assert ex.status()["passes_on_loop"] == 1
+        if not on:
+            assert seen == []
+            continue
+        sparse = fx.layout.sparse_layers
+        assert [layer for layer, _, _ in seen] == [la + 1 for la in sparse]
+        assert {name for _, name, _ in seen} == {"experts-loop"}
+        assert [rows for _, _, rows in seen] == [i + 1 for i in range(len(sparse))]  # its row already sent
+
+
+def test_warming_waits_while_loopback_workers_need_every_core(tmp_path: Path, lt: LoopThread) -> None:
+    """Warming takes a core for a while: not when the layer's workers on this machine would need it."""
+    from types import SimpleNamespace
+
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    ex._cores = 2
+
+    def call(*loopback: bool) -> Any:
+        links = [SimpleNamespace(channel=SimpleNamespace(on_loopback=lb)) for lb in loopback]
+        return SimpleNamespace(sends=[SimpleNamespace(link=link) for link in links])
+
+    assert ex._may_warm(call(True))  # one worker here, one core for the pass
+    assert not ex._may_warm(call(True, True))  # two workers here take both cores
+    assert ex._may_warm(call(False, False, False))  # workers on other machines
+    assert ex._may_warm(call(True, False))
+    ex._cores = 1
+    assert not ex._may_warm(call(True)) and ex._may_warm(call(False))
+
+
 def test_drive_from_the_loop_thread_is_refused(tmp_path: Path, lt: LoopThread) -> None:
     fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
     ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)

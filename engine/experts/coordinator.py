@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import threading
 import time
 from collections import deque
@@ -94,6 +95,7 @@ class CoordinatorConfig:
     connect_timeout_s: float = 5.0  # transport connect + stream + hello
     message_timeout_s: float = 10.0  # one request until its reply
     layer_timeout_s: float = 30.0  # one layer, retries included
+    warm: bool = True  # a loop-driven pass warms its next layer's weights while a layer's experts are out
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -131,9 +133,10 @@ class _LoopStep:
     finished just then is not lost (``done``). ``beat`` is when the loop last made progress on it.
     """
 
-    def __init__(self, steps: ForwardSteps, omap: OwnershipMap) -> None:
+    def __init__(self, steps: ForwardSteps, omap: OwnershipMap, warm: Callable[[int], object] | None) -> None:
         self.steps = steps
         self.omap = omap  # pinned by the engine thread when the pass started
+        self.warm = warm  # the model's ``warm(layer)``, or None
         self.lock = threading.Lock()
         self.lock.acquire()
         self.mutex = threading.Lock()
@@ -185,6 +188,8 @@ class RemoteExecutor:
         self._stats_lock = threading.Lock()
         self._last_fallback_log = 0.0
         self._first_sparse = layout.sparse_layers[0] if layout.sparse_layers else -1
+        affinity = getattr(os, "sched_getaffinity", None)
+        self._cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)  # ours to use
 
     # --- workers (loop thread) ------------------------------------------------------------------
 
@@ -337,7 +342,7 @@ class RemoteExecutor:
         On the fast path v2 workers combine the tokens whose experts they all hold (module docstring)."""
         return self._routed(layer, x, routing, None)
 
-    def drive(self, steps: ForwardSteps) -> np.ndarray:
+    def drive(self, steps: ForwardSteps, warm: Callable[[int], object] | None = None) -> np.ndarray:
         """Run a forward pass written as steps (``engine.moe.drive``); -> its result.
 
         A pass whose first routed layer has at most ``LOOP_STEP_MAX_ROWS`` rows (a decode step), reached in
@@ -345,7 +350,10 @@ class RemoteExecutor:
         requests go out from the loop, and the last reply resumes the pass on the loop, which computes up
         to the next routed layer and sends it. A layer then costs no thread hand-off; the pass costs two.
         Anything the fast path does not take hands the pass back to this thread, where that layer takes the
-        general path and the rest runs layer by layer.
+        general path and the rest runs layer by layer. ``warm(layer + 1)`` (the model's ``Model.warm``) runs
+        on the loop once a layer's requests are out, unless the workers need this machine's cores
+        (``_may_warm``): the pass would otherwise only wait, and the next layer's attention runs sooner with
+        its weights in cache.
         """
         self._check_thread()
         t0 = time.perf_counter()
@@ -357,7 +365,7 @@ class RemoteExecutor:
         omap = self._map_for(call[0])
         fast_started: float | None = None
         if short and call[1].shape[0] <= LOOP_STEP_MAX_ROWS and self.loop.is_running():
-            step = _LoopStep(steps, omap)
+            step = _LoopStep(steps, omap, warm if self.config.warm else None)
             with self._stats_lock:
                 self.stats.passes_on_loop += 1
             self.loop.call_soon_threadsafe(self._step_layer, step, call)
@@ -594,6 +602,8 @@ class RemoteExecutor:
                 step.timer = self.loop.call_later(self._fast_timeout_s, self._step_watch, step)
             self._fast_dispatch(fast)
             self._step_done(done)
+            if step.warm is not None and not step.done and self._may_warm(fast):
+                step.warm(layer + 1)  # the replies wait in the socket until this returns
         except Exception as e:  # noqa: BLE001 - raised again on the pass's engine thread
             with contextlib.suppress(Exception):
                 self._step_done(done)  # the layer before was answered and used
@@ -657,6 +667,13 @@ class RemoteExecutor:
                 step.finish(None, e)
                 return
         self._step_layer(step, nxt, (call, fast))
+
+    def _may_warm(self, fast: FastCall) -> bool:
+        """Whether warming the next layer while ``fast``'s workers compute leaves them their CPU: workers
+        on other machines always; workers on this machine's loopback while they and the pass still leave
+        this pass a core (one loopback worker on two cores: yes; two: no, warming would delay one)."""
+        here = sum(1 for snd in fast.sends if getattr(snd.link.channel, "on_loopback", False))
+        return here < self._cores
 
     def _may_combine(self, link: WorkerLink | None, x: np.ndarray, routing: Routing) -> bool:
         """Whether combining could pay on ``link`` even if every token of the layer were whole there."""
