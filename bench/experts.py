@@ -6,24 +6,26 @@ Checkpoint: the engine benchmark's mid-size Qwen3-MoE (hidden 768, 8 layers, 12 
 head_dim 64, 16 experts of width 384, top-4, fp32), written here with numpy (no torch) into --dir
 (default: a temp dir) unless already there.
 
-Prefill tok/s on a --prompt-token prompt (best of 2 after a warm-up), locally and with N workers. For each
-N, three greedy decodes of --decode tokens run one after the other, the latter two fed the first one's
-tokens: local; local with a 4 KB ECHO to a worker before each sparse layer (the transport's round trip
-"in decode", after the same compute gaps a delegated layer sees); remote. The per-layer delegation
-overhead is ((median remote step) - (median local step)) / (sparse layers): everything delegation adds to
-a decode step, thread hand-offs included. It is set against the
-round trip of a 4 KB ECHO on the same expert streams (``RemoteExecutor.echo_rtt``: sent from the loop and
-read in the read callback, as a layer call is), measured in the same run both in decode and back to back
-(a tight loop). Every remote step's logits are checked byte-equal to the local step's. The whole
-measurement is repeated --rounds times (a shared VM drifts by +-10% between runs); the table shows each
-figure's median over the rounds and, for the ratios, the lowest and highest round. The workers' own compute time per request (as they report it) is shown
-too. Prints a Markdown table and a JSON line. Workers are ``tests/experts_node.py`` processes (real
-MeshTransport + ExpertsService).
+Prefill tok/s on a --prompt-token prompt (best of 2 after a warm-up), locally and with N workers. For each N,
+three greedy decodes of --decode tokens run one after the other, the latter two fed the first one's tokens:
+local; local with a 4 KB ECHO to a worker before each sparse layer (the transport's round trip "in decode",
+after the same compute gaps a delegated layer sees); remote. The per-layer delegation overhead is ((median
+remote step) - (median local step)) / (sparse layers): everything delegation adds to a decode step, thread
+hand-offs included. It is set against the round trip of a 4 KB ECHO on the same expert streams
+(``RemoteExecutor.echo_rtt``: sent from the loop and read in the read callback, as a layer call is), measured
+in the same run both in decode and back to back (a tight loop). While a layer's experts are out, the
+coordinator warms the next layer's attention weights (``Model.warm``); the "1 worker, no warm" row is the same
+run without it, so the figure with and without shows what warming adds. Every remote step's logits are checked
+byte-equal to the local step's. The whole measurement is repeated --rounds times (a shared VM drifts by +-10%
+between runs); the table shows each figure's median over the rounds and, for the ratios, the lowest and
+highest round. The workers' own compute time per request (as they report it) is shown too. Prints a Markdown
+table and a JSON line. Workers are ``tests/experts_node.py`` processes (real MeshTransport + ExpertsService).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -227,13 +229,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: dict[str, list[dict[str, Any]]] = {}  # setup -> one row per round
     try:
         for _ in range(args.rounds):
-            for n in counts:
+            for n, warm in [(n, w) for n in counts for w in ((True, False) if n == 1 else (True,))]:
                 coord = Coordinator(mesh)
                 try:
                     coord.connect(procs[:n])
-                    local, remote = measure(model, coord.executor(path, "on"), prompt, args, local_prefill)
+                    ex = coord.executor(path, "on")
+                    ex.config = dataclasses.replace(ex.config, warm=warm)
+                    local, remote = measure(model, ex, prompt, args, local_prefill)
                 finally:
                     coord.close()
+                if not warm:
+                    remote["setup"] += ", no warm"
                 runs.setdefault("local", []).append(local)
                 runs.setdefault(remote["setup"], []).append(remote)
     finally:
