@@ -299,19 +299,20 @@ class Model:
         the last layer).
 
         An executor calls it while layer ``i - 1``'s routed experts are out on the network: the pass has
-        nothing else to do until they come back, and layer ``i``'s attention is what runs next. One load per
-        64-byte cache line (a strided integer max: no arithmetic on the values, no copy). Read-only, so the
-        results do not change.
+        nothing else to do until they come back, and layer ``i``'s attention comes soon after (a shared expert
+        of layer ``i - 1``, if any, runs first). Covers the norms, q/k/v/o and the router; biases and q/k
+        norms are a few KB and left out. One load per 64-byte cache line (a strided integer max: no
+        arithmetic on the values, no copy). Read-only, so the results do not change.
         """
         if not 0 <= i < len(self.layers):
             return 0
         lay = self.layers[i]
         covered = 0
         for a in (lay.attn_norm, lay.q, lay.k, lay.v, lay.o, lay.mlp_norm, lay.router):
-            if a is None or not a.flags.c_contiguous or a.dtype != F32:
+            if a is None or a.size == 0 or not a.flags.c_contiguous or a.dtype != F32:
                 continue
             n = min(a.size, (WARM_MAX_BYTES - covered) // 4)  # a big matrix: its first rows
-            if n == 0:
+            if n == 0:  # the budget is spent
                 break
             a.reshape(-1)[:n].view(np.uint32)[::16].max()
             covered += 4 * n

@@ -202,7 +202,7 @@ def drive(steps: ForwardSteps, executor: ExpertExecutor,
     """
     own = getattr(executor, "drive", None)
     if own is not None:
-        return own(steps, warm)
+        return own(steps, warm=warm)
     try:
         call = next(steps)
         while True:

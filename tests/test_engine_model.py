@@ -14,7 +14,7 @@ from engine import families
 from engine.checkpoint import CheckpointError, load_checkpoint, to_f32
 from engine.config import SUPPORTED_MODEL_TYPES, ConfigError, ModelConfig
 from engine.model import Model
-from engine.moe import local_executor
+from engine.moe import ForwardSteps, drive, local_executor
 from engine.ops import RopeTable, apply_rope, attention, naive_attention, rmsnorm
 
 RNG = np.random.default_rng(0)
@@ -359,6 +359,29 @@ def test_warm_covers_a_layers_attention_weights_up_to_its_budget(tiny: Path,
     monkeypatch.setattr(model_mod, "WARM_MAX_BYTES", lay.attn_norm.nbytes + 64)
     assert m.warm(1) == lay.attn_norm.nbytes + 64  # the norm, then q's first 64 bytes
     assert m.forward(ids, m.new_cache()).tobytes() == before
+
+
+def test_forward_passes_give_an_executor_with_drive_the_models_warm(tiny: Path) -> None:
+    """An executor that runs passes itself (the remote one) gets ``Model.warm`` with each pass."""
+    m = Model.load(tiny)
+    got: list[object] = []
+
+    class Driving:
+        def __call__(self, layer: int, x: np.ndarray, work: list) -> list[np.ndarray]:
+            return m.local_executor(layer, x, work)
+
+        def drive(self, steps: ForwardSteps, warm: object = None) -> np.ndarray:
+            got.append(warm)
+            return drive(steps, m.local_executor)
+
+    ex = Driving()
+    ref = m.forward([1, 5], m.new_cache())
+    assert m.forward([1, 5], m.new_cache(), executor=ex).tobytes() == ref.tobytes()
+    caches = [m.new_cache(), m.new_cache()]
+    for c in caches:
+        m.forward([3], c)
+    m.forward_batch([4, 6], caches, executor=ex)
+    assert got == [m.warm, m.warm]
 
 
 def test_chunked_prefill_and_batch_match_single(tiny: Path) -> None:

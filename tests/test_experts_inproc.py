@@ -654,6 +654,54 @@ def test_a_loop_driven_pass_warms_each_next_layer_once_that_layers_requests_are_
         assert [rows for _, _, rows in seen] == [i + 1 for i in range(len(sparse))]  # its row already sent
 
 
+def test_a_pass_does_not_warm_when_its_loopback_worker_needs_the_only_core_or_its_send_failed(
+        tmp_path: Path, lt: LoopThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pass asks ``_may_warm`` (here: one worker on this machine's loopback, one core), and a layer whose
+    send failed (handed back to the engine thread) warms nothing."""
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    worker = _worker(fx)
+
+    async def go() -> None:
+        a, b = await socketpair_channels()
+        a.on_loopback = True  # type: ignore[attr-defined]  # as a QUIC stream to 127.0.0.1 says
+        _spawn(worker.serve(b, "coordinator"))
+        await ex.add_worker("w0", a)
+
+    lt.run(go())
+    x = _inputs(fx.layout.hidden_size)[0]
+    ref = fx.forward(x, local_executor(fx.full.weights))
+    seen: list[int] = []
+    ex._cores = 1
+    assert _equal(ex.drive(fx.steps(x), seen.append), ref) and seen == []
+    ex._cores = 2
+    assert _equal(ex.drive(fx.steps(x), seen.append), ref)
+    assert seen == [la + 1 for la in fx.layout.sparse_layers]
+    seen.clear()
+    link = ex.links["w0"]
+    monkeypatch.setattr(link, "send_now", lambda data: False)  # "send buffer full": the pass is handed back
+    assert _equal(ex.drive(fx.steps(x), seen.append), ref) and seen == []
+    assert ex.status()["passes_handed_back"] == 1
+
+
+def test_a_failing_warm_is_logged_and_the_pass_goes_on(tmp_path: Path, lt: LoopThread) -> None:
+    """Warming is optional: an error in it ends warming for that pass, never the pass."""
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    _connect(lt, ex, _worker(fx), "w0")
+    x = _inputs(fx.layout.hidden_size)[0]
+    calls: list[int] = []
+
+    def broken(layer: int) -> None:
+        calls.append(layer)
+        raise MemoryError("no room to warm")
+
+    assert _equal(ex.drive(fx.steps(x), broken), fx.forward(x, local_executor(fx.full.weights)))
+    assert calls == [fx.layout.sparse_layers[0] + 1]  # tried once, then off for the pass
+    st = ex.status()
+    assert st["passes_on_loop"] == 1 and st["passes_handed_back"] == 0 and st["unavailable"] == 0
+
+
 def test_warming_waits_while_loopback_workers_need_every_core(tmp_path: Path, lt: LoopThread) -> None:
     """Warming takes a core for a while: not when the layer's workers on this machine would need it."""
     from types import SimpleNamespace

@@ -1004,10 +1004,13 @@ def _grow_recv_buffer(transport: asyncio.BaseTransport, size: int) -> None:
 
 
 def _is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address) is loopback, IPv4 seen through an IPv6 socket (::ffff:127.0.0.1) too."""
     try:
-        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+        addr = ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:
         return False
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return (mapped or addr).is_loopback
 
 
 class MeshTransport:

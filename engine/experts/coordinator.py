@@ -602,12 +602,24 @@ class RemoteExecutor:
                 step.timer = self.loop.call_later(self._fast_timeout_s, self._step_watch, step)
             self._fast_dispatch(fast)
             self._step_done(done)
-            if step.warm is not None and not step.done and self._may_warm(fast):
-                step.warm(layer + 1)  # the replies wait in the socket until this returns
         except Exception as e:  # noqa: BLE001 - raised again on the pass's engine thread
             with contextlib.suppress(Exception):
                 self._step_done(done)  # the layer before was answered and used
             step.finish(None, e)
+            return
+        if step.warm is not None and not (step.done or step.abandoned):
+            self._step_warm(step, fast, layer + 1)
+
+    def _step_warm(self, step: _LoopStep, fast: FastCall, layer: int) -> None:
+        """Loop thread: warm what the pass runs after ``fast``'s layer, if that leaves its workers their CPU
+        (its replies wait in the socket meanwhile, at most ~0.6 ms). Optional work: an error is logged and
+        ends warming for this pass, never the pass."""
+        try:
+            if self._may_warm(fast):
+                step.warm(layer)  # type: ignore[misc]  # checked by the caller
+        except Exception as e:  # noqa: BLE001 - a failed warm-up must not fail a decode step
+            step.warm = None
+            log.warning("experts_warm_failed", layer=layer, error=repr(e))
 
     @property
     def _fast_timeout_s(self) -> float:
@@ -670,8 +682,9 @@ class RemoteExecutor:
 
     def _may_warm(self, fast: FastCall) -> bool:
         """Whether warming the next layer while ``fast``'s workers compute leaves them their CPU: workers
-        on other machines always; workers on this machine's loopback while they and the pass still leave
-        this pass a core (one loopback worker on two cores: yes; two: no, warming would delay one)."""
+        on other machines always; workers on this machine's loopback while they leave this pass a core (one
+        loopback worker on two cores: yes; two: no, warming would delay one). It counts a core per worker,
+        as a worker computes a decode request on one thread (more if its BLAS is multithreaded)."""
         here = sum(1 for snd in fast.sends if getattr(snd.link.channel, "on_loopback", False))
         return here < self._cores
 
