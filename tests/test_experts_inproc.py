@@ -592,7 +592,7 @@ def test_worker_answers_a_burst_of_small_messages_in_order(tmp_path: Path, lt: L
 def test_small_passes_run_on_the_loop_and_larger_ones_layer_by_layer(tmp_path: Path, lt: LoopThread) -> None:
     """``drive`` hands a pass of up to LOOP_STEP_MAX_ROWS rows to the loop thread (no hand-off per layer);
     a larger one runs here; both are exact."""
-    from engine.experts.coordinator import LOOP_STEP_MAX_ROWS
+    from engine.experts.passes import LOOP_STEP_MAX_ROWS
 
     fx = Fixture(make_moe_checkpoint(tmp_path / "m", experts=8), "qwen3_moe")
     ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
@@ -739,7 +739,7 @@ def test_a_pass_with_long_compute_stays_on_the_engine_thread(tmp_path: Path, lt:
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode-sized pass whose compute up to its first routed layer is long (a long context, say) would
     hold the loop that long at every layer: it runs layer by layer on the calling thread instead."""
-    import engine.experts.coordinator as coord_mod
+    import engine.experts.passes as passes_mod
 
     fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
     ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
@@ -751,7 +751,7 @@ def test_a_pass_with_long_compute_stays_on_the_engine_thread(tmp_path: Path, lt:
         time.sleep(0.02)  # the compute before the first routed layer
         return (yield from fx.steps(x))
 
-    monkeypatch.setattr(coord_mod, "LOOP_STEP_MAX_COMPUTE_S", 0.01)
+    monkeypatch.setattr(passes_mod, "LOOP_STEP_MAX_COMPUTE_S", 0.01)
     assert _equal(ex.drive(slow(x)), ref)
     assert ex.status()["passes_on_loop"] == 0
     assert _equal(ex.drive(fx.steps(x)), ref)
@@ -791,9 +791,9 @@ def test_a_pass_the_loop_stops_moving_is_given_up_and_never_resumed(
     """The engine thread gives up on a loop-run pass that makes no progress for a layer's timeout plus a
     margin (here: the loop is held by the pass's own compute), waits for that compute to end, and the
     loop then leaves the pass alone: it is not resumed after the caller was told it failed."""
-    import engine.experts.coordinator as coord_mod
+    import engine.experts.passes as passes_mod
 
-    monkeypatch.setattr(coord_mod, "LOOP_STALL_MARGIN_S", 0.2)
+    monkeypatch.setattr(passes_mod, "LOOP_STALL_MARGIN_S", 0.2)
     fx = Fixture(make_moe_checkpoint(tmp_path / "m", layers=3), "qwen3_moe")
     # a layer may take 1 s (a loaded CI machine), the pass may stall for 1.2 s before it is given up
     ex = RemoteExecutor(lt.loop, fx.fp, fx.layout, CoordinatorConfig(message_timeout_s=1.0, layer_timeout_s=5.0))

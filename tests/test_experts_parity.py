@@ -82,7 +82,7 @@ class ExpertFfnCounter:
     """Counts routed-expert computations in this process (the local executor and the prefer fallback)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        import engine.experts.coordinator as coord_mod
+        import engine.experts.general as general_mod
         import engine.moe as moe_mod
 
         self.calls = 0
@@ -93,7 +93,7 @@ class ExpertFfnCounter:
             return orig(*args)
 
         monkeypatch.setattr(moe_mod, "expert_ffn", counted)
-        monkeypatch.setattr(coord_mod, "expert_ffn", counted)
+        monkeypatch.setattr(general_mod, "expert_ffn", counted)  # the local fallback
 
 
 @pytest.mark.parametrize("n_workers", [1, 2, 3])

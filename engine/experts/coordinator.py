@@ -27,21 +27,21 @@ The ownership map is rebuilt when workers come or go but an engine thread picks 
 a forward pass (the call for the first sparse layer) or of an explicit :meth:`RemoteExecutor.pinned`
 scope, so ownership never changes in the middle of a token.
 
-This module decides where a layer's work goes and waits for it (``RemoteExecutor``). The channel to one
-worker, its hello and counters are ``engine.experts.link`` (``WorkerLink``, ``LinkStats``, ``WorkerFailed``,
-``WorkerRefused``, re-exported here); splitting work into requests, building them and filling outputs from
-replies are pure functions in ``engine.experts.planning``.
+This module decides where a layer's work goes and runs the fast path (``RemoteExecutor``). Loop-driven
+passes (``drive``) are ``engine.experts.passes`` and the general path (retries, size splits, the local
+fallback) is ``engine.experts.general``, both mixed into ``RemoteExecutor``. The channel to one worker,
+its hello and counters are ``engine.experts.link`` (``WorkerLink``, ``LinkStats``, ``WorkerFailed``,
+``WorkerRefused``, ``ExpertsUnavailable``, re-exported here); splitting work into requests, building them
+and filling outputs from replies are pure functions in ``engine.experts.planning``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -51,12 +51,14 @@ import structlog
 
 from engine.experts import planning, rpc
 from engine.experts.channel import ByteChannel
+from engine.experts.general import GeneralPath
 from engine.experts.layout import MoeLayout
-from engine.experts.link import LATENCY_BUCKETS_S, LinkStats, WorkerFailed, WorkerLink, WorkerRefused
+from engine.experts.link import (LATENCY_BUCKETS_S, ExpertsUnavailable, LinkStats, WorkerFailed, WorkerLink,
+                                 WorkerRefused)
 from engine.experts.ownership import OwnershipMap, WorkerInfo, build_map
+from engine.experts.passes import LoopPasses
 from engine.experts.planning import FastCall, FastSend
-from engine.moe import (ExpertWeightsFn, ForwardSteps, RoutedCall, Routing, WorkItem, combine, expert_ffn,
-                        slot_positions, weighted_sum)
+from engine.moe import ExpertWeightsFn, Routing, WorkItem, combine, slot_positions, weighted_sum
 from transport import limits
 
 # The link's names are re-exported: callers import everything the coordinator API uses from here.
@@ -66,25 +68,6 @@ __all__ = ["LATENCY_BUCKETS_S", "MODES", "CoordinatorConfig", "CoordinatorStats"
 log = structlog.get_logger(__name__)
 
 MODES = ("on", "prefer")
-
-# ``RemoteExecutor.drive`` runs a forward pass on the loop thread when its routed layers have at most this
-# many token rows (decode steps, batched decode of up to this many sequences, tiny prefills) and its
-# compute up to the first routed layer took at most LOOP_STEP_MAX_COMPUTE_S. The pass's own compute then
-# runs on the loop between replies, holding up the node's other traffic that long at each layer, so only
-# short passes go there (long contexts or big batches stay on the engine thread).
-LOOP_STEP_MAX_ROWS = 16
-LOOP_STEP_MAX_COMPUTE_S = 0.005
-# An engine thread gives up on a loop-run pass the loop has not moved for a layer's timeout plus this
-# (each layer settles or hands back within its timeout; the margin covers the pass's own compute).
-LOOP_STALL_MARGIN_S = 5.0
-
-
-class ExpertsUnavailable(Exception):
-    """``on`` mode: some routed experts have no live worker. The API answers 503 with this message."""
-
-    def __init__(self, reason: str, missing: Sequence[tuple[int, int]] = ()) -> None:
-        super().__init__(reason)
-        self.missing = list(missing)
 
 
 @dataclass(frozen=True)
@@ -122,53 +105,7 @@ class CoordinatorStats:
     expert_rows: dict[tuple[int, int], int] = field(default_factory=dict)  # hits, delegated and local
 
 
-class _LoopStep:
-    """A forward pass the loop thread is running for an engine thread, which waits on ``lock``.
-
-    Released once (``done``): with ``result`` (the pass ended), ``error`` (the pass or the loop's handling of
-    it raised), or ``pending`` (a routed layer the fast path did not take, first tried at ``fast_started``:
-    the engine thread runs it, and the rest of the pass, itself). The loop holds ``mutex`` while it runs
-    the pass's own code and checks ``abandoned`` first; an engine thread that gives up sets ``abandoned``,
-    then takes ``mutex`` to wait out code already running, so an abandoned pass never resumes, and one that
-    finished just then is not lost (``done``). ``beat`` is when the loop last made progress on it.
-    """
-
-    def __init__(self, steps: ForwardSteps, omap: OwnershipMap, warm: Callable[[int], object] | None) -> None:
-        self.steps = steps
-        self.omap = omap  # pinned by the engine thread when the pass started
-        self.warm = warm  # the model's ``warm(layer)``, or None
-        self.lock = threading.Lock()
-        self.lock.acquire()
-        self.mutex = threading.Lock()
-        self.done = False
-        self.result: np.ndarray | None = None
-        self.error: BaseException | None = None
-        self.pending: RoutedCall | None = None
-        self.fast_started = 0.0
-        self.timer: asyncio.TimerHandle | None = None  # the pass's watchdog (``RemoteExecutor._step_watch``)
-        self.fast: FastCall | None = None  # the routed layer in flight
-        self.abandoned = False  # the engine thread stopped waiting: leave the pass alone
-        self.beat = time.monotonic()
-
-    def hand_back(self, call: RoutedCall, started: float) -> None:
-        if not self.done:
-            self.pending, self.fast_started = call, started
-            self._release()
-
-    def finish(self, result: np.ndarray | None, error: BaseException | None) -> None:
-        if not self.done:
-            self.result, self.error = result, error
-            self._release()
-
-    def _release(self) -> None:
-        self.done = True
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        self.lock.release()
-
-
-class RemoteExecutor:
+class RemoteExecutor(LoopPasses, GeneralPath):
     """The remote expert executor. Create on any thread; links are added on ``loop``."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, fingerprint: bytes, layout: MoeLayout,
@@ -342,65 +279,6 @@ class RemoteExecutor:
         On the fast path v2 workers combine the tokens whose experts they all hold (module docstring)."""
         return self._routed(layer, x, routing, None)
 
-    def drive(self, steps: ForwardSteps, warm: Callable[[int], object] | None = None) -> np.ndarray:
-        """Run a forward pass written as steps (``engine.moe.drive``); -> its result.
-
-        A pass whose first routed layer has at most ``LOOP_STEP_MAX_ROWS`` rows (a decode step), reached in
-        at most ``LOOP_STEP_MAX_COMPUTE_S``, is handed to the loop thread from there on: each layer's
-        requests go out from the loop, and the last reply resumes the pass on the loop, which computes up
-        to the next routed layer and sends it. A layer then costs no thread hand-off; the pass costs two.
-        Anything the fast path does not take hands the pass back to this thread, where that layer takes the
-        general path and the rest runs layer by layer. ``warm(layer + 1)`` (the model's ``Model.warm``) runs
-        on the loop once a layer's requests are out, unless the workers need this machine's cores
-        (``_may_warm``): the pass would otherwise only wait, and the next layer's attention runs sooner with
-        its weights in cache.
-        """
-        self._check_thread()
-        t0 = time.perf_counter()
-        try:
-            call = next(steps)
-        except StopIteration as stop:
-            return stop.value
-        short = time.perf_counter() - t0 <= LOOP_STEP_MAX_COMPUTE_S
-        omap = self._map_for(call[0])
-        fast_started: float | None = None
-        if short and call[1].shape[0] <= LOOP_STEP_MAX_ROWS and self.loop.is_running():
-            step = _LoopStep(steps, omap, warm if self.config.warm else None)
-            with self._stats_lock:
-                self.stats.passes_on_loop += 1
-            self.loop.call_soon_threadsafe(self._step_layer, step, call)
-            self._wait_for_loop(step)
-            if step.error is not None:
-                raise step.error
-            if step.pending is None:
-                return step.result  # type: ignore[return-value]  # set with the release
-            call, fast_started = step.pending, step.fast_started
-            with self._stats_lock:
-                self.stats.passes_handed_back += 1
-        try:
-            while True:
-                out = self._routed(*call, fast_started)
-                fast_started = None
-                call = steps.send(out)
-        except StopIteration as stop:
-            return stop.value
-
-    def _wait_for_loop(self, step: _LoopStep) -> None:
-        """Engine thread: until the loop is done with ``step``. Each layer settles or hands back within its
-        timeout, so a pass the loop has not moved for longer than that (plus a margin for compute), or a
-        loop that stopped, is given up: raises :class:`ExpertsUnavailable`."""
-        stall_s = self._fast_timeout_s + LOOP_STALL_MARGIN_S
-        while not step.lock.acquire(timeout=0.5):
-            if time.monotonic() - step.beat < stall_s and self.loop.is_running():
-                continue
-            step.abandoned = True  # the loop checks this before it runs any more of the pass
-            with step.mutex:  # waits out the pass's own code if the loop is running it right now
-                pass
-            if step.done:  # it finished (or handed back) just now after all
-                return
-            self._count_unavailable()
-            raise ExpertsUnavailable("the expert event loop stopped running the forward pass")
-
     def _routed(self, layer: int, x: np.ndarray, routing: Routing, fast_started: float | None) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         t, d = x.shape
@@ -483,25 +361,6 @@ class RemoteExecutor:
             if sends is not None:
                 st.rows_combined += sum(len(snd.combined) for snd in sends if snd.combined is not None)
 
-    def _run_general(self, layer: int, x: np.ndarray, work: list[WorkItem], omap: OwnershipMap,
-                     budget_s: float) -> tuple[list[np.ndarray | None], list[int]]:
-        if budget_s <= 0:  # the fast attempt used the layer's time up: no retry round
-            if self.config.mode == "on":
-                self._count_unavailable()
-                raise ExpertsUnavailable(f"layer {layer}: expert workers did not answer within "
-                                         f"{self.config.layer_timeout_s}s")
-            return [None] * len(work), list(range(len(work)))
-        fut = asyncio.run_coroutine_threadsafe(self._run_layer(layer, x, work, omap, budget_s), self.loop)
-        try:
-            return fut.result(timeout=budget_s + 1.0)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            if self.config.mode == "on":
-                self._count_unavailable()
-                raise ExpertsUnavailable(f"layer {layer}: expert workers did not answer within "
-                                         f"{self.config.layer_timeout_s}s") from None
-            return [None] * len(work), list(range(len(work)))
-
     # --- the fast path: the common case of a decode step -----------------------------------------
     #
     # Every item has a live pinned holder and each worker's share fits one request. The requests are built
@@ -578,115 +437,10 @@ class RemoteExecutor:
             sends.append(snd)
         return FastCall(layer, sends, on_settle)
 
-    # --- loop-driven passes (``drive``) ---------------------------------------------------------------
-
-    def _step_layer(self, step: _LoopStep, call: RoutedCall, done: tuple[RoutedCall, FastCall] | None = None) -> None:
-        """Loop thread: send one routed layer of a loop-driven pass, or hand the pass back. Never raises:
-        an error here (a bug, no memory) ends the pass with it, raised on its engine thread. ``done``: the
-        layer before, whose bookkeeping waits until this one's requests are out (off the critical path),
-        or until the pass is handed back."""
-        if step.abandoned or step.done:
-            return
-        step.beat = started = time.monotonic()
-        try:
-            layer, x, routing = call
-            x = np.ascontiguousarray(x, dtype=np.float32)
-            settled = partial(self._step_settled, step, (layer, x, routing))
-            fast = self._fast_call(layer, x, routing.work, step.omap, routing, settled)  # rows: checked by drive
-            if fast is None:
-                self._step_done(done)
-                step.hand_back((layer, x, routing), started)
-                return
-            step.fast, step.fast_started = fast, started
-            if step.timer is None:
-                step.timer = self.loop.call_later(self._fast_timeout_s, self._step_watch, step)
-            self._fast_dispatch(fast)
-            self._step_done(done)
-        except Exception as e:  # noqa: BLE001 - raised again on the pass's engine thread
-            with contextlib.suppress(Exception):
-                self._step_done(done)  # the layer before was answered and used
-            step.finish(None, e)
-            return
-        if step.warm is not None and not (step.done or step.abandoned):
-            self._step_warm(step, fast, layer + 1)
-
-    def _step_warm(self, step: _LoopStep, fast: FastCall, layer: int) -> None:
-        """Loop thread: warm what the pass runs after ``fast``'s layer, if that leaves its workers their CPU
-        (its replies wait in the socket meanwhile, at most ~0.6 ms). Optional work: an error is logged and
-        ends warming for this pass, never the pass."""
-        try:
-            if self._may_warm(fast):
-                step.warm(layer)  # type: ignore[misc]  # checked by the caller
-        except Exception as e:  # noqa: BLE001 - a failed warm-up must not fail a decode step
-            step.warm = None
-            log.warning("experts_warm_failed", layer=layer, error=repr(e))
-
     @property
     def _fast_timeout_s(self) -> float:
         """How long a fast-path layer waits for its replies (on the engine thread or the loop)."""
         return min(self.config.message_timeout_s, self.config.layer_timeout_s)
-
-    def _step_watch(self, step: _LoopStep) -> None:
-        """Loop thread: the pass's one timer (re-armed rather than made per layer). Its layer in flight
-        gets no more time than a fast-path call on the engine thread would."""
-        step.timer = None
-        fast = step.fast
-        if step.done or fast is None or fast.settled:
-            return
-        due = step.fast_started + self._fast_timeout_s
-        if time.monotonic() >= due:
-            self._fast_timeout(fast)
-        else:
-            step.timer = self.loop.call_later(due - time.monotonic(), self._step_watch, step)
-
-    def _step_done(self, done: tuple[RoutedCall, FastCall] | None) -> None:
-        """Loop thread: the bookkeeping of a loop-driven layer whose output the pass has taken (once)."""
-        if done is not None and not done[1].counted:
-            (layer, _x, routing), fast = done
-            fast.counted = True
-            self._observe(fast)
-            self._account(layer, routing.work, [], fast.sends)
-
-    def _step_settled(self, step: _LoopStep, call: RoutedCall, fast: FastCall) -> None:
-        """Loop thread: a loop-driven layer settled, usually in the read callback of its last reply: resume
-        the pass right there (its next requests go out before that callback returns), or hand it back to
-        its engine thread for the general path."""
-        if fast.error is not None:
-            step.hand_back(call, step.fast_started)
-        else:
-            self._step_resume(step, call, fast)
-
-    def _step_resume(self, step: _LoopStep, call: RoutedCall, fast: FastCall) -> None:
-        """Loop thread: every reply of the layer is in; run the pass up to its next routed layer."""
-        layer, x, routing = call
-        with step.mutex:
-            if step.abandoned or step.done:  # given up, or already ended (an error after its requests went out)
-                return
-            step.beat = time.monotonic()
-            try:
-                out = self._assemble(routing, fast.sends, *x.shape)
-                try:
-                    nxt = step.steps.send(out)
-                except StopIteration as stop:
-                    self._step_done((call, fast))  # counted before its caller can look
-                    step.finish(stop.value, None)
-                    return
-                except Exception:
-                    with contextlib.suppress(Exception):
-                        self._step_done((call, fast))  # the layer was answered and used
-                    raise
-            except Exception as e:  # noqa: BLE001 - the pass's own error, raised again on its engine thread
-                step.finish(None, e)
-                return
-        self._step_layer(step, nxt, (call, fast))
-
-    def _may_warm(self, fast: FastCall) -> bool:
-        """Whether warming the next layer while ``fast``'s workers compute leaves them their CPU: workers
-        on other machines always; workers on this machine's loopback while they leave this pass a core (one
-        loopback worker on two cores: yes; two: no, warming would delay one). It counts a core per worker,
-        as a worker computes a decode request on one thread (more if its BLAS is multithreaded)."""
-        here = sum(1 for snd in fast.sends if getattr(snd.link.channel, "on_loopback", False))
-        return here < self._cores
 
     def _may_combine(self, link: WorkerLink | None, x: np.ndarray, routing: Routing) -> bool:
         """Whether combining could pay on ``link`` even if every token of the layer were whole there."""
@@ -772,151 +526,6 @@ class RemoteExecutor:
     def _count_unavailable(self) -> None:
         with self._stats_lock:
             self.stats.unavailable += 1
-
-    def _fallback(self, layer: int, x: np.ndarray, work: Sequence[WorkItem], results: list[np.ndarray | None],
-                  local: list[int]) -> None:
-        if self._local_weights is None:
-            raise ExpertsUnavailable(f"layer {layer}: no local expert weights to fall back on")
-        for i in local:
-            expert, rows = work[i]
-            results[i] = expert_ffn(x[rows], *self._local_weights(layer, expert))
-        with self._stats_lock:
-            self.stats.items_local += len(local)
-            self.stats.local_fallback_layers += 1
-            n = self.stats.local_fallback_layers
-        now = time.monotonic()
-        if now - self._last_fallback_log >= 1.0:
-            self._last_fallback_log = now
-            log.warning("experts_local_fallback", layer=layer, items=len(local), fallback_layers_total=n)
-
-    async def _run_layer(self, layer: int, x: np.ndarray, work: list[WorkItem], omap: OwnershipMap,
-                         budget_s: float | None = None) -> tuple[list[np.ndarray | None], list[int]]:
-        """On the loop: results per item (None where computed locally) and the items left for local compute.
-        The layer has ``budget_s`` (default: the layer timeout) for all its attempts."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + (self.config.layer_timeout_s if budget_s is None else budget_s)
-        results: list[np.ndarray | None] = [None] * len(work)
-        remaining = list(range(len(work)))
-        local: list[int] = []
-        excluded: set[str] = set()
-        first = True
-        while remaining:
-            by_worker: dict[str, list[int]] = {}
-            unplaced: list[int] = []
-            for i in remaining:
-                expert = work[i][0]
-                holder = next((h for h in omap.holders(layer, expert) if h not in excluded
-                               and h in self.links and not self.links[h].closed), None)
-                if holder is None:
-                    holder = self._any_live_holder(layer, expert, excluded)
-                if holder is None:
-                    unplaced.append(i)
-                else:
-                    by_worker.setdefault(holder, []).append(i)
-            if not first:
-                with self._stats_lock:
-                    self.stats.retries += len(remaining) - len(unplaced)
-            first = False
-            if unplaced:
-                if self.config.mode == "on":
-                    self._count_unavailable()
-                    missing = sorted({(layer, work[i][0]) for i in unplaced})
-                    names = ", ".join(f"{la}/{e}" for la, e in missing[:8])
-                    more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-                    raise ExpertsUnavailable(f"no live expert worker holds layer/expert {names}{more}", missing)
-                local += unplaced
-            # Every worker's first request goes out before any reply is awaited. More requests for the
-            # same worker (a layer split by the size limits) follow while at most EXPERT_WINDOW_BYTES are
-            # in flight to it: a worker does not read while it computes, and its transport resets a
-            # stream with too much unread data.
-            failed: list[int] = []
-            queues: dict[str, list[tuple[list[int], rpc.ExpertRequest]]] = {
-                node: [(chunk, planning.request(layer, x, work, chunk))
-                       for chunk in planning.chunks(self.links[node], x, work, items)]
-                for node, items in by_worker.items()}
-            window: dict[str, deque[tuple[list[int], asyncio.Future[rpc.Message], float, int]]] = {
-                node: deque() for node in queues}
-
-            def fail_worker(node: str, why: str, drop: bool = True, error: bool = True) -> None:
-                nonlocal failed
-                if error:
-                    self.link_stats[node].errors += 1
-                if drop:
-                    self._drop(node, why)
-                excluded.add(node)
-                failed += [i for chunk, *_ in window[node] for i in chunk]
-                failed += [i for chunk, _ in queues[node] for i in chunk]
-                window[node].clear()
-                queues[node].clear()
-
-            async def send_more(node: str) -> None:
-                link, q, win = self.links.get(node), queues[node], window[node]
-                if link is None:  # its link closed meanwhile (and was forgotten): retry its items elsewhere
-                    if q:
-                        fail_worker(node, "link closed", drop=False, error=False)
-                    return
-                while q:
-                    size = q[0][1].x.nbytes + q[0][1].pairs.nbytes
-                    if win and sum(w[3] for w in win) + size > limits.EXPERT_WINDOW_BYTES:
-                        return
-                    chunk, req = q.pop(0)
-                    try:
-                        fut = await link.submit(req)
-                    except WorkerFailed as e:
-                        q.insert(0, (chunk, req))
-                        fail_worker(node, str(e))
-                        return
-                    link.stats.rows += req.x.shape[0]
-                    link.stats.pairs += req.pairs.shape[0]
-                    win.append((chunk, fut, time.perf_counter(), size))
-
-            async def drain(node: str) -> None:
-                nonlocal failed
-                win, link_stats = window[node], self.link_stats[node]
-                while win:
-                    chunk, fut, t0, _ = win[0]
-                    message_left = self.config.message_timeout_s - (time.perf_counter() - t0)
-                    layer_left = deadline - loop.time()
-                    try:
-                        reply = await asyncio.wait_for(asyncio.shield(fut), max(0.0, min(message_left, layer_left)))
-                    except (TimeoutError, WorkerFailed) as e:
-                        # a worker is dropped for its own silence, not for a wait the layer's deadline cut short
-                        cut = isinstance(e, TimeoutError) and layer_left < message_left
-                        fail_worker(node, f"layer {layer}: {e}" if str(e) else f"layer {layer}: timeout",
-                                    drop=not cut, error=not cut)
-                        return
-                    win.popleft()
-                    if isinstance(reply, rpc.ExpertReply) and planning.fill(layer, work, chunk, reply, results):
-                        link_stats.answered(reply.compute_us, time.perf_counter() - t0)
-                        await send_more(node)
-                        continue
-                    why = reply.text if isinstance(reply, rpc.ErrorMsg) else f"bad reply {type(reply).__name__}"
-                    log.warning("experts_worker_error", worker=node, layer=layer, reason=why)
-                    failed += chunk
-                    fail_worker(node, why, drop=not (isinstance(reply, rpc.ErrorMsg)
-                                                     and reply.code == rpc.ErrorCode.NOT_HELD))
-                    return
-
-            for node in queues:
-                await send_more(node)
-            await asyncio.gather(*(drain(node) for node in queues))
-            remaining = sorted(failed)
-            if remaining and loop.time() >= deadline:
-                break
-        if remaining:
-            if self.config.mode == "on":
-                self._count_unavailable()
-                raise ExpertsUnavailable(f"layer {layer}: expert workers did not answer within "
-                                         f"{self.config.layer_timeout_s}s")
-            local += remaining
-        return results, sorted(local)
-
-    def _any_live_holder(self, layer: int, expert: int, excluded: set[str]) -> str | None:
-        # A worker that joined after this forward's map was pinned is used only when no pinned holder is left.
-        for node_id, link in sorted(self.links.items()):
-            if node_id not in excluded and not link.closed and (layer, expert) in link.holds:
-                return node_id
-        return None
 
     def _drop(self, node_id: str, reason: str) -> None:
         link = self.links.get(node_id)

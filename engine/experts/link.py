@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from engine.experts import rpc
@@ -16,6 +16,14 @@ from engine.experts.layout import MoeLayout
 from transport import limits
 
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class ExpertsUnavailable(Exception):
+    """``on`` mode: some routed experts have no live worker. The API answers 503 with this message."""
+
+    def __init__(self, reason: str, missing: Sequence[tuple[int, int]] = ()) -> None:
+        super().__init__(reason)
+        self.missing = list(missing)
 
 
 class WorkerRefused(Exception):
