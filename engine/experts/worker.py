@@ -355,22 +355,20 @@ class _Session:
             return self._threaded(weights, req, groups, rid)
         # Small (decode): computed here, as a thread hop would cost more than the compute. A plain request's
         # outputs go straight into its reply message.
-        if isinstance(req, rpc.ExpertRequest) and w._reply_hook is None:
-            t0 = time.perf_counter()
-            try:
-                reply = rpc.ReplyBuffer(req.layer, req.pairs.shape[0], req.x.shape[1], rid)
-                compute_request(weights, req, groups, reply.out)
-            except Exception as e:  # noqa: BLE001 - answered as a typed error
-                return self._compute_failed(req, e, rid)
-            dt = time.perf_counter() - t0
-            rest = self._emit_bytes(reply.finish(int(dt * 1e6)))
-        else:
-            t0 = time.perf_counter()
-            try:
+        in_place = isinstance(req, rpc.ExpertRequest) and w._reply_hook is None
+        t0 = time.perf_counter()
+        try:
+            if in_place:
+                buf = rpc.ReplyBuffer(req.layer, req.pairs.shape[0], req.x.shape[1], rid)
+                compute_request(weights, req, groups, buf.out)
+            else:
                 result = w._compute(weights, req, groups)
-            except Exception as e:  # noqa: BLE001 - answered as a typed error
-                return self._compute_failed(req, e, rid)
-            dt = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001 - answered as a typed error
+            return self._compute_failed(req, e, rid)
+        dt = time.perf_counter() - t0
+        if in_place:
+            rest = self._emit_bytes(buf.finish(int(dt * 1e6)))
+        else:
             rest = self._emit(w._reply(req, result, dt), rid)
         w._served(req, groups, dt)  # counted once the reply is on its way
         return rest
