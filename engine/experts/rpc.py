@@ -206,11 +206,14 @@ class ExpertCombineRequest:
 
     def raw_mask(self) -> np.ndarray:
         """[n_pairs] bool: the pairs whose row is not combined (their outputs are sent raw)."""
-        if self.raw is not None:
-            return self.raw
-        combined = np.zeros(self.x.shape[0], dtype=bool)
-        combined[self.rows] = True
-        return ~combined[self.pairs[:, 0]]
+        return _raw_mask(self.pairs, self.x.shape[0], self.rows) if self.raw is None else self.raw
+
+
+def _raw_mask(pairs: np.ndarray, n_rows: int, rows: np.ndarray) -> np.ndarray:
+    """[n_pairs] bool: the pairs whose row (into x of ``n_rows``) is not one of the combined ``rows``."""
+    combined = np.zeros(n_rows, dtype=bool)
+    combined[rows] = True
+    return ~combined[pairs[:, 0]]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -621,9 +624,7 @@ def _large_combine(pairs: np.ndarray, rows: int, crow: np.ndarray, experts: np.n
     per_row = np.bincount(pairs[:, 0].astype(np.int64), minlength=rows)
     if bool(np.any(per_row[crow] != k)) or bool(np.any(slots < 0)):
         raise _bad("expert_request_combine combines a row whose pairs are not exactly its slot experts")
-    combined = np.zeros(rows, dtype=bool)
-    combined[crow] = True
-    return slots, ~combined[pairs[:, 0]]
+    return slots, _raw_mask(pairs, rows, crow)
 
 
 def _small_combine(pairs: list[list[int]], rows: int, crow: list[int], experts: list[list[int]],
