@@ -81,6 +81,14 @@ def _connect(lt: LoopThread, ex: RemoteExecutor, worker: ExpertWorker, node_id: 
     lt.run(go())
 
 
+def _one_worker(tmp_path: Path, lt: LoopThread) -> tuple[Fixture, RemoteExecutor, np.ndarray]:
+    """A Qwen3-MoE fixture, an executor with one worker holding everything ("w0"), and a one-token input."""
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
+    _connect(lt, ex, _worker(fx), "w0")
+    return fx, ex, _inputs(fx.layout.hidden_size)[0]
+
+
 def _worker(fx: Fixture, spec: str = "", **kw: object) -> ExpertWorker:
     shard = load_shard(str(fx.path) + spec)
     return ExpertWorker([shard], [fx.fp], **kw)  # type: ignore[arg-type]
@@ -610,10 +618,7 @@ def test_small_passes_run_on_the_loop_and_larger_ones_layer_by_layer(tmp_path: P
 
 
 def test_an_error_inside_a_loop_driven_pass_is_raised_to_its_caller(tmp_path: Path, lt: LoopThread) -> None:
-    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
-    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
-    _connect(lt, ex, _worker(fx), "w0")
-    x = _inputs(fx.layout.hidden_size)[0]
+    fx, ex, x = _one_worker(tmp_path, lt)
     ran_on: list[str] = []
 
     def failing() -> ForwardSteps:
@@ -686,10 +691,7 @@ def test_a_pass_does_not_warm_when_its_loopback_worker_needs_the_only_core_or_it
 
 def test_a_failing_warm_is_logged_and_the_pass_goes_on(tmp_path: Path, lt: LoopThread) -> None:
     """Warming is optional: an error in it ends warming for that pass, never the pass."""
-    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
-    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
-    _connect(lt, ex, _worker(fx), "w0")
-    x = _inputs(fx.layout.hidden_size)[0]
+    fx, ex, x = _one_worker(tmp_path, lt)
     calls: list[int] = []
 
     def broken(layer: int) -> None:
@@ -723,10 +725,7 @@ def test_warming_waits_while_loopback_workers_need_every_core(tmp_path: Path, lt
 
 
 def test_drive_from_the_loop_thread_is_refused(tmp_path: Path, lt: LoopThread) -> None:
-    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
-    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
-    _connect(lt, ex, _worker(fx), "w0")
-    x = _inputs(fx.layout.hidden_size)[0]
+    fx, ex, x = _one_worker(tmp_path, lt)
 
     async def on_loop() -> None:
         fx.forward(x, ex)
@@ -741,10 +740,7 @@ def test_a_pass_with_long_compute_stays_on_the_engine_thread(tmp_path: Path, lt:
     hold the loop that long at every layer: it runs layer by layer on the calling thread instead."""
     import engine.experts.passes as passes_mod
 
-    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
-    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
-    _connect(lt, ex, _worker(fx), "w0")
-    x = _inputs(fx.layout.hidden_size)[0]
+    fx, ex, x = _one_worker(tmp_path, lt)
     ref = fx.forward(x, local_executor(fx.full.weights))
 
     def slow(x: np.ndarray) -> ForwardSteps:
