@@ -766,12 +766,12 @@ def test_an_error_sending_a_later_layer_on_the_loop_reaches_the_caller_at_once(
     x = _inputs(fx.layout.hidden_size)[0]
     real, requests = coord_mod.rpc.encode, []
 
-    def encode(msg: object, rid: int) -> bytes:
+    def encode(msg: object, rid: int, flags: int = 0) -> bytes:
         if isinstance(msg, coord_mod.rpc.ExpertRequest | coord_mod.rpc.ExpertCombineRequest):
             requests.append(msg)
             if len(requests) == 2:  # the second layer, built on the loop thread
                 raise MemoryError("encode failed")
-        return real(msg, rid)  # type: ignore[arg-type]
+        return real(msg, rid, flags)  # type: ignore[arg-type]
 
     monkeypatch.setattr(coord_mod.rpc, "encode", encode)
     t0 = time.monotonic()

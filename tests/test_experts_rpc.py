@@ -12,7 +12,7 @@ from engine.experts import rpc
 
 FP = bytes(range(32))
 
-# Golden vectors: (message, request id, exact bytes). Any change in the wire format breaks these.
+# Golden vectors: (message, request id, exact bytes[, header flags]). Any change in the wire format breaks these.
 GOLDEN = {
     # coordinator -> worker
     "hello": (
@@ -25,7 +25,7 @@ GOLDEN = {
         "4d58010300000000070000003900000003000000010200000002000000030000000000803f000000c00000003f0000803e"
         "0000000001000000010000000100000001000000040000009ed56296"),
     "hello_v2": (  # a v2 coordinator's hello: same layout, offers versions 1-2
-        rpc.Hello(fingerprint=FP, max_message_bytes=1 << 20, max_rows=512), 1,
+        rpc.Hello(fingerprint=FP, max_version=2, max_message_bytes=1 << 20, max_rows=512), 1,
         "4d58010100000000010000002a0000000102000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"
         "000010000002000028f7ead9"),
     "request_combine": (  # v2: row 1 (experts 4 then 1) is combined here, row 0's pair goes back raw
@@ -38,6 +38,16 @@ GOLDEN = {
         "0000003f0000803e0000000001000000010000000100000001000000040000000100000004000000010000000000403f"
         "0000803e4a3a870b"),
     "echo": (rpc.Echo(b"ping"), 9, "4d58010600000000090000000400000070696e67f220838e"),
+    "hello_v3": (  # this coordinator's hello: offers versions 1-3
+        rpc.Hello(fingerprint=FP, max_message_bytes=1 << 20, max_rows=512), 1,
+        "4d58010100000000010000002a0000000103000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"
+        "00001000000200008967fd31"),
+    "request_poll": (  # v3: a decode row's request with FLAG_POLL (flags 0x0001 in the header)
+        rpc.ExpertRequest(layer=3, x=np.array([[1.0, -2.0]], dtype=np.float32),
+                          pairs=np.array([[0, 1], [0, 4]], dtype=np.uint32)), 10,
+        "4d580103010000000a0000002900000003000000010100000002000000020000000000803f000000c00000000001000000"
+        "0000000004000000b3e5cb0f", rpc.FLAG_POLL),
+    "echo_poll": (rpc.Echo(b"ping"), 11, "4d580106010000000b0000000400000070696e67fc2fd0cc", rpc.FLAG_POLL),
     # worker -> coordinator
     "hello_ack": (
         rpc.HelloAck(version=1, fingerprint=FP, capacity=2.5,
@@ -86,11 +96,29 @@ def _same(a: rpc.Message, b: rpc.Message) -> bool:
 
 @pytest.mark.parametrize("name", sorted(GOLDEN))
 def test_golden_encode_and_decode(name: str) -> None:
-    msg, rid, hexed = GOLDEN[name]
-    assert rpc.encode(msg, rid).hex() == hexed
+    msg, rid, hexed, *flagged = GOLDEN[name]
+    flags = flagged[0] if flagged else 0
+    assert rpc.encode(msg, rid, flags).hex() == hexed
     env = rpc.decode(bytes.fromhex(hexed))
     assert env.request_id == rid
+    assert env.flags == flags
     assert _same(env.message, msg)
+
+
+def test_row_request_encoder_sets_the_poll_flag_like_encode() -> None:
+    msg, rid, hexed, flags = GOLDEN["request_poll"]
+    assert isinstance(msg, rpc.ExpertRequest)
+    assert rpc.encode_row_request(msg.layer, msg.x, [int(e) for _, e in msg.pairs], rid, flags).hex() == hexed
+
+
+@pytest.mark.parametrize("name", ["hello", "hello_ack", "reply", "error", "echo_reply", "reply_combined"])
+def test_poll_flag_is_refused_on_other_message_types(name: str) -> None:
+    msg, rid, hexed = GOLDEN[name]
+    with pytest.raises(ValueError, match="flags"):
+        rpc.encode(msg, rid, rpc.FLAG_POLL)
+    data = bytes.fromhex(hexed)
+    with pytest.raises(rpc.ExpertProtocolError, match="flags"):
+        rpc.decode(_reframe(data[3], data[16:-4], rid, version=data[2], flags=rpc.FLAG_POLL))
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN))
@@ -142,8 +170,12 @@ def test_semantic_violations_raise_protocol_error() -> None:
         assert why
     good = head + x + np.array([[0, 1], [1, 1]], dtype="<u4").tobytes()
     assert isinstance(rpc.decode(_reframe(rpc.MsgType.EXPERT_REQUEST, good)).message, rpc.ExpertRequest)
-    with pytest.raises(rpc.ExpertProtocolError, match="reserved"):
-        rpc.decode(_reframe(rpc.MsgType.EXPERT_REQUEST, good, flags=1))
+    assert rpc.decode(_reframe(rpc.MsgType.EXPERT_REQUEST, good, flags=1)).flags == rpc.FLAG_POLL
+    for bits in (2, 0x8000, 3):
+        with pytest.raises(rpc.ExpertProtocolError, match="reserved"):
+            rpc.decode(_reframe(rpc.MsgType.EXPERT_REQUEST, good, flags=bits))
+    with pytest.raises(ValueError, match="flags"):
+        rpc.encode(rpc.decode(_reframe(rpc.MsgType.EXPERT_REQUEST, good)).message, 1, 2)
     with pytest.raises(rpc.ExpertProtocolError, match="version"):
         rpc.decode(_reframe(rpc.MsgType.EXPERT_REQUEST, good, version=2))
     with pytest.raises(rpc.ExpertProtocolError, match="unknown message type"):
@@ -215,7 +247,7 @@ def test_length_is_checked_before_buffering() -> None:
 
 
 def test_stream_of_messages_byte_at_a_time_equals_one_chunk() -> None:
-    stream = b"".join(bytes.fromhex(h) for _, _, h in GOLDEN.values())
+    stream = b"".join(bytes.fromhex(g[2]) for g in GOLDEN.values())
     whole = rpc.MessageDecoder().feed(stream)
     dec = rpc.MessageDecoder()
     pieces = []
@@ -223,9 +255,9 @@ def test_stream_of_messages_byte_at_a_time_equals_one_chunk() -> None:
         pieces += dec.feed(stream[i:i + 1])
     assert len(whole) == len(pieces) == len(GOLDEN)
     for a, b in zip(whole, pieces):
-        assert a.request_id == b.request_id and _same(a.message, b.message)
-    for a, (msg, rid, _) in zip(whole, GOLDEN.values()):
-        assert a.request_id == rid and _same(a.message, msg)
+        assert a.request_id == b.request_id and a.flags == b.flags and _same(a.message, b.message)
+    for a, (msg, rid, _, *flagged) in zip(whole, GOLDEN.values()):
+        assert a.request_id == rid and a.flags == (flagged[0] if flagged else 0) and _same(a.message, msg)
 
 
 def _outcome(feed: list[bytes]) -> list[tuple[int, bytes]] | str:

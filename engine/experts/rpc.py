@@ -2,14 +2,17 @@
 
 Every message is ``header | payload | crc32`` (all integers little-endian):
 
-``header`` (16 bytes): magic ``b"MX"``, ``version`` u8, ``type`` u8 (:class:`MsgType`), ``flags`` u16 (must
-be 0), ``reserved`` u16 (must be 0), ``request_id`` u32, ``payload_len`` u32. ``version`` is the protocol
+``header`` (16 bytes): magic ``b"MX"``, ``version`` u8, ``type`` u8 (:class:`MsgType`), ``flags`` u16 (0, or
+``FLAG_POLL`` on a request, below), ``reserved`` u16 (must be 0), ``request_id`` u32, ``payload_len`` u32. ``version`` is the protocol
 version that introduced the message type (1 for HELLO .. ECHO_REPLY, 2 for the COMBINE pair), so a peer
 of any version can read the hello, and a message of a type its version lacks is refused by its header.
 
 Versions: the HELLO offers ``[min_version, max_version]``; the worker acks the highest version both speak
 and the coordinator sends only that version's message types (v2: EXPERT_REQUEST_COMBINE) afterwards; a
 worker refuses a message type above the version it acked.
+``FLAG_POLL`` (bit 0, v3; on EXPERT_REQUEST, EXPERT_REQUEST_COMBINE and ECHO only): the coordinator will
+send its next request shortly and a core is free for the worker to poll for it, instead of sleeping, once
+it has replied (``transport.poll``). It changes no result; a worker that acked v1 or v2 refuses it.
 ``crc32`` (4 bytes): ``zlib.crc32`` of header and payload, so any corrupted or tampered byte is detected.
 
 Payloads (``x`` and ``out`` are fp32 little-endian, row-major):
@@ -57,7 +60,8 @@ from transport import limits
 
 MAGIC = b"MX"
 PROTOCOL_MIN = 1
-PROTOCOL_MAX = 2
+PROTOCOL_MAX = 3  # v3: FLAG_POLL
+FLAG_POLL = 0x0001
 NONE = 0xFFFFFFFF  # "no layer / no expert" in ERROR
 FINGERPRINT_BYTES = 32
 DTYPE_F32 = 1
@@ -87,6 +91,7 @@ class MsgType(IntEnum):
 MSG_VERSION = {MsgType.HELLO: 1, MsgType.HELLO_ACK: 1, MsgType.EXPERT_REQUEST: 1, MsgType.EXPERT_REPLY: 1,
                MsgType.ERROR: 1, MsgType.ECHO: 1, MsgType.ECHO_REPLY: 1, MsgType.EXPERT_REQUEST_COMBINE: 2,
                MsgType.EXPERT_REPLY_COMBINED: 2}
+_POLL_TYPES = frozenset((MsgType.EXPERT_REQUEST, MsgType.EXPERT_REQUEST_COMBINE, MsgType.ECHO))  # FLAG_POLL's
 
 
 class ErrorCode(IntEnum):
@@ -261,6 +266,7 @@ class Envelope:
 
     request_id: int
     message: Message
+    flags: int = 0  # header flags: FLAG_POLL on a request
 
 
 # --- encoding ---------------------------------------------------------------------------------------
@@ -344,27 +350,29 @@ def _payload(msg: Message) -> tuple[MsgType, list[bytes | memoryview]]:
     raise TypeError(f"not a message: {type(msg).__name__}")
 
 
-def _header(mtype: MsgType, request_id: int, length: int) -> bytes:
+def _header(mtype: MsgType, request_id: int, length: int, flags: int = 0) -> bytes:
     """The header of a message of ``length`` payload bytes; ``ValueError`` if it must never be sent."""
     _check_u32("request_id", request_id)
     if length > limits.EXPERT_MAX_MESSAGE_BYTES:
         raise ValueError(f"message of {length} bytes exceeds {limits.EXPERT_MAX_MESSAGE_BYTES}")
-    return _HEADER.pack(MAGIC, MSG_VERSION[mtype], int(mtype), 0, 0, request_id, length)
+    if flags and (flags != FLAG_POLL or mtype not in _POLL_TYPES):
+        raise ValueError(f"flags {flags:#x} on {mtype.name}")
+    return _HEADER.pack(MAGIC, MSG_VERSION[mtype], int(mtype), flags, 0, request_id, length)
 
 
-def encode(msg: Message, request_id: int) -> bytes:
-    """Serialize one message (its header carries its type's ``MSG_VERSION``). Raises ``ValueError`` for a
-    message we must never send."""
+def encode(msg: Message, request_id: int, flags: int = 0) -> bytes:
+    """Serialize one message (its header carries its type's ``MSG_VERSION`` and ``flags``). Raises
+    ``ValueError`` for a message we must never send."""
     mtype, parts = _payload(msg)
-    header = _header(mtype, request_id, sum(len(p) for p in parts))
+    header = _header(mtype, request_id, sum(len(p) for p in parts), flags)
     crc = zlib.crc32(header)
     for p in parts:
         crc = zlib.crc32(p, crc)
     return b"".join([header, *parts, crc.to_bytes(4, "little")])
 
 
-def encode_row_request(layer: int, x: np.ndarray, experts: list[int], request_id: int) -> bytes:
-    """``encode(ExpertRequest(layer, x, [(0, e) for e in experts]), request_id)`` for one token's row ``x``
+def encode_row_request(layer: int, x: np.ndarray, experts: list[int], request_id: int, flags: int = 0) -> bytes:
+    """``encode(ExpertRequest(layer, x, [(0, e) for e in experts]), request_id, flags)`` for one token's row ``x``
     [1, D] fp32 (a decode step's request, built without the message object and the generic checks): the
     same bytes. Raises ``ValueError`` for a layer, request id or expert that does not fit u32."""
     _check_u32("layer", layer)
@@ -377,7 +385,7 @@ def encode_row_request(layer: int, x: np.ndarray, experts: list[int], request_id
         raise ValueError("an expert does not fit u32") from None
     head = _REQ.pack(layer, DTYPE_F32, 1, x.shape[1], n)
     row = memoryview(x).cast("B")
-    header = _header(MsgType.EXPERT_REQUEST, request_id, len(head) + len(row) + len(pairs))
+    header = _header(MsgType.EXPERT_REQUEST, request_id, len(head) + len(row) + len(pairs), flags)
     crc = zlib.crc32(pairs, zlib.crc32(row, zlib.crc32(head, zlib.crc32(header))))
     return b"".join((header, head, row, pairs, crc.to_bytes(4, "little")))
 
@@ -415,22 +423,25 @@ class ReplyBuffer:
 
 
 def _parse_header(header: bytes | memoryview, max_message_bytes: int) -> tuple[int, MsgType, int, int]:
+    """``(flags, type, request_id, payload_len)`` of a header; ``ExpertProtocolError`` if it is malformed."""
     magic, version, mtype, flags, reserved, request_id, length = _HEADER.unpack(header)
     if magic != MAGIC:
         raise _bad("bad magic")
     if not PROTOCOL_MIN <= version <= PROTOCOL_MAX:
         raise ExpertProtocolError(ErrorCode.VERSION_UNSUPPORTED, f"message version {version}")
-    if flags or reserved:
+    if reserved or flags & ~FLAG_POLL:
         raise _bad("reserved bits set")
     try:
         kind = MsgType(mtype)
     except ValueError:
         raise _bad(f"unknown message type {mtype}") from None
+    if flags and kind not in _POLL_TYPES:
+        raise _bad(f"flags {flags:#x} on {kind.name}")
     if version != MSG_VERSION[kind]:
         raise ExpertProtocolError(ErrorCode.VERSION_UNSUPPORTED, f"message version {version} for {kind.name}")
     if length > max_message_bytes:
         raise ExpertProtocolError(ErrorCode.TOO_LARGE, f"message of {length} bytes exceeds {max_message_bytes}")
-    return version, kind, request_id, length
+    return flags, kind, request_id, length
 
 
 def _parse_payload(kind: MsgType, p: memoryview) -> Message:
@@ -725,5 +736,5 @@ class MessageDecoder:
         crc = int.from_bytes(frame[-CRC_BYTES:], "little")
         if zlib.crc32(body) != crc:
             raise _bad("checksum mismatch")
-        _, kind, request_id, _ = _parse_header(body[:HEADER_BYTES], self._max) if head is None else head
-        return Envelope(request_id, _parse_payload(kind, body[HEADER_BYTES:]))
+        flags, kind, request_id, _ = _parse_header(body[:HEADER_BYTES], self._max) if head is None else head
+        return Envelope(request_id, _parse_payload(kind, body[HEADER_BYTES:]), flags)
