@@ -37,6 +37,8 @@ REMOTE_EXPERTS = ("off", "on", "prefer")
 DEFAULT_EXPERTS_CONNECT_TIMEOUT_S = 5.0
 DEFAULT_EXPERTS_MESSAGE_TIMEOUT_S = 10.0
 DEFAULT_EXPERTS_LAYER_TIMEOUT_S = 30.0
+DEFAULT_EXPERTS_POLL_S = 0.002  # transport.limits.EXPERT_POLL_S (0 turns polling off)
+MAX_EXPERTS_POLL_S = 0.1  # transport.limits.EXPERT_MAX_POLL_S
 MAX_EXPERTS_TIMEOUT_S = 86400.0  # a day: longer is a hung request, and threading waits overflow past ~9e9 s
 ROLES = ("serve", "client")
 
@@ -106,6 +108,7 @@ class DaemonConfig:
     experts_connect_timeout_s: float = DEFAULT_EXPERTS_CONNECT_TIMEOUT_S  # transport connect + stream + hello
     experts_message_timeout_s: float = DEFAULT_EXPERTS_MESSAGE_TIMEOUT_S  # one expert request until its reply
     experts_layer_timeout_s: float = DEFAULT_EXPERTS_LAYER_TIMEOUT_S  # one sparse layer, retries included
+    experts_poll_s: float = DEFAULT_EXPERTS_POLL_S  # polling for expert replies / the next request (0: off)
     join_token: str | None = field(default=None, repr=False)  # a secret: never logged
     join_file: Path | None = None
     mesh_name: str = DEFAULT_MESH_NAME
@@ -166,6 +169,7 @@ _FILE_KEYS: dict[str, tuple[type, ...]] = {
     "experts-connect-timeout": _NUMBER,
     "experts-message-timeout": _NUMBER,
     "experts-layer-timeout": _NUMBER,
+    "experts-poll": _NUMBER,
     "join": (str,),
     "join-file": (str,),
     "mesh-name": (str,),
@@ -175,7 +179,7 @@ _FILE_KEYS: dict[str, tuple[type, ...]] = {
     "log-level": (str,),
 }
 _SERVE_ONLY = ("model", "experts", "remote-experts", "experts-connect-timeout", "experts-message-timeout",
-               "experts-layer-timeout")
+               "experts-layer-timeout", "experts-poll")
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
@@ -213,6 +217,20 @@ def read_config_file(path: Path) -> dict[str, Any]:
             raise UsageError(f"config file {path}: {key!r} must be a {want}")
         out[name] = value
     return out
+
+
+def parse_poll(value: Any, what: str) -> float:
+    """Seconds of ``--experts-poll`` from a flag's text or a TOML number: 0 (off) to ``MAX_EXPERTS_POLL_S``.
+
+    Raises ``UsageError`` naming ``what``.
+    """
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"{what}: expected a number of seconds, got {value!r}") from None
+    if not 0 <= seconds <= MAX_EXPERTS_POLL_S:  # also refuses nan and inf
+        raise UsageError(f"{what}: must be 0 (off) to {MAX_EXPERTS_POLL_S:g} seconds, got {value!r}")
+    return seconds
 
 
 def parse_timeout(value: Any, what: str) -> float:
@@ -313,6 +331,8 @@ def load_config(args: argparse.Namespace, env: Mapping[str, str], role: str) -> 
     connect_s, _ = pick_timeout("experts-connect-timeout", DEFAULT_EXPERTS_CONNECT_TIMEOUT_S)
     message_s, message_source = pick_timeout("experts-message-timeout", DEFAULT_EXPERTS_MESSAGE_TIMEOUT_S)
     layer_s, layer_source = pick_timeout("experts-layer-timeout", DEFAULT_EXPERTS_LAYER_TIMEOUT_S)
+    poll_text, poll_source = pick("experts-poll")
+    poll_s = DEFAULT_EXPERTS_POLL_S if poll_text is None else parse_poll(poll_text, poll_source)
     if message_s > layer_s:
         raise UsageError(f"{message_source} = {message_s:g} s exceeds {layer_source} = {layer_s:g} s "
                          "(a layer's timeout covers its messages and their retries)")
@@ -378,6 +398,7 @@ def load_config(args: argparse.Namespace, env: Mapping[str, str], role: str) -> 
         experts_connect_timeout_s=connect_s,
         experts_message_timeout_s=message_s,
         experts_layer_timeout_s=layer_s,
+        experts_poll_s=poll_s,
         join_token=join_token,
         join_file=join_file,
         mesh_name=mesh_name,

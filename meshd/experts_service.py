@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Iterable, Sequence
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,11 +97,13 @@ class ExpertsService:
 
     @classmethod
     def from_config(cls, config: Any) -> ExpertsService:
-        """From the daemon's ``DaemonConfig`` (``experts``, ``remote_experts``, ``experts_*_timeout_s``)."""
-        timeouts = CoordinatorConfig(connect_timeout_s=config.experts_connect_timeout_s,
+        """From the daemon's ``DaemonConfig`` (``experts``, ``remote_experts``, ``experts_*_timeout_s``,
+        ``experts_poll_s``)."""
+        settings = CoordinatorConfig(connect_timeout_s=config.experts_connect_timeout_s,
                                      message_timeout_s=config.experts_message_timeout_s,
-                                     layer_timeout_s=config.experts_layer_timeout_s)
-        return cls(tuple(config.experts), config.remote_experts, coordinator_config=timeouts)
+                                     layer_timeout_s=config.experts_layer_timeout_s,
+                                     poll_s=config.experts_poll_s)
+        return cls(tuple(config.experts), config.remote_experts, coordinator_config=settings)
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -113,7 +116,8 @@ class ExpertsService:
         self._state_dir = getattr(state, "path", None)
         if self.specs:
             self.shards, self.fingerprints = await asyncio.to_thread(self._load_all)
-            self.worker = ExpertWorker(self.shards, self.fingerprints, self.capacity, self._reply_hook)
+            poll_s = (self.coordinator_config or CoordinatorConfig()).poll_s  # one setting for both roles
+            self.worker = ExpertWorker(self.shards, self.fingerprints, self.capacity, self._reply_hook, poll_s=poll_s)
             self.transport.on_stream(StreamType.EXPERT, self._serve)
             for s, fp in zip(self.shards, self.fingerprints):
                 log.info("experts_worker_ready", path=str(s.path), fingerprint=fp.hex()[:16], layers=len(s.layers),
@@ -253,8 +257,7 @@ class ExpertsService:
         fp = await asyncio.to_thread(lambda: model_fingerprint(p, cache_dir=self._state_dir))
         mode = mode or (self.remote_experts if self.remote_experts in ("on", "prefer") else "on")
         base = self.coordinator_config or CoordinatorConfig()
-        cfg = CoordinatorConfig(mode=mode, connect_timeout_s=base.connect_timeout_s,
-                                message_timeout_s=base.message_timeout_s, layer_timeout_s=base.layer_timeout_s)
+        cfg = dataclasses.replace(base, mode=mode)
         ex = RemoteExecutor(asyncio.get_running_loop(), fp, layout, cfg, local_weights)
         c = _Coordinated(p, ex)
         self._coordinated.append(c)
@@ -375,7 +378,8 @@ class ExpertsService:
                               ("pairs", "(row, expert) outputs computed"),
                               ("rows_combined", "rows combined here and sent as one row"),
                               ("bytes_in", "bytes received"),
-                              ("bytes_out", "bytes sent"), ("errors", "requests answered with an error")):
+                              ("bytes_out", "bytes sent"), ("errors", "requests answered with an error"),
+                              ("polls", "answers after which the worker polled for the next request")):
                 m.append((f"meshd_experts_worker_{key}_total", "counter", f"Worker: {what}", {},
                           float(getattr(st, key))))
             m.append(("meshd_experts_worker_compute_seconds_total", "counter", "Worker: expert compute time", {},

@@ -5,6 +5,7 @@ that computes everything itself, and 503 once the only worker is gone (``on`` mo
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -70,6 +71,10 @@ def test_remote_experts_on_matches_local_and_503s_without_workers(tmp_path: Path
         assert st["passes_on_loop"] > 0 and st["passes_handed_back"] == 0, st  # decode steps ran on the loop
         wst = _status(tmp_path / "w")["services"]["experts"]["worker"]
         assert wst["requests"] > 0 and wst["pairs"] > 0, wst
+        # One worker on this machine's loopback: both poll (coordinator for replies, worker for the next
+        # request) when it and the coordinator have a core each.
+        polling = len(os.sched_getaffinity(0)) >= 2
+        assert st["polling"] is polling and (wst["polls"] > 0) is polling, (st, wst)
 
         worker.proc.send_signal(signal.SIGKILL)
         worker.proc.wait(timeout=10)

@@ -118,3 +118,7 @@ EXPERT_WINDOW_BYTES = 4 * 1024 * 1024  # request bytes in flight to one worker w
 EXPERT_MAX_ADVERTISED_RANGES = 128  # shard rectangles put into our gossip record (the membership record's
 #   own cap on expert entries); discovery only: the hello tells the coordinator exactly what is held
 EXPERT_MAX_INFLIGHT_PER_WORKER = 64  # outstanding requests on one worker link (engine threads x layers)
+EXPERT_POLL_S = 0.002  # default time a coordinator polls for a layer's replies, and a worker for the next
+#   request, instead of sleeping (transport.poll; --experts-poll): a decode layer's wait is ~0.5-2 ms, and
+#   for waits much longer than this the ~0.1 ms a wake-up costs no longer matters
+EXPERT_MAX_POLL_S = 0.1  # the most --experts-poll takes: a poll keeps a core busy for its whole length

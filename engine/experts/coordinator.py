@@ -59,7 +59,7 @@ from engine.experts.ownership import OwnershipMap, WorkerInfo, build_map
 from engine.experts.passes import LoopPasses
 from engine.experts.planning import FastCall, FastSend
 from engine.moe import ExpertWeightsFn, Routing, WorkItem, combine, slot_positions, weighted_sum
-from transport import limits
+from transport import limits, poll
 
 # The link's names are re-exported: callers import everything the coordinator API uses from here.
 __all__ = ["LATENCY_BUCKETS_S", "MODES", "CoordinatorConfig", "CoordinatorStats", "ExpertsUnavailable",
@@ -79,10 +79,13 @@ class CoordinatorConfig:
     message_timeout_s: float = 10.0  # one request until its reply
     layer_timeout_s: float = 30.0  # one layer, retries included
     warm: bool = True  # a loop-driven pass warms its next layer's weights while a layer's experts are out
+    poll_s: float = limits.EXPERT_POLL_S  # poll this long for a fast-path layer's replies (0: sleep at once)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"remote experts mode must be one of {MODES}")
+        if not 0 <= self.poll_s <= limits.EXPERT_MAX_POLL_S:
+            raise ValueError(f"poll_s must be between 0 and {limits.EXPERT_MAX_POLL_S}")
         for name in ("connect_timeout_s", "message_timeout_s", "layer_timeout_s"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be positive and finite")
@@ -127,6 +130,8 @@ class RemoteExecutor(LoopPasses, GeneralPath):
         self._first_sparse = layout.sparse_layers[0] if layout.sparse_layers else -1
         affinity = getattr(os, "sched_getaffinity", None)
         self._cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)  # ours to use
+        self._loopback_links = 0  # workers on this machine's loopback (_rebuild)
+        self._poller = poll.poller(loop)
 
     # --- workers (loop thread) ------------------------------------------------------------------
 
@@ -171,6 +176,14 @@ class RemoteExecutor(LoopPasses, GeneralPath):
                 for n, link in self.links.items() if not link.closed]
         self._map = build_map(live, self._keys)
         self._map_version += 1
+        self._loopback_links = sum(1 for link in self.links.values() if getattr(link.channel, "on_loopback", False))
+
+    @property
+    def _polling(self) -> bool:
+        """Whether fast-path layers poll for their replies and ask their workers to poll (FLAG_POLL). Either
+        keeps a core busy: only while every worker on this machine's loopback, and this node, has a core of
+        its own (one loopback worker on two cores: yes; two: no). Workers elsewhere use their own machine's."""
+        return self.config.poll_s > 0 and self._loopback_links + 1 <= self._cores
 
     @property
     def current_map(self) -> OwnershipMap:
@@ -193,16 +206,19 @@ class RemoteExecutor(LoopPasses, GeneralPath):
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         return f"no live expert worker holds layer/expert {names}{more}"
 
-    def echo_rtt(self, node_id: str, payload: bytes) -> float:
+    def echo_rtt(self, node_id: str, payload: bytes, polled: bool = False) -> float:
         """Engine thread: seconds from sending an ECHO of ``payload`` to reading its reply, both on the loop.
 
         It goes the way a fast-path layer call goes (sent from a loop callback and flushed at once, the
         reply taken in the read callback), so it is the transport's round trip under the same conditions,
-        without the thread hand-off and the expert work (benchmarks).
+        without the thread hand-off and the expert work (benchmarks). ``polled``: also poll for the reply,
+        and have the worker poll for the next message, as a fast-path layer does when this node polls.
         """
         link = self.links[node_id]
         rid = link.next_id()
-        data = rpc.encode(rpc.Echo(payload), rid)
+        polling = polled and self._polling
+        flags = rpc.FLAG_POLL if polling and link.ack is not None and link.ack.version >= 3 else 0
+        data = rpc.encode(rpc.Echo(payload), rid, flags)
         done = threading.Lock()
         done.acquire()
         box: dict[str, object] = {}
@@ -211,6 +227,7 @@ class RemoteExecutor(LoopPasses, GeneralPath):
             if "reply" in box:
                 return  # a failed send may report twice (the link's close, then the raise)
             box["t1"], box["reply"] = time.perf_counter(), reply
+            self._poller.release(done)
             done.release()
 
         def send() -> None:
@@ -220,6 +237,8 @@ class RemoteExecutor(LoopPasses, GeneralPath):
                 if not link.send_now(data):
                     link.forget(rid)
                     sink(WorkerFailed("send buffer full"))
+                elif polling:
+                    self._poller.hold(done, self.config.poll_s)
             except WorkerFailed as e:
                 sink(e)
 
@@ -405,6 +424,7 @@ class RemoteExecutor(LoopPasses, GeneralPath):
         if routing is not None and work and any(self._may_combine(links.get(n), x, routing) for n in by_worker):
             whole = planning.whole_rows(work, by_worker, routing)
         sends: list[FastSend] = []
+        polling = self._polling
         for w, (node, items) in enumerate(by_worker.items()):
             link = links.get(node)
             if link is None or link.ack is None:
@@ -422,8 +442,9 @@ class RemoteExecutor(LoopPasses, GeneralPath):
                 if len(rows) and self._combining_pays(link, len(rows), routing.experts.shape[1], x.shape[1]):
                     combined = rows
             rid = link.next_id()
+            flags = rpc.FLAG_POLL if polling and link.ack.version >= 3 else 0
             if tokens is None and combined is None:  # one token, its outputs sent back raw (a decode step)
-                data = rpc.encode_row_request(layer, x, [work[i][0] for i in items], rid)
+                data = rpc.encode_row_request(layer, x, [work[i][0] for i in items], rid, flags)
                 snd = FastSend(node, link, rid, data, items, 1, len(items), x.shape[1])
             else:
                 req: rpc.ExpertRequest | rpc.ExpertCombineRequest = planning.request(layer, x, work, items, tokens)
@@ -431,11 +452,11 @@ class RemoteExecutor(LoopPasses, GeneralPath):
                 if combined is not None and routing is not None:
                     req, snd.raw_mask = planning.combine_request(req, tokens, routing, combined)
                     snd.combined = combined
-                snd.data = rpc.encode(req, rid)
+                snd.data = rpc.encode(req, rid, flags)
             if len(snd.data) > min(limits.EXPERT_SEND_CHUNK_BYTES, max_bytes):
                 return None  # the combine fields took it over the bound checked above
             sends.append(snd)
-        return FastCall(layer, sends, on_settle)
+        return FastCall(layer, sends, on_settle, self._poller if polling else None)
 
     @property
     def _fast_timeout_s(self) -> float:
@@ -474,6 +495,8 @@ class RemoteExecutor(LoopPasses, GeneralPath):
                 return
             snd.link.stats.rows += snd.rows
             snd.link.stats.pairs += snd.pairs
+        if call.poller is not None:  # until the last reply settles the call (FastCall.settle releases it)
+            call.poller.hold(call, self.config.poll_s)
 
     def _fast_reply(self, call: FastCall, snd: FastSend, reply: rpc.Message | WorkerFailed) -> None:
         """Loop thread: one worker's reply (or its link's failure)."""
@@ -556,5 +579,5 @@ class RemoteExecutor(LoopPasses, GeneralPath):
                     "items_local": s.items_local, "local_fallback_layers": s.local_fallback_layers,
                     "retries": s.retries, "rows_combined": s.rows_combined, "unavailable": s.unavailable,
                     "passes_on_loop": s.passes_on_loop, "passes_handed_back": s.passes_handed_back,
-                    "expert_hits": hits,
+                    "polling": self._polling, "expert_hits": hits,
                     "experts_hit": len(s.expert_rows)}

@@ -21,6 +21,7 @@ from engine.experts import rpc
 from engine.experts.link import WorkerLink
 from engine.moe import Routing, WorkItem
 from transport import limits
+from transport.poll import Poller
 
 
 def limits_of(link: WorkerLink) -> tuple[int, int]:
@@ -177,11 +178,13 @@ class FastCall:
     It settles once, on the loop thread (:meth:`settle`): every reply arrived (``error`` None) or the call
     gave up (``error`` says why) and the layer takes the general path instead. By default an engine thread
     waits on ``lock``, which settling releases; a call made on the loop (a loop-driven pass) passes
-    ``on_settle`` instead, called with the call in place of the release (and it has no lock).
+    ``on_settle`` instead, called with the call in place of the release (and it has no lock). With a
+    ``poller``, the loop polls for the replies once they are sent (until the call settles, or the poll's
+    time is up) and the requests carry ``FLAG_POLL``.
     """
 
     def __init__(self, layer: int, sends: list[FastSend],
-                 on_settle: Callable[[FastCall], None] | None = None) -> None:
+                 on_settle: Callable[[FastCall], None] | None = None, poller: Poller | None = None) -> None:
         self.layer = layer
         self.sends = sends
         self.left = len(sends)
@@ -189,6 +192,7 @@ class FastCall:
         self.settled = False
         self.counted = False  # its layer's counters are updated (a loop-driven layer's, once)
         self.on_settle = on_settle
+        self.poller = poller
         self.lock: threading.Lock | None = None
         if on_settle is None:
             self.lock = threading.Lock()
@@ -199,6 +203,8 @@ class FastCall:
             return
         self.settled = True
         self.error = error
+        if self.poller is not None:
+            self.poller.release(self)
         if error is not None:
             for s in self.sends:
                 if s.reply is None:

@@ -28,7 +28,7 @@ from engine.experts import rpc
 from engine.experts.channel import ByteChannel
 from engine.experts.shard import ExpertShard
 from engine.moe import ExpertWeightsFn, expert_ffn, weighted_sum
-from transport import limits
+from transport import limits, poll
 
 log = structlog.get_logger(__name__)
 
@@ -55,13 +55,14 @@ class WorkerStats:
     bytes_in: int = 0
     bytes_out: int = 0
     errors: int = 0
+    polls: int = 0  # answers after which the worker polled for the next request (FLAG_POLL)
     compute_s: float = 0.0
     expert_rows: dict[tuple[int, int], int] = field(default_factory=dict)  # (layer, expert) -> rows
 
     def as_dict(self) -> dict[str, object]:
         return {"channels": self.channels, "requests": self.requests, "rows": self.rows, "pairs": self.pairs,
                 "rows_combined": self.rows_combined, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
-                "errors": self.errors,
+                "errors": self.errors, "polls": self.polls,
                 "compute_s": round(self.compute_s, 6), "experts_hit": len(self.expert_rows)}
 
 
@@ -92,8 +93,12 @@ class ExpertWorker:
     def __init__(self, shards: list[ExpertShard], fingerprints: list[bytes], capacity: float = 1.0,
                  reply_hook: ReplyHook | None = None,
                  max_message_bytes: int = limits.EXPERT_MAX_MESSAGE_BYTES,
-                 protocol_max: int = rpc.PROTOCOL_MAX) -> None:
-        """``protocol_max``: the highest expert protocol version to ack (1 serves like a v1-only worker)."""
+                 protocol_max: int = rpc.PROTOCOL_MAX, poll_s: float = limits.EXPERT_POLL_S) -> None:
+        """``protocol_max``: the highest expert protocol version to ack (1 serves like a v1-only worker).
+        ``poll_s``: how long to poll for a coordinator's next request after answering one that carried
+        ``FLAG_POLL`` (0: never poll)."""
+        if not 0 <= poll_s <= limits.EXPERT_MAX_POLL_S:
+            raise ValueError(f"poll_s must be between 0 and {limits.EXPERT_MAX_POLL_S}")
         if len(shards) != len(fingerprints):
             raise ValueError("one fingerprint per shard")
         self._by_fp: dict[bytes, list[ExpertShard]] = {}
@@ -107,6 +112,7 @@ class ExpertWorker:
         self.capacity = capacity
         self.max_message_bytes = max_message_bytes
         self.protocol_max = min(protocol_max, rpc.PROTOCOL_MAX)
+        self.poll_s = poll_s
         self.stats = WorkerStats()
         self._reply_hook = reply_hook
         self._closing = False
@@ -224,6 +230,7 @@ class _Session:
         self._rest: Coroutine[Any, Any, None] | None = None
         self.input_ended = False
         self.finished = False
+        self.poller = poll.poller()
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     async def run(self) -> None:
@@ -248,6 +255,7 @@ class _Session:
     # -- input (loop callbacks) ------------------------------------------------------------------
 
     def _on_data(self, data: bytes) -> None:
+        self.poller.release(self)  # the next request is here (a hold is only ever ours to end)
         if self.finished:
             return
         self.w.stats.bytes_in += len(data)
@@ -285,6 +293,9 @@ class _Session:
             if rest is not None:
                 self.ch.pause_receiving()
                 self._start(rest)
+            elif env.flags & rpc.FLAG_POLL and not self.inbox and self.w.poll_s:  # answered, more soon
+                self.poller.hold(self, self.w.poll_s)
+                self.w.stats.polls += 1
         if self.input_ended and not self.inbox and self.task is None and not self.finished:
             self._end_cleanly()
 
@@ -308,6 +319,8 @@ class _Session:
     def _handle(self, env: rpc.Envelope) -> Coroutine[Any, Any, None] | None:
         """Answer one message; None when done, else a coroutine that finishes the answer."""
         msg, rid = env.message, env.request_id
+        if env.flags and self.version < 3:
+            raise rpc.ExpertProtocolError(rpc.ErrorCode.PROTOCOL, f"flags {env.flags:#x} in protocol {self.version}")
         if isinstance(msg, rpc.Echo):
             return self._emit(rpc.EchoReply(msg.payload), rid)
         if isinstance(msg, rpc.Hello):
@@ -427,6 +440,7 @@ class _Session:
             return
         self.finished = True
         self.inbox.clear()
+        self.poller.release(self)
         if reset:
             with contextlib.suppress(Exception):
                 self.ch.reset(code)
