@@ -12,10 +12,13 @@ local; local with a 4 KB ECHO to a worker before each sparse layer (the transpor
 after the same compute gaps a delegated layer sees); remote. The per-layer delegation overhead is ((median
 remote step) - (median local step)) / (sparse layers): everything delegation adds to a decode step, thread
 hand-offs included. It is set against the round trip of a 4 KB ECHO on the same expert streams
-(``RemoteExecutor.echo_rtt``: sent from the loop and read in the read callback, as a layer call is), measured
-in the same run both in decode and back to back (a tight loop). While a layer's experts are out, the
-coordinator warms the next layer's attention weights (``Model.warm``); the "1 worker, no warm" row is the same
-run without it, so the figure with and without shows what warming adds. Every remote step's logits are checked
+(``RemoteExecutor.echo_rtt``: sent from the loop and read in the read callback, as a layer call is, and
+polled for as a layer call is: ``polled=True``), measured in the same run both in decode and back to back (a
+tight loop); the back-to-back round trip of a sleeping echo (no polling on either side) is shown too. While a
+layer's experts are out, the coordinator polls for the replies and the worker then polls for its next
+request (``transport.poll``, with one loopback worker on two cores: not with two), and the coordinator warms
+the next layer's attention weights (``Model.warm``); the "1 worker, no poll" and "1 worker, no warm" rows are
+the same run without each, so the figures show what each adds. Every remote step's logits are checked
 byte-equal to the local step's. The whole measurement is repeated --rounds times (a shared VM drifts by +-10%
 between runs); the table shows each figure's median over the rounds and, for the ratios, the lowest and
 highest round. The workers' own compute time per request (as they report it) is shown too. Prints a Markdown
@@ -39,6 +42,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+
+# Setups run with 1 worker: (setup suffix, CoordinatorConfig changes); 2 and 3 workers run the first only.
+VARIANTS: list[tuple[str, dict[str, Any]]] = [("", {}), (", no poll", {"poll_s": 0.0}), (", no warm", {"warm": False})]
 
 CONFIG = dict(
     model_type="qwen3_moe", vocab_size=8192, hidden_size=768, intermediate_size=2048, moe_intermediate_size=384,
@@ -103,7 +109,7 @@ class EchoProbe:
     def __call__(self, layer: int, x: Any, work: Any) -> Any:
         node = self.nodes[self._i % len(self.nodes)]
         self._i += 1
-        self.rtts.append(self.remote.echo_rtt(node, self.payload))
+        self.rtts.append(self.remote.echo_rtt(node, self.payload, polled=True))
         return self.inner(layer, x, work)
 
 
@@ -150,7 +156,8 @@ def measure(model: Any, ex: Any, prompt: list[int], args: Any, local_prefill: fl
     """One round with the workers ``ex`` has: (the local row, the remote row)."""
     sparse = len(model.sparse_layers)
     payload = os.urandom(4096)
-    rtts = [ex.echo_rtt(node, payload) for node in ex.links for _ in range(args.echo)]
+    rtts = [ex.echo_rtt(node, payload, polled=True) for node in ex.links for _ in range(args.echo)]
+    slept = [ex.echo_rtt(node, payload) for node in ex.links for _ in range(args.echo)]
     remote_prefill = prefill(model, ex, prompt)
     probe = EchoProbe(model.local_executor, ex, payload)
 
@@ -174,6 +181,7 @@ def measure(model: Any, ex: Any, prompt: list[int], args: Any, local_prefill: fl
               "step_ms_median": statistics.median(t["remote"]) * 1e3,
               "overhead_ms": overhead, "rtt_4k_ms": rtt_ms, "overhead_rtts": overhead / rtt_ms,
               "rtt_decode_ms": rtt_decode_ms, "overhead_rtts_decode": overhead / rtt_decode_ms,
+              "rtt_4k_sleeping_ms": statistics.median(slept) * 1e3,
               "worker_compute_ms": sum(st.compute_sum_s for st in ex.link_stats.values()) / max(calls, 1) * 1e3,
               "decode_reply_kb": sum(st.bytes_in for st in ex.link_stats.values()) / max(calls, 1) / 1024,
               "passes_on_loop": ex.stats.passes_on_loop,
@@ -229,17 +237,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: dict[str, list[dict[str, Any]]] = {}  # setup -> one row per round
     try:
         for _ in range(args.rounds):
-            for n, warm in [(n, w) for n in counts for w in ((True, False) if n == 1 else (True,))]:
+            for n, variant in [(n, v) for n in counts for v in (VARIANTS if n == 1 else VARIANTS[:1])]:
                 coord = Coordinator(mesh)
                 try:
                     coord.connect(procs[:n])
                     ex = coord.executor(path, "on")
-                    ex.config = dataclasses.replace(ex.config, warm=warm)
+                    ex.config = dataclasses.replace(ex.config, **variant[1])
                     local, remote = measure(model, ex, prompt, args, local_prefill)
                 finally:
                     coord.close()
-                if not warm:
-                    remote["setup"] += ", no warm"
+                remote["setup"] += variant[0]
                 runs.setdefault("local", []).append(local)
                 runs.setdefault(remote["setup"], []).append(remote)
     finally:
@@ -252,8 +259,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"(ratios: median (lowest-highest))\n")
     print("| setup | prefill tok/s | prefill vs local | decode tok/s | decode vs local | decode step ms "
           "| per-layer overhead ms | RTT ms back-to-back | overhead / RTT | RTT ms in decode "
-          "| overhead / RTT in decode | worker compute ms/request | decode reply KB/request | bit-exact |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| overhead / RTT in decode | RTT ms back-to-back, sleeping | worker compute ms/request "
+          "| decode reply KB/request | bit-exact |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         def f(key: str, fmt: str = "{:.2f}") -> str:
             if key not in row:
@@ -265,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{f('decode_tok_s')} | {f('decode_vs_local')} | {f('step_ms_median', '{:.3f}')} | "
               f"{f('overhead_ms', '{:.3f}')} | {f('rtt_4k_ms', '{:.3f}')} | {f('overhead_rtts')} | "
               f"{f('rtt_decode_ms', '{:.3f}')} | {f('overhead_rtts_decode')} | "
-              f"{f('worker_compute_ms', '{:.3f}')} | {f('decode_reply_kb', '{:.1f}')} | "
+              f"{f('rtt_4k_sleeping_ms', '{:.3f}')} | {f('worker_compute_ms', '{:.3f}')} | {f('decode_reply_kb', '{:.1f}')} | "
               f"{row.get('bit_exact', '-')} |")
     print(json.dumps({"rows": rows}))
     return 0
