@@ -142,3 +142,29 @@ def test_one_poller_per_loop(loop: asyncio.AbstractEventLoop) -> None:
         assert loop.run_until_complete(running()) is poll.poller(loop)
     finally:
         other.close()
+
+
+def test_one_poller_per_loop_when_threads_ask_at_once(loop: asyncio.AbstractEventLoop,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    init = poll.Poller.__init__
+
+    def slow_init(self: poll.Poller, lp: asyncio.AbstractEventLoop) -> None:
+        time.sleep(0.02)  # widens the window in which another thread could make a second one
+        init(self, lp)
+
+    monkeypatch.setattr(poll.Poller, "__init__", slow_init)
+    got: list[poll.Poller] = []
+    start = threading.Barrier(8)
+
+    def ask() -> None:
+        start.wait()
+        got.append(poll.poller(loop))
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 8 and all(p is got[0] for p in got)

@@ -15,10 +15,12 @@ hold is live, and sleeps as before once none is. Loop thread only.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import weakref
 
 _POLLERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Poller] = weakref.WeakKeyDictionary()
+_POLLERS_LOCK = threading.Lock()  # poller() may be called from any thread (an executor made off its loop)
 
 
 class Poller:
@@ -66,9 +68,10 @@ class Poller:
 
 
 def poller(loop: asyncio.AbstractEventLoop | None = None) -> Poller:
-    """The loop's poller (the running loop's by default)."""
+    """The loop's poller (the running loop's by default); any thread, but use it on the loop's."""
     loop = loop or asyncio.get_running_loop()
-    p = _POLLERS.get(loop)
-    if p is None:
-        p = _POLLERS[loop] = Poller(loop)
-    return p
+    with _POLLERS_LOCK:
+        p = _POLLERS.get(loop)
+        if p is None:
+            p = _POLLERS[loop] = Poller(loop)
+        return p
