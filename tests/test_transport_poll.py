@@ -168,3 +168,102 @@ def test_one_poller_per_loop_when_threads_ask_at_once(loop: asyncio.AbstractEven
     for t in threads:
         t.join()
     assert len(got) == 8 and all(p is got[0] for p in got)
+
+
+class _Clocks:
+    """Wall and thread-CPU clocks a test moves by hand."""
+
+    def __init__(self) -> None:
+        self.wall = 100.0
+        self.cpu = 5.0
+
+    def run(self, seconds: float, on_cpu: bool = True) -> None:
+        self.wall += seconds
+        if on_cpu:
+            self.cpu += seconds
+
+
+def test_a_poll_descheduled_by_the_kernel_yields_the_core_and_backs_off(loop: asyncio.AbstractEventLoop) -> None:
+    c = _Clocks()
+    p = poll.Poller(loop, clock=lambda: c.wall, cpu_clock=lambda: c.cpu)
+    p.hold("a", 0.01)
+    p.hold("b", 0.01)
+    c.run(0.0001)
+    p._tick()
+    assert p.polling and p.yielded == 0  # on the CPU the whole time: polls on
+    c.run(0.0003, on_cpu=False)  # a blip (a page fault, the host): under PREEMPTED_S
+    p._tick()
+    assert p.polling and p.yielded == 0
+    c.run(0.001, on_cpu=False)  # a time slice given to another thread
+    p._tick()
+    assert not p.polling and p.yielded == 1 and not p._ticking
+    p.hold("c", 0.01)
+    assert not p.polling  # backing off: the core was wanted
+    c.run(poll.BACKOFF_S)
+    p.hold("c", 0.01)
+    assert p.polling  # and it polls again afterwards
+    loop.run_until_complete(asyncio.sleep(0))  # the tick that hold scheduled (the wall clock stands still)
+    assert p.polling and p.yielded == 1
+
+
+def test_long_and_nan_holds_are_bounded(loop: asyncio.AbstractEventLoop) -> None:
+    c = _Clocks()
+    p = poll.Poller(loop, clock=lambda: c.wall, cpu_clock=lambda: c.cpu)
+    p.hold("nan", float("nan"))
+    p.hold("neg", -1.0)
+    assert not p.polling
+    p.hold("inf", float("inf"))
+    c.run(poll.MAX_HOLD_S - 0.01)
+    p._tick()
+    assert p.polling
+    c.run(0.02)
+    p._tick()
+    assert not p.polling
+
+
+def test_a_real_competing_thread_on_the_same_core_makes_the_poll_yield(loop: asyncio.AbstractEventLoop) -> None:
+    """A busy process pinned to this thread's CPU: the scheduler shares the core, and the poll gives it up
+    within a few time slices instead of polling out its whole hold."""
+    import os
+    import subprocess
+    import sys
+
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("needs sched_setaffinity")
+    mine = os.sched_getaffinity(0)
+    cpu = min(mine)
+    busy = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+    try:
+        time.sleep(0.2)  # it is spinning on that CPU
+        os.sched_setaffinity(0, {cpu})
+        p = poll.poller(loop)
+
+        async def go() -> float:
+            t0 = time.perf_counter()
+            p.hold("reply", 0.9)
+            while p.polling and time.perf_counter() - t0 < 5:
+                await asyncio.sleep(0.001)
+            return time.perf_counter() - t0
+
+        took = loop.run_until_complete(go())
+        assert p.yielded >= 1 and took < 0.5, (p.yielded, took)
+    finally:
+        os.sched_setaffinity(0, mine)
+        busy.kill()
+        busy.wait()
+
+
+def test_a_poller_does_not_keep_its_loop_alive() -> None:
+    import gc
+    import weakref
+
+    lp = asyncio.new_event_loop()
+    p = poll.poller(lp)
+    p.hold("k", 0.5)  # even with a hold left over
+    ref = weakref.ref(lp)
+    lp.close()
+    del lp
+    gc.collect()
+    assert ref() is None
+    p.hold("k2", 0.5)  # the loop is gone: nothing to poll, and no error
+    assert not p._ticking

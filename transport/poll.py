@@ -7,6 +7,11 @@ keeps one callback ready, so it calls ``epoll_wait`` with a zero timeout) takes 
 kernel has it. The price is a core kept busy meanwhile, so callers poll only when they expect a message
 soon, for a bounded time, and only when a core is free for it (the caller's policy).
 
+The poller is also polite on its own: while it polls the loop thread never blocks, so wall time between
+two polls that this thread did not spend on a CPU means the scheduler gave its core to another thread
+(another process of this machine, a worker, a guest on the same host). Then it stops polling at once and
+refuses holds for ``BACKOFF_S``: a core that someone else needs is not free, whatever the policy said.
+
 A :class:`Poller` is per loop (:func:`poller`) and shared by everything on it: each caller holds it under
 its own key until a deadline, or until it releases the key (its message arrived). The loop polls while any
 hold is live, and sleeps as before once none is. Loop thread only.
@@ -18,32 +23,56 @@ import asyncio
 import threading
 import time
 import weakref
+from collections.abc import Callable
+
+MAX_HOLD_S = 1.0  # the longest hold (longer ones are cut to it): polling is for waits of a few ms
+PREEMPTED_S = 0.0005  # off-CPU time between two polls that means the core was wanted: a scheduler time
+#   slice given to another thread is ~1 ms or more; a page fault or a host blip is well under this
+BACKOFF_S = 1.0  # after yielding the core, no polling for this long
 
 _POLLERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Poller] = weakref.WeakKeyDictionary()
 _POLLERS_LOCK = threading.Lock()  # poller() may be called from any thread (an executor made off its loop)
 
 
 class Poller:
-    """Keeps one loop polling while any hold is live (see the module docstring)."""
+    """Keeps one loop polling while any hold is live (see the module docstring).
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._holds: dict[object, float] = {}  # key -> deadline (time.perf_counter())
+    ``clock`` / ``cpu_clock`` (wall time, and the loop thread's CPU time) are for tests."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, clock: Callable[[], float] = time.perf_counter,
+                 cpu_clock: Callable[[], float] = time.thread_time) -> None:
+        self._loop = weakref.ref(loop)  # the poller must not keep a closed loop alive (_POLLERS is weak)
+        self._clock = clock
+        self._cpu_clock = cpu_clock
+        self._holds: dict[object, float] = {}  # key -> deadline (clock())
         self._ticking = False
+        self._last = (0.0, 0.0)  # (clock, cpu_clock) at the last poll
+        self._backoff_until = 0.0
         self.ticks = 0  # loop iterations spent polling (tests, telemetry)
+        self.yielded = 0  # times polling stopped because another thread needed the core
 
     @property
     def polling(self) -> bool:
         return bool(self._holds)
 
     def hold(self, key: object, seconds: float) -> None:
-        """Poll until ``seconds`` from now, or until ``release(key)``; a second hold of a key replaces it."""
-        if seconds <= 0:
+        """Poll until ``seconds`` from now (at most ``MAX_HOLD_S``), or until ``release(key)``; a second
+        hold of a key replaces it. No-op for ``seconds`` <= 0 (or NaN), and while backing off."""
+        if not seconds > 0:
             return
-        self._holds[key] = time.perf_counter() + seconds
+        now = self._clock()
+        if now < self._backoff_until:
+            return
+        loop = self._loop()
+        if loop is None or loop.is_closed():  # nothing left to poll (a tick it scheduled will never run)
+            self._holds.clear()
+            self._ticking = False
+            return
+        self._holds[key] = now + min(seconds, MAX_HOLD_S)
         if not self._ticking:
             self._ticking = True
-            self._loop.call_soon(self._tick)
+            self._last = (now, self._cpu_clock())
+            loop.call_soon(self._tick)
 
     def release(self, key: object) -> None:
         """End ``key``'s hold (no-op without one). The loop sleeps again once no hold is left."""
@@ -52,17 +81,23 @@ class Poller:
     def _tick(self) -> None:
         holds = self._holds
         if holds:
-            now = time.perf_counter()
-            if len(holds) == 1:  # the usual case: one caller
+            now, cpu = self._clock(), self._cpu_clock()
+            (last, last_cpu), self._last = self._last, (now, cpu)
+            if (now - last) - (cpu - last_cpu) > PREEMPTED_S:  # descheduled while polling: yield the core
+                holds.clear()
+                self._backoff_until = now + BACKOFF_S
+                self.yielded += 1
+            elif len(holds) == 1:  # the usual case: one caller
                 key, deadline = next(iter(holds.items()))
                 if now >= deadline:
                     del holds[key]
             else:
                 for key in [k for k, d in holds.items() if now >= d]:
                     del holds[key]
-        if holds:
+        loop = self._loop()
+        if holds and loop is not None:
             self.ticks += 1
-            self._loop.call_soon(self._tick)  # a ready callback: the loop's next select does not block
+            loop.call_soon(self._tick)  # a ready callback: the loop's next select does not block
         else:
             self._ticking = False
 
