@@ -199,11 +199,39 @@ def test_a_poll_descheduled_by_the_kernel_yields_the_core_and_backs_off(loop: as
     assert not p.polling and p.yielded == 1 and not p._ticking
     p.hold("c", 0.01)
     assert not p.polling  # backing off: the core was wanted
-    c.run(poll.BACKOFF_S)
+    c.run(poll.BACKOFF_MIN_S)
     p.hold("c", 0.01)
     assert p.polling  # and it polls again afterwards
     loop.run_until_complete(asyncio.sleep(0))  # the tick that hold scheduled (the wall clock stands still)
     assert p.polling and p.yielded == 1
+
+
+def _pause_after_yield(p: poll.Poller, c: _Clocks, after: float) -> float:
+    """Resume ``after`` seconds past the last pause, get preempted at once: how long polling now pauses."""
+    c.run(after)
+    p.hold("k", 0.01)
+    assert p.polling
+    c.run(0.002, on_cpu=False)
+    p._tick()
+    assert not p.polling
+    paused = 0.0
+    while True:
+        p.hold("k", 0.01)
+        if p.polling:
+            p.release("k")
+            return round(paused, 3)
+        c.run(0.01)
+        paused += 0.01
+
+
+def test_the_pause_doubles_while_the_core_stays_busy_and_resets_once_it_is_free(
+        loop: asyncio.AbstractEventLoop) -> None:
+    c = _Clocks()
+    p = poll.Poller(loop, clock=lambda: c.wall, cpu_clock=lambda: c.cpu)
+    pauses = [_pause_after_yield(p, c, 0.0) for _ in range(8)]  # preempted each time it resumes
+    assert pauses == [0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0]
+    assert _pause_after_yield(p, c, 10.0) == poll.BACKOFF_MIN_S  # a free core for a while: short again
+    assert p.yielded == 9
 
 
 def test_long_and_nan_holds_are_bounded(loop: asyncio.AbstractEventLoop) -> None:

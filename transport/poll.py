@@ -10,7 +10,10 @@ soon, for a bounded time, and only when a core is free for it (the caller's poli
 The poller is also polite on its own: while it polls the loop thread never blocks, so wall time between
 two polls that this thread did not spend on a CPU means the scheduler gave its core to another thread
 (another process of this machine, a worker, a guest on the same host). Then it stops polling at once and
-refuses holds for ``BACKOFF_S``: a core that someone else needs is not free, whatever the policy said.
+refuses holds for a while: a core that someone else needs is not free, whatever the policy said. The pause
+starts at ``BACKOFF_MIN_S`` (a stray kernel thread should not cost the next second of polling) and doubles
+up to ``BACKOFF_MAX_S`` while polling keeps being preempted as soon as it resumes (a core that is never
+free, e.g. more busy processes than cores, costs a preemption every two seconds, not every few ms).
 
 A :class:`Poller` is per loop (:func:`poller`) and shared by everything on it: each caller holds it under
 its own key until a deadline, or until it releases the key (its message arrived). The loop polls while any
@@ -28,7 +31,8 @@ from collections.abc import Callable
 MAX_HOLD_S = 1.0  # the longest hold (longer ones are cut to it): polling is for waits of a few ms
 PREEMPTED_S = 0.0005  # off-CPU time between two polls that means the core was wanted: a scheduler time
 #   slice given to another thread is ~1 ms or more; a page fault or a host blip is well under this
-BACKOFF_S = 1.0  # after yielding the core, no polling for this long
+BACKOFF_MIN_S = 0.05  # after yielding the core, no polling for this long at first...
+BACKOFF_MAX_S = 2.0  # ...doubling up to this while yields keep coming right after each pause
 
 _POLLERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Poller] = weakref.WeakKeyDictionary()
 _POLLERS_LOCK = threading.Lock()  # poller() may be called from any thread (an executor made off its loop)
@@ -48,6 +52,8 @@ class Poller:
         self._ticking = False
         self._last = (0.0, 0.0)  # (clock, cpu_clock) at the last poll
         self._backoff_until = 0.0
+        self._backoff = BACKOFF_MIN_S  # the current pause after a yield
+        self._last_yield = float("-inf")
         self.ticks = 0  # loop iterations spent polling (tests, telemetry)
         self.yielded = 0  # times polling stopped because another thread needed the core
 
@@ -74,6 +80,14 @@ class Poller:
             self._last = (now, self._cpu_clock())
             loop.call_soon(self._tick)
 
+    def _yield(self, now: float) -> None:
+        """Pause polling: twice as long as last time if that pause ended only just before this yield."""
+        soon = now - self._last_yield < 2 * self._backoff + BACKOFF_MIN_S
+        self._backoff = min(self._backoff * 2, BACKOFF_MAX_S) if soon else BACKOFF_MIN_S
+        self._last_yield = now
+        self._backoff_until = now + self._backoff
+        self.yielded += 1
+
     def release(self, key: object) -> None:
         """End ``key``'s hold (no-op without one). The loop sleeps again once no hold is left."""
         self._holds.pop(key, None)
@@ -85,8 +99,7 @@ class Poller:
             (last, last_cpu), self._last = self._last, (now, cpu)
             if (now - last) - (cpu - last_cpu) > PREEMPTED_S:  # descheduled while polling: yield the core
                 holds.clear()
-                self._backoff_until = now + BACKOFF_S
-                self.yielded += 1
+                self._yield(now)
             elif len(holds) == 1:  # the usual case: one caller
                 key, deadline = next(iter(holds.items()))
                 if now >= deadline:
