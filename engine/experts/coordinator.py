@@ -128,6 +128,7 @@ class RemoteExecutor(LoopPasses, GeneralPath):
         self._stats_lock = threading.Lock()
         self._last_fallback_log = 0.0
         self._first_sparse = layout.sparse_layers[0] if layout.sparse_layers else -1
+        self._last_sparse = layout.sparse_layers[-1] if layout.sparse_layers else -1
         affinity = getattr(os, "sched_getaffinity", None)
         self._cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)  # ours to use
         self._loopback_links = 0  # workers on this machine's loopback (_rebuild)
@@ -425,6 +426,10 @@ class RemoteExecutor(LoopPasses, GeneralPath):
             whole = planning.whole_rows(work, by_worker, routing)
         sends: list[FastSend] = []
         polling = self._polling
+        # After the last sparse layer the next request is a forward pass away (the output head, sampling,
+        # the next token's first attention: a few ms): a worker polling across that would only hold a core
+        # while this node's engine thread needs one.
+        ask_poll = polling and layer != self._last_sparse
         for w, (node, items) in enumerate(by_worker.items()):
             link = links.get(node)
             if link is None or link.ack is None:
@@ -442,7 +447,7 @@ class RemoteExecutor(LoopPasses, GeneralPath):
                 if len(rows) and self._combining_pays(link, len(rows), routing.experts.shape[1], x.shape[1]):
                     combined = rows
             rid = link.next_id()
-            flags = rpc.FLAG_POLL if polling and link.ack.version >= 3 else 0
+            flags = rpc.FLAG_POLL if ask_poll and link.ack.version >= 3 else 0
             if tokens is None and combined is None:  # one token, its outputs sent back raw (a decode step)
                 data = rpc.encode_row_request(layer, x, [work[i][0] for i in items], rid, flags)
                 snd = FastSend(node, link, rid, data, items, 1, len(items), x.shape[1])
