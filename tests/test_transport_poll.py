@@ -186,17 +186,24 @@ class _Clocks:
 def test_a_poll_descheduled_by_the_kernel_yields_the_core_and_backs_off(loop: asyncio.AbstractEventLoop) -> None:
     c = _Clocks()
     p = poll.Poller(loop, clock=lambda: c.wall, cpu_clock=lambda: c.cpu)
-    p.hold("a", 0.01)
-    p.hold("b", 0.01)
+    p.hold("a", 0.5)
+    p.hold("b", 0.5)
     c.run(0.0001)
     p._tick()
     assert p.polling and p.yielded == 0  # on the CPU the whole time: polls on
     c.run(0.0003, on_cpu=False)  # a blip (a page fault, the host): under PREEMPTED_S
     p._tick()
     assert p.polling and p.yielded == 0
-    c.run(0.001, on_cpu=False)  # a time slice given to another thread
+    c.run(0.001, on_cpu=False)  # a time slice given to another thread: could be a kernel thread passing by
     p._tick()
-    assert not p.polling and p.yielded == 1 and not p._ticking
+    assert p.polling and p.preempted == 1
+    c.run(poll.STRIKE_WINDOW_S + 0.001)  # long enough ago not to count with the next ones
+    p._tick()
+    for i in range(poll.STRIKES):  # busy enough to preempt every time slice
+        assert p.polling and p.yielded == 0, i
+        c.run(0.001, on_cpu=False)
+        p._tick()
+    assert not p.polling and p.yielded == 1 and not p._ticking and p.preempted == 1 + poll.STRIKES
     p.hold("c", 0.01)
     assert not p.polling  # backing off: the core was wanted
     c.run(poll.BACKOFF_MIN_S)
@@ -210,9 +217,10 @@ def _pause_after_yield(p: poll.Poller, c: _Clocks, after: float) -> float:
     """Resume ``after`` seconds past the last pause, get preempted at once: how long polling now pauses."""
     c.run(after)
     p.hold("k", 0.01)
-    assert p.polling
-    c.run(0.002, on_cpu=False)
-    p._tick()
+    for _ in range(poll.STRIKES):
+        assert p.polling
+        c.run(0.002, on_cpu=False)
+        p._tick()
     assert not p.polling
     paused = 0.0
     while True:

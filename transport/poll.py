@@ -9,8 +9,9 @@ soon, for a bounded time, and only when a core is free for it (the caller's poli
 
 The poller is also polite on its own: while it polls the loop thread never blocks, so wall time between
 two polls that this thread did not spend on a CPU means the scheduler gave its core to another thread
-(another process of this machine, a worker, a guest on the same host). Then it stops polling at once and
-refuses holds for a while: a core that someone else needs is not free, whatever the policy said. The pause
+(another process of this machine, a worker, a guest on the same host). One such gap can be a kernel thread
+passing by; ``STRIKES`` of them within ``STRIKE_WINDOW_S`` mean the core is wanted. Then it stops polling
+at once and refuses holds for a while: a core that someone else needs is not free, whatever the policy said. The pause
 starts at ``BACKOFF_MIN_S`` (a stray kernel thread should not cost the next second of polling) and doubles
 up to ``BACKOFF_MAX_S`` while polling keeps being preempted as soon as it resumes (a core that is never
 free, e.g. more busy processes than cores, costs a preemption every two seconds, not every few ms).
@@ -31,6 +32,8 @@ from collections.abc import Callable
 MAX_HOLD_S = 1.0  # the longest hold (longer ones are cut to it): polling is for waits of a few ms
 PREEMPTED_S = 0.0005  # off-CPU time between two polls that means the core was wanted: a scheduler time
 #   slice given to another thread is ~1 ms or more; a page fault or a host blip is well under this
+STRIKES = 3  # preempted polls within STRIKE_WINDOW_S that make it yield...
+STRIKE_WINDOW_S = 0.1  # ...(a competing busy thread preempts every time slice, a few ms apart)
 BACKOFF_MIN_S = 0.05  # after yielding the core, no polling for this long at first...
 BACKOFF_MAX_S = 2.0  # ...doubling up to this while yields keep coming right after each pause
 
@@ -54,6 +57,9 @@ class Poller:
         self._backoff_until = 0.0
         self._backoff = BACKOFF_MIN_S  # the current pause after a yield
         self._last_yield = float("-inf")
+        self._strikes = 0  # preempted polls since _strikes_since
+        self._strikes_since = float("-inf")
+        self.preempted = 0  # polls that found they had been descheduled (tests, telemetry)
         self.ticks = 0  # loop iterations spent polling (tests, telemetry)
         self.yielded = 0  # times polling stopped because another thread needed the core
 
@@ -80,6 +86,17 @@ class Poller:
             self._last = (now, self._cpu_clock())
             loop.call_soon(self._tick)
 
+    def _strike(self, now: float) -> bool:
+        """A poll that had been descheduled: whether it is the ``STRIKES``-th within the window."""
+        self.preempted += 1
+        if now - self._strikes_since > STRIKE_WINDOW_S:
+            self._strikes, self._strikes_since = 0, now
+        self._strikes += 1
+        if self._strikes < STRIKES:
+            return False
+        self._strikes, self._strikes_since = 0, float("-inf")
+        return True
+
     def _yield(self, now: float) -> None:
         """Pause polling: twice as long as last time if that pause ended only just before this yield."""
         soon = now - self._last_yield < 2 * self._backoff + BACKOFF_MIN_S
@@ -97,7 +114,7 @@ class Poller:
         if holds:
             now, cpu = self._clock(), self._cpu_clock()
             (last, last_cpu), self._last = self._last, (now, cpu)
-            if (now - last) - (cpu - last_cpu) > PREEMPTED_S:  # descheduled while polling: yield the core
+            if (now - last) - (cpu - last_cpu) > PREEMPTED_S and self._strike(now):  # the core is wanted
                 holds.clear()
                 self._yield(now)
             elif len(holds) == 1:  # the usual case: one caller
