@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts-layer-timeout", metavar="SECONDS", help="expert workers: timeout of each "
                    "layer, retries included (default 30)")
     p.add_argument("--experts-poll", metavar="SECONDS", help="expert workers: poll this long for a reply, "
-                   "or a worker for the next request, instead of sleeping, where a core is free (default "
-                   "0.002; 0 turns it off)")
+                   "or a worker for the next request, instead of sleeping, where a core is free (0 to 0.1, "
+                   "default 0.002; 0 turns it off)")
 
     p = sub.add_parser("client", help="run a headless node: joins, serves nothing, exposes the API")
     _add_networking(p)

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterable, Sequence
 import dataclasses
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,7 +117,8 @@ class ExpertsService:
         if self.specs:
             self.shards, self.fingerprints = await asyncio.to_thread(self._load_all)
             poll_s = (self.coordinator_config or CoordinatorConfig()).poll_s  # one setting for both roles
-            self.worker = ExpertWorker(self.shards, self.fingerprints, self.capacity, self._reply_hook, poll_s=poll_s)
+            self.worker = ExpertWorker(self.shards, self.fingerprints, self.capacity, self._reply_hook,
+                                       poll_s=poll_s)
             self.transport.on_stream(StreamType.EXPERT, self._serve)
             for s, fp in zip(self.shards, self.fingerprints):
                 log.info("experts_worker_ready", path=str(s.path), fingerprint=fp.hex()[:16], layers=len(s.layers),

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 from experts_util import make_moe_checkpoint
-from test_experts_inproc import Fixture, _connect, _equal, _inputs, _spawn, _worker, lt  # noqa: F401 - lt: fixture
+from test_experts_inproc import (  # noqa: F401 - lt: fixture
+    Fixture, _connect, _equal, _inputs, _spawn, _worker, lt)
 
 from engine.experts import rpc
 from engine.experts.channel import LoopThread, socketpair_channels
@@ -71,12 +72,13 @@ def test_a_worker_polls_after_answering_a_flagged_request_until_its_next_message
     w = _worker(fx, poll_s=0.05)
     events = _record(lt)
     req = _request(fx)
-    got = lt.run(_talk(w, [(rpc.Hello(fx.fp), 0), (req, rpc.FLAG_POLL), (req, 0), (rpc.Echo(b"x"), rpc.FLAG_POLL),
-                           (req, 0)]))
+    got = lt.run(_talk(w, [(rpc.Hello(fx.fp), 0), (req, rpc.FLAG_POLL), (req, 0),
+                           (rpc.Echo(b"x"), rpc.FLAG_POLL), (req, 0)]))
     assert isinstance(got[0].message, rpc.HelloAck) and got[0].message.version == 3
     assert [type(g.message) for g in got[1:]] == [rpc.ExpertReply, rpc.ExpertReply, rpc.EchoReply,
                                                  rpc.ExpertReply]
-    assert got[1].message.out.tobytes() == got[2].message.out.tobytes()  # type: ignore[union-attr]  # same answer
+    same = got[1].message.out.tobytes() == got[2].message.out.tobytes()  # type: ignore[union-attr]
+    assert same  # polling changes no answer
     # A hold of the worker's poll time after each flagged answer, ended by the next message; none otherwise.
     assert [(e, type(k), s) for e, k, s in events] == [
         ("hold", _Session, 0.05), ("release", _Session, 0.0),
@@ -102,6 +104,61 @@ def test_a_worker_that_did_not_ack_v3_refuses_the_flag_and_one_with_poll_0_never
     assert off.stats.polls == 0 and old.stats.polls == 0 and events == []
 
 
+def test_no_poll_after_an_error_answer_or_with_more_requests_already_queued(tmp_path: Path,
+                                                                           lt: LoopThread) -> None:
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    w = _worker(fx, "@0-2/0-3", poll_s=0.05)
+    events = _record(lt)
+    req = _request(fx)  # experts 1 and 2: held
+    not_held = rpc.ExpertRequest(0, req.x, np.array([[0, 7]], dtype=np.uint32))
+
+    async def go() -> list[rpc.Envelope]:
+        a, b = await socketpair_channels()
+        _spawn(w.serve(b))
+        dec = rpc.MessageDecoder()
+        out: list[rpc.Envelope] = []
+
+        async def read(n: int) -> None:
+            while len(out) < n:
+                out.extend(dec.feed(await asyncio.wait_for(a.recv(), 5)))
+
+        await a.send(rpc.encode(rpc.Hello(fx.fp), 1))
+        await read(1)
+        await a.send(rpc.encode(not_held, 2, rpc.FLAG_POLL))  # answered with NOT_HELD
+        await read(2)
+        # two flagged requests in one write: the first finds the second queued, only the second polls
+        await a.send(rpc.encode(req, 3, rpc.FLAG_POLL) + rpc.encode(req, 4, rpc.FLAG_POLL))
+        await read(4)
+        return out
+
+    got = lt.run(go())
+    assert isinstance(got[1].message, rpc.ErrorMsg) and got[1].message.code == rpc.ErrorCode.NOT_HELD
+    assert [type(g.message) for g in got[2:]] == [rpc.ExpertReply, rpc.ExpertReply]
+    assert [type(k) for e, k, _ in events if e == "hold"] == [_Session] and w.stats.polls == 1
+
+
+def test_a_session_that_ends_while_polling_releases_its_hold(tmp_path: Path, lt: LoopThread) -> None:
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
+    w = _worker(fx, poll_s=0.1)
+    events = _record(lt)
+
+    async def go() -> bool:
+        a, b = await socketpair_channels()
+        task = asyncio.get_running_loop().create_task(w.serve(b))
+        dec = rpc.MessageDecoder()
+        for i, (m, flags) in enumerate([(rpc.Hello(fx.fp), 0), (_request(fx), rpc.FLAG_POLL)]):
+            await a.send(rpc.encode(m, i + 1, flags))
+            while not dec.feed(await asyncio.wait_for(a.recv(), 5)):
+                pass
+        held = poll.poller().polling
+        a.reset(0)  # the coordinator goes away while the worker polls for its next request
+        await asyncio.wait_for(task, 5)
+        return held
+
+    assert lt.run(go())
+    assert [(e, type(k)) for e, k, _ in events] == [("hold", _Session), ("release", _Session)]
+
+
 @pytest.mark.parametrize("poll_s", [-0.001, limits.EXPERT_MAX_POLL_S * 2, float("nan")])
 def test_poll_times_out_of_range_are_refused(tmp_path: Path, poll_s: float) -> None:
     with pytest.raises(ValueError, match="poll_s"):
@@ -114,7 +171,7 @@ def _forward_events(fx: Fixture, ex: RemoteExecutor, x: np.ndarray, lt: LoopThre
                     ) -> tuple[list[np.ndarray], list[tuple[str, object, float]]]:
     events = _record(lt)
     out = fx.forward(x, ex)
-    return out, [e for e in events if isinstance(e[1], FastCall)]  # the coordinator's (the worker shares the loop)
+    return out, [e for e in events if isinstance(e[1], FastCall)]  # the coordinator's (workers share the loop)
 
 
 def test_a_decode_pass_polls_for_each_layers_replies_and_asks_its_worker_to_poll(tmp_path: Path,
@@ -193,6 +250,10 @@ def test_echo_polls_only_when_asked_and_the_executor_polls(tmp_path: Path, lt: L
     assert [(e, s) for e, _, s in mine] == [("hold", limits.EXPERT_POLL_S), ("release", 0.0)]
     ex.config = CoordinatorConfig(poll_s=0.0)
     assert ex.echo_rtt("w0", b"x", polled=True) > 0 and w.stats.polls == 1
+    old = _worker(fx, protocol_max=2)  # a v2 worker: the coordinator polls, the echo carries no flag
+    _connect(lt, ex, old, "old")
+    ex.config = CoordinatorConfig()
+    assert ex.echo_rtt("old", b"x" * 4096, polled=True) > 0 and "old" in ex.links and old.stats.errors == 0
 
 
 # --- the daemon setting: --experts-poll / experts-poll --------------------------------------------------
@@ -217,8 +278,9 @@ def test_experts_poll_from_flag_or_file_and_its_default(tmp_path: Path) -> None:
     assert any("'experts-poll' ignored" in n for n in cfg.notes)
 
 
-@pytest.mark.parametrize("value, match", [("-0.001", "must be 0 \\(off\\) to 0.1 seconds"), ("0.2", "0.1 seconds"),
-                                          ("nan", "0.1 seconds"), ("fast", "expected a number of seconds")])
+@pytest.mark.parametrize("value, match", [("-0.001", "must be 0 \\(off\\) to 0.1 seconds"),
+                                          ("0.2", "0.1 seconds"), ("nan", "0.1 seconds"),
+                                          ("fast", "expected a number of seconds")])
 def test_bad_experts_poll_values_name_the_flag_or_key(tmp_path: Path, value: str, match: str) -> None:
     from meshd.errors import UsageError
 

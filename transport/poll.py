@@ -11,10 +11,10 @@ The poller is also polite on its own: while it polls the loop thread never block
 two polls that this thread did not spend on a CPU means the scheduler gave its core to another thread
 (another process of this machine, a worker, a guest on the same host). One such gap can be a kernel thread
 passing by; ``STRIKES`` of them within ``STRIKE_WINDOW_S`` mean the core is wanted. Then it stops polling
-at once and refuses holds for a while: a core that someone else needs is not free, whatever the policy said. The pause
-starts at ``BACKOFF_MIN_S`` (a stray kernel thread should not cost the next second of polling) and doubles
-up to ``BACKOFF_MAX_S`` while polling keeps being preempted as soon as it resumes (a core that is never
-free, e.g. more busy processes than cores, costs a preemption every two seconds, not every few ms).
+at once and refuses holds for a while: a core that someone else needs is not free, whatever the policy
+said. The pause starts at ``BACKOFF_MIN_S`` and doubles up to ``BACKOFF_MAX_S`` while polling keeps being
+preempted as soon as it resumes (a core that is never free, e.g. more busy processes than cores, costs a
+few preempted polls every two seconds, not every few ms).
 
 A :class:`Poller` is per loop (:func:`poller`) and shared by everything on it: each caller holds it under
 its own key until a deadline, or until it releases the key (its message arrived). The loop polls while any

@@ -177,13 +177,17 @@ class RemoteExecutor(LoopPasses, GeneralPath):
                 for n, link in self.links.items() if not link.closed]
         self._map = build_map(live, self._keys)
         self._map_version += 1
-        self._loopback_links = sum(1 for link in self.links.values() if getattr(link.channel, "on_loopback", False))
+        self._loopback_links = sum(1 for link in self.links.values()
+                                   if getattr(link.channel, "on_loopback", False))
 
     @property
     def _polling(self) -> bool:
         """Whether fast-path layers poll for their replies and ask their workers to poll (FLAG_POLL). Either
         keeps a core busy: only while every worker on this machine's loopback, and this node, has a core of
-        its own (one loopback worker on two cores: yes; two: no). Workers elsewhere use their own machine's."""
+        its own (one loopback worker on two cores: yes; two: no). Workers elsewhere use their own machine's.
+        This sees only loopback links: a worker of this machine reached at a LAN address, another
+        coordinator or a container's CPU quota are left to the poller, which yields a core that turns out
+        to be wanted (transport.poll)."""
         return self.config.poll_s > 0 and self._loopback_links + 1 <= self._cores
 
     @property
@@ -238,7 +242,7 @@ class RemoteExecutor(LoopPasses, GeneralPath):
                 if not link.send_now(data):
                     link.forget(rid)
                     sink(WorkerFailed("send buffer full"))
-                elif polling:
+                elif polling and "reply" not in box:
                     self._poller.hold(done, self.config.poll_s)
             except WorkerFailed as e:
                 sink(e)
@@ -500,7 +504,7 @@ class RemoteExecutor(LoopPasses, GeneralPath):
                 return
             snd.link.stats.rows += snd.rows
             snd.link.stats.pairs += snd.pairs
-        if call.poller is not None:  # until the last reply settles the call (FastCall.settle releases it)
+        if call.poller is not None and not call.settled:  # until the last reply settles it (settle releases)
             call.poller.hold(call, self.config.poll_s)
 
     def _fast_reply(self, call: FastCall, snd: FastSend, reply: rpc.Message | WorkerFailed) -> None:

@@ -2,9 +2,9 @@
 
 Every message is ``header | payload | crc32`` (all integers little-endian):
 
-``header`` (16 bytes): magic ``b"MX"``, ``version`` u8, ``type`` u8 (:class:`MsgType`), ``flags`` u16 (0, or
-``FLAG_POLL`` on a request, below), ``reserved`` u16 (must be 0), ``request_id`` u32, ``payload_len`` u32. ``version`` is the protocol
-version that introduced the message type (1 for HELLO .. ECHO_REPLY, 2 for the COMBINE pair), so a peer
+``header`` (16 bytes): magic ``b"MX"``, ``version`` u8, ``type`` u8 (:class:`MsgType`), ``flags`` u16 (0,
+or ``FLAG_POLL`` on a request, below), ``reserved`` u16 (must be 0), ``request_id`` u32, ``payload_len`` u32.
+``version`` is the protocol version that introduced the message type (1 for HELLO .. ECHO_REPLY, 2 for the COMBINE pair), so a peer
 of any version can read the hello, and a message of a type its version lacks is refused by its header.
 
 Versions: the HELLO offers ``[min_version, max_version]``; the worker acks the highest version both speak
@@ -12,7 +12,9 @@ and the coordinator sends only that version's message types (v2: EXPERT_REQUEST_
 worker refuses a message type above the version it acked.
 ``FLAG_POLL`` (bit 0, v3; on EXPERT_REQUEST, EXPERT_REQUEST_COMBINE and ECHO only): the coordinator will
 send its next request shortly and a core is free for the worker to poll for it, instead of sleeping, once
-it has replied (``transport.poll``). It changes no result; a worker that acked v1 or v2 refuses it.
+it has replied (``transport.poll``). It changes no result; a worker that acked v1 or v2 refuses it. The
+flag is the only v3 change: a flagged request's header still carries its type's version (1, or 2 for the
+combine request).
 ``crc32`` (4 bytes): ``zlib.crc32`` of header and payload, so any corrupted or tampered byte is detected.
 
 Payloads (``x`` and ``out`` are fp32 little-endian, row-major):

@@ -231,6 +231,7 @@ class _Session:
         self.input_ended = False
         self.finished = False
         self.poller = poll.poller()
+        self._answered_error = False  # the message being handled was answered with an ERROR
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     async def run(self) -> None:
@@ -285,6 +286,7 @@ class _Session:
                 return
             budget -= 1
             env = self.inbox.popleft()
+            self._answered_error = False
             try:
                 rest = self._handle(env)
             except rpc.ExpertProtocolError as e:
@@ -293,8 +295,9 @@ class _Session:
             if rest is not None:
                 self.ch.pause_receiving()
                 self._start(rest)
-            elif env.flags & rpc.FLAG_POLL and not self.inbox and self.w.poll_s:  # answered, more soon
-                self.poller.hold(self, self.w.poll_s)
+            elif (env.flags & rpc.FLAG_POLL and not self.inbox and self.w.poll_s
+                  and not self._answered_error):  # answered, and the coordinator's next request is due
+                self.poller.hold(self, self.w.poll_s)  # (after an error it takes another path, or none)
                 self.w.stats.polls += 1
         if self.input_ended and not self.inbox and self.task is None and not self.finished:
             self._end_cleanly()
@@ -320,7 +323,8 @@ class _Session:
         """Answer one message; None when done, else a coroutine that finishes the answer."""
         msg, rid = env.message, env.request_id
         if env.flags and self.version < 3:
-            raise rpc.ExpertProtocolError(rpc.ErrorCode.PROTOCOL, f"flags {env.flags:#x} in protocol {self.version}")
+            raise rpc.ExpertProtocolError(rpc.ErrorCode.PROTOCOL,
+                                          f"flags {env.flags:#x} in protocol {self.version}")
         if isinstance(msg, rpc.Echo):
             return self._emit(rpc.EchoReply(msg.payload), rid)
         if isinstance(msg, rpc.Hello):
@@ -409,6 +413,8 @@ class _Session:
 
     def _emit(self, msg: rpc.Message, rid: int, last: bool = False) -> Coroutine[Any, Any, None] | None:
         """Send a reply now if the channel takes it at once; else a coroutine that sends it."""
+        if isinstance(msg, rpc.ErrorMsg):
+            self._answered_error = True
         return self._emit_bytes(rpc.encode(msg, rid), last)
 
     def _emit_bytes(self, data: bytes | bytearray, last: bool = False) -> Coroutine[Any, Any, None] | None:
