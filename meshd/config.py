@@ -219,15 +219,20 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return out
 
 
+def _seconds(value: Any, what: str) -> float:
+    """A flag's text or a TOML number as seconds; ``UsageError`` naming ``what`` if it is not a number."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"{what}: expected a number of seconds, got {value!r}") from None
+
+
 def parse_poll(value: Any, what: str) -> float:
     """Seconds of ``--experts-poll`` from a flag's text or a TOML number: 0 (off) to ``MAX_EXPERTS_POLL_S``.
 
     Raises ``UsageError`` naming ``what``.
     """
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        raise UsageError(f"{what}: expected a number of seconds, got {value!r}") from None
+    seconds = _seconds(value, what)
     if not 0 <= seconds <= MAX_EXPERTS_POLL_S:  # also refuses nan and inf
         raise UsageError(f"{what}: must be 0 (off) to {MAX_EXPERTS_POLL_S:g} seconds, got {value!r}")
     return seconds
@@ -238,10 +243,7 @@ def parse_timeout(value: Any, what: str) -> float:
 
     Raises ``UsageError`` naming ``what``.
     """
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        raise UsageError(f"{what}: expected a number of seconds, got {value!r}") from None
+    seconds = _seconds(value, what)
     if not 0 < seconds <= MAX_EXPERTS_TIMEOUT_S:  # also refuses nan and inf
         raise UsageError(
             f"{what}: must be more than 0 and at most {MAX_EXPERTS_TIMEOUT_S:g} seconds, got {value!r}"

@@ -10,7 +10,7 @@ import asyncio
 import threading
 import time
 from typing import Any
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -333,6 +333,25 @@ def test_executor_refuses_the_loop_thread(tmp_path: Path, lt: LoopThread) -> Non
         lt.run(call())
 
 
+async def _talk(worker: ExpertWorker, msgs: list[tuple[Any, int]]) -> list[Any]:
+    """Send each (message, header flags) to ``worker`` on a fresh channel, reading its answer before the
+    next: the answers (``rpc.Envelope``), fewer if the worker ends the channel."""
+    from engine.experts import rpc
+
+    a, b = await socketpair_channels()
+    _spawn(worker.serve(b))
+    dec = rpc.MessageDecoder()
+    out: list[rpc.Envelope] = []
+    for i, (m, flags) in enumerate(msgs):
+        await a.send(rpc.encode(m, i + 1, flags))
+        while len(out) <= i:
+            data = await asyncio.wait_for(a.recv(), 5)
+            if data is None:
+                return out
+            out += dec.feed(data)
+    return out
+
+
 def _unused(_: ExpertShard) -> None:
     pass
 
@@ -343,19 +362,8 @@ def test_worker_answers_typed_errors(tmp_path: Path, lt: LoopThread) -> None:
     fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
     w = ExpertWorker([load_shard(f"{fx.path}@0/0-3"), load_shard(f"{fx.path}@0/4-5")], [fx.fp, fx.fp])
 
-    async def talk(msgs: list[rpc.Message]) -> list[rpc.Envelope]:
-        a, b = await socketpair_channels()
-        _spawn(w.serve(b))
-        dec = rpc.MessageDecoder()
-        out: list[rpc.Envelope] = []
-        for i, m in enumerate(msgs):
-            await a.send(rpc.encode(m, i + 1))
-            while len(out) <= i:
-                data = await asyncio.wait_for(a.recv(), 5)
-                if data is None:
-                    return out
-                out += dec.feed(data)
-        return out
+    def talk(msgs: list[rpc.Message]) -> Coroutine[Any, Any, list[rpc.Envelope]]:
+        return _talk(w, [(m, 0) for m in msgs])
 
     d = fx.layout.hidden_size
     x = np.ones((2, d), np.float32)

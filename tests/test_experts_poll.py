@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from experts_util import make_moe_checkpoint
 from test_experts_inproc import (  # noqa: F401 - lt: fixture
-    Fixture, _connect, _equal, _inputs, _spawn, _worker, lt)
+    Fixture, _connect, _equal, _inputs, _spawn, _talk, _worker, lt)
 
 from engine.experts import rpc
 from engine.experts.channel import LoopThread, socketpair_channels
@@ -43,22 +43,6 @@ def _record(lt: LoopThread) -> list[tuple[str, object, float]]:
 
     p.hold, p.release = rec_hold, rec_release  # type: ignore[method-assign]
     return events
-
-
-async def _talk(worker: ExpertWorker, msgs: list[tuple[rpc.Message, int]]) -> list[rpc.Envelope]:
-    """Send each (message, flags) to ``worker`` on a fresh channel and read its answer before the next."""
-    a, b = await socketpair_channels()
-    _spawn(worker.serve(b))
-    dec = rpc.MessageDecoder()
-    out: list[rpc.Envelope] = []
-    for i, (m, flags) in enumerate(msgs):
-        await a.send(rpc.encode(m, i + 1, flags))
-        while len(out) <= i:
-            data = await asyncio.wait_for(a.recv(), 5)
-            if data is None:
-                return out
-            out += dec.feed(data)
-    return out
 
 
 def _request(fx: Fixture) -> rpc.ExpertRequest:
