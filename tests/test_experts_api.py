@@ -42,6 +42,18 @@ def _status(state_dir: Path) -> dict[str, Any]:
     return json.loads(out.stdout)
 
 
+def _metrics(api: str) -> dict[str, float]:
+    """A node's /metrics samples: ``name{labels}`` -> value."""
+    with urllib.request.urlopen(f"http://{api}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
 def test_remote_experts_on_matches_local_and_503s_without_workers(tmp_path: Path) -> None:
     ref = start_node(tmp_path / "ref", "--model", "tiny")  # its own mesh, computes every expert itself
     coord = start_node(tmp_path / "c", "--model", "tiny", "--remote-experts", "on")
@@ -75,6 +87,14 @@ def test_remote_experts_on_matches_local_and_503s_without_workers(tmp_path: Path
         # request) when it and the coordinator have a core each.
         polling = len(os.sched_getaffinity(0)) >= 2
         assert st["polling"] is polling and (wst["polls"] > 0) is polling, (st, wst)
+        # The same counters on each node's /metrics (the API's registry carries the experts service's).
+        cm, wm = _metrics(coord.run["api"]), _metrics(worker.run["api"])
+        delegated = [v for k, v in cm.items() if k.startswith("meshd_experts_layers_delegated_total{model=")]
+        assert delegated and delegated[0] >= st["layers_delegated"] > 0, cm
+        assert any(k.startswith("meshd_experts_worker_link_calls_total{") and worker.run["node_id"] in k
+                   and v > 0 for k, v in cm.items()), cm
+        assert wm["meshd_experts_worker_requests_total"] >= wst["requests"] > 0, wm
+        assert wm["meshd_experts_worker_polls_total"] >= wst["polls"], wm
 
         worker.proc.send_signal(signal.SIGKILL)
         worker.proc.wait(timeout=10)

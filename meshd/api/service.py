@@ -156,6 +156,8 @@ class ApiService:
             self.transport.on_stream(_http_tunnel_type(), self.tunnel_server.handle)
             self.transport.on_peer_down.append(self._peer_down)
             self.transport.on_peer_up.append(self._peer_up)
+        if daemon is not None:
+            register_collectors(daemon, self.server.metrics.registry)
         self.address = await self.server.start(self.host, self.port)
         await self.directory.start()
         if daemon is not None:
@@ -252,6 +254,17 @@ def engine_backends(daemon: Any) -> list[Backend] | None:
         if callable(fn):
             out = (out or []) + list(fn())
     return out
+
+
+def register_collectors(daemon: Any, registry: Any) -> None:
+    """Put the daemon's other services' Prometheus collectors on this API's /metrics registry: a service
+    exposing ``prometheus_collectors() -> [Collector]`` (e.g. the expert workers' ``meshd_experts_*``)."""
+    for svc in getattr(daemon, "services", []):
+        fn = getattr(svc, "prometheus_collectors", None)
+        if callable(fn):
+            for collector in fn():
+                with contextlib.suppress(ValueError):  # already there (a second start)
+                    registry.register(collector)
 
 
 def _membership_of(daemon: Any) -> Any:
