@@ -134,7 +134,6 @@ class ExpertsService:
         self.transport.on_peer_up.append(self._peer_up)
         self.transport.on_peer_down.append(self._peer_down)
         self._spawn(self._probe_loop())
-        self._register_metrics()
 
     def _load_all(self) -> tuple[list[ExpertShard], list[bytes]]:
         shards, fps = [], []
@@ -181,7 +180,6 @@ class ExpertsService:
                 self.transport.on_peer_up.remove(self._peer_up)
             with contextlib.suppress(ValueError):
                 self.transport.on_peer_down.remove(self._peer_down)
-        self._unregister_metrics()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -448,23 +446,6 @@ class ExpertsService:
         if self._collector is None:
             self._collector = self.collector()
         return [self._collector]
-
-    def _register_metrics(self) -> None:
-        from prometheus_client.core import REGISTRY
-
-        if self._collector is None:
-            self._collector = self.collector()
-        with contextlib.suppress(ValueError):
-            REGISTRY.register(self._collector)
-
-    def _unregister_metrics(self) -> None:
-        if self._collector is None:
-            return
-        from prometheus_client.core import REGISTRY
-
-        with contextlib.suppress(KeyError, ValueError):
-            REGISTRY.unregister(self._collector)
-        self._collector = None
 
 
 def _find_membership(daemon: Any) -> Any:
