@@ -32,9 +32,9 @@ def _record(lt: LoopThread) -> list[tuple[str, object, float]]:
     events: list[tuple[str, object, float]] = []
     hold, release = p.hold, p.release
 
-    def rec_hold(key: object, seconds: float) -> None:
+    def rec_hold(key: object, seconds: float) -> bool:
         events.append(("hold", key, seconds))
-        hold(key, seconds)
+        return hold(key, seconds)
 
     def rec_release(key: object) -> None:
         if key in p._holds:
@@ -68,6 +68,13 @@ def test_a_worker_polls_after_answering_a_flagged_request_until_its_next_message
         ("hold", _Session, 0.05), ("release", _Session, 0.0),
         ("hold", _Session, 0.05), ("release", _Session, 0.0)]
     assert w.stats.polls == 2 and w.stats.as_dict()["polls"] == 2
+    p = poll.poller(lt.loop)
+    p._backoff_until = float("inf")  # the poller yielded its core a moment ago
+    try:
+        got = lt.run(_talk(w, [(rpc.Hello(fx.fp), 0), (req, rpc.FLAG_POLL)]))
+    finally:
+        p._backoff_until = 0.0
+    assert isinstance(got[1].message, rpc.ExpertReply) and w.stats.polls == 2  # asked, but it did not poll
 
 
 def test_a_worker_that_did_not_ack_v3_refuses_the_flag_and_one_with_poll_0_never_polls(tmp_path: Path,

@@ -204,11 +204,9 @@ def test_a_poll_descheduled_by_the_kernel_yields_the_core_and_backs_off(loop: as
         c.run(0.001, on_cpu=False)
         p._tick()
     assert not p.polling and p.yielded == 1 and not p._ticking and p.preempted == 1 + poll.STRIKES
-    p.hold("c", 0.01)
-    assert not p.polling  # backing off: the core was wanted
+    assert p.hold("c", 0.01) is False and not p.polling  # backing off: the core was wanted
     c.run(poll.BACKOFF_MIN_S)
-    p.hold("c", 0.01)
-    assert p.polling  # and it polls again afterwards
+    assert p.hold("c", 0.01) is True and p.polling  # and it polls again afterwards
     loop.run_until_complete(asyncio.sleep(0))  # the tick that hold scheduled (the wall clock stands still)
     assert p.polling and p.yielded == 1
 

@@ -67,24 +67,26 @@ class Poller:
     def polling(self) -> bool:
         return bool(self._holds)
 
-    def hold(self, key: object, seconds: float) -> None:
+    def hold(self, key: object, seconds: float) -> bool:
         """Poll until ``seconds`` from now (at most ``MAX_HOLD_S``), or until ``release(key)``; a second
-        hold of a key replaces it. No-op for ``seconds`` <= 0 (or NaN), and while backing off."""
+        hold of a key replaces it. Whether it holds: not for ``seconds`` <= 0 (or NaN), nor while backing
+        off after a yield."""
         if not seconds > 0:
-            return
+            return False
         now = self._clock()
         if now < self._backoff_until:
-            return
+            return False
         loop = self._loop()
         if loop is None or loop.is_closed():  # nothing left to poll (a tick it scheduled will never run)
             self._holds.clear()
             self._ticking = False
-            return
+            return False
         self._holds[key] = now + min(seconds, MAX_HOLD_S)
         if not self._ticking:
             self._ticking = True
             self._last = (now, self._cpu_clock())
             loop.call_soon(self._tick)
+        return True
 
     def _strike(self, now: float) -> bool:
         """A poll that had been descheduled: whether it is the ``STRIKES``-th within the window."""

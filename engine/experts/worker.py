@@ -297,8 +297,8 @@ class _Session:
                 self._start(rest)
             elif (env.flags & rpc.FLAG_POLL and not self.inbox and self.w.poll_s
                   and not self._answered_error):  # answered, and the coordinator's next request is due
-                self.poller.hold(self, self.w.poll_s)  # (after an error it takes another path, or none)
-                self.w.stats.polls += 1
+                if self.poller.hold(self, self.w.poll_s):  # (after an error it takes another path)
+                    self.w.stats.polls += 1
         if self.input_ended and not self.inbox and self.task is None and not self.finished:
             self._end_cleanly()
 
