@@ -682,3 +682,36 @@ def test_udp_sockets_ask_for_a_larger_receive_buffer(mesh: MeshCredentials) -> N
                 await t.close()
 
     asyncio.run(scenario())
+
+
+def test_one_way_streams_free_their_slot_once_the_peer_ends_its_side(mesh: MeshCredentials) -> None:
+    """A sender that only sends (``send(data, end=True)``, never ``recv``, as gossip does) gets its stream
+    slot back once the peer's handler returns and ends its side: the per-peer cap counts open streams, not
+    streams ever opened. (It leaked: every mesh's gossip hit the 256 cap ~36 s after connecting, and peers
+    were declared dead and reconnected.)"""
+
+    async def scenario() -> None:
+        cap = 8
+        server = new_member(mesh)
+        got: list[bytes] = []
+
+        async def take(peer: Peer, stream: Any) -> None:
+            while (data := await stream.recv()) is not None:
+                got.append(data)
+
+        server.on_stream(StreamType.GOSSIP, take)
+        addr = await server.listen("127.0.0.1", 0)
+        client = new_member(mesh, replace(FAST, max_streams_per_peer=cap))
+        try:
+            peer = await client.connect(addr)
+            conn = peer._conn
+            for i in range(cap * 4):
+                stream = await peer.open_stream(StreamType.GOSSIP)
+                await stream.send(b"%d" % i, end=True)
+                await _until(lambda: conn._open_streams(local=True) < cap, 5.0)
+            await _until(lambda: conn._open_streams(local=True) == 0 and len(got) == cap * 4, 5.0)
+        finally:
+            await client.close()
+            await server.close()
+
+    asyncio.run(scenario())

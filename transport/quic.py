@@ -315,6 +315,7 @@ class Stream:
         if end:
             self._ended = True
         self._wake()
+        self._check_done()  # a one-way sender that never reads (gossip) is done once the peer's end arrives
         return self._queued_bytes <= recv_limit
 
     def _set_error(self, error: TransportError) -> None:
