@@ -357,10 +357,12 @@ class ExpertsService:
             cfg = self.coordinator_config or CoordinatorConfig()  # what coordinator() gives each executor
             out["timeouts"] = {"connect_s": cfg.connect_timeout_s, "message_s": cfg.message_timeout_s,
                                "layer_s": cfg.layer_timeout_s}
+        if self.worker is not None or "timeouts" in out:
+            out["poll_s"] = (self.coordinator_config or CoordinatorConfig()).poll_s  # --experts-poll
         if self.worker is not None:
             out["worker"] = {**self.worker.stats.as_dict(), "capacity": self.capacity,
                              "shards": [{"path": str(s.path), "fingerprint": fp.hex(), "layers": list(s.layers),
-                                         "experts": [s.experts[0], s.experts[-1]] if s.experts else [],
+                                         "experts": list(s.experts),
                                          "expert_bytes": s.expert_bytes}
                                         for s, fp in zip(self.shards, self.fingerprints)]}
         if self._coordinated:

@@ -298,6 +298,7 @@ def test_service_hands_experts_poll_to_its_coordinators_and_its_worker(tmp_path:
         ex = t.run(svc.coordinator(ck, None))
         assert ex.config.poll_s == 0.004 and ex.config.mode == "prefer"
         st = svc.status()
+        assert st["poll_s"] == 0.004
         assert st["coordinators"][0]["polling"] is True  # no loopback worker needs a core
         assert st["worker"]["polls"] == 0
     finally:
