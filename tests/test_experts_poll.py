@@ -27,8 +27,12 @@ from transport import limits, poll
 
 
 def _record(lt: LoopThread) -> list[tuple[str, object, float]]:
-    """Every hold (key, seconds) and release (key, 0) on ``lt``'s poller from now on."""
+    """Every hold (key, seconds) and release (key, 0) on ``lt``'s poller from now on. The poller never
+    yields here (its CPU clock is the wall clock): these tests count holds, and a busy CI machine must not
+    make it back off (yielding has its own tests in test_transport_poll.py)."""
     p = poll.poller(lt.loop)
+    p._cpu_clock = p._clock
+    p._backoff_until = 0.0
     events: list[tuple[str, object, float]] = []
     hold, release = p.hold, p.release
 
