@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 from meshd.errors import UsageError
 from meshd.state import resolve_state_dir
 from transport.credentials import MAX_MESH_NAME_CHARS
+from transport.limits import EXPERT_MAX_POLL_S, EXPERT_POLL_S
 
 DEFAULT_LISTEN = "0.0.0.0:9336"
 DEFAULT_API = "127.0.0.1:9337"
@@ -37,8 +38,6 @@ REMOTE_EXPERTS = ("off", "on", "prefer")
 DEFAULT_EXPERTS_CONNECT_TIMEOUT_S = 5.0
 DEFAULT_EXPERTS_MESSAGE_TIMEOUT_S = 10.0
 DEFAULT_EXPERTS_LAYER_TIMEOUT_S = 30.0
-DEFAULT_EXPERTS_POLL_S = 0.002  # transport.limits.EXPERT_POLL_S (0 turns polling off)
-MAX_EXPERTS_POLL_S = 0.1  # transport.limits.EXPERT_MAX_POLL_S
 MAX_EXPERTS_TIMEOUT_S = 86400.0  # a day: longer is a hung request, and threading waits overflow past ~9e9 s
 ROLES = ("serve", "client")
 
@@ -108,7 +107,7 @@ class DaemonConfig:
     experts_connect_timeout_s: float = DEFAULT_EXPERTS_CONNECT_TIMEOUT_S  # transport connect + stream + hello
     experts_message_timeout_s: float = DEFAULT_EXPERTS_MESSAGE_TIMEOUT_S  # one expert request until its reply
     experts_layer_timeout_s: float = DEFAULT_EXPERTS_LAYER_TIMEOUT_S  # one sparse layer, retries included
-    experts_poll_s: float = DEFAULT_EXPERTS_POLL_S  # polling for expert replies / the next request (0: off)
+    experts_poll_s: float = EXPERT_POLL_S  # polling for expert replies / the next request (0: off)
     join_token: str | None = field(default=None, repr=False)  # a secret: never logged
     join_file: Path | None = None
     mesh_name: str = DEFAULT_MESH_NAME
@@ -228,13 +227,13 @@ def _seconds(value: Any, what: str) -> float:
 
 
 def parse_poll(value: Any, what: str) -> float:
-    """Seconds of ``--experts-poll`` from a flag's text or a TOML number: 0 (off) to ``MAX_EXPERTS_POLL_S``.
+    """Seconds of ``--experts-poll`` from a flag's text or a TOML number: 0 (off) to ``EXPERT_MAX_POLL_S``.
 
     Raises ``UsageError`` naming ``what``.
     """
     seconds = _seconds(value, what)
-    if not 0 <= seconds <= MAX_EXPERTS_POLL_S:  # also refuses nan and inf
-        raise UsageError(f"{what}: must be 0 (off) to {MAX_EXPERTS_POLL_S:g} seconds, got {value!r}")
+    if not 0 <= seconds <= EXPERT_MAX_POLL_S:  # also refuses nan and inf
+        raise UsageError(f"{what}: must be 0 (off) to {EXPERT_MAX_POLL_S:g} seconds, got {value!r}")
     return seconds
 
 
@@ -334,7 +333,7 @@ def load_config(args: argparse.Namespace, env: Mapping[str, str], role: str) -> 
     message_s, message_source = pick_timeout("experts-message-timeout", DEFAULT_EXPERTS_MESSAGE_TIMEOUT_S)
     layer_s, layer_source = pick_timeout("experts-layer-timeout", DEFAULT_EXPERTS_LAYER_TIMEOUT_S)
     poll_text, poll_source = pick("experts-poll")
-    poll_s = DEFAULT_EXPERTS_POLL_S if poll_text is None else parse_poll(poll_text, poll_source)
+    poll_s = EXPERT_POLL_S if poll_text is None else parse_poll(poll_text, poll_source)
     if message_s > layer_s:
         raise UsageError(f"{message_source} = {message_s:g} s exceeds {layer_source} = {layer_s:g} s "
                          "(a layer's timeout covers its messages and their retries)")

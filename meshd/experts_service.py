@@ -77,7 +77,7 @@ class ExpertsService:
                  probe_interval_s: float = PROBE_INTERVAL_S, reply_hook: ReplyHook | None = None) -> None:
         self.specs = list(specs)
         self.remote_experts = remote_experts
-        self.coordinator_config = coordinator_config
+        self.coordinator_config = coordinator_config or CoordinatorConfig()  # timeouts, poll; mode per model
         self.capacity = capacity
         self.probe_interval_s = probe_interval_s
         self._reply_hook = reply_hook
@@ -116,9 +116,8 @@ class ExpertsService:
         self._state_dir = getattr(state, "path", None)
         if self.specs:
             self.shards, self.fingerprints = await asyncio.to_thread(self._load_all)
-            poll_s = (self.coordinator_config or CoordinatorConfig()).poll_s  # one setting for both roles
             self.worker = ExpertWorker(self.shards, self.fingerprints, self.capacity, self._reply_hook,
-                                       poll_s=poll_s)
+                                       poll_s=self.coordinator_config.poll_s)  # one setting for both roles
             self.transport.on_stream(StreamType.EXPERT, self._serve)
             for s, fp in zip(self.shards, self.fingerprints):
                 log.info("experts_worker_ready", path=str(s.path), fingerprint=fp.hex()[:16], layers=len(s.layers),
@@ -255,8 +254,7 @@ class ExpertsService:
         layout: MoeLayout = layout_from_config(read_config(p))
         fp = await asyncio.to_thread(lambda: model_fingerprint(p, cache_dir=self._state_dir))
         mode = mode or (self.remote_experts if self.remote_experts in ("on", "prefer") else "on")
-        base = self.coordinator_config or CoordinatorConfig()
-        cfg = dataclasses.replace(base, mode=mode)
+        cfg = dataclasses.replace(self.coordinator_config, mode=mode)
         ex = RemoteExecutor(asyncio.get_running_loop(), fp, layout, cfg, local_weights)
         c = _Coordinated(p, ex)
         self._coordinated.append(c)
@@ -354,11 +352,11 @@ class ExpertsService:
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"remote_experts": self.remote_experts}
         if self.remote_experts in ("on", "prefer") or self._coordinated:
-            cfg = self.coordinator_config or CoordinatorConfig()  # what coordinator() gives each executor
+            cfg = self.coordinator_config  # what coordinator() gives each executor
             out["timeouts"] = {"connect_s": cfg.connect_timeout_s, "message_s": cfg.message_timeout_s,
                                "layer_s": cfg.layer_timeout_s}
         if self.worker is not None or "timeouts" in out:
-            out["poll_s"] = (self.coordinator_config or CoordinatorConfig()).poll_s  # --experts-poll
+            out["poll_s"] = self.coordinator_config.poll_s  # --experts-poll
         if self.worker is not None:
             out["worker"] = {**self.worker.stats.as_dict(), "capacity": self.capacity,
                              "shards": [{"path": str(s.path), "fingerprint": fp.hex(), "layers": list(s.layers),

@@ -222,8 +222,7 @@ class RemoteExecutor(LoopPasses, GeneralPath):
         link = self.links[node_id]
         rid = link.next_id()
         polling = polled and self._polling
-        flags = rpc.FLAG_POLL if polling and link.ack is not None and link.ack.version >= 3 else 0
-        data = rpc.encode(rpc.Echo(payload), rid, flags)
+        data = rpc.encode(rpc.Echo(payload), rid, _poll_flag(link, polling))
         done = threading.Lock()
         done.acquire()
         box: dict[str, object] = {}
@@ -451,7 +450,7 @@ class RemoteExecutor(LoopPasses, GeneralPath):
                 if len(rows) and self._combining_pays(link, len(rows), routing.experts.shape[1], x.shape[1]):
                     combined = rows
             rid = link.next_id()
-            flags = rpc.FLAG_POLL if ask_poll and link.ack.version >= 3 else 0
+            flags = _poll_flag(link, ask_poll)
             if tokens is None and combined is None:  # one token, its outputs sent back raw (a decode step)
                 data = rpc.encode_row_request(layer, x, [work[i][0] for i in items], rid, flags)
                 snd = FastSend(node, link, rid, data, items, 1, len(items), x.shape[1])
@@ -590,3 +589,8 @@ class RemoteExecutor(LoopPasses, GeneralPath):
                     "passes_on_loop": s.passes_on_loop, "passes_handed_back": s.passes_handed_back,
                     "polling": self._polling, "expert_hits": hits,
                     "experts_hit": len(s.expert_rows)}
+
+
+def _poll_flag(link: WorkerLink, asked: bool) -> int:
+    """The header flags asking ``link``'s worker to poll for the next request: only a v3 worker knows them."""
+    return rpc.FLAG_POLL if asked and link.ack is not None and link.ack.version >= 3 else 0
