@@ -3,7 +3,8 @@
 Usage: ``python tests/experts_node.py CONFIG.json``. CONFIG: ``key`` (hex private key), ``genesis`` and
 ``cert`` (base64), ``specs`` (``--experts`` specs), optional ``capacity``, and test hooks:
 ``perturb`` (add this relative amount to the first output of the first reply: the negative control),
-``hang_after`` (after answering this many requests, the next one never finishes: a hung worker).
+``hang_after`` (after answering this many requests, the next one never finishes: a hung worker), and
+``trace`` (a file: record ``tests/experts_trace.py``'s timestamps and write them there as JSON at exit).
 Runs a real ``MeshTransport`` on 127.0.0.1 and the real ``ExpertsService``. Prints one JSON line
 ``{"node_id", "addr", "pid"}`` when listening (or ``{"error"}`` and exit 2 if the shards are refused),
 then serves until SIGTERM/SIGINT.
@@ -52,6 +53,12 @@ def make_hook(config: dict) -> object:
 async def main(path: str) -> int:
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     config = json.loads(Path(path).read_text())
+    recorder = None
+    if config.get("trace"):
+        import experts_trace
+
+        recorder = experts_trace.Recorder()
+        experts_trace.install(recorder)
     identity = NodeIdentity.from_private_bytes(bytes.fromhex(config["key"]))
     genesis = Genesis.decode(base64.b64decode(config["genesis"]))
     creds = MeshCredentials(genesis, MemberCert.decode(base64.b64decode(config["cert"]), genesis))
@@ -73,6 +80,8 @@ async def main(path: str) -> int:
     await stop.wait()
     await svc.stop()
     await mesh.close()
+    if recorder is not None:
+        Path(config["trace"]).write_text(json.dumps(list(recorder.events)))
     return 0
 
 
