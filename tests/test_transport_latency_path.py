@@ -23,11 +23,13 @@ from transport_peer import member_of
 from engine.experts.channel import ChannelClosed, SocketChannel, socketpair_channels
 from transport import ALPN
 from transport.aioquic_ext import MeshQuicConnection
+from transport.config import is_loopback_host
+from transport.connection import _Connection
 from transport.credentials import MeshCredentials, create_mesh
 from transport.errors import RemoteError, RpcError, StreamReset, TransportError
 from transport.framing import ErrorCode
 from transport.identity import NodeIdentity
-from transport.quic import MeshTransport, Peer, Stream, StreamType, TransportConfig, _Connection, _is_loopback
+from transport.quic import MeshTransport, Peer, Stream, StreamType, TransportConfig
 
 T0 = 1_700_000_000
 FAST = replace(TransportConfig(), reconnect_min_s=0.1, reconnect_max_s=1.0)
@@ -230,9 +232,9 @@ def test_send_now_echo_round_trips_in_order_between_receivers(mesh: MeshCredenti
 def test_loopback_addresses_include_ipv4_seen_through_an_ipv6_socket() -> None:
     """What ``Stream.on_loopback`` (and the loopback packet size) go by: a peer's address as the socket
     reports it, so an IPv4 peer of a ``[::]`` listener (::ffff:127.0.0.1) is on loopback too."""
-    assert _is_loopback("127.0.0.1") and _is_loopback("::1") and _is_loopback("::ffff:127.0.0.1")
-    assert _is_loopback("fe80::1%lo") is False and _is_loopback("::ffff:10.0.0.1") is False
-    assert not _is_loopback("10.0.0.1") and not _is_loopback("0.0.0.0") and not _is_loopback("node-a")
+    assert is_loopback_host("127.0.0.1") and is_loopback_host("::1") and is_loopback_host("::ffff:127.0.0.1")
+    assert is_loopback_host("fe80::1%lo") is False and is_loopback_host("::ffff:10.0.0.1") is False
+    assert not is_loopback_host("10.0.0.1") and not is_loopback_host("0.0.0.0") and not is_loopback_host("node-a")
 
 
 def test_send_now_refuses_when_the_send_buffer_is_full_and_loses_nothing(mesh: MeshCredentials) -> None:

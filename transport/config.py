@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, replace
 
 from transport import limits
@@ -56,3 +57,13 @@ def backoff_delay_s(attempt: int, min_s: float, max_s: float, jitter: float) -> 
     ``0.5 + 0.5 * jitter`` for ``jitter`` in [0, 1) so that peers restarted together do not redial in step."""
     base = min(min_s * (2.0 ** min(attempt, 60)), max_s)
     return base * (0.5 + 0.5 * jitter)
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (an address) is loopback, IPv4 seen through an IPv6 socket (::ffff:127.0.0.1) too."""
+    try:
+        addr = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return (mapped or addr).is_loopback
