@@ -74,8 +74,6 @@ StreamHandler = Callable[["Peer", "Stream"], Awaitable[None]]
 RpcHandler = Callable[["Peer", bytes], Awaitable[bytes]]
 PeerCallback = Callable[["Peer"], Any]
 
-_HANDSHAKE_STREAM_ID = 0  # the first client-initiated bidirectional stream
-
 
 def _maybe_task(result: Any, tasks: set[asyncio.Task[Any]]) -> None:
     if inspect.isawaitable(result):
