@@ -8,8 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import experts_trace
+import numpy as np
 from experts_mesh import Coordinator, MeshFixture, spawn_worker
 
 from engine.model import Model
