@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 from meshd.errors import UsageError
 from meshd.state import resolve_state_dir
+from transport.config import is_loopback_host
 from transport.credentials import MAX_MESH_NAME_CHARS
 from transport.limits import EXPERT_MAX_POLL_S, EXPERT_POLL_S
 
@@ -84,13 +85,11 @@ def parse_hostport(text: str, what: str) -> HostPort:
 
 
 def is_loopback(host: str) -> bool:
-    """True for loopback addresses and ``localhost``; hostnames are not resolved (so they count as not)."""
-    if host.rstrip(".").lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    """True for loopback addresses (``[::1]`` and ``::ffff:127.0.0.1`` too, see
+    ``transport.config.is_loopback_host``) and ``localhost``; hostnames are not resolved (so they count as
+    not)."""
+    host = host.strip("[]")
+    return host.rstrip(".").lower() == "localhost" or is_loopback_host(host)
 
 
 @dataclass(frozen=True)

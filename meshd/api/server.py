@@ -32,6 +32,7 @@ from meshd.api.reply import Reply
 from meshd.api.router import NodeInfo, PeerStats, RouteTable, Target, choose_auto, plan, routable_models
 from meshd.api.schema import GenRequest, parse_request
 from meshd.api.tunnel import TunnelClient
+from meshd.config import is_loopback
 from meshd.errors import UsageError
 from transport import limits
 
@@ -439,14 +440,7 @@ def _json_reply(payload: dict[str, Any], node_id: str) -> Reply:
 
 def ensure_safe_bind(host: str, has_keys: bool) -> None:
     """Refuse a non-loopback API address without API keys (SPEC). Raises ``UsageError``."""
-    import ipaddress
-
-    h = host.strip("[]")
-    try:
-        loopback = h == "localhost" or ipaddress.ip_address(h).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback and not has_keys:
+    if not is_loopback(host) and not has_keys:
         raise UsageError(f"refusing to serve the API on non-loopback address {host} without --api-key-file")
 
 
