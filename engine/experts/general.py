@@ -39,21 +39,23 @@ class GeneralPath:
     def _run_general(self, layer: int, x: np.ndarray, work: list[WorkItem], omap: OwnershipMap,
                      budget_s: float) -> tuple[list[np.ndarray | None], list[int]]:
         if budget_s <= 0:  # the fast attempt used the layer's time up: no retry round
-            if self.config.mode == "on":
-                self._count_unavailable()
-                raise ExpertsUnavailable(f"layer {layer}: expert workers did not answer within "
-                                         f"{self.config.layer_timeout_s}s")
+            self._timed_out(layer)
             return [None] * len(work), list(range(len(work)))
         fut = asyncio.run_coroutine_threadsafe(self._run_layer(layer, x, work, omap, budget_s), self.loop)
         try:
             return fut.result(timeout=budget_s + 1.0)
         except concurrent.futures.TimeoutError:
             fut.cancel()
-            if self.config.mode == "on":
-                self._count_unavailable()
-                raise ExpertsUnavailable(f"layer {layer}: expert workers did not answer within "
-                                         f"{self.config.layer_timeout_s}s") from None
+            self._timed_out(layer)
             return [None] * len(work), list(range(len(work)))
+
+    def _timed_out(self, layer: int) -> None:
+        """The layer's time is up with work unanswered: ``on`` mode raises (counted), ``prefer`` returns and
+        the caller computes that work here."""
+        if self.config.mode == "on":
+            self._count_unavailable()
+            raise ExpertsUnavailable(f"layer {layer}: expert workers did not answer within "
+                                     f"{self.config.layer_timeout_s}s")
 
     def _fallback(self, layer: int, x: np.ndarray, work: Sequence[WorkItem], results: list[np.ndarray | None],
                   local: list[int]) -> None:
@@ -186,10 +188,7 @@ class GeneralPath:
             if remaining and loop.time() >= deadline:
                 break
         if remaining:
-            if self.config.mode == "on":
-                self._count_unavailable()
-                raise ExpertsUnavailable(f"layer {layer}: expert workers did not answer within "
-                                         f"{self.config.layer_timeout_s}s")
+            self._timed_out(layer)
             local += remaining
         return results, sorted(local)
 
