@@ -127,6 +127,21 @@ class EngineSource:
         self.scheduler.close()
 
 
+class PipelineSource(EngineSource):
+    """``EngineSource`` over a pipelined model: 503 naming what is missing while no plan can serve it."""
+
+    def __init__(self, *args: Any, serving: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.serving = serving
+
+    def submit(self, prompt_ids: list[int], req: GenRequest) -> _EngineRun:
+        reason = self.serving.unavailable_reason()
+        if reason:  # --pipeline on and the stage nodes cannot hold the model now
+            raise ApiError(503, f"model '{self.name}' cannot be served now: {reason}", code="pipeline_unavailable",
+                           retry_after_s=5)
+        return super().submit(prompt_ids, req)
+
+
 class EngineBackend(GenBackend):
     """A ``GenBackend`` whose ``stop()`` closes the scheduler."""
 
