@@ -109,7 +109,7 @@ class DaemonConfig:
     experts_poll_s: float = EXPERT_POLL_S  # polling for expert replies / the next request (0: off)
     stages: tuple[str, ...] = ()  # --stage PATH[@FIRST-LAST]: layers offered as a pipeline stage
     pipeline: str = "off"  # --pipeline off|on|prefer: split served models' layers over stage nodes
-    pipeline_memory_mb: int = 0  # memory offered for pipeline layers (0: what the machine has free)
+    pipeline_memory_mb: float = 0.0  # memory offered for pipeline layers (0: what the machine has free)
     join_token: str | None = field(default=None, repr=False)  # a secret: never logged
     join_file: Path | None = None
     mesh_name: str = DEFAULT_MESH_NAME
@@ -173,7 +173,7 @@ _FILE_KEYS: dict[str, tuple[type, ...]] = {
     "experts-poll": _NUMBER,
     "stage": (str, list),
     "pipeline": (str,),
-    "pipeline-memory": (int,),
+    "pipeline-memory": _NUMBER,
     "join": (str,),
     "join-file": (str,),
     "mesh-name": (str,),
@@ -334,11 +334,11 @@ def load_config(args: argparse.Namespace, env: Mapping[str, str], role: str) -> 
         raise UsageError(f"{source}: must be one of off, on, prefer, got {pipeline!r}")
     pipeline_mem, source = pick("pipeline-memory")
     try:
-        pipeline_memory_mb = int(pipeline_mem) if pipeline_mem is not None else 0
+        pipeline_memory_mb = float(pipeline_mem) if pipeline_mem is not None else 0.0
     except ValueError:
-        raise UsageError(f"{source}: must be a whole number of MB, got {pipeline_mem!r}") from None
-    if pipeline_memory_mb < 0:
-        raise UsageError(f"{source}: must be 0 or more MB, got {pipeline_memory_mb}")
+        raise UsageError(f"{source}: must be a number of MB, got {pipeline_mem!r}") from None
+    if not 0 <= pipeline_memory_mb < 1e12:  # also refuses nan and inf
+        raise UsageError(f"{source}: must be 0 or more MB, got {pipeline_mem}")
 
     remote_experts, source = pick("remote-experts")
     remote_experts = remote_experts if remote_experts is not None else "off"

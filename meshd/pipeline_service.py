@@ -255,7 +255,7 @@ class PipelineService:
 
     name = "pipeline"
 
-    def __init__(self, stages: Sequence[str] = (), mode: str = "off", memory_mb: int = 0) -> None:
+    def __init__(self, stages: Sequence[str] = (), mode: str = "off", memory_mb: float = 0.0) -> None:
         self.specs = list(stages)
         self.mode = mode
         self.memory_mb = memory_mb
@@ -275,7 +275,7 @@ class PipelineService:
         return cls(tuple(config.stages), config.pipeline, config.pipeline_memory_mb)
 
     def offered_bytes(self) -> int:
-        return self.memory_mb * 1_000_000 if self.memory_mb else available_bytes()
+        return int(self.memory_mb * 1_000_000) if self.memory_mb else available_bytes()
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
@@ -292,7 +292,7 @@ class PipelineService:
             self.transport.on_stream(StreamType.PIPELINE, self._serve)
             for h in self.hosts:
                 log.info("pipeline_stage_ready", path=str(h.path), fingerprint=h.fingerprint.hex()[:16],
-                         pin=list(h.pin) if h.pin else None, offered_mb=self.offered_bytes() // 1_000_000)
+                         pin=list(h.pin) if h.pin else None, offered_mb=round(self.offered_bytes() / 1e6, 3))
         self._membership = _find_membership(daemon)
         if self._membership is not None:
             if self.hosts:
@@ -331,9 +331,9 @@ class PipelineService:
             from meshd.membership.records import StageOffer
         except ImportError:
             return
-        free_mb = self.offered_bytes() // 1_000_000
+        free_kb = self.offered_bytes() // 1000
         with contextlib.suppress(AttributeError):
-            self._membership.set_local_stages([StageOffer(h.fingerprint.hex(), free_mb, h.pin) for h in self.hosts])
+            self._membership.set_local_stages([StageOffer(h.fingerprint.hex(), free_kb, h.pin) for h in self.hosts])
 
     async def stop(self) -> None:
         for task in list(self._tasks):
@@ -411,7 +411,7 @@ class PipelineService:
             for st in getattr(rec, "stages", ()) or ():
                 peer = self.transport.peer(view.node_id) if self.transport is not None else None
                 rtt = getattr(peer, "rtt_ms", None) if peer is not None else None
-                out.append(Offer(view.node_id, st.model_fingerprint, st.free_mb * 1_000_000, st.pin,
+                out.append(Offer(view.node_id, st.model_fingerprint, st.free_kb * 1000, st.pin,
                                  rtt / 1e3 if isinstance(rtt, int | float) else None))
         return out
 

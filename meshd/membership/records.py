@@ -8,7 +8,7 @@ document (``transport.credentials``) under domain ``node-record``, signed by the
      "addrs": ["host:port", ...], "role": "serve"|"client"|"worker", "proto": int, "sw": str,
      "models": [{"name", "kind", "fingerprint", "ctx"}],
      "experts": [{"model_fp", "layers": [first, last], "experts": [first, last], "capacity"}],
-     "stages": [{"model_fp", "free_mb", "pin": [first, last] | null}]  (optional, default []: pipeline stages),
+     "stages": [{"model_fp", "free_kb", "pin": [first, last] | null}]  (optional, default []: pipeline stages),
      "cap": {"cpus": int, "ram_mb": int, "in_flight": int}, "api": "host:port" | null,
      "admin": bool (holds the mesh admin key; optional, default false)}
 
@@ -89,11 +89,11 @@ class StageOffer:
     """``--stage``: this node offers to hold layers of a checkpoint (any range, or exactly ``pin``)."""
 
     model_fingerprint: str
-    free_mb: int
+    free_kb: int
     pin: tuple[int, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"model_fp": self.model_fingerprint, "free_mb": self.free_mb,
+        return {"model_fp": self.model_fingerprint, "free_kb": self.free_kb,
                 "pin": list(self.pin) if self.pin is not None else None}
 
 
@@ -250,9 +250,9 @@ def _stages(body: dict[str, Any]) -> tuple[StageOffer, ...]:
         raise RecordError(f"'stages' must be a list of at most {MAX_RECORD_STAGES}")
     out = []
     for x in raw:
-        e = _obj(x, "stages[]", {"model_fp", "free_mb", "pin"})
+        e = _obj(x, "stages[]", {"model_fp", "free_kb", "pin"})
         pin = None if e["pin"] is None else _range(e["pin"], "pin")
-        out.append(StageOffer(_str(e["model_fp"], "model_fp"), _int(e["free_mb"], "free_mb"), pin))
+        out.append(StageOffer(_str(e["model_fp"], "model_fp"), _int(e["free_kb"], "free_kb"), pin))
     return tuple(out)
 
 
