@@ -174,9 +174,10 @@ class Serving:
             for _ in range(4):  # a stage that refuses OPEN is left out and the plan made again
                 plan = self._plan()
                 cur = self.current_run
-                if plan is None:
-                    if cur is not None and cur.dead:
-                        self.current_run = None
+                if plan is None:  # new requests get the reason (503); running sequences finish on their run
+                    self.current_run = None
+                    if cur is not None:
+                        self._retire(cur)
                     return
                 if cur is not None and not cur.dead and cur.plan.stages == plan.stages:
                     return
@@ -206,7 +207,7 @@ class Serving:
         try:
             plan = make_plan(self.need, local, offers)
         except PlanError as e:
-            self.refused = []
+            self.refused = list(e.refused)
             if self.mode == "prefer":
                 self.fallback = e.reason
                 return Plan((Stage(me, 0, self.need.num_layers - 1),))

@@ -173,3 +173,61 @@ def test_client_hang_up_frees_every_stage(tmp_path: Path) -> None:
     finally:
         for n in reversed(nodes):
             n.stop()
+
+
+def test_refusals_by_name_overlapping_pins_and_prefer(tmp_path: Path, ref: Node) -> None:
+    from engine.tiny import create_tiny
+
+    other = create_tiny(tmp_path / "other-ckpt", seed=1)  # same shapes, other weights
+    srv = start_node(tmp_path / "s", "--model", "tiny", "--pipeline", "on")
+    nodes = [srv]
+    try:
+        token = invite(tmp_path / "s", uses=4)
+        x = stage(tmp_path, "x", token, str(other))
+        nodes.append(x)
+        nodes.append(stage(tmp_path, "p", token, "tiny@1-2"))
+        nodes.append(stage(tmp_path, "q", token, "tiny@2-3"))
+
+        def refused() -> Any:
+            st = pipeline_status(srv)
+            return st if st["refused"] and st["unavailable"] and "overlap" in st["unavailable"] else None
+
+        st = wait_for(refused, 40, "refusals")
+        assert st["refused"][0]["node_id"] == x.run["node_id"] and "holds checkpoint" in st["refused"][0]["reason"]
+        code, err = post(srv.run["api"], *CHAT)
+        assert code == 503 and err["error"]["code"] == "pipeline_unavailable", err
+        assert "pins overlap" in err["error"]["message"], err
+    finally:
+        for n in reversed(nodes):
+            n.stop()
+    # prefer: nothing offers layers, so the node runs the model alone (same bytes)
+    alone = start_node(tmp_path / "alone", "--model", "tiny", "--pipeline", "prefer", "--pipeline-memory", "0.5")
+    try:
+        _same_as_ref(ref, alone)
+        st = pipeline_status(alone)
+        assert st["plan"] == [{"node_id": alone.run["node_id"], "layers": [0, 3]}] and st["local_fallback"], st
+    finally:
+        alone.stop()
+
+
+def test_stage_delegating_its_experts_byte_identical(tmp_path: Path, ref: Node) -> None:
+    srv = start_node(tmp_path / "s", "--model", "tiny", "--pipeline", "on")
+    nodes = [srv]
+    try:
+        token = invite(tmp_path / "s", uses=3)
+        nodes.append(start_node(tmp_path / "w", "--experts", "tiny", "--join", token))
+        a = stage(tmp_path, "a", token, "tiny@2-3", "--remote-experts", "on")
+        nodes.append(a)
+        wait_plan(srv, [[0, 1], [2, 3]])
+
+        def linked() -> bool:  # the stage's layers have their expert worker
+            cos = a.status()["services"]["experts"].get("coordinators") or []
+            return bool(cos) and all(c.get("workers") for c in cos)
+
+        wait_for(linked, 40, "the stage's expert worker link")
+        _same_as_ref(ref, srv)
+        co = a.status()["services"]["experts"]["coordinators"][0]
+        assert co["layers_delegated"] > 0 and co["items_local"] == 0, co
+    finally:
+        for n in reversed(nodes):
+            n.stop()

@@ -79,3 +79,9 @@ def test_pin_outside_the_model_is_refused_not_fatal() -> None:
     plan = make_plan(need(), me(100), [off("a", 100, pin=(6, 9))])
     assert ranges(plan) == [("local", 0, 7)]
     assert "has 0-7" in plan.refused[0][1]
+
+
+def test_a_failed_plan_still_names_refused_stages() -> None:
+    with pytest.raises(PlanError) as e:
+        make_plan(need(), me(2), [off("x", 100, fp="bb" * 32), off("a", 100, pin=(2, 5)), off("b", 100, pin=(4, 7))])
+    assert "pins overlap" in e.value.reason and [n for n, _ in e.value.refused] == ["x"]

@@ -30,9 +30,10 @@ MAX_COMBINATIONS = 20000  # offer subsets tried per gap before taking the cheape
 class PlanError(Exception):
     """No plan: ``reason`` says what is missing (shown in the 503 and in status)."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, refused: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.refused = refused  # offers left out (another checkpoint, a pin outside the model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,9 +175,17 @@ def _fill(need: Need, first: int, last: int, lead: tuple[str, int] | None, pool:
 
 
 def make_plan(need: Need, local: Offer, offers: list[Offer]) -> Plan:
-    """See the module docstring. ``local`` is the serving node (its ``pin`` is ignored)."""
-    n = need.num_layers
+    """See the module docstring. ``local`` is the serving node (its ``pin`` is ignored). A ``PlanError``
+    carries the refusals too."""
     refused: list[tuple[str, str]] = []
+    try:
+        return _make_plan(need, local, offers, refused)
+    except PlanError as e:
+        raise PlanError(e.reason, tuple(refused)) from None
+
+
+def _make_plan(need: Need, local: Offer, offers: list[Offer], refused: list[tuple[str, str]]) -> Plan:
+    n = need.num_layers
     usable: list[Offer] = []
     for o in sorted(offers, key=lambda o: o.node_id):
         if o.node_id == local.node_id:
