@@ -117,6 +117,9 @@ class Serving:
     def run_on_loop(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=limits.OPEN_TIMEOUT_S * 2)
 
+    def submit(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
     def release(self, run: Run, seq: int) -> None:
         self.loop.call_soon_threadsafe(self._release, run, seq)
 
@@ -452,7 +455,7 @@ class PipelineService:
         await serving.replan()
         model = PipelinedModel(loaded.model, serving)
         sched = Scheduler(model, loaded.tokenizer, max_active or DEFAULT_MAX_ACTIVE, name=loaded.name,
-                          executor=executor, batching="never")
+                          executor=executor, batching="always")
         log.info("pipeline_model_ready", model=loaded.name, mode=self.mode, layers=need.num_layers,
                  fingerprint=fp.hex()[:16])
         return EngineBackend(PipelineSource(loaded.name, model, loaded.tokenizer, sched, fp.hex()[:16],

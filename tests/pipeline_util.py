@@ -65,6 +65,9 @@ class InprocProvider:
     def run_on_loop(self, coro: Any) -> Any:
         return self.lt.run(coro)
 
+    def submit(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.lt.loop)
+
     def release(self, run: Run, seq: int) -> None:
         self.released.append((run.id, seq))
 

@@ -18,6 +18,7 @@ state on every stage (``weakref.finalize``).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import itertools
 import threading
@@ -97,6 +98,7 @@ class StageLink:
         self._pending: dict[int, asyncio.Future[wire.Frame]] = {}
         self._steps = itertools.count(1)
         self._heard = 0.0
+        self._send_lock = asyncio.Lock()  # FIFO: frames of concurrent steps go out in the order they were made
 
     async def open(self, run: int, fingerprint: bytes, num_layers: int,
                    timeout_s: float = limits.OPEN_TIMEOUT_S) -> wire.Ready:
@@ -152,8 +154,9 @@ class StageLink:
         data = wire.encode(frame)
         step = limits.SEND_CHUNK_BYTES
         try:
-            for i in range(0, len(data), step):
-                await self.channel.send(data[i : i + step])
+            async with self._send_lock:
+                for i in range(0, len(data), step):
+                    await self.channel.send(data[i : i + step])
         except Exception as e:  # noqa: BLE001 - any send failure means the stage is gone
             self.close(f"send failed: {e!r}")
             raise StageFailed(self.node_id, f"send failed: {e!r}") from None
@@ -248,6 +251,8 @@ class RunProvider(Protocol):
 
     def run_on_loop(self, coro: Any) -> Any: ...  # run a coroutine on the daemon loop, blocking
 
+    def submit(self, coro: Any) -> concurrent.futures.Future[Any]: ...  # start it on the loop, do not wait
+
     def release(self, run: Run, seq: int) -> None: ...  # a sequence ended: free it everywhere (any thread)
 
 
@@ -333,5 +338,36 @@ class PipelinedModel:
 
     def forward_batch(self, ids: Sequence[int] | np.ndarray, caches: Sequence[PipeCache],
                       executor: Any = None) -> np.ndarray:
-        """One decode step of B sequences, each its own single-token step (the same bits as one at a time)."""
-        return np.stack([self.forward([int(i)], c, executor, last_only=True)[-1] for i, c in zip(ids, caches)])
+        """One decode step of B sequences, in flight across the stages at once (micro-batching): this node
+        runs sequence i's layers while sequence i-1's activations are on the remote stages. Each sequence is
+        its own single-token step, so every row has the bits of ``forward([id], cache, last_only=True)``
+        and a replay after a failure rebuilds the same caches. -> logits [B, V]."""
+        if len(caches) != len(ids):
+            raise ValueError(f"{len(ids)} ids for {len(caches)} caches")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("each sequence needs its own cache")
+        started: list[tuple[PipeCache, np.ndarray, int, Any]] = []
+        for tok, cache in zip(ids, caches):
+            arr = self.model._check_ids([int(tok)])
+            if cache.run.dead or cache.replay or not cache.run.links:
+                started.append((cache, arr, -1, None))  # the plain path (recovers, or all local)
+                continue
+            local, past = cache.run.local, cache.local.length
+            x = self.model.embed(arr)
+            if local.layers:
+                cache.local.reserve(past + 1)
+                x = drive(local.span_steps(x, cache.local, past), executor or local.local_executor, local.warm)
+            started.append((cache, arr, past, self.provider.submit(cache.run.forward(x, cache.seq, past, True))))
+        rows = []
+        for cache, arr, past, fut in started:
+            if fut is not None:
+                try:
+                    logits = fut.result(timeout=limits.OPEN_TIMEOUT_S * 2)
+                    cache.local.length = past + 1
+                    cache.history.append(arr)
+                    rows.append(logits[-1])
+                    continue
+                except StageFailed:
+                    pass  # the plain path below re-plans and replays, the step runs again
+            rows.append(self.forward(arr, cache, executor, last_only=True)[-1])
+        return np.stack(rows)
