@@ -95,6 +95,8 @@ def _three(tmp_path: Path, spare: bool) -> list[Node]:
     if spare:  # unpinned, 0.7 MB: holds 2 layers; not needed while b is up
         nodes.append(stage(tmp_path, "d", token, "tiny", "--pipeline-memory", "0.7"))
     wait_plan(srv, [[0, 0], [1, 2], [3, 3]])
+    # a node remembers its peers ~2 s after joining; one killed before that cannot find the mesh on restart
+    wait_for(lambda: all((n.state_dir / "peers.json").exists() for n in nodes[1:]), 20, "peers remembered")
     return nodes
 
 

@@ -106,12 +106,18 @@ class StageLink:
         self.channel.set_receiver(self._on_data, self._on_end)
         fut: asyncio.Future[wire.Frame] = loop.create_future()
         self._pending[0] = fut
+        self._heard = loop.time()
+        deadline = self._heard + timeout_s
         await self._send(wire.Open(run, self.first, self.last, num_layers, fingerprint))
-        try:
-            reply = await asyncio.wait_for(fut, timeout_s)
-        except TimeoutError:
-            self.close("no READY")
-            raise StageFailed(self.node_id, f"no answer to OPEN within {timeout_s:g} s") from None
+        while True:  # a loading stage sends KEEPALIVE; a dead one (or a stale connection) stays silent
+            wait = min(self._heard + limits.SILENCE_S, deadline) - loop.time()
+            if wait <= 0:
+                self.close("no READY")
+                raise StageFailed(self.node_id, "no answer to OPEN")
+            with contextlib.suppress(TimeoutError):
+                reply = await asyncio.wait_for(asyncio.shield(fut), wait)
+                break
+        self._pending.pop(0, None)
         if isinstance(reply, wire.Error):
             self.close("refused")
             raise StageFailed(self.node_id, reply.text, reply.code)

@@ -145,8 +145,14 @@ class StageHost:
 
     async def _handle(self, channel: Any, f: wire.Frame, mine: set[int]) -> None:
         if isinstance(f, wire.Open):
+            task = asyncio.ensure_future(self._open(f))
+            while True:  # loading may take a while: say we are alive meanwhile
+                done, _ = await asyncio.wait({task}, timeout=limits.KEEPALIVE_S)
+                if done:
+                    break
+                await _send(channel, wire.Keepalive(0))
             try:
-                ready = await self._open(f)
+                ready = task.result()
             except StageError as e:
                 await _send(channel, wire.Error(0, e.code, str(e)))
                 return
