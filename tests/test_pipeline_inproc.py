@@ -159,3 +159,40 @@ def test_concurrent_sequences_through_the_scheduler_match_local_one_by_one(tiny:
         assert [s.node_id for s in prov.run.plan.stages] == ["local", "s3"]  # type: ignore[union-attr]
     finally:
         sched.close()
+
+
+def _sched_run(model, tok, ids, params, chunk, kill=None):  # type: ignore[no-untyped-def]
+    from engine.scheduler import Scheduler
+
+    sched = Scheduler(model, tok, 8, batching="always", prefill_chunk=chunk)
+    try:
+        evs = list(sched.submit(ids, params))
+    finally:
+        sched.close()
+    return [e.token_id for e in evs], [e.logprob for e in evs], "".join(e.text for e in evs)
+
+
+def test_chunked_prefill_overlaps_stages_and_matches_local_chunking(tiny: Path, lt: LoopThread) -> None:
+    """Prompt chunks go on to the stages without waiting (prefill_nowait); the bits are those of a local
+    scheduler with the same chunk size, also when a stage dies while chunks are in flight."""
+    model, tok = Model.load(tiny), Tokenizer.load(tiny)
+    ids = tok.encode("the mesh holds the layers of a model too big for one machine, " * 4)
+    assert len(ids) > 40
+    params = SamplingParams(max_tokens=10, temperature=0.7, seed=2, top_logprobs=1, ignore_eos=True)
+    want = _sched_run(model, tok, ids, params, 8)
+    prov = InprocProvider(lt, model, tiny, [[("local", 0, 0), ("s1", 1, 2), ("s2", 3, 3)],
+                                            [("local", 0, 1), ("s3", 2, 3)]])
+    pm = prov.pipelined()
+    calls = []
+    real = pm.prefill_nowait
+
+    def spy(chunk, cache, executor=None):  # type: ignore[no-untyped-def]
+        calls.append(len(chunk))
+        if len(calls) == 3:
+            prov.kill("s1")  # chunks 1-2 may still be on the stages
+        return real(chunk, cache, executor)
+
+    pm.prefill_nowait = spy  # type: ignore[method-assign]
+    assert _sched_run(pm, tok, ids, params, 8) == want
+    assert calls and all(n == 8 for n in calls)
+    assert [s.node_id for s in prov.run.plan.stages] == ["local", "s3"]  # type: ignore[union-attr]

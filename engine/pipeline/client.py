@@ -271,6 +271,7 @@ class PipeCache:
         self.local = run.local.new_cache()
         self.history: list[np.ndarray] = []
         self.replay = False
+        self.inflight: list[concurrent.futures.Future[Any]] = []  # prefill chunks still on the remote stages
         self._holder = [run, self.seq]
         weakref.finalize(self, _release, provider, self._holder)
 
@@ -286,6 +287,7 @@ class PipeCache:
         self.local = run.local.new_cache()
         self._holder[:] = [run, self.seq]
         self.replay = True
+        self.inflight = []
 
 
 def _release(provider: RunProvider, holder: list[Any]) -> None:
@@ -310,6 +312,7 @@ class PipelinedModel:
         arr = self.model._check_ids(ids)
         for attempt in range(MAX_RECOVERIES + 1):
             try:
+                self._settle(cache)
                 if cache.run.dead:
                     raise StageFailed("", cache.run.dead_reason or "the run failed")
                 if cache.replay:
@@ -327,6 +330,37 @@ class PipelinedModel:
                     raise PipelineUnavailable(f"gave up after {MAX_RECOVERIES} re-plans: {e}") from None
                 cache.move(self.provider, self.provider.recover(cache.run, e))
         raise AssertionError("unreachable")
+
+    def prefill_nowait(self, ids: Sequence[int] | np.ndarray, cache: PipeCache, executor: Any = None) -> None:
+        """A prompt chunk whose logits nobody reads: run this node's layers, send the rest on its way and
+        return, so the next chunk's layers here overlap this one's on the stages. The chunk counts as fed
+        (a failure on the way is found by the next step on this cache, which then re-plans and replays)."""
+        arr = self.model._check_ids(ids)
+        run = cache.run
+        if run.dead or cache.replay or not run.links:
+            self.forward(arr, cache, executor, last_only=True)
+            return
+        local, past, t = run.local, cache.local.length, arr.shape[0]
+        x = self.model.embed(arr)
+        if local.layers:
+            cache.local.reserve(past + t)
+            x = drive(local.span_steps(x, cache.local, past), executor or local.local_executor, local.warm)
+        cache.inflight.append(self.provider.submit(run.forward(x, cache.seq, past, True)))
+        cache.local.length = past + t
+        cache.history.append(arr)
+
+    def _settle(self, cache: PipeCache) -> None:
+        """Wait for this sequence's chunks still on the stages; a failure there marks the run for recovery."""
+        pending, cache.inflight = cache.inflight, []
+        for fut in pending:
+            try:
+                fut.result(timeout=limits.OPEN_TIMEOUT_S * 2)
+            except StageFailed as e:
+                if not cache.run.dead:
+                    cache.move(self.provider, self.provider.recover(cache.run, e))
+                else:
+                    cache.move(self.provider, self.provider.current())
+                return
 
     def _step(self, cache: PipeCache, arr: np.ndarray, last_only: bool, executor: Any) -> np.ndarray:
         run, local = cache.run, cache.run.local
@@ -355,7 +389,7 @@ class PipelinedModel:
         started: list[tuple[PipeCache, np.ndarray, int, Any]] = []
         for tok, cache in zip(ids, caches):
             arr = self.model._check_ids([int(tok)])
-            if cache.run.dead or cache.replay or not cache.run.links:
+            if cache.run.dead or cache.replay or not cache.run.links or cache.inflight:
                 started.append((cache, arr, -1, None))  # the plain path (recovers, or all local)
                 continue
             local, past = cache.run.local, cache.local.length
