@@ -141,7 +141,7 @@ class StageHost:
             freed = sum(self.free(r) for r in list(mine))
             log.info("pipeline_stage_session_closed", peer=peer_id[:12], runs=len(mine), freed=freed)
             with contextlib.suppress(Exception):
-                await channel.end()
+                await channel.send(b"", end=True)  # our side is done too (the serving node's reader ends)
 
     async def _handle(self, channel: Any, f: wire.Frame, mine: set[int]) -> None:
         if isinstance(f, wire.Open):
