@@ -160,9 +160,10 @@ def _stage_sums(srv: Node) -> dict[str, tuple[int, float, float]]:
 
 
 def _rtt_ms(srv: Node, node_id: str) -> float | None:
-    for p in srv.status()["services"]["membership"].get("peers", []):
-        if p.get("node_id") == node_id:
-            return p.get("rtt_ms")  # type: ignore[no-any-return]
+    st = srv.status()["services"]["pipeline"]["pipeline"]["models"]["m"]
+    for lk in st["runs"][st["run"]]["stages"]:
+        if lk["node_id"] == node_id:
+            return lk.get("rtt_ms")  # type: ignore[no-any-return]
     return None
 
 

@@ -73,6 +73,9 @@ class _Prefixed:
     async def send(self, data: bytes, end: bool = False) -> None:
         await self._s.send(data, end)
 
+    def send_now(self, data: bytes) -> bool:
+        return bool(self._s.send_now(data))
+
     async def end(self) -> None:
         await self._s.end()
 
@@ -248,6 +251,7 @@ class Serving:
             "recoveries": self.recoveries, "last_recovery_ms": self.last_recovery_ms,
             "runs": {f"{r.id:016x}": {"live_sequences": len(r.seqs), "dead": r.dead,
                                        "stages": [{"node_id": lk.node_id, "layers": [lk.first, lk.last],
+                                                   "rtt_ms": self.svc.rtt_ms(lk.node_id),
                                                    **lk.stats.as_dict()} for lk in r.links]}
                      for r in self.runs.values()},
         }
@@ -418,6 +422,12 @@ class PipelineService:
                 out.append(Offer(view.node_id, st.model_fingerprint, st.free_kb * 1000, st.pin,
                                  rtt / 1e3 if isinstance(rtt, int | float) else None))
         return out
+
+    def rtt_ms(self, node_id: str) -> float | None:
+        """The transport's smoothed round trip to a node (QUIC's estimate), if connected."""
+        peer = self.transport.peer(node_id) if self.transport is not None else None
+        rtt = getattr(peer, "rtt_ms", None) if peer is not None else None
+        return round(rtt, 3) if isinstance(rtt, int | float) else None
 
     async def open_stream(self, node_id: str) -> Any:
         """A PIPELINE stream to ``node_id``, connecting through its advertised addresses if needed."""

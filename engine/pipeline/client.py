@@ -161,6 +161,8 @@ class StageLink:
         step = limits.SEND_CHUNK_BYTES
         try:
             async with self._send_lock:
+                if len(data) <= step and self.channel.send_now(data):
+                    return  # written and flushed in this call (the latency path)
                 for i in range(0, len(data), step):
                     await self.channel.send(data[i : i + step])
         except Exception as e:  # noqa: BLE001 - any send failure means the stage is gone

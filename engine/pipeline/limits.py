@@ -21,3 +21,5 @@ SEQ_IDLE_S = 600.0  # a KV cache nobody touched for this long is freed (a servin
 SWEEP_S = 5.0  # how often a stage looks for idle caches
 FAILED_RETRY_S = 3.0  # a stage that failed is left out of plans this long (or until it reconnects)
 REPLAN_S = 2.0  # the serving node re-reads gossip for a better plan this often (used for new requests only)
+INLINE_ROWS = 8  # a step of at most this many rows runs on the stage's event loop (decode: ~ms), larger ones
+#   (prefill chunks) on a thread with KEEPALIVE frames meanwhile

@@ -207,7 +207,15 @@ class StageHost:
             return
         rng = self.runs[f.run]
         part, executor = self.parts[rng], self.executors.get(rng)
-        task = asyncio.ensure_future(asyncio.to_thread(self._compute, part, executor, f))
+        inline = f.x.shape[0] <= limits.INLINE_ROWS and executor is None
+        if inline:  # a decode step: a few ms; a thread hand-off would cost more than it saves
+            task: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            try:
+                task.set_result(self._compute(part, executor, f))
+            except Exception as e:  # noqa: BLE001 - reported below like a thread's failure
+                task.set_exception(e)
+        else:  # a prefill chunk (or experts delegated from this stage): a thread, KEEPALIVE meanwhile
+            task = asyncio.ensure_future(asyncio.to_thread(self._compute, part, executor, f))
         while True:
             done, _ = await asyncio.wait({task}, timeout=limits.KEEPALIVE_S)
             if done:
@@ -282,5 +290,8 @@ def _load_part(path: Path, first: int, last: int) -> Any:
 async def _send(channel: Any, frame: wire.Frame) -> None:
     data = wire.encode(frame)
     step = limits.SEND_CHUNK_BYTES
+    send_now = getattr(channel, "send_now", None)
+    if len(data) <= step and send_now is not None and send_now(data):
+        return  # written and flushed in this call (the latency path)
     for i in range(0, len(data), step):
         await channel.send(data[i : i + step])
