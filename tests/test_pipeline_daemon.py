@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,11 @@ def test_plan_from_gossip_by_memory_and_pins_byte_identical(tmp_path: Path, ref:
         st = pipeline_status(srv)
         run = st["runs"][st["run"]]
         assert run["stages"][0]["calls"] > 0 and run["stages"][0]["latency_ms_avg"] > 0, run
+        with urllib.request.urlopen(f"http://{srv.run['api']}/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        count = [line for line in metrics.splitlines()
+                 if line.startswith("meshd_pipeline_stage_latency_seconds_count{") and 'layers="2-3"' in line]
+        assert count and float(count[0].rsplit(" ", 1)[1]) >= run["stages"][0]["calls"] > 0, count
         # every request is over: no sequence lives anywhere
         wait_for(lambda: stage_status(nodes[1])["live_sequences"] == 0, 10, "stage frees its caches")
         assert all(r["live_sequences"] == 0 for r in pipeline_status(srv)["runs"].values())
