@@ -196,6 +196,7 @@ def main() -> int:
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(tiny / name, ck / name)
     need = need_of(Model.load(ck, prefetch=False), fingerprint(ck))
+    total = sum(need.layer_bytes) + need.head_bytes + need.token_bytes // 4 * CONFIG["vocab_size"] * 4
     share = {"4-7": sum(need.layer_bytes[4:8]) + need.head_bytes, "3-5": sum(need.layer_bytes[3:6]),
              "6-7": sum(need.layer_bytes[6:8]) + need.head_bytes}
     r = random.Random(0)
@@ -206,6 +207,8 @@ def main() -> int:
     nodes: list[Node] = []
     try:
         states = base / f"nodes-{os.getpid()}"
+        idle = Node(states / "idle", ["--stage", "tiny"], args.threads)  # a stage never planned: the process alone
+        nodes.append(idle)
         local = Node(states / "local", ["--model", f"m={ck}"], args.threads)
         nodes.append(local)
         s2 = Node(states / "s2", ["--model", f"m={ck}", "--pipeline", "on"], args.threads)
@@ -257,7 +260,8 @@ def main() -> int:
                 res[name]["decodeN"].append(concurrent_tps(api, short, args.decode))
             print(f"round {rnd + 1}/{args.rounds} done", file=sys.stderr)
         rss = {"2 stages: stage 4-7": (st2.peak_mb(), share["4-7"]), "3 stages: stage 3-5": (st3a.peak_mb(), share["3-5"]),
-               "3 stages: stage 6-7": (st3b.peak_mb(), share["6-7"])}
+               "3 stages: stage 6-7": (st3b.peak_mb(), share["6-7"]), "local (all layers)": (local.peak_mb(), total)}
+        idle_mb = idle.peak_mb()
         # recovery: kill the 2-stage setup's stage mid-stream; the serving node re-plans (alone) and replays
         times: list[float] = []
 
@@ -299,13 +303,14 @@ def main() -> int:
                _med(res[name]["hop_ms"]) if res[name]["hop_ms"] else "-",
                _med(res[name]["rtt_ms"]) if res[name]["rtt_ms"] else "-"]
         print("| " + " | ".join(row) + " |")
-    print("\n| stage process | peak RSS MB | weights held MB | ratio |")
-    print("|---|---|---|---|")
+    print(f"\n| process | peak RSS MB | weights held MB | ratio | ratio after the idle daemon's {idle_mb:.1f} MB |")
+    print("|---|---|---|---|---|")
     for name, (mb, b) in rss.items():
-        print(f"| {name} | {mb:.1f} | {b / 2**20:.1f} | {mb / (b / 2**20):.2f} |")
+        print(f"| {name} | {mb:.1f} | {b / 2**20:.1f} | {mb / (b / 2**20):.2f} | {(mb - idle_mb) / (b / 2**20):.2f} |")
     print(f"\nrecovery (2 stages, stage SIGKILLed mid-stream): longest inter-token gap {recovery_s * 1e3:.0f} ms "
           f"(of which re-plan {last_ms} ms); stream completed with {len(times)} tokens")
-    print(json.dumps({"results": res, "rss": {k: [v[0], v[1]] for k, v in rss.items()}, "recovery_s": recovery_s,
+    print(json.dumps({"results": res, "rss": {k: [v[0], v[1]] for k, v in rss.items()}, "idle_mb": idle_mb,
+                      "recovery_s": recovery_s,
                       "replan_ms": last_ms}))
     return 0
 
