@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import itertools
 import json
 import os
 import shutil
@@ -49,17 +50,41 @@ sys.path.insert(0, str(ROOT / "bench"))
 class Node:
     def __init__(self, state: Path, args: list[str], threads: int) -> None:
         state.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "OPENBLAS_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
-               "MKL_NUM_THREADS": str(threads)}
+        env = {
+            **os.environ,
+            "OPENBLAS_NUM_THREADS": str(threads),
+            "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+        }
         self.state = state
         self.err = open(state.parent / f"{state.name}.stderr", "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "meshd", "serve", "--state-dir", str(state), "--no-mdns",
-                                      "--listen", "127.0.0.1:0", "--api", "127.0.0.1:0", "--log-level", "warning",
-                                      *args], env=env, stdout=subprocess.DEVNULL, stderr=self.err)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "meshd",
+                "serve",
+                "--state-dir",
+                str(state),
+                "--no-mdns",
+                "--listen",
+                "127.0.0.1:0",
+                "--api",
+                "127.0.0.1:0",
+                "--log-level",
+                "warning",
+                *args,
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=self.err,
+        )
         deadline = time.monotonic() + 120
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"meshd exited: {(state.parent / f'{state.name}.stderr').read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"meshd exited: {(state.parent / f'{state.name}.stderr').read_text()[-2000:]}"
+                )
             try:
                 self.run = json.loads((state / "run.json").read_text())
                 break
@@ -69,13 +94,22 @@ class Node:
                 time.sleep(0.05)
 
     def status(self) -> dict[str, Any]:
-        out = subprocess.run([sys.executable, "-m", "meshd", "status", "--json", "--state-dir", str(self.state)],
-                             capture_output=True, timeout=30, check=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "meshd", "status", "--json", "--state-dir", str(self.state)],
+            capture_output=True,
+            timeout=30,
+            check=True,
+        )
         return json.loads(out.stdout)  # type: ignore[no-any-return]
 
     def invite(self) -> str:
-        return subprocess.run([sys.executable, "-m", "meshd", "invite", "--uses", "4", "--state-dir", str(self.state)],
-                              capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+        return subprocess.run(
+            [sys.executable, "-m", "meshd", "invite", "--uses", "4", "--state-dir", str(self.state)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.strip()
 
     def peak_mb(self) -> float:
         with open(f"/proc/{self.proc.pid}/status") as f:
@@ -127,8 +161,9 @@ def prefill_tps(api: str, prompt: list[int]) -> float:
 
 
 def decode_tps(api: str, prompt: list[int], n: int) -> tuple[float, str]:
-    times, texts, _ = _request(api, {"model": "m", "prompt": prompt, "max_tokens": n + 1, "temperature": 0,
-                                     "stream": True})
+    times, texts, _ = _request(
+        api, {"model": "m", "prompt": prompt, "max_tokens": n + 1, "temperature": 0, "stream": True}
+    )
     return (len(times) - 1) / (times[-1] - times[0]), "".join(texts)  # type: ignore[arg-type]
 
 
@@ -136,8 +171,9 @@ def concurrent_tps(api: str, prompts: list[list[int]], n: int) -> float:
     counts = [0] * len(prompts)
 
     def one(i: int) -> None:
-        times, _, _ = _request(api, {"model": "m", "prompt": prompts[i], "max_tokens": n, "temperature": 0,
-                                     "stream": True})
+        times, _, _ = _request(
+            api, {"model": "m", "prompt": prompts[i], "max_tokens": n, "temperature": 0, "stream": True}
+        )
         counts[i] = len(times)
 
     t0 = time.perf_counter()
@@ -197,8 +233,11 @@ def main() -> int:
             shutil.copy(tiny / name, ck / name)
     need = need_of(Model.load(ck, prefetch=False), fingerprint(ck))
     total = sum(need.layer_bytes) + need.head_bytes + need.token_bytes // 4 * CONFIG["vocab_size"] * 4
-    share = {"4-7": sum(need.layer_bytes[4:8]) + need.head_bytes, "3-5": sum(need.layer_bytes[3:6]),
-             "6-7": sum(need.layer_bytes[6:8]) + need.head_bytes}
+    share = {
+        "4-7": sum(need.layer_bytes[4:8]) + need.head_bytes,
+        "3-5": sum(need.layer_bytes[3:6]),
+        "6-7": sum(need.layer_bytes[6:8]) + need.head_bytes,
+    }
     r = random.Random(0)
     vocab = min(CONFIG["vocab_size"], 1000)
     prompt = [r.randrange(vocab) for _ in range(args.prompt)]
@@ -207,7 +246,9 @@ def main() -> int:
     nodes: list[Node] = []
     try:
         states = base / f"nodes-{os.getpid()}"
-        idle = Node(states / "idle", ["--stage", "tiny"], args.threads)  # a stage never planned: the process alone
+        idle = Node(
+            states / "idle", ["--stage", "tiny"], args.threads
+        )  # a stage never planned: the process alone
         nodes.append(idle)
         local = Node(states / "local", ["--model", f"m={ck}"], args.threads)
         nodes.append(local)
@@ -234,8 +275,9 @@ def main() -> int:
         for srv in setups.values():  # warm-up: page in the weights, the same for every side
             prefill_tps(srv.run["api"], prompt)
             decode_tps(srv.run["api"], short[0], 8)
-        res: dict[str, dict[str, list[float]]] = {k: {"prefill": [], "decode1": [], "decodeN": [], "hop_ms": [],
-                                                      "rtt_ms": []} for k in setups}
+        res: dict[str, dict[str, list[float]]] = {
+            k: {"prefill": [], "decode1": [], "decodeN": [], "hop_ms": [], "rtt_ms": []} for k in setups
+        }
         for rnd in range(args.rounds):
             ref_text = None
             for name, srv in setups.items():
@@ -259,16 +301,22 @@ def main() -> int:
                             res[name]["rtt_ms"].append(rtt)
                 res[name]["decodeN"].append(concurrent_tps(api, short, args.decode))
             print(f"round {rnd + 1}/{args.rounds} done", file=sys.stderr)
-        rss = {"2 stages: stage 4-7": (st2.peak_mb(), share["4-7"]), "3 stages: stage 3-5": (st3a.peak_mb(), share["3-5"]),
-               "3 stages: stage 6-7": (st3b.peak_mb(), share["6-7"]), "local (all layers)": (local.peak_mb(), total)}
+        rss = {
+            "2 stages: stage 4-7": (st2.peak_mb(), share["4-7"]),
+            "3 stages: stage 3-5": (st3a.peak_mb(), share["3-5"]),
+            "3 stages: stage 6-7": (st3b.peak_mb(), share["6-7"]),
+            "local (all layers)": (local.peak_mb(), total),
+        }
         idle_mb = idle.peak_mb()
         # recovery: kill the 2-stage setup's stage mid-stream; the serving node re-plans (alone) and replays
         times: list[float] = []
 
         def watch() -> None:
             nonlocal times
-            t, _, _ = _request(s2.run["api"], {"model": "m", "prompt": short[1], "max_tokens": 200, "temperature": 0,
-                                               "stream": True})
+            t, _, _ = _request(
+                s2.run["api"],
+                {"model": "m", "prompt": short[1], "max_tokens": 200, "temperature": 0, "stream": True},
+            )
             times = t
 
         th = threading.Thread(target=watch)
@@ -281,7 +329,7 @@ def main() -> int:
             time.sleep(0.02)
         st2.proc.send_signal(signal.SIGKILL)
         th.join()
-        gaps = [b - a for a, b in zip(times, times[1:])]
+        gaps = [b - a for a, b in itertools.pairwise(times)]
         recovery_s = max(gaps) if gaps else float("nan")
         last_ms = s2.status()["services"]["pipeline"]["pipeline"]["models"]["m"]["last_recovery_ms"]
     finally:
@@ -292,26 +340,50 @@ def main() -> int:
         xs = [a / b for a, b in zip(res[name][key], res["local"][key])]
         return _med(xs)
 
-    print(f"\nmid-size Qwen3-MoE (8 layers, fp32), {args.threads} BLAS thread(s) per process, prompt {args.prompt}, "
-          f"decode {args.decode}, {args.concurrency} concurrent, {args.rounds} rounds, median [min, max]\n")
-    print("| setup | prefill tok/s | x local | decode tok/s (1) | x local | decode tok/s (8) | x local | hop overhead ms | QUIC RTT ms |")
+    print(
+        f"\nmid-size Qwen3-MoE (8 layers, fp32), {args.threads} BLAS thread(s) per process, prompt {args.prompt}, "
+        f"decode {args.decode}, {args.concurrency} concurrent, {args.rounds} rounds, median [min, max]\n"
+    )
+    print(
+        "| setup | prefill tok/s | x local | decode tok/s (1) | x local | decode tok/s (8) | x local | hop overhead ms | QUIC RTT ms |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name in setups:
-        row = [name, _med(res[name]["prefill"]), "1" if name == "local" else ratio(name, "prefill"),
-               _med(res[name]["decode1"]), "1" if name == "local" else ratio(name, "decode1"),
-               _med(res[name]["decodeN"]), "1" if name == "local" else ratio(name, "decodeN"),
-               _med(res[name]["hop_ms"]) if res[name]["hop_ms"] else "-",
-               _med(res[name]["rtt_ms"]) if res[name]["rtt_ms"] else "-"]
+        row = [
+            name,
+            _med(res[name]["prefill"]),
+            "1" if name == "local" else ratio(name, "prefill"),
+            _med(res[name]["decode1"]),
+            "1" if name == "local" else ratio(name, "decode1"),
+            _med(res[name]["decodeN"]),
+            "1" if name == "local" else ratio(name, "decodeN"),
+            _med(res[name]["hop_ms"]) if res[name]["hop_ms"] else "-",
+            _med(res[name]["rtt_ms"]) if res[name]["rtt_ms"] else "-",
+        ]
         print("| " + " | ".join(row) + " |")
-    print(f"\n| process | peak RSS MB | weights held MB | ratio | ratio after the idle daemon's {idle_mb:.1f} MB |")
+    print(
+        f"\n| process | peak RSS MB | weights held MB | ratio | ratio after the idle daemon's {idle_mb:.1f} MB |"
+    )
     print("|---|---|---|---|---|")
     for name, (mb, b) in rss.items():
-        print(f"| {name} | {mb:.1f} | {b / 2**20:.1f} | {mb / (b / 2**20):.2f} | {(mb - idle_mb) / (b / 2**20):.2f} |")
-    print(f"\nrecovery (2 stages, stage SIGKILLed mid-stream): longest inter-token gap {recovery_s * 1e3:.0f} ms "
-          f"(of which re-plan {last_ms} ms); stream completed with {len(times)} tokens")
-    print(json.dumps({"results": res, "rss": {k: [v[0], v[1]] for k, v in rss.items()}, "idle_mb": idle_mb,
-                      "recovery_s": recovery_s,
-                      "replan_ms": last_ms}))
+        print(
+            f"| {name} | {mb:.1f} | {b / 2**20:.1f} | {mb / (b / 2**20):.2f} | {(mb - idle_mb) / (b / 2**20):.2f} |"
+        )
+    print(
+        f"\nrecovery (2 stages, stage SIGKILLed mid-stream): longest inter-token gap {recovery_s * 1e3:.0f} ms "
+        f"(of which re-plan {last_ms} ms); stream completed with {len(times)} tokens"
+    )
+    print(
+        json.dumps(
+            {
+                "results": res,
+                "rss": {k: [v[0], v[1]] for k, v in rss.items()},
+                "idle_mb": idle_mb,
+                "recovery_s": recovery_s,
+                "replan_ms": last_ms,
+            }
+        )
+    )
     return 0
 
 

@@ -186,7 +186,7 @@ class Model:
                  lm_head: np.ndarray | None, checkpoint: Checkpoint | None = None, path: Path | None = None,
                  first_layer: int = 0) -> None:
         self.config = config
-        self.layers = layers  # layers first_layer .. first_layer + len(layers) - 1 (all of them unless a stage)
+        self.layers = layers  # layers first_layer.. (all of them unless a pipeline stage)
         self.first_layer = first_layer
         self._embed = embed
         self.norm = norm
@@ -291,7 +291,8 @@ class Model:
         the output head only if ``last`` is the model's last layer. ``first > last``: no layers."""
         lo, hi = first - self.first_layer, last - self.first_layer + 1
         if first <= last and not (0 <= lo and hi <= len(self.layers)):
-            raise ValueError(f"layers {first}-{last} are not all held here ({self.first_layer}-{self.last_layer})")
+            held = f"{self.first_layer}-{self.last_layer}"
+            raise ValueError(f"layers {first}-{last} are not all held here ({held})")
         head = last == self.config.num_layers - 1
         return Model(self.config, self.layers[lo:hi] if first <= last else [], self._embed, self.norm,
                      self.lm_head if head else None, self.checkpoint, self.path, first_layer=max(0, first))
@@ -387,7 +388,8 @@ class Model:
         cache.length = past + t
         return self._logits(x[-1:] if last_only else x)
 
-    def span_steps(self, x: np.ndarray, cache: KVCache, past: int) -> Generator[RoutedCall, np.ndarray, np.ndarray]:
+    def span_steps(self, x: np.ndarray, cache: KVCache,
+                   past: int) -> Generator[RoutedCall, np.ndarray, np.ndarray]:
         """The layers held here on hidden states x [T, D] at positions past..past+T-1 -> [T, D]; writes those
         positions into ``cache`` (room reserved by the caller) but leaves ``cache.length`` to the caller.
         The whole model runs exactly this over all its layers; a pipeline stage runs it over its range."""

@@ -75,9 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stage", action="append", metavar="PATH[@FIRST-LAST]", help="hold layers of a "
                    "checkpoint as a pipeline stage: any range the planner assigns, or exactly FIRST-LAST "
                    "(repeatable; default none)")
-    p.add_argument("--pipeline", choices=["off", "on", "prefer"], help="split each served model's layers over "
-                   "stage nodes with the same checkpoint: on requires a plan that fits (else 503), prefer "
-                   "falls back to local (default off)")
+    p.add_argument("--pipeline", choices=["off", "on", "prefer"], help="split each served model's layers "
+                   "over stage nodes with the same checkpoint: on requires a plan that fits (else 503), "
+                   "prefer falls back to local (default off)")
     p.add_argument("--pipeline-memory", metavar="MB", help="memory this node offers for pipeline layers, "
                    "as a stage and as the serving node (default 0: the machine's available memory)")
 

@@ -47,7 +47,9 @@ def parse_stage_spec(spec: str) -> tuple[str, tuple[int, int] | None]:
         return spec, None
     first, dash, last = rng.partition("-")
     if not dash or not first.isdigit() or not last.isdigit() or int(first) > int(last):
-        raise PipelineStartError(f"--stage {spec}: expected PATH@FIRST-LAST with FIRST <= LAST, e.g. /models/m@0-11")
+        raise PipelineStartError(
+            f"--stage {spec}: expected PATH@FIRST-LAST with FIRST <= LAST, e.g. /models/m@0-11"
+        )
     return path, (int(first), int(last))
 
 
@@ -87,8 +89,16 @@ class Serving:
     """One model served over a pipeline: the ``RunProvider`` of its ``PipelinedModel``. Loop thread unless
     noted."""
 
-    def __init__(self, svc: PipelineService, name: str, model: Any, fp: bytes, need: Need, mode: str,
-                 loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        svc: PipelineService,
+        name: str,
+        model: Any,
+        fp: bytes,
+        need: Need,
+        mode: str,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
         self.svc = svc
         self.name = name
         self.model = model
@@ -160,15 +170,25 @@ class Serving:
         if not failed.dead:
             failed.dead = True
             failed.dead_reason = str(error)
-            log.warning("pipeline_stage_failed", model=self.name, run=f"{failed.id:016x}", node=error.node_id[:12],
-                        reason=error.reason)
+            log.warning(
+                "pipeline_stage_failed",
+                model=self.name,
+                run=f"{failed.id:016x}",
+                node=error.node_id[:12],
+                reason=error.reason,
+            )
             failed.close("a stage failed")  # survivors free the run's state when its streams end
         self.runs.pop(failed.id, None)
         run = await self._ensure()
         self.recoveries += 1
         self.last_recovery_ms = round((time.perf_counter() - t0) * 1e3, 1)
-        log.info("pipeline_recovered", model=self.name, run=f"{run.id:016x}", plan=run.plan.describe(),
-                 replan_ms=self.last_recovery_ms)
+        log.info(
+            "pipeline_recovered",
+            model=self.name,
+            run=f"{run.id:016x}",
+            plan=run.plan.describe(),
+            replan_ms=self.last_recovery_ms,
+        )
         return run
 
     def forget_failure(self, node_id: str) -> None:
@@ -180,6 +200,9 @@ class Serving:
             for _ in range(4):  # a stage that refuses OPEN is left out and the plan made again
                 plan = self._plan()
                 cur = self.current_run
+                if cur is not None and not cur.dead and any(lk.closed for lk in cur.links):
+                    cur.dead, cur.dead_reason = True, "a stage link closed"  # e.g. the stage restarted
+                    cur.close(cur.dead_reason)
                 if plan is None:  # new requests get the reason (503); running sequences finish on their run
                     self.current_run = None
                     if cur is not None:
@@ -193,7 +216,9 @@ class Serving:
                     self.failed[e.node_id] = self.loop.time() + limits.FAILED_RETRY_S
                     if e.code == wire.ErrorCode.FINGERPRINT_MISMATCH:
                         self.refused.append((e.node_id, e.reason))
-                    log.warning("pipeline_stage_refused", model=self.name, node=e.node_id[:12], reason=e.reason)
+                    log.warning(
+                        "pipeline_stage_refused", model=self.name, node=e.node_id[:12], reason=e.reason
+                    )
                     self.reason = str(e)
                     continue
                 self.current_run = run
@@ -243,17 +268,31 @@ class Serving:
     def status(self) -> dict[str, Any]:
         run = self.current_run
         out: dict[str, Any] = {
-            "mode": self.mode, "fingerprint": self.fp.hex()[:16],
+            "mode": self.mode,
+            "fingerprint": self.fp.hex()[:16],
             "plan": run.plan.describe() if run is not None and not run.dead else None,
             "run": f"{run.id:016x}" if run is not None else None,
-            "unavailable": self.unavailable_reason(), "local_fallback": self.fallback,
+            "unavailable": self.unavailable_reason(),
+            "local_fallback": self.fallback,
             "refused": [{"node_id": n, "reason": r} for n, r in self.refused],
-            "recoveries": self.recoveries, "last_recovery_ms": self.last_recovery_ms,
-            "runs": {f"{r.id:016x}": {"live_sequences": len(r.seqs), "dead": r.dead,
-                                       "stages": [{"node_id": lk.node_id, "layers": [lk.first, lk.last],
-                                                   "rtt_ms": self.svc.rtt_ms(lk.node_id),
-                                                   **lk.stats.as_dict()} for lk in r.links]}
-                     for r in self.runs.values()},
+            "recoveries": self.recoveries,
+            "last_recovery_ms": self.last_recovery_ms,
+            "runs": {
+                f"{r.id:016x}": {
+                    "live_sequences": len(r.seqs),
+                    "dead": r.dead,
+                    "stages": [
+                        {
+                            "node_id": lk.node_id,
+                            "layers": [lk.first, lk.last],
+                            "rtt_ms": self.svc.rtt_ms(lk.node_id),
+                            **lk.stats.as_dict(),
+                        }
+                        for lk in r.links
+                    ],
+                }
+                for r in self.runs.values()
+            },
         }
         return out
 
@@ -291,16 +330,24 @@ class PipelineService:
         from transport.streams import StreamType
 
         self.transport = getattr(daemon, "transport", daemon)
-        self.node_id = str(getattr(daemon, "node_id", "") or getattr(getattr(self.transport, "identity", None),
-                                                                       "node_id", ""))
+        self.node_id = str(
+            getattr(daemon, "node_id", "")
+            or getattr(getattr(self.transport, "identity", None), "node_id", "")
+        )
         self._state_dir = getattr(getattr(daemon, "state", None), "path", None) or getattr(
-            getattr(daemon, "config", None), "state_dir", None)
+            getattr(daemon, "config", None), "state_dir", None
+        )
         if self.specs:
             self.hosts = await asyncio.to_thread(self._load_hosts, _experts_for(daemon))
             self.transport.on_stream(StreamType.PIPELINE, self._serve)
             for h in self.hosts:
-                log.info("pipeline_stage_ready", path=str(h.path), fingerprint=h.fingerprint.hex()[:16],
-                         pin=list(h.pin) if h.pin else None, offered_mb=round(self.offered_bytes() / 1e6, 3))
+                log.info(
+                    "pipeline_stage_ready",
+                    path=str(h.path),
+                    fingerprint=h.fingerprint.hex()[:16],
+                    pin=list(h.pin) if h.pin else None,
+                    offered_mb=round(self.offered_bytes() / 1e6, 3),
+                )
         self._membership = _find_membership(daemon)
         if self._membership is not None:
             if self.hosts:
@@ -341,7 +388,9 @@ class PipelineService:
             return
         free_kb = self.offered_bytes() // 1000
         with contextlib.suppress(AttributeError):
-            self._membership.set_local_stages([StageOffer(h.fingerprint.hex(), free_kb, h.pin) for h in self.hosts])
+            self._membership.set_local_stages(
+                [StageOffer(h.fingerprint.hex(), free_kb, h.pin) for h in self.hosts]
+            )
 
     async def stop(self) -> None:
         for task in list(self._tasks):
@@ -419,8 +468,15 @@ class PipelineService:
             for st in getattr(rec, "stages", ()) or ():
                 peer = self.transport.peer(view.node_id) if self.transport is not None else None
                 rtt = getattr(peer, "rtt_ms", None) if peer is not None else None
-                out.append(Offer(view.node_id, st.model_fingerprint, st.free_kb * 1000, st.pin,
-                                 rtt / 1e3 if isinstance(rtt, int | float) else None))
+                out.append(
+                    Offer(
+                        view.node_id,
+                        st.model_fingerprint,
+                        st.free_kb * 1000,
+                        st.pin,
+                        rtt / 1e3 if isinstance(rtt, int | float) else None,
+                    )
+                )
         return out
 
     def rtt_ms(self, node_id: str) -> float | None:
@@ -437,7 +493,11 @@ class PipelineService:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + CONNECT_TIMEOUT_S
         peer = self.transport.peer(node_id)
-        if (peer is None or not peer.connected) and node_id not in self._kept and self._membership is not None:
+        if (
+            (peer is None or not peer.connected)
+            and node_id not in self._kept
+            and self._membership is not None
+        ):
             rec = self._membership.record(node_id)
             addrs = [a for a in (_parse_addr(x) for x in getattr(rec, "addrs", ())) if a is not None]
             if addrs:
@@ -455,8 +515,8 @@ class PipelineService:
 
     async def backend(self, loaded: Any, executor: Any = None, max_active: int | None = None) -> Any:
         """An API backend for ``loaded`` whose layers run on a pipeline (``--pipeline on|prefer``)."""
-        from meshd.api.engine_backend import EngineBackend, PipelineSource
         from engine.scheduler import DEFAULT_MAX_ACTIVE, Scheduler
+        from meshd.api.engine_backend import EngineBackend, PipelineSource
 
         fp = await asyncio.to_thread(fingerprint, loaded.path)
         need = need_of(loaded.model, fp)
@@ -464,12 +524,26 @@ class PipelineService:
         self.serving.append(serving)
         await serving.replan()
         model = PipelinedModel(loaded.model, serving)
-        sched = Scheduler(model, loaded.tokenizer, max_active or DEFAULT_MAX_ACTIVE, name=loaded.name,
-                          executor=executor, batching="always")
-        log.info("pipeline_model_ready", model=loaded.name, mode=self.mode, layers=need.num_layers,
-                 fingerprint=fp.hex()[:16])
-        return EngineBackend(PipelineSource(loaded.name, model, loaded.tokenizer, sched, fp.hex()[:16],
-                                            executor=executor, serving=serving))
+        sched = Scheduler(
+            model,
+            loaded.tokenizer,
+            max_active or DEFAULT_MAX_ACTIVE,
+            name=loaded.name,
+            executor=executor,
+            batching="always",
+        )
+        log.info(
+            "pipeline_model_ready",
+            model=loaded.name,
+            mode=self.mode,
+            layers=need.num_layers,
+            fingerprint=fp.hex()[:16],
+        )
+        return EngineBackend(
+            PipelineSource(
+                loaded.name, model, loaded.tokenizer, sched, fp.hex()[:16], executor=executor, serving=serving
+            )
+        )
 
     # --- telemetry ---------------------------------------------------------------------------------
 
@@ -494,13 +568,17 @@ def _collector(svc: PipelineService) -> Any:
 
     class _Collector:
         def collect(self) -> Iterable[Any]:
-            lat = HistogramMetricFamily("meshd_pipeline_stage_latency_seconds",
-                                        "Round trip of one step through a pipeline stage, seen by the serving node",
-                                        labels=["model", "node", "layers"])
-            rec = CounterMetricFamily("meshd_pipeline_recoveries", "Re-plans after a stage failed mid-generation",
-                                      labels=["model"])
-            live = GaugeMetricFamily("meshd_pipeline_live_sequences", "Sequences with state on this stage node",
-                                     labels=["path"])
+            lat = HistogramMetricFamily(
+                "meshd_pipeline_stage_latency_seconds",
+                "Round trip of one step through a pipeline stage, seen by the serving node",
+                labels=["model", "node", "layers"],
+            )
+            rec = CounterMetricFamily(
+                "meshd_pipeline_recoveries", "Re-plans after a stage failed mid-generation", labels=["model"]
+            )
+            live = GaugeMetricFamily(
+                "meshd_pipeline_live_sequences", "Sequences with state on this stage node", labels=["path"]
+            )
             for s in svc.serving:
                 rec.add_metric([s.name], s.recoveries)
                 for run in s.runs.values():
@@ -511,7 +589,9 @@ def _collector(svc: PipelineService) -> Any:
                             acc += n
                             buckets.append((repr(b), acc))
                         buckets.append(("+Inf", acc + st.buckets[-1]))
-                        lat.add_metric([s.name, lk.node_id[:12], f"{lk.first}-{lk.last}"], buckets, st.latency_s)
+                        lat.add_metric(
+                            [s.name, lk.node_id[:12], f"{lk.first}-{lk.last}"], buckets, st.latency_s
+                        )
             for h in svc.hosts:
                 live.add_metric([str(h.path)], h.live())
             return [lat, rec, live]
@@ -521,7 +601,9 @@ def _collector(svc: PipelineService) -> Any:
 
 def _find_membership(daemon: Any) -> Any:
     for svc in getattr(daemon, "services", []) or []:
-        if all(hasattr(svc, a) for a in ("alive_peers", "on_change", "record")) and hasattr(svc, "set_local_models"):
+        if all(hasattr(svc, a) for a in ("alive_peers", "on_change", "record")) and hasattr(
+            svc, "set_local_models"
+        ):
             return svc
     return None
 

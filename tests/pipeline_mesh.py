@@ -16,8 +16,14 @@ from daemon_testlib import Node, start_node
 
 
 def invite(state_dir: Path, uses: int = 4) -> str:
-    return subprocess.run(meshd_cmd("invite", "--uses", str(uses), "--state-dir", str(state_dir)), env=meshd_env(),
-                          capture_output=True, text=True, timeout=20, check=True).stdout.strip()
+    return subprocess.run(
+        meshd_cmd("invite", "--uses", str(uses), "--state-dir", str(state_dir)),
+        env=meshd_env(),
+        capture_output=True,
+        text=True,
+        timeout=20,
+        check=True,
+    ).stdout.strip()
 
 
 def stage(tmp: Path, name: str, token: str, spec: str = "tiny", *extra: str) -> Node:

@@ -19,7 +19,9 @@ class InprocProvider:
     ``plans`` is a list of plans (tuples of (node, first, last), node "local" first); the provider uses
     the first whose nodes are all alive; ``kill(node)`` breaks that node's channels and marks it dead."""
 
-    def __init__(self, lt: LoopThread, model: Any, path: Path, plans: list[list[tuple[str, int, int]]]) -> None:
+    def __init__(
+        self, lt: LoopThread, model: Any, path: Path, plans: list[list[tuple[str, int, int]]]
+    ) -> None:
         self.lt = lt
         self.model = model
         self.fp = fingerprint(path)
@@ -49,7 +51,7 @@ class InprocProvider:
                 link = StageLink(n, near, a, b)
                 await link.open(run_id, self.fp, self.model.config.num_layers)
                 links.append(link)
-            n0, a0, b0 = plan[0]
+            _n0, a0, b0 = plan[0]
             local = self.model.part(a0, b0)
             return Run(run_id, Plan(tuple(Stage(n, a, b) for n, a, b in plan)), local, links)
         raise PipelineUnavailable("no plan left")

@@ -13,13 +13,34 @@ import pytest
 
 pytest.importorskip("meshd.membership.service")
 
-from daemon_testlib import Node, start_node  # noqa: E402
-from pipeline_mesh import (collect, invite, pipeline_status, post, stage, stage_status, stream,  # noqa: E402
-                           wait_for, wait_plan, whole)
+from daemon_testlib import Node, start_node
+from pipeline_mesh import (
+    collect,
+    invite,
+    pipeline_status,
+    post,
+    stage,
+    stage_status,
+    stream,
+    wait_for,
+    wait_plan,
+    whole,
+)
 
-CHAT = ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "layers far away"}],
-                                 "max_tokens": 24, "logprobs": True, "top_logprobs": 2})
-COMPLETION = ("/v1/completions", {"model": "tiny", "prompt": "The mesh holds", "max_tokens": 24, "logprobs": 2})
+CHAT = (
+    "/v1/chat/completions",
+    {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "layers far away"}],
+        "max_tokens": 24,
+        "logprobs": True,
+        "top_logprobs": 2,
+    },
+)
+COMPLETION = (
+    "/v1/completions",
+    {"model": "tiny", "prompt": "The mesh holds", "max_tokens": 24, "logprobs": 2},
+)
 SAMPLINGS = [{"temperature": 0}, {"temperature": 0.9, "seed": 11}]
 
 
@@ -67,8 +88,11 @@ def test_plan_from_gossip_by_memory_and_pins_byte_identical(tmp_path: Path, ref:
         assert run["stages"][0]["calls"] > 0 and run["stages"][0]["latency_ms_avg"] > 0, run
         with urllib.request.urlopen(f"http://{srv.run['api']}/metrics", timeout=10) as r:
             metrics = r.read().decode()
-        count = [line for line in metrics.splitlines()
-                 if line.startswith("meshd_pipeline_stage_latency_seconds_count{") and 'layers="2-3"' in line]
+        count = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith("meshd_pipeline_stage_latency_seconds_count{") and 'layers="2-3"' in line
+        ]
         assert count and float(count[0].rsplit(" ", 1)[1]) >= run["stages"][0]["calls"] > 0, count
         # every request is over: no sequence lives anywhere
         wait_for(lambda: stage_status(nodes[1])["live_sequences"] == 0, 10, "stage frees its caches")
@@ -106,8 +130,17 @@ def _three(tmp_path: Path, spare: bool) -> list[Node]:
     return nodes
 
 
-LONG = ("/v1/completions", {"model": "tiny", "prompt": "The mesh holds", "max_tokens": 400, "logprobs": 1,
-                            "temperature": 0.7, "seed": 5})
+LONG = (
+    "/v1/completions",
+    {
+        "model": "tiny",
+        "prompt": "The mesh holds",
+        "max_tokens": 400,
+        "logprobs": 1,
+        "temperature": 0.7,
+        "seed": 5,
+    },
+)
 
 
 def test_kill_middle_stage_mid_stream_recovers_byte_identical(tmp_path: Path, ref: Node) -> None:
@@ -133,14 +166,18 @@ def test_kill_middle_stage_mid_stream_recovers_byte_identical(tmp_path: Path, re
         # a restarted stage serves again (pinned: it takes its layers back once the plan is redone)
         b.proc.wait(timeout=10)
         nodes[1] = start_node(tmp_path / "b", "--stage", "tiny@1-2")
-        wait_for(lambda: pipeline_status(srv)["plan"][1]["node_id"] == b.run["node_id"], 40, "b back in the plan")
+        wait_for(
+            lambda: pipeline_status(srv)["plan"][1]["node_id"] == b.run["node_id"], 40, "b back in the plan"
+        )
         _same_as_ref(ref, srv)
     finally:
         for n in reversed(nodes):
             n.stop()
 
 
-def test_kill_without_spare_ends_stream_with_error_within_2s_and_restart_serves(tmp_path: Path, ref: Node) -> None:
+def test_kill_without_spare_ends_stream_with_error_within_2s_and_restart_serves(
+    tmp_path: Path, ref: Node
+) -> None:
     nodes = _three(tmp_path, spare=False)
     srv, b, c = nodes
     try:
@@ -175,8 +212,11 @@ def test_client_hang_up_frees_every_stage(tmp_path: Path) -> None:
             next(gen)
         assert stage_status(b)["live_sequences"] == 1 and stage_status(c)["live_sequences"] == 1
         gen.close()  # the client hangs up mid-stream
-        wait_for(lambda: stage_status(b)["live_sequences"] == 0 and stage_status(c)["live_sequences"] == 0,
-                 10, "every stage frees the sequence")
+        wait_for(
+            lambda: stage_status(b)["live_sequences"] == 0 and stage_status(c)["live_sequences"] == 0,
+            10,
+            "every stage frees the sequence",
+        )
         assert all(r["live_sequences"] == 0 for r in pipeline_status(srv)["runs"].values())
     finally:
         for n in reversed(nodes):
@@ -201,7 +241,10 @@ def test_refusals_by_name_overlapping_pins_and_prefer(tmp_path: Path, ref: Node)
             return st if st["refused"] and st["unavailable"] and "overlap" in st["unavailable"] else None
 
         st = wait_for(refused, 40, "refusals")
-        assert st["refused"][0]["node_id"] == x.run["node_id"] and "holds checkpoint" in st["refused"][0]["reason"]
+        assert (
+            st["refused"][0]["node_id"] == x.run["node_id"]
+            and "holds checkpoint" in st["refused"][0]["reason"]
+        )
         code, err = post(srv.run["api"], *CHAT)
         assert code == 503 and err["error"]["code"] == "pipeline_unavailable", err
         assert "pins overlap" in err["error"]["message"], err
@@ -209,11 +252,15 @@ def test_refusals_by_name_overlapping_pins_and_prefer(tmp_path: Path, ref: Node)
         for n in reversed(nodes):
             n.stop()
     # prefer: nothing offers layers, so the node runs the model alone (same bytes)
-    alone = start_node(tmp_path / "alone", "--model", "tiny", "--pipeline", "prefer", "--pipeline-memory", "0.5")
+    alone = start_node(
+        tmp_path / "alone", "--model", "tiny", "--pipeline", "prefer", "--pipeline-memory", "0.5"
+    )
     try:
         _same_as_ref(ref, alone)
         st = pipeline_status(alone)
-        assert st["plan"] == [{"node_id": alone.run["node_id"], "layers": [0, 3]}] and st["local_fallback"], st
+        assert st["plan"] == [{"node_id": alone.run["node_id"], "layers": [0, 3]}] and st["local_fallback"], (
+            st
+        )
     finally:
         alone.stop()
 

@@ -37,7 +37,12 @@ def lt():
 
 def _run(model, tok, params, ids):
     evs = list(generate(model, tok, ids, params))
-    return [e.token_id for e in evs], [e.logprob for e in evs], [e.top_logprobs for e in evs], "".join(e.text for e in evs)
+    return (
+        [e.token_id for e in evs],
+        [e.logprob for e in evs],
+        [e.top_logprobs for e in evs],
+        "".join(e.text for e in evs),
+    )
 
 
 def _cuts(n: int, stages: int) -> list[list[tuple[str, int, int]]]:
@@ -53,8 +58,9 @@ def _cuts(n: int, stages: int) -> list[list[tuple[str, int, int]]]:
 def test_every_cut_matches_local(tiny: Path, lt: LoopThread, stages: int, seed: int | None) -> None:
     model, tok = Model.load(tiny), Tokenizer.load(tiny)
     ids = tok.encode(PROMPT)
-    params = SamplingParams(max_tokens=12, temperature=0.0 if seed is None else 0.9, seed=seed, top_logprobs=3,
-                            ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=12, temperature=0.0 if seed is None else 0.9, seed=seed, top_logprobs=3, ignore_eos=True
+    )
     ref = _run(model, tok, params, ids)
     cuts = _cuts(model.config.num_layers, stages)
     assert len(cuts) == 3
@@ -86,15 +92,20 @@ def test_stage_killed_mid_generation_recovers_byte_identical(tiny: Path, lt: Loo
     ids = tok.encode(PROMPT)
     params = SamplingParams(max_tokens=16, temperature=0.8, seed=3, top_logprobs=2, ignore_eos=True)
     ref = _run(model, tok, params, ids)
-    prov = InprocProvider(lt, model, tiny, [[("local", 0, 0), ("s1", 1, 2), ("s2", 3, 3)],
-                                            [("local", 0, 1), ("s3", 2, 3)]])
+    prov = InprocProvider(
+        lt, model, tiny, [[("local", 0, 0), ("s1", 1, 2), ("s2", 3, 3)], [("local", 0, 1), ("s3", 2, 3)]]
+    )
     out = []
     for i, ev in enumerate(generate(prov.pipelined(), tok, ids, params)):
         out.append(ev)
         if i == 5:
             prov.kill("s1")
-    got = ([e.token_id for e in out], [e.logprob for e in out], [e.top_logprobs for e in out],
-           "".join(e.text for e in out))
+    got = (
+        [e.token_id for e in out],
+        [e.logprob for e in out],
+        [e.top_logprobs for e in out],
+        "".join(e.text for e in out),
+    )
     assert got == ref
     assert prov.run is not None and [s.node_id for s in prov.run.plan.stages] == ["local", "s3"]
     deadline = time.monotonic() + 5
@@ -130,18 +141,25 @@ def test_no_capacity_left_raises(tiny: Path, lt: LoopThread) -> None:
         pm.forward([5], cache, last_only=True)
 
 
-def test_concurrent_sequences_through_the_scheduler_match_local_one_by_one(tiny: Path, lt: LoopThread) -> None:
+def test_concurrent_sequences_through_the_scheduler_match_local_one_by_one(
+    tiny: Path, lt: LoopThread
+) -> None:
     """The scheduler hands every live sequence to forward_batch (in flight across the stages at once);
     each request's output is the one it gets alone on a local model, also when a stage dies meanwhile."""
     from engine.scheduler import Scheduler
 
     model, tok = Model.load(tiny), Tokenizer.load(tiny)
     prompts = [tok.encode(p) for p in ("one two", "the mesh holds the layers of", "a", "seeded run here")]
-    params = [SamplingParams(max_tokens=20, temperature=0.0 if i % 2 else 0.8, seed=i, top_logprobs=2,
-                             ignore_eos=True) for i in range(len(prompts))]
+    params = [
+        SamplingParams(
+            max_tokens=20, temperature=0.0 if i % 2 else 0.8, seed=i, top_logprobs=2, ignore_eos=True
+        )
+        for i in range(len(prompts))
+    ]
     want = [_run(model, tok, p, ids) for p, ids in zip(params, prompts)]
-    prov = InprocProvider(lt, model, tiny, [[("local", 0, 0), ("s1", 1, 2), ("s2", 3, 3)],
-                                            [("local", 0, 1), ("s3", 2, 3)]])
+    prov = InprocProvider(
+        lt, model, tiny, [[("local", 0, 0), ("s1", 1, 2), ("s2", 3, 3)], [("local", 0, 1), ("s3", 2, 3)]]
+    )
     sched = Scheduler(prov.pipelined(), tok, 8, batching="always")
     try:
         handles = [sched.submit(ids, p) for ids, p in zip(prompts, params)]
@@ -152,8 +170,14 @@ def test_concurrent_sequences_through_the_scheduler_match_local_one_by_one(tiny:
                 evs.append(ev)
                 if i == 0 and len(evs) == 8:
                     prov.kill("s2")
-            got.append(([e.token_id for e in evs], [e.logprob for e in evs], [e.top_logprobs for e in evs],
-                        "".join(e.text for e in evs)))
+            got.append(
+                (
+                    [e.token_id for e in evs],
+                    [e.logprob for e in evs],
+                    [e.top_logprobs for e in evs],
+                    "".join(e.text for e in evs),
+                )
+            )
         assert got == want
         assert sched.batched_steps > 0
         assert [s.node_id for s in prov.run.plan.stages] == ["local", "s3"]  # type: ignore[union-attr]
@@ -180,8 +204,9 @@ def test_chunked_prefill_overlaps_stages_and_matches_local_chunking(tiny: Path, 
     assert len(ids) > 40
     params = SamplingParams(max_tokens=10, temperature=0.7, seed=2, top_logprobs=1, ignore_eos=True)
     want = _sched_run(model, tok, ids, params, 8)
-    prov = InprocProvider(lt, model, tiny, [[("local", 0, 0), ("s1", 1, 2), ("s2", 3, 3)],
-                                            [("local", 0, 1), ("s3", 2, 3)]])
+    prov = InprocProvider(
+        lt, model, tiny, [[("local", 0, 0), ("s1", 1, 2), ("s2", 3, 3)], [("local", 0, 1), ("s3", 2, 3)]]
+    )
     pm = prov.pipelined()
     calls = []
     real = pm.prefill_nowait

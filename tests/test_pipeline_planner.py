@@ -18,8 +18,9 @@ def me(free_mb: float) -> Offer:
     return Offer("local", FP, int(free_mb * MB))
 
 
-def off(node: str, free_mb: float, pin: tuple[int, int] | None = None, rtt_ms: float | None = None,
-        fp: str = FP) -> Offer:
+def off(
+    node: str, free_mb: float, pin: tuple[int, int] | None = None, rtt_ms: float | None = None, fp: str = FP
+) -> Offer:
     return Offer(node, fp, int(free_mb * MB), pin, rtt_ms / 1e3 if rtt_ms is not None else None)
 
 
@@ -32,18 +33,43 @@ TABLE = [
     ("fits here: one stage", 100, [off("a", 100)], [("local", 0, 7)]),
     ("one stage node, equal memory: half each", 4.5, [off("a", 4.5)], [("local", 0, 3), ("a", 4, 7)]),
     ("proportional to free memory", 2, [off("a", 7)], [("local", 0, 1), ("a", 2, 7)]),
-    ("fewest stages: the big node alone", 3, [off("a", 2), off("b", 9), off("c", 2)],
-     [("local", 0, 1), ("b", 2, 7)]),
-    ("three stages when two do not fit", 3, [off("a", 3), off("b", 3.5)],
-     [("local", 0, 2), ("b", 3, 5), ("a", 6, 7)]),
-    ("cheapest hop among equals", 4.5, [off("far", 5, rtt_ms=20), off("near", 5, rtt_ms=0.2)],
-     [("local", 0, 3), ("near", 4, 7)]),
+    (
+        "fewest stages: the big node alone",
+        3,
+        [off("a", 2), off("b", 9), off("c", 2)],
+        [("local", 0, 1), ("b", 2, 7)],
+    ),
+    (
+        "three stages when two do not fit",
+        3,
+        [off("a", 3), off("b", 3.5)],
+        [("local", 0, 2), ("b", 3, 5), ("a", 6, 7)],
+    ),
+    (
+        "cheapest hop among equals",
+        4.5,
+        [off("far", 5, rtt_ms=20), off("near", 5, rtt_ms=0.2)],
+        [("local", 0, 3), ("near", 4, 7)],
+    ),
     ("a pin is used as given", 100, [off("a", 100, pin=(5, 7))], [("local", 0, 4), ("a", 5, 7)]),
-    ("pin at layer 0: this node only embeds", 1, [off("a", 100, pin=(0, 7))], [("local", 0, -1), ("a", 0, 7)]),
-    ("gap after a pin filled by an unpinned node", 2.5, [off("p", 3, pin=(2, 3)), off("u", 10)],
-     [("local", 0, 1), ("p", 2, 3), ("u", 4, 7)]),
-    ("another checkpoint is not used", 4.5, [off("x", 100, fp="bb" * 32), off("a", 4.5)],
-     [("local", 0, 3), ("a", 4, 7)]),
+    (
+        "pin at layer 0: this node only embeds",
+        1,
+        [off("a", 100, pin=(0, 7))],
+        [("local", 0, -1), ("a", 0, 7)],
+    ),
+    (
+        "gap after a pin filled by an unpinned node",
+        2.5,
+        [off("p", 3, pin=(2, 3)), off("u", 10)],
+        [("local", 0, 1), ("p", 2, 3), ("u", 4, 7)],
+    ),
+    (
+        "another checkpoint is not used",
+        4.5,
+        [off("x", 100, fp="bb" * 32), off("a", 4.5)],
+        [("local", 0, 3), ("a", 4, 7)],
+    ),
 ]
 
 
@@ -63,12 +89,21 @@ def test_other_checkpoint_is_refused_by_name() -> None:
     assert "node-x-1234" in plan.refused[0][1] and "bbbbbbbb" in plan.refused[0][1]
 
 
-@pytest.mark.parametrize(("offers", "reason"), [
-    ([off("a", 100, pin=(2, 5)), off("b", 100, pin=(5, 7))], "pins overlap: stage a holds 2-5 and stage b holds 5-7"),
-    ([off("a", 1, pin=(2, 5))], "stage a pins layers 2-5 but offers only 1.0 MB"),
-    ([], "layers 0-7 need 8.5 MB with the output head; this node and 0 stage node(s) offer 2.0 MB (6.5 MB missing"),
-    ([off("a", 2)], "offer 4.0 MB (4.5 MB missing"),
-])
+@pytest.mark.parametrize(
+    ("offers", "reason"),
+    [
+        (
+            [off("a", 100, pin=(2, 5)), off("b", 100, pin=(5, 7))],
+            "pins overlap: stage a holds 2-5 and stage b holds 5-7",
+        ),
+        ([off("a", 1, pin=(2, 5))], "stage a pins layers 2-5 but offers only 1.0 MB"),
+        (
+            [],
+            "layers 0-7 need 8.5 MB with the output head; this node and 0 stage node(s) offer 2.0 MB (6.5 MB missing",
+        ),
+        ([off("a", 2)], "offer 4.0 MB (4.5 MB missing"),
+    ],
+)
 def test_refused_plans_say_why(offers: list[Offer], reason: str) -> None:
     with pytest.raises(PlanError) as e:
         make_plan(need(), me(2), offers)
@@ -83,5 +118,7 @@ def test_pin_outside_the_model_is_refused_not_fatal() -> None:
 
 def test_a_failed_plan_still_names_refused_stages() -> None:
     with pytest.raises(PlanError) as e:
-        make_plan(need(), me(2), [off("x", 100, fp="bb" * 32), off("a", 100, pin=(2, 5)), off("b", 100, pin=(4, 7))])
+        make_plan(
+            need(), me(2), [off("x", 100, fp="bb" * 32), off("a", 100, pin=(2, 5)), off("b", 100, pin=(4, 7))]
+        )
     assert "pins overlap" in e.value.reason and [n for n, _ in e.value.refused] == ["x"]

@@ -99,7 +99,9 @@ def test_garbage_gets_a_protocol_error_and_the_stream_closes(tiny: Path) -> None
         while chunk := await near.recv():
             data += chunk
         (frame,) = wire.FrameDecoder().feed(data)
-        assert isinstance(frame, wire.Error) and frame.code == wire.ErrorCode.PROTOCOL and "magic" in frame.text
+        assert (
+            isinstance(frame, wire.Error) and frame.code == wire.ErrorCode.PROTOCOL and "magic" in frame.text
+        )
         await asyncio.wait_for(task, 5)
 
     asyncio.run(main())
@@ -107,7 +109,7 @@ def test_garbage_gets_a_protocol_error_and_the_stream_closes(tiny: Path) -> None
 
 def test_a_silent_stage_fails_the_step_within_the_silence_limit(tiny: Path) -> None:
     async def main() -> None:
-        near, far = await socketpair_channels()  # nobody serves `far`: a stage that died without a word
+        near, _far = await socketpair_channels()  # nobody serves `far`: a stage that died without a word
         link = StageLink("stage-node-1", near, 2, 3)
         t0 = asyncio.get_running_loop().time()
         with pytest.raises(StageFailed, match="no answer"):

@@ -11,19 +11,27 @@ from engine.pipeline import limits, wire
 
 X2 = np.array([[1.0, -2.0], [0.5, 3.25]], dtype=np.float32)
 GOLDEN = [
-    (wire.Open(0x0102030405060708, 2, 3, 4, bytes(range(32))),
-     "350000004d5001010000080706050403020102000300040020000102030405060708090a0b0c0d0e0f1011121314151617"
-     "18191a1b1c1d1e1f"),
+    (
+        wire.Open(0x0102030405060708, 2, 3, 4, bytes(range(32))),
+        ("350000004d5001010000080706050403020102000300040020000102030405060708090a0b0c0d0e0f1011121314151617"
+        "18191a1b1c1d1e1f"),
+    ),
     (wire.Ready(7, 2, 3, 15), "160000004d50010200000700000000000000020003000f000000"),
-    (wire.Forward(7, 9, (wire.SeqSpan(1, 5, 2),), X2, True),
-     "3e0000004d5001030100070000000000000009000000010001000000000000000500000002000000010202000000020000"
-     "000000803f000000c00000003f00005040"),
-    (wire.Result(7, 9, 120, np.array([[0.25, -0.0]], dtype=np.float32), True),
-     "280000004d500104010007000000000000000900000078000000010201000000020000000000803e00000080"),
+    (
+        wire.Forward(7, 9, (wire.SeqSpan(1, 5, 2),), X2, True),
+        ("3e0000004d5001030100070000000000000009000000010001000000000000000500000002000000010202000000020000"
+        "000000803f000000c00000003f00005040"),
+    ),
+    (
+        wire.Result(7, 9, 120, np.array([[0.25, -0.0]], dtype=np.float32), True),
+        "280000004d500104010007000000000000000900000078000000010201000000020000000000803e00000080",
+    ),
     (wire.Free(7, (1, 2)), "200000004d50010500000700000000000000020001000000000000000200000000000000"),
-    (wire.Error(9, 5, "sequence 1 is at position 3, asked from 5"),
-     "370000004d5001060000090000000500290073657175656e6365203120697320617420706f736974696f6e20332c206173"
-     "6b65642066726f6d2035"),
+    (
+        wire.Error(9, 5, "sequence 1 is at position 3, asked from 5"),
+        ("370000004d5001060000090000000500290073657175656e6365203120697320617420706f736974696f6e20332c206173"
+        "6b65642066726f6d2035"),
+    ),
     (wire.Keepalive(9), "0a0000004d500107000009000000"),
 ]
 
@@ -65,15 +73,21 @@ def test_byte_at_a_time_equals_one_chunk() -> None:
     assert all(_same(a, b) for a, b in zip(whole, parts))
 
 
-@pytest.mark.parametrize(("mutate", "reason"), [
-    (lambda b: b[:4] + b"XX" + b[6:], "bad frame magic"),
-    (lambda b: b[:6] + b"\x09" + b[7:], "unsupported stage protocol version 9"),
-    (lambda b: b[:7] + b"\x63" + b[8:], "unknown frame kind 99"),
-    (lambda b: b[:8] + b"\x02" + b[9:], "unknown flags"),
-    (lambda b: b[:9] + b"\x01" + b[10:], "reserved bits set"),
-    (lambda b: (int.from_bytes(b[:4], "little") + 1).to_bytes(4, "little") + b[4:] + b"\x00", "left over"),
-    (lambda b: (0xFFFFFFF0).to_bytes(4, "little") + b[4:], "frame length"),
-])
+@pytest.mark.parametrize(
+    ("mutate", "reason"),
+    [
+        (lambda b: b[:4] + b"XX" + b[6:], "bad frame magic"),
+        (lambda b: b[:6] + b"\x09" + b[7:], "unsupported stage protocol version 9"),
+        (lambda b: b[:7] + b"\x63" + b[8:], "unknown frame kind 99"),
+        (lambda b: b[:8] + b"\x02" + b[9:], "unknown flags"),
+        (lambda b: b[:9] + b"\x01" + b[10:], "reserved bits set"),
+        (
+            lambda b: (int.from_bytes(b[:4], "little") + 1).to_bytes(4, "little") + b[4:] + b"\x00",
+            "left over",
+        ),
+        (lambda b: (0xFFFFFFF0).to_bytes(4, "little") + b[4:], "frame length"),
+    ],
+)
 def test_strict_header_and_body(mutate, reason: str) -> None:  # type: ignore[no-untyped-def]
     good = wire.encode(wire.Ready(7, 2, 3, 15))
     with pytest.raises(wire.RemoteProtocolError, match=reason):

@@ -75,10 +75,13 @@ class StageStats:
 
     def as_dict(self) -> dict[str, Any]:
         n = self.calls or 1
-        return {"calls": self.calls, "latency_ms_avg": round(self.latency_s / n * 1e3, 3),
-                "compute_ms_avg": round(self.compute_s / n * 1e3, 3),
-                "hop_overhead_ms_avg": round((self.latency_s - self.compute_s) / n * 1e3, 3),
-                "latency_ms_max": round(self.latency_max_s * 1e3, 3)}
+        return {
+            "calls": self.calls,
+            "latency_ms_avg": round(self.latency_s / n * 1e3, 3),
+            "compute_ms_avg": round(self.compute_s / n * 1e3, 3),
+            "hop_overhead_ms_avg": round((self.latency_s - self.compute_s) / n * 1e3, 3),
+            "latency_ms_max": round(self.latency_max_s * 1e3, 3),
+        }
 
 
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -98,10 +101,13 @@ class StageLink:
         self._pending: dict[int, asyncio.Future[wire.Frame]] = {}
         self._steps = itertools.count(1)
         self._heard = 0.0
-        self._send_lock = asyncio.Lock()  # FIFO: frames of concurrent steps go out in the order they were made
+        self._send_lock = (
+            asyncio.Lock()
+        )  # FIFO: frames of concurrent steps go out in the order they were made
 
-    async def open(self, run: int, fingerprint: bytes, num_layers: int,
-                   timeout_s: float = limits.OPEN_TIMEOUT_S) -> wire.Ready:
+    async def open(
+        self, run: int, fingerprint: bytes, num_layers: int, timeout_s: float = limits.OPEN_TIMEOUT_S
+    ) -> wire.Ready:
         loop = asyncio.get_running_loop()
         self.channel.set_receiver(self._on_data, self._on_end)
         fut: asyncio.Future[wire.Frame] = loop.create_future()
@@ -240,8 +246,12 @@ class Run:
             res = await link.call(wire.Forward(self.id, 0, span, x, last_only and last))
             if res.logits != last:
                 link.close("wrong result kind")
-                raise StageFailed(link.node_id, "answered hidden states where logits were due" if last
-                                  else "answered logits from a middle stage")
+                raise StageFailed(
+                    link.node_id,
+                    "answered hidden states where logits were due"
+                    if last
+                    else "answered logits from a middle stage",
+                )
             x = res.x
         return x
 
@@ -255,7 +265,9 @@ class RunProvider(Protocol):
 
     def current(self) -> Run: ...  # the run new sequences start on (raises PipelineUnavailable)
 
-    def recover(self, failed: Run, error: StageFailed) -> Run: ...  # blocking re-plan (raises PipelineUnavailable)
+    def recover(
+        self, failed: Run, error: StageFailed
+    ) -> Run: ...  # blocking re-plan (raises PipelineUnavailable)
 
     def run_on_loop(self, coro: Any) -> Any: ...  # run a coroutine on the daemon loop, blocking
 
@@ -309,8 +321,14 @@ class PipelinedModel:
     def new_cache(self, capacity: int = 256) -> PipeCache:
         return PipeCache(self.provider, self.provider.current())
 
-    def forward(self, ids: Sequence[int] | np.ndarray, cache: PipeCache, executor: Any = None, *,
-                last_only: bool = False) -> np.ndarray:
+    def forward(
+        self,
+        ids: Sequence[int] | np.ndarray,
+        cache: PipeCache,
+        executor: Any = None,
+        *,
+        last_only: bool = False,
+    ) -> np.ndarray:
         arr = self.model._check_ids(ids)
         for attempt in range(MAX_RECOVERIES + 1):
             try:
@@ -322,8 +340,14 @@ class PipelinedModel:
                     for chunk in cache.history:
                         self._step(cache, chunk, True, executor)
                     cache.replay = False
-                    log.info("pipeline_replayed", run=f"{cache.run.id:016x}", seq=cache.seq, chunks=len(cache.history),
-                             positions=cache.length, replay_ms=round((time.perf_counter() - t0) * 1e3, 1))
+                    log.info(
+                        "pipeline_replayed",
+                        run=f"{cache.run.id:016x}",
+                        seq=cache.seq,
+                        chunks=len(cache.history),
+                        positions=cache.length,
+                        replay_ms=round((time.perf_counter() - t0) * 1e3, 1),
+                    )
                 out = self._step(cache, arr, last_only, executor)
                 cache.history.append(arr)
                 return out
@@ -378,8 +402,9 @@ class PipelinedModel:
         cache.local.length = past + t
         return x
 
-    def forward_batch(self, ids: Sequence[int] | np.ndarray, caches: Sequence[PipeCache],
-                      executor: Any = None) -> np.ndarray:
+    def forward_batch(
+        self, ids: Sequence[int] | np.ndarray, caches: Sequence[PipeCache], executor: Any = None
+    ) -> np.ndarray:
         """One decode step of B sequences, in flight across the stages at once (micro-batching): this node
         runs sequence i's layers while sequence i-1's activations are on the remote stages. Each sequence is
         its own single-token step, so every row has the bits of ``forward([id], cache, last_only=True)``
@@ -398,8 +423,12 @@ class PipelinedModel:
             x = self.model.embed(arr)
             if local.layers:
                 cache.local.reserve(past + 1)
-                x = drive(local.span_steps(x, cache.local, past), executor or local.local_executor, local.warm)
-            started.append((cache, arr, past, self.provider.submit(cache.run.forward(x, cache.seq, past, True))))
+                x = drive(
+                    local.span_steps(x, cache.local, past), executor or local.local_executor, local.warm
+                )
+            started.append(
+                (cache, arr, past, self.provider.submit(cache.run.forward(x, cache.seq, past, True)))
+            )
         rows = []
         for cache, arr, past, fut in started:
             if fut is not None:

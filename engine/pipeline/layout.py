@@ -27,7 +27,9 @@ _cache: dict[tuple[str, tuple[tuple[str, int, int], ...]], bytes] = {}
 def fingerprint(path: str | os.PathLike[str]) -> bytes:
     """32 bytes identifying the checkpoint's config and weights. Raises ``OSError``/``ValueError``."""
     p = Path(path)
-    files = sorted(f for f in p.iterdir() if f.suffix == ".safetensors" or f.name.endswith(".safetensors.index.json"))
+    files = sorted(
+        f for f in p.iterdir() if f.suffix == ".safetensors" or f.name.endswith(".safetensors.index.json")
+    )
     if not files:
         raise ValueError(f"{p}: no safetensors files")
     key = (str(p.resolve()), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
@@ -65,7 +67,11 @@ def need_of(model: Any, fp: bytes) -> Need:
         elif name in tied_names:
             head += t.nbytes
     if cfg.tie_word_embeddings:
-        head += model.checkpoint["model.embed_tokens.weight"].nbytes if "model.embed_tokens.weight" in model.checkpoint else 0
+        head += (
+            model.checkpoint["model.embed_tokens.weight"].nbytes
+            if "model.embed_tokens.weight" in model.checkpoint
+            else 0
+        )
     return Need(fp.hex(), tuple(per_layer), head, cfg.hidden_size * 4)
 
 

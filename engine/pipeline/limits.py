@@ -12,7 +12,9 @@ MAX_ERROR_TEXT_BYTES = 1024  # an error's human text: one line naming what faile
 MAX_FINGERPRINT_BYTES = 64  # a checkpoint fingerprint: SHA-256 (32 B) with room
 MAX_LIVE_SEQUENCES = 1024  # KV caches one stage keeps at once over all runs; more are refused
 SEND_CHUNK_BYTES = 1024 * 1024  # a frame is written to the stream in slices of this size
-KEEPALIVE_S = 0.2  # a stage computing a step says so this often, so a silent stage can be told from a slow one
+KEEPALIVE_S = (
+    0.2  # a stage computing a step says so this often, so a silent stage can be told from a slow one
+)
 SILENCE_S = 1.0  # no frame from a stage for this long while a step is out: the stage is dead (kill -9 on
 #   loopback is otherwise silent until QUIC's idle timeout); keeps "error within 2 s" with room for a replan
 OPEN_TIMEOUT_S = 30.0  # a stage loading its layers (mmap, page faults) before it answers READY

@@ -93,14 +93,18 @@ class Plan:
         return len(self.stages) == 1
 
     def describe(self) -> list[dict[str, object]]:
-        return [{"node_id": s.node_id, "layers": [s.first, s.last] if s.layers else None} for s in self.stages]
+        return [
+            {"node_id": s.node_id, "layers": [s.first, s.last] if s.layers else None} for s in self.stages
+        ]
 
 
 def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
-def _split(need: Need, first: int, last: int, holders: list[tuple[str, int]], head_at_end: bool) -> list[Stage] | None:
+def _split(
+    need: Need, first: int, last: int, holders: list[tuple[str, int]], head_at_end: bool
+) -> list[Stage] | None:
     """Layers first..last over holders (node, free bytes) in order, in proportion to free memory, each
     holding at least one layer and fitting; None if no such split exists."""
     n = last - first + 1
@@ -123,15 +127,21 @@ def _split(need: Need, first: int, last: int, holders: list[tuple[str, int]], he
         for c in counts:
             cuts.append((pos, pos + c - 1))
             pos += c
-        over = [j for j, (a, b) in enumerate(cuts)
-                if need.span_bytes(a, b, head_at_end and j == k - 1) > holders[j][1]]
+        over = [
+            j
+            for j, (a, b) in enumerate(cuts)
+            if need.span_bytes(a, b, head_at_end and j == k - 1) > holders[j][1]
+        ]
         if not over:
             return [Stage(holders[j][0], a, b) for j, (a, b) in enumerate(cuts)]
         j = over[0]
         if counts[j] == 1:
             return None
-        room = [i for i in range(k) if i != j and need.span_bytes(*_grow(cuts, i, j), head_at_end and i == k - 1)
-                <= holders[i][1]]
+        room = [
+            i
+            for i in range(k)
+            if i != j and need.span_bytes(*_grow(cuts, i, j), head_at_end and i == k - 1) <= holders[i][1]
+        ]
         if not room:
             return None
         i = min(room, key=lambda i: abs(i - j))
@@ -145,13 +155,14 @@ def _grow(cuts: list[tuple[int, int]], i: int, _j: int) -> tuple[int, int]:
     return a, b + 1
 
 
-def _fill(need: Need, first: int, last: int, lead: tuple[str, int] | None, pool: list[Offer],
-          head_at_end: bool) -> tuple[list[Stage], list[Offer]]:
+def _fill(
+    need: Need, first: int, last: int, lead: tuple[str, int] | None, pool: list[Offer], head_at_end: bool
+) -> tuple[list[Stage], list[Offer]]:
     """Fill one gap with the fewest, cheapest offers from ``pool`` (after ``lead``, the serving node, for
     the prefix). -> (stages, offers used). Raises ``PlanError``."""
     ranked = sorted(pool, key=lambda o: (o.cost_s(need.token_bytes), -o.free_bytes, o.node_id))
     leads = [lead] if lead is not None else []
-    for k in range(0, len(ranked) + 1):
+    for k in range(len(ranked) + 1):
         best: tuple[float, list[Stage], list[Offer]] | None = None
         for tried, combo in enumerate(itertools.combinations(ranked, k)):
             if tried >= MAX_COMBINATIONS:
@@ -169,9 +180,11 @@ def _fill(need: Need, first: int, last: int, lead: tuple[str, int] | None, pool:
             return best[1], best[2]
     have = (lead[1] if lead else 0) + sum(o.free_bytes for o in pool)
     want = need.span_bytes(first, last, head_at_end)
-    raise PlanError(f"layers {first}-{last} need {_mb(want)}{' with the output head' if head_at_end else ''}; "
-                    f"{'this node and ' if lead else ''}{len(pool)} stage node(s) offer {_mb(have)} "
-                    f"({_mb(max(0, want - have))} missing, or no split fits each node's free memory)")
+    raise PlanError(
+        f"layers {first}-{last} need {_mb(want)}{' with the output head' if head_at_end else ''}; "
+        f"{'this node and ' if lead else ''}{len(pool)} stage node(s) offer {_mb(have)} "
+        f"({_mb(max(0, want - have))} missing, or no split fits each node's free memory)"
+    )
 
 
 def make_plan(need: Need, local: Offer, offers: list[Offer]) -> Plan:
@@ -191,24 +204,37 @@ def _make_plan(need: Need, local: Offer, offers: list[Offer], refused: list[tupl
         if o.node_id == local.node_id:
             continue
         if o.fingerprint != need.fingerprint:
-            refused.append((o.node_id, f"stage {o.node_id[:12]} holds checkpoint {o.fingerprint[:16]}, "
-                                       f"not {need.fingerprint[:16]}"))
+            refused.append(
+                (
+                    o.node_id,
+                    (f"stage {o.node_id[:12]} holds checkpoint {o.fingerprint[:16]}, "
+                    f"not {need.fingerprint[:16]}"),
+                )
+            )
         elif o.pin is not None and not 0 <= o.pin[0] <= o.pin[1] < n:
-            refused.append((o.node_id, f"stage {o.node_id[:12]} pins layers {o.pin[0]}-{o.pin[1]}, "
-                                       f"the model has 0-{n - 1}"))
+            refused.append(
+                (
+                    o.node_id,
+                    f"stage {o.node_id[:12]} pins layers {o.pin[0]}-{o.pin[1]}, the model has 0-{n - 1}",
+                )
+            )
         else:
             usable.append(o)
     pinned = sorted((o for o in usable if o.pin is not None), key=lambda o: o.pin)  # type: ignore[arg-type,return-value]
     for a, b in itertools.pairwise(pinned):
         assert a.pin is not None and b.pin is not None
         if b.pin[0] <= a.pin[1]:
-            raise PlanError(f"pins overlap: stage {a.node_id[:12]} holds {a.pin[0]}-{a.pin[1]} and stage "
-                            f"{b.node_id[:12]} holds {b.pin[0]}-{b.pin[1]}")
+            raise PlanError(
+                f"pins overlap: stage {a.node_id[:12]} holds {a.pin[0]}-{a.pin[1]} and stage "
+                f"{b.node_id[:12]} holds {b.pin[0]}-{b.pin[1]}"
+            )
     for o in pinned:
         assert o.pin is not None
         if need.span_bytes(o.pin[0], o.pin[1], o.pin[1] == n - 1) > o.free_bytes:
-            raise PlanError(f"stage {o.node_id[:12]} pins layers {o.pin[0]}-{o.pin[1]} but offers only "
-                            f"{_mb(o.free_bytes)}")
+            raise PlanError(
+                f"stage {o.node_id[:12]} pins layers {o.pin[0]}-{o.pin[1]} but offers only "
+                f"{_mb(o.free_bytes)}"
+            )
     pool = [o for o in usable if o.pin is None]
     stages: list[Stage] = []
     pos = 0

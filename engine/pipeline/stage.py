@@ -53,9 +53,15 @@ class StageError(Exception):
 class StageHost:
     """See the module docstring. ``load(path, first, last)`` builds a model part (default ``Model.load``)."""
 
-    def __init__(self, path: str | Path, fingerprint: bytes, pin: tuple[int, int] | None = None, *,
-                 load: Callable[[Path, int, int], Any] | None = None,
-                 executor_for: Callable[[Any], Any] | None = None) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        fingerprint: bytes,
+        pin: tuple[int, int] | None = None,
+        *,
+        load: Callable[[Path, int, int], Any] | None = None,
+        executor_for: Callable[[Any], Any] | None = None,
+    ) -> None:
         self.path = Path(path)
         self.fingerprint = fingerprint
         self.pin = pin
@@ -110,11 +116,16 @@ class StageHost:
             keys = list(self.seqs)
         for r, _s in keys:
             runs[f"{r:016x}"] = runs.get(f"{r:016x}", 0) + 1
-        return {"path": str(self.path), "fingerprint": self.fingerprint.hex()[:16],
-                "pin": list(self.pin) if self.pin else None,
-                "loaded": [list(r) for r in sorted(self.parts)], "live_sequences": len(keys),
-                "runs": runs, "steps": self.steps,
-                "compute_ms_avg": round(self.compute_s / self.steps * 1e3, 3) if self.steps else 0.0}
+        return {
+            "path": str(self.path),
+            "fingerprint": self.fingerprint.hex()[:16],
+            "pin": list(self.pin) if self.pin else None,
+            "loaded": [list(r) for r in sorted(self.parts)],
+            "live_sequences": len(keys),
+            "runs": runs,
+            "steps": self.steps,
+            "compute_ms_avg": round(self.compute_s / self.steps * 1e3, 3) if self.steps else 0.0,
+        }
 
     # --- the stream -------------------------------------------------------------------------------
 
@@ -167,16 +178,22 @@ class StageHost:
                     mine.discard(f.run)
                 log.debug("pipeline_stage_freed", run=f"{f.run:016x}", sequences=n)
         else:
-            await _send(channel, wire.Error(0, wire.ErrorCode.PROTOCOL, f"a stage does not take {type(f).__name__}"))
+            await _send(
+                channel, wire.Error(0, wire.ErrorCode.PROTOCOL, f"a stage does not take {type(f).__name__}")
+            )
 
     async def _open(self, f: wire.Open) -> wire.Ready:
         if f.fingerprint != self.fingerprint:
-            raise StageError(wire.ErrorCode.FINGERPRINT_MISMATCH,
-                             f"this stage holds checkpoint {self.fingerprint.hex()[:16]} ({self.path.name}), "
-                             f"not {f.fingerprint.hex()[:16]}")
+            raise StageError(
+                wire.ErrorCode.FINGERPRINT_MISMATCH,
+                f"this stage holds checkpoint {self.fingerprint.hex()[:16]} ({self.path.name}), "
+                f"not {f.fingerprint.hex()[:16]}",
+            )
         if self.pin is not None and (f.first, f.last) != self.pin:
-            raise StageError(wire.ErrorCode.BAD_RANGE, f"this stage is pinned to layers {self.pin[0]}-{self.pin[1]},"
-                                                       f" asked for {f.first}-{f.last}")
+            raise StageError(
+                wire.ErrorCode.BAD_RANGE,
+                f"this stage is pinned to layers {self.pin[0]}-{self.pin[1]}, asked for {f.first}-{f.last}",
+            )
         rng = (f.first, f.last)
         t0 = time.perf_counter()
         if rng not in self.parts:
@@ -188,22 +205,32 @@ class StageHost:
                 part = await asyncio.shield(fut)
             except Exception as e:  # noqa: BLE001 - reported to the serving node by name
                 self.loading.pop(rng, None)
-                raise StageError(wire.ErrorCode.LOAD_FAILED, f"cannot load layers {f.first}-{f.last}: {e}") from None
+                raise StageError(
+                    wire.ErrorCode.LOAD_FAILED, f"cannot load layers {f.first}-{f.last}: {e}"
+                ) from None
             self.loading.pop(rng, None)
             if part.config.num_layers != f.num_layers:
-                raise StageError(wire.ErrorCode.BAD_RANGE, f"the model has {part.config.num_layers} layers, "
-                                                           f"not {f.num_layers}")
+                raise StageError(
+                    wire.ErrorCode.BAD_RANGE,
+                    f"the model has {part.config.num_layers} layers, not {f.num_layers}",
+                )
             self.parts[rng] = part
             if self._executor_for is not None:
                 self.executors[rng] = await self._executor_for(part)
-            log.info("pipeline_stage_loaded", first=f.first, last=f.last,
-                     load_ms=round((time.perf_counter() - t0) * 1e3, 1))
+            log.info(
+                "pipeline_stage_loaded",
+                first=f.first,
+                last=f.last,
+                load_ms=round((time.perf_counter() - t0) * 1e3, 1),
+            )
         self.runs[f.run] = rng
         return wire.Ready(f.run, f.first, f.last, int((time.perf_counter() - t0) * 1e3))
 
     async def _forward(self, channel: Any, f: wire.Forward, mine: set[int]) -> None:
         if f.run not in mine:
-            await _send(channel, wire.Error(f.step, wire.ErrorCode.UNKNOWN_RUN, f"run {f.run:016x} is not open here"))
+            await _send(
+                channel, wire.Error(f.step, wire.ErrorCode.UNKNOWN_RUN, f"run {f.run:016x} is not open here")
+            )
             return
         rng = self.runs[f.run]
         part, executor = self.parts[rng], self.executors.get(rng)
@@ -228,7 +255,9 @@ class StageHost:
             return
         except Exception as e:  # noqa: BLE001 - the layers failed: say why, keep serving
             log.warning("pipeline_stage_compute_failed", error=repr(e))
-            await _send(channel, wire.Error(f.step, wire.ErrorCode.COMPUTE_FAILED, f"{type(e).__name__}: {e}"))
+            await _send(
+                channel, wire.Error(f.step, wire.ErrorCode.COMPUTE_FAILED, f"{type(e).__name__}: {e}")
+            )
             return
         await _send(channel, wire.Result(f.run, f.step, us, out, logits))
 
@@ -267,15 +296,21 @@ class StageHost:
             entry = self.seqs.get((f.run, s.seq))
             if entry is None:
                 if s.start != 0:
-                    raise StageError(wire.ErrorCode.POSITION_MISMATCH,
-                                     f"sequence {s.seq} has no state here (asked from position {s.start})")
+                    raise StageError(
+                        wire.ErrorCode.POSITION_MISMATCH,
+                        f"sequence {s.seq} has no state here (asked from position {s.start})",
+                    )
                 if len(self.seqs) >= limits.MAX_LIVE_SEQUENCES:
-                    raise StageError(wire.ErrorCode.TOO_MANY_SEQUENCES, f"{len(self.seqs)} sequences live here")
+                    raise StageError(
+                        wire.ErrorCode.TOO_MANY_SEQUENCES, f"{len(self.seqs)} sequences live here"
+                    )
                 entry = _Seq(part.new_cache(), now)
                 self.seqs[(f.run, s.seq)] = entry
             if entry.cache.length != s.start:
-                raise StageError(wire.ErrorCode.POSITION_MISMATCH,
-                                 f"sequence {s.seq} is at position {entry.cache.length}, asked from {s.start}")
+                raise StageError(
+                    wire.ErrorCode.POSITION_MISMATCH,
+                    f"sequence {s.seq} is at position {entry.cache.length}, asked from {s.start}",
+                )
             entry.used = now
             caches.append(entry.cache)
         return caches

@@ -174,8 +174,12 @@ def encode(frame: Frame) -> bytes:
         if len(frame.fingerprint) > limits.MAX_FINGERPRINT_BYTES:
             raise ValueError("fingerprint too long")
         kind = Kind.OPEN
-        body = struct.pack("<QHHHB", frame.run, frame.first, frame.last, frame.num_layers,
-                           len(frame.fingerprint)) + frame.fingerprint
+        body = (
+            struct.pack(
+                "<QHHHB", frame.run, frame.first, frame.last, frame.num_layers, len(frame.fingerprint)
+            )
+            + frame.fingerprint
+        )
     elif isinstance(frame, Ready):
         kind, body = Kind.READY, struct.pack("<QHHI", frame.run, frame.first, frame.last, frame.load_ms)
     elif isinstance(frame, Forward):
@@ -249,7 +253,9 @@ class _Reader:
 
     def done(self) -> None:
         if self.pos != len(self.data):
-            raise RemoteProtocolError(ErrorCode.PROTOCOL, f"{len(self.data) - self.pos} bytes left over in a frame")
+            raise RemoteProtocolError(
+                ErrorCode.PROTOCOL, f"{len(self.data) - self.pos} bytes left over in a frame"
+            )
 
 
 def decode_body(kind: int, flags: int, body: memoryview) -> Frame:
@@ -275,13 +281,16 @@ def decode_body(kind: int, flags: int, body: memoryview) -> Frame:
     elif k is Kind.FORWARD:
         run, step, n = r.u64(), r.u32(), r.u16()
         if not 1 <= n <= limits.MAX_SEQS_PER_FRAME:
-            raise RemoteProtocolError(ErrorCode.PROTOCOL, f"{n} sequences in a frame (1-{limits.MAX_SEQS_PER_FRAME})")
+            raise RemoteProtocolError(
+                ErrorCode.PROTOCOL, f"{n} sequences in a frame (1-{limits.MAX_SEQS_PER_FRAME})"
+            )
         spans = tuple(SeqSpan(r.u64(), r.u32(), r.u32()) for _ in range(n))
         x = r.tensor()
         rows = sum(s.count for s in spans)
         if x.ndim != 2 or x.shape[0] != rows or rows == 0 or (n > 1 and rows != n):
-            raise RemoteProtocolError(ErrorCode.PROTOCOL, f"activations {list(x.shape)} do not match {n} sequences"
-                                      f" of {rows} rows")
+            raise RemoteProtocolError(
+                ErrorCode.PROTOCOL, f"activations {list(x.shape)} do not match {n} sequences of {rows} rows"
+            )
         frame = Forward(run, step, spans, x, bool(flags & FLAG_LAST_ONLY))
     elif k is Kind.RESULT:
         run, step, us = r.u64(), r.u32(), r.u32()
@@ -333,11 +342,15 @@ class FrameDecoder:
                     if magic != MAGIC:
                         raise RemoteProtocolError(ErrorCode.PROTOCOL, "bad frame magic")
                     if not PROTOCOL_MIN <= version <= PROTOCOL_MAX:
-                        raise RemoteProtocolError(ErrorCode.PROTOCOL, f"unsupported stage protocol version {version}")
+                        raise RemoteProtocolError(
+                            ErrorCode.PROTOCOL, f"unsupported stage protocol version {version}"
+                        )
                     if reserved:
                         raise RemoteProtocolError(ErrorCode.PROTOCOL, "reserved bits set")
                     if length < _FIXED or length > self._max:
-                        raise RemoteProtocolError(ErrorCode.PROTOCOL, f"frame length {length} outside {_FIXED}-{self._max}")
+                        raise RemoteProtocolError(
+                            ErrorCode.PROTOCOL, f"frame length {length} outside {_FIXED}-{self._max}"
+                        )
                     self._need = length - _FIXED
                 if len(self._buf) < HEADER.size + self._need:
                     break

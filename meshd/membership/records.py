@@ -8,7 +8,7 @@ document (``transport.credentials``) under domain ``node-record``, signed by the
      "addrs": ["host:port", ...], "role": "serve"|"client"|"worker", "proto": int, "sw": str,
      "models": [{"name", "kind", "fingerprint", "ctx"}],
      "experts": [{"model_fp", "layers": [first, last], "experts": [first, last], "capacity"}],
-     "stages": [{"model_fp", "free_kb", "pin": [first, last] | null}]  (optional, default []: pipeline stages),
+     "stages": [{"model_fp", "free_kb", "pin": [first, last] | null}]  (optional, default []),
      "cap": {"cpus": int, "ram_mb": int, "in_flight": int}, "api": "host:port" | null,
      "admin": bool (holds the mesh admin key; optional, default false)}
 
