@@ -138,7 +138,7 @@ LONG = (
         "max_tokens": 400,
         "logprobs": 1,
         "temperature": 0.7,
-        "seed": 5,
+        "seed": 6,
     },
 )
 
