@@ -283,7 +283,8 @@ class Chaos:
         self.net.hub_call({"delay_ms": {}})
 
     def kill9(self) -> None:
-        h = self.rng.choice(self.hosts[:3])
+        # the first kill takes n3, the only server of `solo`, so the /v1/models invariant is always exercised
+        h = self.rng.choice(self.hosts[:3]) if self.kills else self.hosts[2]
         self.note(f"kill -9 {h.name}")
         assert h.proc is not None
         h.proc.kill()
