@@ -406,6 +406,9 @@ def test_chaos_invariants(net: Net, tmp_path: Path) -> None:
         for name, t_kill, t_restart in chaos.kills:
             if name != "n3":
                 continue
+            gone = [p["t"] - t_kill for p in polls if p["t"] >= t_kill and p["models"] is not None
+                    and "solo" not in p["models"]]
+            log.append(f"solo left /v1/models {gone[0]:.2f} s after n3 was killed" if gone else "solo never left")
             for p in polls:
                 if t_kill + MODELS_GONE_S <= p["t"] < t_restart and p["models"] and "solo" in p["models"]:
                     chaos.violations.append(f"solo still listed {p['t'] - t_kill:.1f} s after n3 was killed")
