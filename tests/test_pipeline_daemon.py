@@ -191,6 +191,7 @@ def test_kill_without_spare_ends_stream_with_error_within_2s_and_restart_serves(
         ended = time.monotonic() - killed
         assert "error" in events[-1], events[-1]
         assert ended < 2.0, ended
+        assert "layers 3-3" in events[-1]["error"]["message"], events[-1]  # names what is missing
         wait_for(lambda: stage_status(b)["live_sequences"] == 0, 10, "b frees its caches")
         code, err = post(srv.run["api"], *CHAT)
         assert code == 503 and "pipeline" in err["error"]["code"], err

@@ -47,11 +47,15 @@ class _EngineRun:
 
     async def __aiter__(self) -> AsyncIterator[GenToken]:
         from engine.experts.coordinator import ExpertsUnavailable
+        from engine.pipeline.client import PipelineUnavailable
 
         async for ev in self.handle:
             if ev.finish_reason == "error":
                 if isinstance(ev.exception, ExpertsUnavailable):  # workers went away mid-generation
                     raise experts_unavailable(self.name, str(ev.exception))
+                if isinstance(ev.exception, PipelineUnavailable):  # stages went away, none left to re-plan on
+                    raise ApiError(503, f"model '{self.name}' cannot be served now: {ev.exception}",
+                                   code="pipeline_unavailable", retry_after_s=5)
                 raise RuntimeError(ev.error or "engine error")
             if ev.token_id is None:
                 if ev.finish_reason == "cancelled":
