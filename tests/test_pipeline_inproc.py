@@ -221,3 +221,12 @@ def test_chunked_prefill_overlaps_stages_and_matches_local_chunking(tiny: Path, 
     assert _sched_run(pm, tok, ids, params, 8) == want
     assert calls and all(n == 8 for n in calls)
     assert [s.node_id for s in prov.run.plan.stages] == ["local", "s3"]  # type: ignore[union-attr]
+
+
+def test_serving_node_that_only_embeds(tiny: Path, lt: LoopThread) -> None:
+    model, tok = Model.load(tiny), Tokenizer.load(tiny)
+    ids = tok.encode(PROMPT)
+    params = SamplingParams(max_tokens=8, temperature=0.0, top_logprobs=2, ignore_eos=True)
+    prov = InprocProvider(lt, model, tiny, [[("local", 0, -1), ("s1", 0, 3)]])
+    assert _run(prov.pipelined(), tok, params, ids) == _run(model, tok, params, ids)
+    assert sorted(prov.hosts["s1"].parts) == [(0, 3)]

@@ -122,3 +122,8 @@ def test_a_failed_plan_still_names_refused_stages() -> None:
             need(), me(2), [off("x", 100, fp="bb" * 32), off("a", 100, pin=(2, 5)), off("b", 100, pin=(4, 7))]
         )
     assert "pins overlap" in e.value.reason and [n for n, _ in e.value.refused] == ["x"]
+
+
+def test_a_serving_node_without_room_for_a_layer_only_embeds() -> None:
+    plan = make_plan(need(), me(0.5), [off("a", 20)])
+    assert ranges(plan) == [("local", 0, -1), ("a", 0, 7)]

@@ -161,16 +161,19 @@ def _fill(
     """Fill one gap with the fewest, cheapest offers from ``pool`` (after ``lead``, the serving node, for
     the prefix). -> (stages, offers used). Raises ``PlanError``."""
     ranked = sorted(pool, key=lambda o: (o.cost_s(need.token_bytes), -o.free_bytes, o.node_id))
-    leads = [lead] if lead is not None else []
     for k in range(len(ranked) + 1):
         best: tuple[float, list[Stage], list[Offer]] | None = None
         for tried, combo in enumerate(itertools.combinations(ranked, k)):
             if tried >= MAX_COMBINATIONS:
                 break
-            holders = leads + [(o.node_id, o.free_bytes) for o in combo]
-            if not holders:
-                continue
-            stages = _split(need, first, last, holders, head_at_end)
+            # the serving node takes part of the prefix if it has room for a layer; else it only embeds
+            for leads in ([lead], []) if lead is not None else ([],):
+                holders = leads + [(o.node_id, o.free_bytes) for o in combo]
+                stages = _split(need, first, last, holders, head_at_end) if holders else None
+                if stages is not None:
+                    if lead is not None and not leads:
+                        stages = [Stage(lead[0], 0, -1), *stages]
+                    break
             if stages is None:
                 continue
             cost = sum(o.cost_s(need.token_bytes) for o in combo)
