@@ -278,28 +278,33 @@ def main() -> int:
         res: dict[str, dict[str, list[float]]] = {
             k: {"prefill": [], "decode1": [], "decodeN": [], "hop_ms": [], "rtt_ms": []} for k in setups
         }
+        errors: list[str] = []
+        mismatches: list[str] = []
         for rnd in range(args.rounds):
             ref_text = None
             for name, srv in setups.items():
-                api = srv.run["api"]
-                res[name]["prefill"].append(prefill_tps(api, prompt))
-                before = _stage_sums(srv) if name != "local" else {}
-                tps, text = decode_tps(api, short[0], args.decode)
-                res[name]["decode1"].append(tps)
-                if name == "local":
-                    ref_text = text
-                elif text != ref_text:
-                    raise RuntimeError(f"{name}: output differs from local")
-                if before:
-                    after = _stage_sums(srv)
-                    for node, (n1, l1, c1) in after.items():
-                        n0, l0, c0 = before.get(node, (0, 0.0, 0.0))
-                        if n1 > n0:
-                            res[name]["hop_ms"].append(((l1 - l0) - (c1 - c0)) / (n1 - n0) * 1e3)
-                        rtt = _rtt_ms(srv, node)
-                        if rtt is not None:
-                            res[name]["rtt_ms"].append(rtt)
-                res[name]["decodeN"].append(concurrent_tps(api, short, args.decode))
+                try:
+                    api = srv.run["api"]
+                    res[name]["prefill"].append(prefill_tps(api, prompt))
+                    before = _stage_sums(srv) if name != "local" else {}
+                    tps, text = decode_tps(api, short[0], args.decode)
+                    res[name]["decode1"].append(tps)
+                    if name == "local":
+                        ref_text = text
+                    elif text != ref_text:
+                        mismatches.append(f"round {rnd + 1} {name}")
+                    if before:
+                        after = _stage_sums(srv)
+                        for node, (n1, l1, c1) in after.items():
+                            n0, l0, c0 = before.get(node, (0, 0.0, 0.0))
+                            if n1 > n0:
+                                res[name]["hop_ms"].append(((l1 - l0) - (c1 - c0)) / (n1 - n0) * 1e3)
+                            rtt = _rtt_ms(srv, node)
+                            if rtt is not None:
+                                res[name]["rtt_ms"].append(rtt)
+                    res[name]["decodeN"].append(concurrent_tps(api, short, args.decode))
+                except RuntimeError as e:  # a stream error: counted, the run goes on
+                    errors.append(f"round {rnd + 1} {name}: {e}")
             print(f"round {rnd + 1}/{args.rounds} done", file=sys.stderr)
         rss = {
             "2 stages: stage 4-7": (st2.peak_mb(), share["4-7"]),
@@ -308,6 +313,11 @@ def main() -> int:
             "local (all layers)": (local.peak_mb(), total),
         }
         idle_mb = idle.peak_mb()
+        recoveries = {
+            name: srv.status()["services"]["pipeline"]["pipeline"]["models"]["m"]["recoveries"]
+            for name, srv in setups.items()
+            if name != "local"
+        }
         # recovery: kill the 2-stage setup's stage mid-stream; the serving node re-plans (alone) and replays
         times: list[float] = []
 
@@ -373,9 +383,14 @@ def main() -> int:
         f"\nrecovery (2 stages, stage SIGKILLed mid-stream): longest inter-token gap {recovery_s * 1e3:.0f} ms "
         f"(of which re-plan {last_ms} ms); stream completed with {len(times)} tokens"
     )
+    print(f"\nrecoveries during the rounds (a stage thought dead, replayed): {recoveries}")
+    print(f"stream errors: {errors or 'none'}; outputs differing from local: {mismatches or 'none'}")
     print(
         json.dumps(
             {
+                "errors": errors,
+                "mismatches": mismatches,
+                "recoveries": recoveries,
                 "results": res,
                 "rss": {k: [v[0], v[1]] for k, v in rss.items()},
                 "idle_mb": idle_mb,

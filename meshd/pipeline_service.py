@@ -159,6 +159,13 @@ class Serving:
     async def _ensure(self) -> Run:
         await self.replan()
         run = self.current_run
+        if (run is None or run.dead) and self.failed:
+            # nothing works without the stages that failed lately: ask them once more (one that was only
+            # slow, e.g. descheduled on an overloaded machine, serves again; a dead one fails its OPEN
+            # within SILENCE_S)
+            self.failed.clear()
+            await self.replan()
+            run = self.current_run
         if run is None or run.dead:
             raise PipelineUnavailable(f"model '{self.name}' has no pipeline: {self.reason}")
         return run

@@ -15,8 +15,9 @@ SEND_CHUNK_BYTES = 1024 * 1024  # a frame is written to the stream in slices of 
 KEEPALIVE_S = (
     0.2  # a stage computing a step says so this often, so a silent stage can be told from a slow one
 )
-SILENCE_S = 1.0  # no frame from a stage for this long while a step is out: the stage is dead (kill -9 on
-#   loopback is otherwise silent until QUIC's idle timeout); keeps "error within 2 s" with room for a replan
+SILENCE_S = 0.8  # no frame from a stage for this long while a step (or an OPEN) is out: the stage is dead
+#   (kill -9 is otherwise silent until QUIC's idle timeout). A recovery with no other capacity asks the
+#   silent stage once more (an OPEN, again at most this long): 2 x 0.8 s keeps "error within 2 s"
 OPEN_TIMEOUT_S = 30.0  # a stage loading its layers (mmap, page faults) before it answers READY
 SEQ_IDLE_S = 600.0  # a KV cache nobody touched for this long is freed (a serving node that went away
 #   without closing its stream); generous: a paused client stream holds its sequence
