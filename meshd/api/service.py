@@ -119,11 +119,13 @@ class ApiService:
                     from meshd.api.engine_backend import engine_backend, load_engine_model
                     from meshd.experts_service import experts_of
 
-                    from meshd.pipeline_service import pipeline_of
-
                     experts = experts_of(daemon)
                     remote = experts is not None and cfg.remote_experts != "off"
-                    pipeline = pipeline_of(daemon) if getattr(cfg, "pipeline", "off") != "off" else None
+                    pipeline = None
+                    if getattr(cfg, "pipeline", "off") != "off":
+                        from meshd.pipeline_service import pipeline_of
+
+                        pipeline = pipeline_of(daemon)
                     # in a thread: a big checkpoint must not stall the loop (systemd pings, control)
                     loaded = await asyncio.to_thread(load_engine_model, spec, cfg.state_dir,
                                                      remote or pipeline is not None)
