@@ -114,6 +114,7 @@ class Serving:
         self.failed: dict[str, float] = {}  # node id -> loop time it may be planned again
         self.recoveries = 0
         self.last_recovery_ms: float | None = None
+        self.retrying: set[str] = set()  # failed stages asked once more: a short OPEN silence limit
         self._lock = asyncio.Lock()
 
     # --- RunProvider (scheduler thread) --------------------------------------------------------------
@@ -163,8 +164,12 @@ class Serving:
             # nothing works without the stages that failed lately: ask them once more (one that was only
             # slow, e.g. descheduled on an overloaded machine, serves again; a dead one fails its OPEN
             # within SILENCE_S)
+            self.retrying = set(self.failed)
             self.failed.clear()
-            await self.replan()
+            try:
+                await self.replan()
+            finally:
+                self.retrying = set()
             run = self.current_run
         if run is None or run.dead:
             raise PipelineUnavailable(f"model '{self.name}' has no pipeline: {self.reason}")
@@ -174,6 +179,7 @@ class Serving:
         t0 = time.perf_counter()
         if error.node_id:
             self.failed[error.node_id] = self.loop.time() + limits.FAILED_RETRY_S
+        first = not failed.dead or failed.id in self.runs  # the first sequence to report this run's failure
         if not failed.dead:
             failed.dead = True
             failed.dead_reason = str(error)
@@ -187,8 +193,9 @@ class Serving:
             failed.close("a stage failed")  # survivors free the run's state when its streams end
         self.runs.pop(failed.id, None)
         run = await self._ensure()
-        self.recoveries += 1
-        self.last_recovery_ms = round((time.perf_counter() - t0) * 1e3, 1)
+        if first:
+            self.recoveries += 1
+            self.last_recovery_ms = round((time.perf_counter() - t0) * 1e3, 1)
         log.info(
             "pipeline_recovered",
             model=self.name,
@@ -262,10 +269,17 @@ class Serving:
         links: list[StageLink] = []
         try:
             for st in plan.stages[1:]:
-                channel = await self.svc.open_stream(st.node_id)
+                quick = st.node_id in self.retrying  # a failed stage asked again: a client is waiting
+                wait_s = limits.SILENCE_S if quick else CONNECT_TIMEOUT_S
+                channel = await self.svc.open_stream(st.node_id, wait_s)
                 link = StageLink(st.node_id, channel, st.first, st.last)
                 links.append(link)
-                await link.open(run_id, self.fp, self.need.num_layers)
+                await link.open(
+                    run_id,
+                    self.fp,
+                    self.need.num_layers,
+                    silence_s=limits.SILENCE_S if quick else limits.OPEN_SILENCE_S,
+                )
         except StageFailed:
             for link in links:
                 link.close("plan abandoned")
@@ -492,13 +506,13 @@ class PipelineService:
         rtt = getattr(peer, "rtt_ms", None) if peer is not None else None
         return round(rtt, 3) if isinstance(rtt, int | float) else None
 
-    async def open_stream(self, node_id: str) -> Any:
+    async def open_stream(self, node_id: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Any:
         """A PIPELINE stream to ``node_id``, connecting through its advertised addresses if needed."""
         from meshd.experts_service import _parse_addr
         from transport.streams import StreamType
 
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + CONNECT_TIMEOUT_S
+        deadline = loop.time() + timeout_s
         peer = self.transport.peer(node_id)
         if (
             (peer is None or not peer.connected)
@@ -514,7 +528,7 @@ class PipelineService:
             await asyncio.sleep(0.05)
             peer = self.transport.peer(node_id)
         if peer is None or not peer.connected:
-            raise StageFailed(node_id, f"not reachable within {CONNECT_TIMEOUT_S:g} s")
+            raise StageFailed(node_id, f"not reachable within {timeout_s:g} s")
         try:
             return await peer.open_stream(StreamType.PIPELINE)
         except Exception as e:  # noqa: BLE001

@@ -106,7 +106,12 @@ class StageLink:
         )  # FIFO: frames of concurrent steps go out in the order they were made
 
     async def open(
-        self, run: int, fingerprint: bytes, num_layers: int, timeout_s: float = limits.OPEN_TIMEOUT_S
+        self,
+        run: int,
+        fingerprint: bytes,
+        num_layers: int,
+        timeout_s: float = limits.OPEN_TIMEOUT_S,
+        silence_s: float = limits.OPEN_SILENCE_S,
     ) -> wire.Ready:
         loop = asyncio.get_running_loop()
         self.channel.set_receiver(self._on_data, self._on_end)
@@ -116,7 +121,7 @@ class StageLink:
         deadline = self._heard + timeout_s
         await self._send(wire.Open(run, self.first, self.last, num_layers, fingerprint))
         while True:  # a loading stage sends KEEPALIVE; a dead one (or a stale connection) stays silent
-            wait = min(self._heard + limits.SILENCE_S, deadline) - loop.time()
+            wait = min(self._heard + silence_s, deadline) - loop.time()
             if wait <= 0:
                 self.close("no READY")
                 raise StageFailed(self.node_id, "no answer to OPEN")

@@ -26,3 +26,6 @@ FAILED_RETRY_S = 3.0  # a stage that failed is left out of plans this long (or u
 REPLAN_S = 2.0  # the serving node re-reads gossip for a better plan this often (used for new requests only)
 INLINE_ROWS = 8  # a step of at most this many rows runs on the stage's event loop (decode: ~ms), larger ones
 #   (prefill chunks) on a thread with KEEPALIVE frames meanwhile
+OPEN_SILENCE_S = 5.0  # no frame from a stage loading its layers for this long: give up on it (a loading
+#   stage sends KEEPALIVE, but its loop may starve while the load holds the GIL on a busy machine). A stage
+#   asked again after it failed gets SILENCE_S instead (the serving node is then on a client's clock)

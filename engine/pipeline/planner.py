@@ -210,8 +210,10 @@ def _make_plan(need: Need, local: Offer, offers: list[Offer], refused: list[tupl
             refused.append(
                 (
                     o.node_id,
-                    (f"stage {o.node_id[:12]} holds checkpoint {o.fingerprint[:16]}, "
-                    f"not {need.fingerprint[:16]}"),
+                    (
+                        f"stage {o.node_id[:12]} holds checkpoint {o.fingerprint[:16]}, "
+                        f"not {need.fingerprint[:16]}"
+                    ),
                 )
             )
         elif o.pin is not None and not 0 <= o.pin[0] <= o.pin[1] < n:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import threading
 import time
 from collections.abc import Callable
@@ -94,11 +95,21 @@ class StageHost:
         return len(keys)
 
     def _drop_unused_parts(self) -> None:
+        """Unload ranges no run uses, except the newest one: the next plan most likely gives the same range
+        again (a re-plan after a failure, a pinned stage), and loading it anew would map the file twice."""
         used = set(self.runs.values())
-        for rng in [r for r in self.parts if r not in used]:
+        unused = [r for r in self.parts if r not in used]
+        keep = unused[-1:] if not used else []
+        dropped = False
+        for rng in unused:
+            if rng in keep:
+                continue
             del self.parts[rng]
             self.executors.pop(rng, None)
+            dropped = True
             log.info("pipeline_stage_unloaded", first=rng[0], last=rng[1])
+        if dropped:
+            gc.collect()  # a model part is in a reference cycle (its executor); release its mapping now
 
     def sweep(self, now: float) -> int:
         """Free caches idle longer than ``SEQ_IDLE_S``; -> how many."""
