@@ -115,6 +115,7 @@ class Serving:
         self.recoveries = 0
         self.last_recovery_ms: float | None = None
         self.retrying: set[str] = set()  # failed stages asked once more: a short OPEN silence limit
+        self._failing_since: float | None = None  # loop time plans started failing (None: they work)
         self._lock = asyncio.Lock()
 
     # --- RunProvider (scheduler thread) --------------------------------------------------------------
@@ -217,11 +218,17 @@ class Serving:
                 if cur is not None and not cur.dead and any(lk.closed for lk in cur.links):
                     cur.dead, cur.dead_reason = True, "a stage link closed"  # e.g. the stage restarted
                     cur.close(cur.dead_reason)
+                now = self.loop.time()
                 if plan is None:  # new requests get the reason (503); running sequences finish on their run
+                    if self._failing_since is None:
+                        self._failing_since = now
+                    if cur is not None and not cur.dead and now - self._failing_since < limits.PLAN_GRACE_S:
+                        return  # gossip flaps (a stage that just rejoined): keep a working run a moment
                     self.current_run = None
                     if cur is not None:
                         self._retire(cur)
                     return
+                self._failing_since = None
                 if cur is not None and not cur.dead and cur.plan.stages == plan.stages:
                     return
                 try:

@@ -29,3 +29,5 @@ INLINE_ROWS = 8  # a step of at most this many rows runs on the stage's event lo
 OPEN_SILENCE_S = 5.0  # no frame from a stage loading its layers for this long: give up on it (a loading
 #   stage sends KEEPALIVE, but its loop may starve while the load holds the GIL on a busy machine). A stage
 #   asked again after it failed gets SILENCE_S instead (the serving node is then on a client's clock)
+PLAN_GRACE_S = 5.0  # plans failing for less than this keep a working run for new requests (gossip about a
+#   stage that just rejoined flaps for a moment); a run whose stage failed is dropped at once
