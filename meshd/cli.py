@@ -2,12 +2,14 @@
 
 Each command module exposes ``run(args: argparse.Namespace) -> int``. Errors derived from
 ``meshd.errors.MeshdError`` become one line on stderr with their exit code; argparse usage errors exit 2.
+A closed standard output (``meshd generate ... | head``) ends the command quietly with exit 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -39,12 +41,14 @@ def _add_networking(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", metavar="HOST:PORT", help="QUIC (UDP) address (default 0.0.0.0:9336)")
     p.add_argument("--api", metavar="HOST:PORT", help="OpenAI API address (default 127.0.0.1:9337)")
     join = p.add_mutually_exclusive_group()
-    join.add_argument("--join", metavar="TOKEN", help="invite token to join a mesh (also $MESHD_JOIN)")
-    join.add_argument("--join-file", metavar="FILE", help="file holding an invite token "
-                      "(also $MESHD_JOIN_FILE)")
+    join.add_argument("--join", metavar="TOKEN", help="invite token to join a mesh, or - to read it from "
+                      "standard input (a token here is visible in ps) (also $MESHD_JOIN; default: none)")
+    join.add_argument("--join-file", metavar="FILE", help="file holding an invite token, mode 0600 "
+                      "(also $MESHD_JOIN_FILE; default: none)")
     p.add_argument("--mesh-name", metavar="NAME", help="name of the mesh this node creates if it has none")
     p.add_argument("--no-mdns", action="store_true", default=None, help="do not announce or browse mDNS")
-    p.add_argument("--api-key-file", metavar="FILE", help="file with API bearer keys, one per line")
+    p.add_argument("--api-key-file", metavar="FILE", help="file with API bearer keys, one per line, "
+                   "mode 0600 (default: none; required off loopback)")
     _add_logging(p)
 
 
@@ -85,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("join", help="make the running daemon join a mesh")
     _add_state_dir(p)
-    p.add_argument("token", metavar="TOKEN")
+    p.add_argument("token", metavar="TOKEN", help="invite token, or - to read it from standard input "
+                   "(a token given here is visible in ps)")
 
     p = sub.add_parser("status", help="show this node, its mesh, peers and models")
     _add_state_dir(p)
@@ -142,6 +147,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"meshd: {e}\n")
         return e.exit_code
     except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:  # `meshd generate ... | head -c 100`: the reader has what it wanted
+        # Point stdout at /dev/null so the interpreter's final flush cannot raise (and print) again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
         return 0
 
 

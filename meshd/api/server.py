@@ -36,7 +36,7 @@ from meshd.api.reply import Reply
 from meshd.api.router import NodeInfo, PeerStats, RouteTable, Target, choose_auto, plan, routable_models
 from meshd.api.schema import GenRequest, parse_request
 from meshd.api.tunnel import TunnelClient
-from meshd.config import is_loopback
+from meshd.config import is_loopback, refuse_shared_file
 from meshd.errors import RuntimeFailure, UsageError
 from transport import limits
 
@@ -51,7 +51,9 @@ def load_api_keys(path: str | Path) -> list[bytes]:
     """Read bearer keys, one per line (blank lines and ``#`` comments ignored). Raises ``UsageError``."""
     p = Path(path)
     try:
-        if p.stat().st_size > limits.API_MAX_KEY_FILE_BYTES:
+        st = p.stat()
+        refuse_shared_file(st.st_mode, p, "API key file")
+        if st.st_size > limits.API_MAX_KEY_FILE_BYTES:
             raise UsageError(f"API key file {p} is larger than {limits.API_MAX_KEY_FILE_BYTES} bytes")
         text = p.read_text(encoding="utf-8")
     except OSError as e:
