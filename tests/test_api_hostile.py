@@ -11,13 +11,17 @@ import socket
 import time
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-
 from daemon_testlib import Node, start_node
-from meshd.api.http import PRIVATE_ATTRIBUTES
-from meshd.api.limits import API_HEAD_TIMEOUT_S, API_KEEPALIVE_IDLE_S, API_LINGER_S
+
+from meshd.api.http import PRIVATE_ATTRIBUTES, ConnectionGuard
+from meshd.api.limits import (
+    API_HEAD_TIMEOUT_S,
+    API_KEEPALIVE_IDLE_S,
+    API_LINGER_S,
+    API_MAX_CONNECTIONS_PER_ADDRESS,
+)
 
 KEY = "hostile-key"
 
@@ -146,8 +150,67 @@ def test_slowloris_closed_within_30s_and_normal_requests_unaffected(open_node: N
     assert still_open == 0, f"{still_open} of 100 slowloris connections still open after 30 s"
     assert max(during) < max(2.0, 5 * quiet), (quiet, during)
     text = urllib.request.urlopen(f"http://{open_node.run['api']}/metrics", timeout=10).read().decode()
-    for reason in ("head_timeout", "body_timeout", "evicted"):
+    for reason in ("head_timeout", "body_timeout"):
         assert re.search(rf'meshd_api_connections_closed_total{{reason="{reason}"}} [1-9]', text), reason
+
+
+def test_per_address_cap_evicts_idle_connections_not_clients(open_node: Node) -> None:
+    """More idle connections from one address than the cap: the oldest idle ones are closed to make room,
+    and a real request from the same address still goes through at once."""
+    host, port = _addr(open_node)
+    n = API_MAX_CONNECTIONS_PER_ADDRESS + 40
+
+    async def go() -> tuple[int, float]:
+        conns = []
+        for _ in range(n):
+            conns.append(await asyncio.open_connection(host, port))
+        await asyncio.sleep(0.5)
+        took = await _normal_latency(host, port)
+        closed = 0
+        for r, w in conns:
+            try:
+                if await asyncio.wait_for(r.read(1), 0.05) == b"":
+                    closed += 1
+            except TimeoutError:
+                pass
+            w.close()
+        return closed, took
+
+    closed, took = asyncio.run(go())
+    assert closed >= n - API_MAX_CONNECTIONS_PER_ADDRESS, closed
+    assert took < 2.0
+
+
+class _FakeConn:
+    """Stands in for a GuardedHandler in the guard's unit test (busy or not, records eviction)."""
+
+    def __init__(self, guard: ConnectionGuard, addr: str, busy: bool = False) -> None:
+        self.guard, self.addr, self._busy, self.evicted = guard, addr, busy, False
+
+    def busy(self) -> bool:
+        return self._busy
+
+    def evict(self) -> None:
+        self.evicted = True
+        self.guard.release(self, self.addr)  # type: ignore[arg-type]
+
+    def admit(self) -> bool:
+        return self.guard.admit(self, self.addr)  # type: ignore[arg-type]
+
+
+def test_connection_guard_evicts_oldest_idle_then_refuses() -> None:
+    guard = ConnectionGuard(per_address=3, total=5)
+    a = [_FakeConn(guard, "10.0.0.1", busy) for busy in (True, False, False)]
+    assert all(c.admit() for c in a)
+    new = _FakeConn(guard, "10.0.0.1")
+    assert new.admit()
+    assert [c.evicted for c in a] == [False, True, False]  # the oldest idle one, not the busy one
+    a[2]._busy = new._busy = True
+    assert not _FakeConn(guard, "10.0.0.1").admit()  # every connection of the address busy: refused
+    others = [_FakeConn(guard, "10.0.0.2") for _ in range(2)]
+    assert all(c.admit() for c in others) and len(guard) == 5
+    assert _FakeConn(guard, "10.0.0.3").admit()  # total cap: the oldest idle connection anywhere goes
+    assert others[0].evicted and not others[1].evicted and len(guard) == 5
 
 
 def test_idle_keepalive_connection_is_closed(open_node: Node) -> None:
@@ -218,8 +281,8 @@ def test_non_ascii_authorization_is_401(key_node: Node) -> None:
     b"NOT A REQUEST LINE\r\n\r\n",
     b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n",
     b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
-    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n"
-    b"2\r\n{}\r\n0\r\n\r\n",
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n"
+     b"2\r\n{}\r\n0\r\n\r\n"),
 ], ids=["bad-request-line", "oversize-header", "oversize-request-line", "length-and-chunked"])
 def test_http_parser_errors_are_openai_json(open_node: Node, request_bytes: bytes) -> None:
     status, headers, body, _ = _raw(open_node, request_bytes)

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import meshd_cmd, meshd_env
 from daemon_testlib import start_node
+
 from meshd.state import StateDir
 from transport import PROTOCOL_MAX, PROTOCOL_MIN
 from transport.credentials import MeshCredentials, create_mesh
@@ -25,7 +25,7 @@ NOBODY = 65534
 def _meshd(*args: str, stdin: str | None = None, timeout: float = 60,
            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(meshd_cmd(*args), env=env or meshd_env(), input=stdin, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, check=False)
 
 
 def _serve_args(state: Path, *extra: str) -> list[str]:
@@ -100,9 +100,9 @@ def test_join_token_from_stdin_is_not_in_cmdline(tmp_path: Path) -> None:
         token = _invite(tmp_path / "a")
         assert token.startswith("meshd1")
         (tmp_path / "b").mkdir(mode=0o700)
-        err = open(tmp_path / "b.stderr", "wb")
-        b = subprocess.Popen(meshd_cmd(*_serve_args(tmp_path / "b", "--join", "-")), env=meshd_env(),
-                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err)
+        with open(tmp_path / "b.stderr", "wb") as err:
+            b = subprocess.Popen(meshd_cmd(*_serve_args(tmp_path / "b", "--join", "-")), env=meshd_env(),
+                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err)
         assert b.stdin is not None
         b.stdin.write(token.encode() + b"\n")
         b.stdin.close()

@@ -151,6 +151,8 @@ class GuardedHandler(RequestHandler):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
         was_idle = not self.busy()
         heads = self._request_count
         super().data_received(data)
@@ -203,11 +205,11 @@ def protocol_factory(server: web.Server, guard: ConnectionGuard, on_event: ConnE
                      **overrides: Any) -> Callable[[], GuardedHandler]:
     """What ``loop.create_server`` calls per connection (instead of aiohttp's ``Server.__call__``)."""
     loop = asyncio.get_running_loop()
-    kwargs: dict[str, Any] = dict(
-        loop=loop, access_log=None, keepalive_timeout=limits.API_KEEPALIVE_IDLE_S,
-        lingering_time=limits.API_LINGER_S, max_line_size=limits.API_MAX_HEAD_LINE_BYTES,
-        max_field_size=limits.API_MAX_HEAD_LINE_BYTES,
-    )
+    kwargs: dict[str, Any] = {
+        "loop": loop, "access_log": None, "keepalive_timeout": limits.API_KEEPALIVE_IDLE_S,
+        "lingering_time": limits.API_LINGER_S, "max_line_size": limits.API_MAX_HEAD_LINE_BYTES,
+        "max_field_size": limits.API_MAX_HEAD_LINE_BYTES,
+    }
     kwargs.update(overrides)
 
     def make() -> GuardedHandler:

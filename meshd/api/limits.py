@@ -23,12 +23,14 @@ API_LINGER_S = 2.0
 """After answering without reading the whole body (an error), how long the rest is read and dropped
 before the connection is closed (aiohttp's default is 10 s)."""
 
-API_MAX_CONNECTIONS_PER_ADDRESS = 64
-"""Open connections from one IP address. A new connection over the cap evicts that address's oldest
-connection that has no request in progress; only if all are busy is the new one refused (429)."""
+API_MAX_CONNECTIONS_PER_ADDRESS = 256
+"""Open connections from one IP address: above the 200 concurrent requests a client (or a reverse proxy,
+where every client shares one address) was seen to make. A new connection over the cap evicts that
+address's oldest connection that has no request in progress; only if all are busy is it refused (429)."""
 
-API_MAX_CONNECTIONS = 1024
-"""Open connections in total (each costs a file descriptor and ~10 KiB); same eviction as above."""
+API_MAX_CONNECTIONS = 512
+"""Open connections in total, same eviction as above. Each costs a file descriptor: systemd's default
+soft limit is 1024 per process, and the node needs some for itself."""
 
 API_MAX_HEAD_LINE_BYTES = 8190
 """Longest request line or header line (aiohttp's default; an oversize head is a 400 in OpenAI's shape)."""

@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import socket
 import json
+import socket
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -26,9 +26,9 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from meshd.api import limits as http_limits
 from meshd.api.backends import Backend
 from meshd.api.directory import NODE_INFO_PATH, MeshView, StaticView
-from meshd.api import limits as http_limits
 from meshd.api.errors import ApiError
 from meshd.api.http import ConnectionGuard, bind_tcp, protocol_factory
 from meshd.api.metrics import CONTENT_TYPE, ApiMetrics

@@ -13,9 +13,9 @@ from types import FrameType
 
 import structlog
 
+from meshd.api.server import bind_api, load_api_keys
 from meshd.config import DaemonConfig, load_config
 from meshd.daemon import Daemon
-from meshd.api.server import bind_api, load_api_keys
 from meshd.errors import RuntimeFailure, UsageError
 from meshd.log import setup_logging
 from meshd.state import StateDir
