@@ -19,6 +19,7 @@ from aioquic.quic.connection import QuicConnection
 from aioquic.quic.recovery import QuicPacketRecovery
 
 from transport import PROTOCOL_MAX, PROTOCOL_MIN, PROTOCOL_VERSION, limits
+from transport.admission import Stage
 from transport.aioquic_ext import CoarsePacer, MeshQuicConnection
 from transport.config import is_loopback_host
 from transport.errors import (
@@ -75,6 +76,10 @@ class _Connection(QuicConnectionProtocol):
         self.handshake: Handshake | None = None
         self.admitted = False
         self.admitted_at = 0.0
+        self.proven = False  # server: the peer proved membership (never evicted as a pending handshake)
+        self.tls_done = False
+        self.started_at = self._loop.time()
+        self._discarded = False
         self.closed = False
         self.closing = False  # we or the peer began closing; no new streams
         self.finished = asyncio.Event()  # set once the connection ended (see _finish)
@@ -95,6 +100,9 @@ class _Connection(QuicConnectionProtocol):
         mesh._conns.add(self)
         if not is_client:
             self._refuse_at_start = mesh._admission_capacity()
+            self._timers.append(
+                self._loop.call_later(mesh.config.first_frame_timeout_s, self._guarded, self._first_frame_deadline)
+            )
         self._timers.append(self._loop.call_later(mesh.config.handshake_timeout_s, self._guarded, self._deadline))
         if mesh.config.keepalive_interval_s > 0:
             self._timers.append(self._loop.call_later(mesh.config.keepalive_interval_s, self._guarded, self._tick))
@@ -106,6 +114,13 @@ class _Connection(QuicConnectionProtocol):
         loss = getattr(self._quic, "_loss", None)
         rtt = getattr(loss, "_rtt_smoothed", 0.0) if loss is not None else 0.0
         return round(rtt * 1000.0, 3) if rtt else None
+
+    @property
+    def stage(self) -> Stage:
+        """How far an unproven server-side handshake got (what eviction looks at)."""
+        if self.handshake is not None:
+            return Stage.TALKING
+        return Stage.SILENT if self.tls_done else Stage.TLS
 
     @property
     def peer_node_id(self) -> str | None:
@@ -276,6 +291,7 @@ class _Connection(QuicConnectionProtocol):
         if isinstance(event, qe.StreamDataReceived):
             self._on_stream_data(event.stream_id, event.data, event.end_stream)
         elif isinstance(event, qe.HandshakeCompleted):
+            self.tls_done = True
             if self.is_client:
                 self._start_client_handshake()
             elif self._refuse_at_start is not None:
@@ -418,6 +434,7 @@ class _Connection(QuicConnectionProtocol):
 
     def _on_admitted(self, ev: PeerAdmitted) -> None:
         self.admitted = True
+        self.proven = True
         self.admitted_at = self._loop.time()
         self.mesh._admitted(self, ev)
         if self.is_client and not self.result.done():
@@ -521,6 +538,12 @@ class _Connection(QuicConnectionProtocol):
             return  # the join handler has its own timeout
         raise RemoteProtocolError(ErrorCode.HANDSHAKE_TIMEOUT, "handshake timed out")
 
+    def _first_frame_deadline(self) -> None:
+        """Server: a client that has not begun the meshd handshake by now holds a slot for nothing."""
+        if self.closed or self.handshake is not None or self.admitted:
+            return
+        raise RemoteProtocolError(ErrorCode.HANDSHAKE_TIMEOUT, "no handshake frame in time")
+
     def _tick(self) -> None:
         if self.closed:
             return
@@ -544,15 +567,24 @@ class _Connection(QuicConnectionProtocol):
     # -- helpers ---------------------------------------------------------------------------------
 
     def discard(self) -> None:
-        """Forget a connection that never got a valid packet (no close is sent: there is nobody)."""
+        """Forget this connection now: no timer, no queued transmit, nothing that keeps it alive (whatever
+        is still queued is not sent). For a connection refused on its first datagram."""
         self.closed = self.closing = True
+        self._discarded = True
         for timer in self._timers:
             timer.cancel()
         self._timers.clear()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._transmit_task is not None:
+            self._transmit_task.cancel()
+            self._transmit_task = None
         self.mesh._conns.discard(self)
+
+    def transmit(self) -> None:
+        if not self._discarded:
+            super().transmit()
 
     def _consumed(self, stream: Stream) -> None:
         """Tell the flow controller how much of ``stream`` the application has taken; send credit soon

@@ -1,0 +1,134 @@
+"""Admission of new QUIC connections on a listening node (sans-I/O: bytes, addresses and ``now`` in).
+
+What a stranger may cost us before it proved anything:
+
+- ``initial_decrypts``: a first datagram creates a connection only if its Initial packet decrypts (the
+  Initial keys derive from the client's connection id, so this is cheap and needs no state). Junk leaves
+  nothing behind.
+- ``RetryTokens``: QUIC address validation (RFC 9000 8.1.2). When many handshakes are in progress, a
+  new client must first echo a token bound to its address; a spoofed source cannot, so it creates
+  nothing. Tokens are an HMAC (no state), valid for ``lifetime_s``.
+- ``choose_eviction``: when the handshakes from one source address or from everybody reach their cap,
+  the new one still gets a slot and the least promising unproven one is closed instead: silent ones
+  first (TLS done, nothing said), then those still in TLS, then those mid-handshake, oldest first in each.
+  A member's handshake says its first frame together with finishing TLS, so strangers holding slots
+  open without speaking are evicted before it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+from aioquic.buffer import Buffer  # type: ignore[attr-defined]
+from aioquic.quic.crypto import CryptoError, CryptoPair  # type: ignore[attr-defined]
+from aioquic.quic.packet import QuicPacketType, pull_quic_header
+
+
+def initial_decrypts(data: bytes, host_cid_length: int) -> bool:
+    """Whether ``data`` starts with a client Initial packet that decrypts (any QUIC version we can key)."""
+    buf = Buffer(data=data)
+    try:
+        header = pull_quic_header(buf, host_cid_length=host_cid_length)
+    except ValueError:
+        return False
+    if header.packet_type != QuicPacketType.INITIAL or header.version is None:
+        return False
+    crypto = CryptoPair()
+    try:
+        crypto.setup_initial(cid=header.destination_cid, is_client=False, version=header.version)
+        crypto.decrypt_packet(data[: header.packet_length], buf.tell(), 0)
+    except (CryptoError, ValueError):
+        return False
+    return True
+
+
+_TOKEN_VERSION = 1
+_TOKEN_MAC_BYTES = 16
+
+
+class RetryTokens:
+    """Stateless address-validation tokens: ``issue`` for a Retry, ``check`` on the client's next Initial.
+
+    Token: ``version u8 | issued_at_ms u64 | len u8 | original dcid | len u8 | retry scid | mac[16]``,
+    the MAC (HMAC-SHA256 under ``secret``) covering the client's address too. ``now`` is any monotonic
+    clock in seconds, the same for both calls.
+    """
+
+    def __init__(self, secret: bytes, lifetime_s: float) -> None:
+        if len(secret) < 16:
+            raise ValueError("the token secret must be at least 16 bytes")
+        self._secret = secret
+        self._lifetime_s = lifetime_s
+
+    def _mac(self, addr: tuple[str, int], body: bytes) -> bytes:
+        who = f"{addr[0]}|{addr[1]}".encode()
+        return hmac.new(self._secret, struct.pack(">H", len(who)) + who + body, hashlib.sha256).digest()[
+            :_TOKEN_MAC_BYTES
+        ]
+
+    def issue(self, addr: tuple[str, int], original_dcid: bytes, retry_scid: bytes, now: float) -> bytes:
+        body = struct.pack(">BQ", _TOKEN_VERSION, int(now * 1000))
+        body += bytes([len(original_dcid)]) + original_dcid + bytes([len(retry_scid)]) + retry_scid
+        return body + self._mac(addr, body)
+
+    def check(self, addr: tuple[str, int], token: bytes, dcid: bytes, now: float) -> bytes | None:
+        """The original destination connection id if ``token`` is ours, fresh, for ``addr`` and for a
+        client now sending to ``dcid`` (the Retry's source id); None otherwise."""
+        if len(token) < 11 + _TOKEN_MAC_BYTES:
+            return None
+        body, mac = token[:-_TOKEN_MAC_BYTES], token[-_TOKEN_MAC_BYTES:]
+        if not hmac.compare_digest(mac, self._mac(addr, body)):
+            return None
+        version, issued_ms = struct.unpack_from(">BQ", body)
+        n = body[9]
+        odcid = body[10 : 10 + n]
+        rest = body[10 + n :]
+        if version != _TOKEN_VERSION or len(odcid) != n or not rest or rest[1:] != dcid or rest[0] != len(dcid):
+            return None
+        age_s = now - issued_ms / 1000.0
+        if not -1.0 <= age_s <= self._lifetime_s:
+            return None
+        return odcid
+
+
+class Stage(IntEnum):
+    """How far an unproven handshake got; lower values are evicted first."""
+
+    SILENT = 0  # TLS finished, not a byte of the meshd handshake yet
+    TLS = 1  # still in the TLS handshake
+    TALKING = 2  # the meshd handshake started, membership not proven yet
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """One unproven handshake, as ``choose_eviction`` sees it."""
+
+    key: Hashable
+    source: str
+    started_at: float
+    stage: Stage
+
+
+def choose_eviction(
+    pending: Sequence[Pending], source: str, max_total: int, max_per_source: int
+) -> Hashable | None:
+    """The handshake to close so that a new one from ``source`` fits under both caps, or None if it fits.
+
+    Over the per-source cap the victim comes from ``source``; else, over the total cap, from anybody.
+    The victim is the lowest ``Stage``, oldest first.
+    """
+    same = [p for p in pending if p.source == source]
+    if len(same) >= max_per_source:
+        pool = same
+    elif len(pending) >= max_total:
+        pool = list(pending)
+    else:
+        return None
+    if not pool:
+        return None
+    return min(pool, key=lambda p: (p.stage, p.started_at)).key
