@@ -118,3 +118,29 @@ async def hold_silent(addr: Address, n: int, until: float, source: str = "127.0.
     stats: dict[str, int] = {}
     await asyncio.gather(*(_one_silent(addr, source, until, stats) for _ in range(n)))
     return stats
+
+
+def main(argv: list[str]) -> int:
+    """``python tests/hostile_tools.py hold HOST PORT N SECONDS [SOURCE]``: hold N silent connections for
+    SECONDS, then print their stats as one JSON line. ``flood HOST PORT COUNT SECONDS [SOURCE]``: junk."""
+    import json
+
+    cmd, host, port, n, seconds = argv[:5]
+    source = argv[5] if len(argv) > 5 else "127.0.0.1"
+    if cmd == "hold":
+        until = time.monotonic() + float(seconds)
+        stats = asyncio.run(hold_silent((host, int(port)), int(n), until, source))
+    elif cmd == "flood":
+        stats = {"sent": flood((host, int(port)), int(n), float(seconds), source=source)}
+    else:
+        raise SystemExit(f"unknown command {cmd!r}")
+    print(json.dumps(stats), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.exit(main(sys.argv[1:]))

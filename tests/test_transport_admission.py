@@ -68,24 +68,26 @@ def P(key: str, source: str, at: float, stage: Stage) -> Pending:  # noqa: N802 
 
 
 @pytest.mark.parametrize(
-    ("pending", "source", "victim"),
+    ("pending", "source", "verdict"),
     [
-        ([], "a", None),
-        ([P("1", "a", 1, Stage.SILENT)], "a", None),  # room left under both caps
+        ([], "a", (True, None)),
+        ([P("1", "a", 1, Stage.SILENT)], "a", (True, None)),  # room left under both caps
         # per-source cap (2) reached: the lowest stage from that source, oldest first
-        ([P("1", "a", 1, Stage.TALKING), P("2", "a", 2, Stage.SILENT)], "a", "2"),
-        ([P("1", "a", 1, Stage.TLS), P("2", "a", 2, Stage.TLS)], "a", "1"),
-        ([P("1", "a", 1, Stage.TALKING), P("2", "a", 2, Stage.TLS), P("3", "b", 0, Stage.SILENT)], "a", "2"),
+        ([P("1", "a", 1, Stage.TALKING), P("2", "a", 2, Stage.SILENT)], "a", (True, "2")),
+        ([P("1", "a", 1, Stage.TLS), P("2", "a", 2, Stage.TLS)], "a", (True, "1")),
+        ([P("1", "a", 1, Stage.TALKING), P("2", "a", 2, Stage.TLS), P("3", "b", 0, Stage.SILENT)], "a", (True, "2")),
+        # the victim would be younger than min_age (1 s at now = 10): the new one is refused
+        ([P("1", "a", 9.5, Stage.SILENT), P("2", "a", 2, Stage.TALKING)], "a", (False, None)),
         # another source is not over its own cap; the total (4) is not reached
-        ([P("1", "a", 1, Stage.SILENT), P("2", "a", 2, Stage.SILENT), P("3", "b", 3, Stage.TLS)], "b", None),
+        ([P("1", "a", 1, Stage.SILENT), P("2", "a", 2, Stage.SILENT), P("3", "b", 3, Stage.TLS)], "b", (True, None)),
         # the total cap reached: anybody's, lowest stage then oldest
         (
             [P("1", "a", 1, Stage.TALKING), P("2", "b", 2, Stage.TLS), P("3", "c", 3, Stage.SILENT),
              P("4", "d", 0, Stage.SILENT)],
             "e",
-            "4",
+            (True, "4"),
         ),
     ],
 )
-def test_eviction_order(pending: list[Pending], source: str, victim: str | None) -> None:
-    assert choose_eviction(pending, source, max_total=4, max_per_source=2) == victim
+def test_eviction_order(pending: list[Pending], source: str, verdict: tuple[bool, str | None]) -> None:
+    assert choose_eviction(pending, source, 10.0, max_total=4, max_per_source=2, min_age_s=1.0) == verdict

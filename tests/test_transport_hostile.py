@@ -11,6 +11,8 @@ import gc
 import json
 import random
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -28,6 +30,7 @@ from transport.quic import MeshTransport, Peer, StreamType, TransportConfig
 
 T0 = 1_700_000_000
 MB = 1024 * 1024
+FAILURES: list[str] = []  # why timed_connect failed, for the assertion messages
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +64,8 @@ async def timed_connect(mesh: MeshCredentials, node: PeerProcess) -> float:
         peer = await member.connect(node.addr, expected_node_id=node.node_id)
         await peer.request(StreamType.RPC, b"echo:x", 5.0)
         return time.monotonic() - start
-    except Exception:  # noqa: BLE001 - a failure is a data point here
+    except Exception as e:  # noqa: BLE001 - a failure is a data point here
+        FAILURES.append(repr(e))
         return float("inf")
     finally:
         await member.close()
@@ -171,3 +175,45 @@ def test_members_pass_address_validation_when_handshakes_pile_up(mesh: MeshCrede
 
     stats = asyncio.run(scenario())
     assert stats.get("retries_sent", 0) == 3 and stats.get("peers_admitted", 0) == 3, stats
+
+
+def start_holder(node: PeerProcess, n: int, seconds: float, source: str) -> subprocess.Popen[str]:
+    tool = Path(__file__).resolve().parent / "hostile_tools.py"
+    host, port = node.addr
+    return subprocess.Popen(
+        [sys.executable, str(tool), "hold", host, str(port), str(n), str(seconds), source],
+        stdout=subprocess.PIPE, text=True,
+    )
+
+
+@pytest.mark.parametrize("source", ["127.0.0.2"], ids=["other_host"])
+def test_members_connect_while_a_stranger_holds_200_silent_connections(
+    mesh: MeshCredentials, node: PeerProcess, source: str
+) -> None:
+    """10 of 10 member connects within 1 s while 200 silent TLS connections are held and reopened."""
+    holder = start_holder(node, 200, 14.0, source)
+    try:
+        time.sleep(3.0)  # let the stranger fill every slot it can
+
+        async def members() -> tuple[list[float], dict[str, Any]]:
+            times = []
+            for _ in range(10):
+                times.append(await timed_connect(mesh, node))
+                await asyncio.sleep(0.3)
+            member = new_member(mesh)
+            try:
+                stats = await stats_of(await member.connect(node.addr))
+            finally:
+                await member.close()
+            return times, stats
+
+        times, stats = asyncio.run(members())
+        out, _ = holder.communicate(timeout=30)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+    held = json.loads(out)
+    assert held["opened"] >= 200 and held["tls_done"] >= 100, held  # the attack really ran
+    closed = stats.get("handshakes_evicted", 0) + stats.get("refused_handshake_timeout", 0)
+    assert closed >= 100, stats
+    assert max(times) < 1.0, (times, FAILURES, held, stats)

@@ -9,10 +9,11 @@ What a stranger may cost us before it proved anything:
   new client must first echo a token bound to its address; a spoofed source cannot, so it creates
   nothing. Tokens are an HMAC (no state), valid for ``lifetime_s``.
 - ``choose_eviction``: when the handshakes from one source address or from everybody reach their cap,
-  the new one still gets a slot and the least promising unproven one is closed instead: silent ones
-  first (TLS done, nothing said), then those still in TLS, then those mid-handshake, oldest first in each.
-  A member's handshake says its first frame together with finishing TLS, so strangers holding slots
-  open without speaking are evicted before it.
+  the least promising unproven one is closed to make room (silent ones first: TLS done, nothing said;
+  then those still in TLS; then those mid-handshake; oldest first in each), unless even that one is
+  younger than ``min_age_s``: then the new one is refused, which bounds the handshakes (and the TLS
+  work) one source can make us do per second. A member's handshake says its first frame together with
+  finishing TLS, so strangers holding slots open without speaking are evicted before it.
 """
 
 from __future__ import annotations
@@ -115,12 +116,15 @@ class Pending:
 
 
 def choose_eviction(
-    pending: Sequence[Pending], source: str, max_total: int, max_per_source: int
-) -> Hashable | None:
-    """The handshake to close so that a new one from ``source`` fits under both caps, or None if it fits.
+    pending: Sequence[Pending], source: str, now: float, max_total: int, max_per_source: int, min_age_s: float
+) -> tuple[bool, Hashable | None]:
+    """Whether a new handshake from ``source`` may start, and which one to close first to make room.
 
-    Over the per-source cap the victim comes from ``source``; else, over the total cap, from anybody.
-    The victim is the lowest ``Stage``, oldest first.
+    Under both caps: ``(True, None)``. Over the per-source cap the victim comes from ``source``; else,
+    over the total cap, from anybody: the lowest ``Stage``, oldest first. A victim younger than
+    ``min_age_s`` is spared and the new handshake refused instead ``(False, None)``, so that reopening
+    connections as fast as they are evicted buys a source at most ``max_per_source / min_age_s``
+    handshakes a second, and a handshake once started has ``min_age_s`` to show progress.
     """
     same = [p for p in pending if p.source == source]
     if len(same) >= max_per_source:
@@ -128,7 +132,10 @@ def choose_eviction(
     elif len(pending) >= max_total:
         pool = list(pending)
     else:
-        return None
+        return True, None
     if not pool:
-        return None
-    return min(pool, key=lambda p: (p.stage, p.started_at)).key
+        return True, None
+    victim = min(pool, key=lambda p: (p.stage, p.started_at))
+    if now - victim.started_at < min_age_s:
+        return False, None
+    return True, victim.key

@@ -24,6 +24,7 @@ class TransportConfig:
     max_connections: int = limits.MAX_CONNECTIONS
     max_pending_handshakes: int = limits.MAX_PENDING_HANDSHAKES  # unproven handshakes; a new one evicts one
     max_pending_handshakes_per_source: int = limits.MAX_PENDING_HANDSHAKES_PER_SOURCE  # ... per source address
+    evict_min_age_s: float = 0.25  # a pending handshake younger than this is not evicted (new one refused)
     retry_above_pending: int = limits.RETRY_ABOVE_PENDING_HANDSHAKES  # address validation (Retry) from here on
     retry_token_lifetime_s: float = 10.0  # a Retry token is accepted this long after it was issued
     first_frame_timeout_s: float = 1.0  # server: a client must begin the meshd handshake within this

@@ -3,8 +3,9 @@
 Replaces aioquic's ``QuicServer`` so that admission is ours (see ``transport.admission``): a first
 datagram creates a connection only if its Initial decrypts; above ``retry_above_pending`` handshakes in
 progress a new client must pass address validation (Retry) first; every unproven handshake counts against
-a per-source and a total cap, and a full cap evicts the least promising one instead of refusing the new
-one. Nothing a stranger sends stays behind once it has been refused.
+a per-source and a total cap, and a full cap evicts the least promising one (or refuses the new one while
+every candidate is younger than ``evict_min_age_s``). Nothing a stranger sends stays behind once it has
+been refused.
 """
 
 from __future__ import annotations
@@ -128,11 +129,14 @@ class MeshServer(asyncio.DatagramProtocol):
             )
             mesh._count("retries_sent")
             return
-        self._make_room(who[0], now)
+        if not self._make_room(who[0], now):
+            self._drop("refused_pending_handshakes", "handshake_refused_pending_cap", addr, len(data))
+            return
         self._accept(data, addr, header.destination_cid, original_dcid, retry_scid)
 
-    def _make_room(self, source: str, now: float) -> None:
-        """Evict unproven handshakes until one more from ``source`` fits under both caps."""
+    def _make_room(self, source: str, now: float) -> bool:
+        """Evict unproven handshakes until one more from ``source`` fits under both caps; False if the
+        new one must be refused instead (see ``admission.choose_eviction``)."""
         mesh = self._mesh
         cfg = mesh.config
         while True:
@@ -140,9 +144,12 @@ class MeshServer(asyncio.DatagramProtocol):
                 Pending(c, c.remote_address[0] if c.remote_address else "", c.started_at, c.stage)
                 for c in mesh._unproven()
             ]
-            victim = choose_eviction(pending, source, cfg.max_pending_handshakes, cfg.max_pending_handshakes_per_source)
+            admit, victim = choose_eviction(
+                pending, source, now, cfg.max_pending_handshakes, cfg.max_pending_handshakes_per_source,
+                cfg.evict_min_age_s,
+            )
             if victim is None:
-                return
+                return admit
             conn: _Connection = victim  # type: ignore[assignment]
             mesh._count("handshakes_evicted")
             mesh._ratelog.debug(now, "handshake_evicted", addr=conn.remote_address, stage=conn.stage.name)
