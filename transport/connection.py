@@ -18,7 +18,7 @@ from aioquic.quic import events as qe
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.recovery import QuicPacketRecovery
 
-from transport import PROTOCOL_MAX, PROTOCOL_MIN, PROTOCOL_VERSION, limits
+from transport import ALPN, ALPN_RETIRED, PROTOCOL_MAX, PROTOCOL_MIN, PROTOCOL_VERSION, limits
 from transport.admission import Stage
 from transport.aioquic_ext import CoarsePacer, MeshQuicConnection
 from transport.config import is_loopback_host
@@ -34,7 +34,15 @@ from transport.framing import (
     RemoteProtocolError,
     encode_preamble,
 )
-from transport.handshake import Handshake, JoinReplied, JoinRequested, Mode, PeerAdmitted, tls_binding
+from transport.handshake import (
+    Handshake,
+    JoinReplied,
+    JoinRequested,
+    MembershipProven,
+    Mode,
+    PeerAdmitted,
+    tls_binding,
+)
 from transport.stream import Stream
 from transport.streams import HANDSHAKE_STREAM_TYPES, StreamType
 from transport.tls import certificate_der
@@ -45,6 +53,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("meshd.transport")
 
 _HANDSHAKE_STREAM_ID = 0  # the first client-initiated bidirectional stream
+_TLS_NO_APPLICATION_PROTOCOL = 0x100 + 120  # QUIC CRYPTO_ERROR carrying TLS alert no_application_protocol
 
 
 class _Connection(QuicConnectionProtocol):
@@ -294,6 +303,10 @@ class _Connection(QuicConnectionProtocol):
             self.tls_done = True
             if self.is_client:
                 self._start_client_handshake()
+            elif event.alpn_protocol in ALPN_RETIRED:
+                raise RemoteProtocolError(
+                    ErrorCode.UNSUPPORTED_VERSION, f"this node speaks {ALPN}, not {event.alpn_protocol}: upgrade meshd"
+                )
             elif self._refuse_at_start is not None:
                 # Refused once TLS is up, so that the client gets our code and reason (an application
                 # close sent during the TLS handshake loses both).
@@ -368,6 +381,8 @@ class _Connection(QuicConnectionProtocol):
         while (ev := hs.next_event()) is not None:
             if isinstance(ev, PeerAdmitted):
                 self._on_admitted(ev)
+            elif isinstance(ev, MembershipProven):
+                self.proven = True  # holds the mesh's genesis: no longer a stranger's handshake to evict
             elif isinstance(ev, JoinRequested):
                 task = asyncio.ensure_future(self._answer_join(ev))
                 self._tasks.add(task)
@@ -519,6 +534,10 @@ class _Connection(QuicConnectionProtocol):
                 self.result.set_exception(JoinRefused(reason))
             elif app_close and error_code != ErrorCode.NO_ERROR:
                 self.result.set_exception(HandshakeRefused(reason, error_code))
+            elif error_code == _TLS_NO_APPLICATION_PROTOCOL:
+                self.result.set_exception(
+                    TransportError(f"{self._describe_remote()} does not speak {ALPN} (an older meshd?)")
+                )
             else:
                 self.result.set_exception(TransportError(f"connection failed: {reason}"))
             self.result.exception()  # mark retrieved: nobody may be waiting any more

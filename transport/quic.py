@@ -22,7 +22,7 @@ import structlog
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
-from transport import ALPN, PROTOCOL_VERSION
+from transport import ALPN, ALPN_RETIRED, PROTOCOL_VERSION
 from transport.config import TransportConfig, backoff_delay_s, is_loopback_host
 from transport.connection import _Connection
 from transport.credentials import MemberCert, MeshCredentials
@@ -223,7 +223,7 @@ class MeshTransport:
             size = self.config.loopback_datagram_size
         cfg = QuicConfiguration(
             is_client=is_client,
-            alpn_protocols=[ALPN],
+            alpn_protocols=[ALPN] if is_client else [ALPN, *ALPN_RETIRED],  # old peers are told, then closed
             idle_timeout=self.config.idle_timeout_s,
             max_datagram_size=size,
             max_data=self.config.quic_max_data,
