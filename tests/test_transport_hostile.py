@@ -217,3 +217,47 @@ def test_members_connect_while_a_stranger_holds_200_silent_connections(
     closed = stats.get("handshakes_evicted", 0) + stats.get("refused_handshake_timeout", 0)
     assert closed >= 100, stats
     assert max(times) < 1.0, (times, FAILURES, held, stats)
+
+
+def test_aioquic_log_lines_become_rate_limited_debug_events(mesh: MeshCredentials) -> None:
+    """aioquic's ~3 info lines per connection: none reach the log handlers; each kind once per 10 s."""
+    import logging
+
+    import structlog
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    root = logging.getLogger()
+    handler, level = Keep(), root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)  # what --log-level debug does: aioquic's info lines are made
+
+    async def scenario() -> None:
+        server = new_member(mesh)
+        addr = await server.listen("127.0.0.1", 0)
+        try:
+            for _ in range(8):
+                member = new_member(mesh)
+                try:
+                    await member.connect(addr)
+                finally:
+                    await member.close()
+        finally:
+            await server.close()
+
+    try:
+        with structlog.testing.capture_logs() as events:
+            asyncio.run(scenario())
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    from_aioquic = [r for r in records if r.name == "quic" or r.name.startswith("quic.")]
+    assert from_aioquic == [], [r.getMessage() for r in from_aioquic[:5]]
+    routed = [e for e in events if e["event"] == "aioquic_log"]
+    kinds = [e["kind"] for e in routed]
+    assert routed and all(e["log_level"] == "debug" for e in routed)
+    assert len(kinds) == len(set(kinds)), kinds  # 8 connections x ~3 lines, each kind once

@@ -120,9 +120,10 @@ class _Connection(QuicConnectionProtocol):
 
     @property
     def rtt_ms(self) -> float | None:
-        loss = getattr(self._quic, "_loss", None)
-        rtt = getattr(loss, "_rtt_smoothed", 0.0) if loss is not None else 0.0
-        return round(rtt * 1000.0, 3) if rtt else None
+        """aioquic's smoothed round trip; None only before the first sample (never a silent default: a
+        renamed attribute raises, see tests/test_transport_aioquic_pins.py)."""
+        loss = self._quic._loss
+        return round(loss._rtt_smoothed * 1000.0, 3) if loss._rtt_initialized else None
 
     @property
     def stage(self) -> Stage:
@@ -330,7 +331,7 @@ class _Connection(QuicConnectionProtocol):
             self._on_terminated(event)
 
     def _start_client_handshake(self) -> None:
-        cert = getattr(self._quic.tls, "_peer_certificate", None)
+        cert = self._quic.tls._peer_certificate
         if cert is None:
             raise RemoteProtocolError(ErrorCode.HANDSHAKE_FAILED, "server sent no TLS certificate")
         mesh = self.mesh

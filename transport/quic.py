@@ -42,7 +42,7 @@ from transport.framing import (
 )
 from transport.handshake import Admission, Mode, PeerAdmitted, tls_binding
 from transport.identity import NodeIdentity
-from transport.ratelog import RateLimitedLog
+from transport.ratelog import RateLimitedLog, route_aioquic_logs
 from transport.server import MeshServer
 from transport.stream import Stream
 from transport.streams import HANDSHAKE_STREAM_TYPES, StreamType, max_frame_bytes
@@ -197,6 +197,7 @@ class MeshTransport:
         self._up_events: dict[str, asyncio.Event] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ratelog = RateLimitedLog(log, self.config.log_interval_s)
+        route_aioquic_logs(log, self.config.log_interval_s, time.monotonic)
         self._closing = False
 
     # -- configuration ---------------------------------------------------------------------------
