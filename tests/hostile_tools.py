@@ -86,10 +86,10 @@ class _Silent(QuicConnectionProtocol):
             self.ended.set()
 
 
-async def _one_silent(addr: Address, source: str, until: float, stats: dict[str, int]) -> None:
+async def _one_silent(addr: Address, source: str, until: float, stats: dict[str, int], alpn: str) -> None:
     loop = asyncio.get_running_loop()
     while time.monotonic() < until:
-        config = QuicConfiguration(is_client=True, alpn_protocols=[ALPN], verify_mode=ssl.CERT_NONE,
+        config = QuicConfiguration(is_client=True, alpn_protocols=[alpn], verify_mode=ssl.CERT_NONE,
                                    idle_timeout=60.0)
         quic = QuicConnection(configuration=config)
         transport, proto = await loop.create_datagram_endpoint(
@@ -113,23 +113,26 @@ async def _one_silent(addr: Address, source: str, until: float, stats: dict[str,
         await asyncio.sleep(0.01)
 
 
-async def hold_silent(addr: Address, n: int, until: float, source: str = "127.0.0.1") -> dict[str, int]:
+async def hold_silent(
+    addr: Address, n: int, until: float, source: str = "127.0.0.1", alpn: str = ALPN
+) -> dict[str, int]:
     """Hold ``n`` silent connections to ``addr`` until ``until`` (monotonic), reopening as they close."""
     stats: dict[str, int] = {}
-    await asyncio.gather(*(_one_silent(addr, source, until, stats) for _ in range(n)))
+    await asyncio.gather(*(_one_silent(addr, source, until, stats, alpn) for _ in range(n)))
     return stats
 
 
 def main(argv: list[str]) -> int:
-    """``python tests/hostile_tools.py hold HOST PORT N SECONDS [SOURCE]``: hold N silent connections for
-    SECONDS, then print their stats as one JSON line. ``flood HOST PORT COUNT SECONDS [SOURCE]``: junk."""
+    """``python tests/hostile_tools.py hold HOST PORT N SECONDS [SOURCE [ALPN]]``: hold N silent connections
+    for SECONDS, then print their stats as one JSON line. ``flood HOST PORT COUNT SECONDS [SOURCE]``: junk."""
     import json
 
     cmd, host, port, n, seconds = argv[:5]
     source = argv[5] if len(argv) > 5 else "127.0.0.1"
     if cmd == "hold":
         until = time.monotonic() + float(seconds)
-        stats = asyncio.run(hold_silent((host, int(port)), int(n), until, source))
+        alpn = argv[6] if len(argv) > 6 else ALPN
+        stats = asyncio.run(hold_silent((host, int(port)), int(n), until, source, alpn))
     elif cmd == "flood":
         stats = {"sent": flood((host, int(port)), int(n), float(seconds), source=source)}
     else:

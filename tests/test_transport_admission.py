@@ -12,7 +12,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from transport import ALPN
-from transport.admission import Pending, RetryTokens, Stage, choose_eviction, initial_decrypts
+from transport.admission import (
+    InitialHints,
+    Pending,
+    RetryTokens,
+    Stage,
+    choose_eviction,
+    hint_key,
+    initial_decrypts,
+    make_hint,
+)
 
 
 def client_initial() -> bytes:
@@ -91,3 +100,37 @@ def P(key: str, source: str, at: float, stage: Stage) -> Pending:  # noqa: N802 
 )
 def test_eviction_order(pending: list[Pending], source: str, verdict: tuple[bool, str | None]) -> None:
     assert choose_eviction(pending, source, 10.0, max_total=4, max_per_source=2, min_age_s=1.0) == verdict
+
+
+def test_hinted_newcomers_take_a_strangers_slot_and_are_evicted_last() -> None:
+    young_stranger = [P("s", "a", 9.9, Stage.SILENT), P("t", "a", 9.8, Stage.TLS)]
+    assert choose_eviction(young_stranger, "a", 10.0, 4, 2, 1.0) == (False, None)
+    assert choose_eviction(young_stranger, "a", 10.0, 4, 2, 1.0, hinted=True) == (True, "s")
+    member = [Pending("m", "a", 1.0, Stage.TLS, hinted=True), P("s", "a", 9.9, Stage.TALKING)]
+    assert choose_eviction(member, "a", 10.0, 4, 2, 1.0, hinted=True) == (True, "s")  # the stranger goes
+    old_member_only = [Pending("m", "a", 1.0, Stage.TLS, hinted=True), Pending("n", "a", 2.0, Stage.TLS, hinted=True)]
+    assert choose_eviction(old_member_only, "a", 10.0, 4, 2, 1.0) == (False, None)  # strangers never evict them
+    assert choose_eviction(old_member_only, "a", 10.0, 4, 2, 1.0, hinted=True) == (True, "m")
+
+
+def test_member_hints() -> None:
+    key, other = hint_key(b"k" * 32), hint_key(b"j" * 32)
+    hints = InitialHints(window_s=60.0, max_seen=3)
+    assert hints.check(key, make_hint(key, 1000.0, b"\x01" * 8), 1030.0)
+    assert not hints.check(key, make_hint(key, 1000.0, b"\x01" * 8), 1030.0)  # each nonce once
+    assert not hints.check(key, make_hint(other, 1000.0, b"\x02" * 8), 1000.0)  # another mesh
+    assert not hints.check(key, make_hint(key, 1000.0, b"\x03" * 8), 1061.0)  # too old
+    assert not hints.check(key, make_hint(key, 1000.0, b"\x04" * 8), 939.0)  # from the future
+    tampered = bytearray(make_hint(key, 1000.0, b"\x05" * 8))
+    tampered[3] ^= 1
+    assert not hints.check(key, bytes(tampered), 1000.0)
+    assert hints.check(key, make_hint(key, 1000.0, b"\x06" * 8), 1000.0)
+    assert hints.check(key, make_hint(key, 1000.0, b"\x07" * 8), 1000.0)
+    assert not hints.check(key, make_hint(key, 1000.0, b"\x08" * 8), 1000.0)  # memory full: refused
+    assert hints.check(key, make_hint(key, 1200.0, b"\x09" * 8), 1200.0)  # the old ones expired
+    assert not hints.check(key, b"\x02", 0.0) and not hints.check(key, b"", 0.0)
+
+
+@given(st.binary(max_size=100))
+def test_hint_check_never_raises(token: bytes) -> None:
+    assert InitialHints(60.0, 10).check(hint_key(b"k" * 32), token, 0.0) is False

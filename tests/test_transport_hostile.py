@@ -155,8 +155,15 @@ def test_junk_flood_does_not_make_members_wait(mesh: MeshCredentials) -> None:
     assert len(times) == 5 and max(times) < 1.0, times
 
 
-def test_members_pass_address_validation_when_handshakes_pile_up(mesh: MeshCredentials) -> None:
-    """Above ``retry_above_pending`` handshakes a new client gets a Retry first; members still get in."""
+def test_address_validation_when_handshakes_pile_up_and_hinted_members_skip_it(mesh: MeshCredentials) -> None:
+    """Above ``retry_above_pending`` handshakes a client without a member hint gets a Retry first (and
+    gets in); members, whose first Initial carries a valid hint, skip it."""
+    import ssl
+
+    from aioquic.asyncio.client import connect as quic_connect
+    from aioquic.quic.configuration import QuicConfiguration
+
+    from transport import ALPN
 
     async def scenario() -> dict[str, int]:
         server = new_member(mesh, replace(TransportConfig(), retry_above_pending=0))  # always validate
@@ -169,12 +176,18 @@ def test_members_pass_address_validation_when_handshakes_pile_up(mesh: MeshCrede
                     assert peer.connected
                 finally:
                     await member.close()
+            assert server.stats.get("retries_sent", 0) == 0
+            # a client with no hint (any QUIC client): Retry, then its TLS completes after the token
+            config = QuicConfiguration(is_client=True, alpn_protocols=[ALPN], verify_mode=ssl.CERT_NONE)
+            async with quic_connect(addr[0], addr[1], configuration=config, wait_connected=True):
+                pass
             return dict(server.stats)
         finally:
             await server.close()
 
     stats = asyncio.run(scenario())
-    assert stats.get("retries_sent", 0) == 3 and stats.get("peers_admitted", 0) == 3, stats
+    assert stats.get("handshakes_hinted", 0) == 3 and stats.get("peers_admitted", 0) == 3, stats
+    assert stats.get("retries_sent", 0) == 1 and stats.get("refused_retry_token", 0) == 0, stats
 
 
 def start_holder(node: PeerProcess, n: int, seconds: float, source: str) -> subprocess.Popen[str]:
@@ -186,7 +199,7 @@ def start_holder(node: PeerProcess, n: int, seconds: float, source: str) -> subp
     )
 
 
-@pytest.mark.parametrize("source", ["127.0.0.2"], ids=["other_host"])
+@pytest.mark.parametrize("source", ["127.0.0.2", "127.0.0.1"], ids=["other_host", "same_address"])
 def test_members_connect_while_a_stranger_holds_200_silent_connections(
     mesh: MeshCredentials, node: PeerProcess, source: str
 ) -> None:

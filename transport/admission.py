@@ -8,6 +8,12 @@ What a stranger may cost us before it proved anything:
 - ``RetryTokens``: QUIC address validation (RFC 9000 8.1.2). When many handshakes are in progress, a
   new client must first echo a token bound to its address; a spoofed source cannot, so it creates
   nothing. Tokens are an HMAC (no state), valid for ``lifetime_s``.
+- ``make_hint``/``InitialHints``: a member's first Initial carries a token that shows, blinded (an HMAC
+  under a key derived from the mesh's genesis), that it holds the genesis. It reveals nothing to anyone
+  else; a hinted handshake skips the Retry and evicts strangers' handshakes instead of waiting for room,
+  and is evicted last. Each hint counts once (its nonce is remembered for its validity window), so an
+  observer who replays one gains at most that one priority. A member whose clock is off by more than the
+  window is simply not hinted.
 - ``choose_eviction``: when the handshakes from one source address or from everybody reach their cap,
   the least promising unproven one is closed to make room (silent ones first: TLS done, nothing said;
   then those still in TLS; then those mid-handshake; oldest first in each), unless even that one is
@@ -48,8 +54,50 @@ def initial_decrypts(data: bytes, host_cid_length: int) -> bool:
     return True
 
 
-_TOKEN_VERSION = 1
+_TOKEN_VERSION = 1  # first byte of a Retry token
+HINT_KIND = 2  # first byte of a member hint
 _TOKEN_MAC_BYTES = 16
+_HINT_BYTES = 1 + 4 + 8 + _TOKEN_MAC_BYTES
+
+
+def hint_key(mesh_key: bytes) -> bytes:
+    """The key of member hints, from ``handshake.mesh_key(genesis)`` (a key of its own for this use)."""
+    return hmac.new(mesh_key, b"meshd-initial-hint-v1", hashlib.sha256).digest()
+
+
+def make_hint(key: bytes, now_wall: float, nonce: bytes) -> bytes:
+    """A member's Initial token: ``kind u8 | unix seconds u32 | nonce[8] | mac[16]`` (``nonce`` fresh random)."""
+    if len(nonce) != 8:
+        raise ValueError("the nonce must be 8 bytes")
+    body = struct.pack(">BI", HINT_KIND, int(now_wall) & 0xFFFFFFFF) + nonce
+    return body + hmac.new(key, body, hashlib.sha256).digest()[:_TOKEN_MAC_BYTES]
+
+
+class InitialHints:
+    """Checks member hints: MAC, age within ``window_s`` either way (wall clocks differ a little), and
+    each nonce once. Remembers at most ``max_seen`` nonces; when full, hints are refused until some expire."""
+
+    def __init__(self, window_s: float, max_seen: int) -> None:
+        self._window_s = window_s
+        self._max_seen = max_seen
+        self._seen: dict[bytes, float] = {}  # nonce -> when it may be forgotten (wall seconds)
+
+    def check(self, key: bytes, token: bytes, now_wall: float) -> bool:
+        if len(token) != _HINT_BYTES or token[0] != HINT_KIND:
+            return False
+        body, mac = token[:-_TOKEN_MAC_BYTES], token[-_TOKEN_MAC_BYTES:]
+        if not hmac.compare_digest(mac, hmac.new(key, body, hashlib.sha256).digest()[:_TOKEN_MAC_BYTES]):
+            return False
+        (t,) = struct.unpack_from(">I", body, 1)
+        if abs(now_wall - t) > self._window_s:
+            return False
+        if len(self._seen) >= self._max_seen:
+            self._seen = {n: until for n, until in self._seen.items() if until > now_wall}
+        nonce = body[5:]
+        if nonce in self._seen or len(self._seen) >= self._max_seen:
+            return False
+        self._seen[nonce] = now_wall + 2 * self._window_s
+        return True
 
 
 class RetryTokens:
@@ -113,18 +161,26 @@ class Pending:
     source: str
     started_at: float
     stage: Stage
+    hinted: bool = False
 
 
 def choose_eviction(
-    pending: Sequence[Pending], source: str, now: float, max_total: int, max_per_source: int, min_age_s: float
+    pending: Sequence[Pending],
+    source: str,
+    now: float,
+    max_total: int,
+    max_per_source: int,
+    min_age_s: float,
+    hinted: bool = False,
 ) -> tuple[bool, Hashable | None]:
     """Whether a new handshake from ``source`` may start, and which one to close first to make room.
 
     Under both caps: ``(True, None)``. Over the per-source cap the victim comes from ``source``; else,
-    over the total cap, from anybody: the lowest ``Stage``, oldest first. A victim younger than
-    ``min_age_s`` is spared and the new handshake refused instead ``(False, None)``, so that reopening
-    connections as fast as they are evicted buys a source at most ``max_per_source / min_age_s``
-    handshakes a second, and a handshake once started has ``min_age_s`` to show progress.
+    over the total cap, from anybody: unhinted before hinted, then the lowest ``Stage``, oldest first.
+    For an unhinted newcomer, a hinted victim or one younger than ``min_age_s`` is spared and the new
+    handshake refused instead ``(False, None)``, so that reopening connections as fast as they are
+    evicted buys a source at most ``max_per_source / min_age_s`` handshakes a second, and a handshake
+    once started has ``min_age_s`` to show progress. A hinted newcomer always gets the slot.
     """
     same = [p for p in pending if p.source == source]
     if len(same) >= max_per_source:
@@ -135,7 +191,7 @@ def choose_eviction(
         return True, None
     if not pool:
         return True, None
-    victim = min(pool, key=lambda p: (p.stage, p.started_at))
-    if now - victim.started_at < min_age_s:
+    victim = min(pool, key=lambda p: (p.hinted, p.stage, p.started_at))
+    if not hinted and (victim.hinted or now - victim.started_at < min_age_s):
         return False, None
     return True, victim.key

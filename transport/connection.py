@@ -87,6 +87,7 @@ class _Connection(QuicConnectionProtocol):
         self.admitted_at = 0.0
         self.proven = False  # server: the peer proved membership (never evicted as a pending handshake)
         self.tls_done = False
+        self.hinted = False  # server: its first Initial carried a valid member hint (evicted last)
         self.started_at = self._loop.time()
         self._discarded = False
         self.closed = False

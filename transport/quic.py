@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import random
 import socket
 import ssl
@@ -23,6 +24,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
 from transport import ALPN, ALPN_RETIRED, PROTOCOL_VERSION
+from transport.admission import hint_key, make_hint
 from transport.config import TransportConfig, backoff_delay_s, is_loopback_host
 from transport.connection import _Connection
 from transport.credentials import MemberCert, MeshCredentials
@@ -40,7 +42,7 @@ from transport.framing import (
     decode_error,
     encode_error,
 )
-from transport.handshake import Admission, Mode, PeerAdmitted, tls_binding
+from transport.handshake import Admission, Mode, PeerAdmitted, mesh_key, tls_binding
 from transport.identity import NodeIdentity
 from transport.ratelog import RateLimitedLog, route_aioquic_logs
 from transport.server import MeshServer
@@ -218,7 +220,7 @@ class MeshTransport:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    def _quic_config(self, is_client: bool, loopback: bool = False) -> QuicConfiguration:
+    def _quic_config(self, is_client: bool, loopback: bool = False, hint: bool = False) -> QuicConfiguration:
         size = self.config.max_datagram_size
         if loopback and self.config.loopback_datagram_size:
             size = self.config.loopback_datagram_size
@@ -232,6 +234,9 @@ class MeshTransport:
         )
         if is_client:
             cfg.verify_mode = ssl.CERT_NONE  # the meshd handshake authenticates, bound to this cert
+            if hint and self.credentials is not None:  # priority at a busy node, blinded (see admission)
+                key = hint_key(mesh_key(self.credentials.genesis.encoded))
+                cfg.token = make_hint(key, time.time(), os.urandom(8))
         else:
             cfg.certificate = self._tls_cert
             cfg.private_key = self.identity.private_key()
@@ -375,7 +380,9 @@ class MeshTransport:
             raise TransportError(f"cannot resolve {host}: {e}") from None
         family, _, _, _, sockaddr = infos[0]
         local = ("::", 0) if family == socket.AF_INET6 else ("0.0.0.0", 0)
-        quic = QuicConnection(configuration=self._quic_config(True, is_loopback_host(str(sockaddr[0]))))
+        quic = QuicConnection(
+            configuration=self._quic_config(True, is_loopback_host(str(sockaddr[0])), hint=mode is Mode.MEMBER)
+        )
         try:
             udp, protocol = await loop.create_datagram_endpoint(
                 lambda: _Connection(

@@ -28,8 +28,18 @@ from aioquic.quic.packet import (
     pull_quic_header,
 )
 
-from transport.admission import Pending, RetryTokens, choose_eviction, initial_decrypts
+from transport import limits
+from transport.admission import (
+    HINT_KIND,
+    InitialHints,
+    Pending,
+    RetryTokens,
+    choose_eviction,
+    hint_key,
+    initial_decrypts,
+)
 from transport.framing import ErrorCode
+from transport.handshake import mesh_key
 
 if TYPE_CHECKING:
     from transport.connection import _Connection
@@ -57,6 +67,9 @@ class MeshServer(asyncio.DatagramProtocol):
         self._transport: asyncio.DatagramTransport | None = None
         self.protocols: dict[bytes, _Connection] = {}  # every connection id in use -> its connection
         self._retry = RetryTokens(os.urandom(32), mesh.config.retry_token_lifetime_s)
+        self._hints = InitialHints(limits.HINT_WINDOW_S, limits.MAX_REMEMBERED_HINTS)
+        self._hint_genesis = b""
+        self._hint_key = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -109,13 +122,17 @@ class MeshServer(asyncio.DatagramProtocol):
         who = (str(addr[0]), int(addr[1]))
         original_dcid: bytes | None = header.destination_cid
         retry_scid: bytes | None = None
-        if header.token:
+        hinted = False
+        if header.token and header.token[0] == HINT_KIND:
+            hinted = self._hint_ok(header.token)
+            mesh._count("handshakes_hinted" if hinted else "hints_refused")
+        elif header.token:
             original_dcid = self._retry.check(who, header.token, header.destination_cid, now)
             if original_dcid is None:
                 self._drop("refused_retry_token", "retry_token_refused", addr, len(data))
                 return
             retry_scid = header.destination_cid
-        elif mesh._pending_handshakes() >= mesh.config.retry_above_pending:
+        if retry_scid is None and not hinted and mesh._pending_handshakes() >= mesh.config.retry_above_pending:
             scid = os.urandom(8)
             self._transport.sendto(
                 encode_quic_retry(
@@ -129,24 +146,33 @@ class MeshServer(asyncio.DatagramProtocol):
             )
             mesh._count("retries_sent")
             return
-        if not self._make_room(who[0], now):
+        if not self._make_room(who[0], now, hinted):
             self._drop("refused_pending_handshakes", "handshake_refused_pending_cap", addr, len(data))
             return
-        self._accept(data, addr, header.destination_cid, original_dcid, retry_scid)
+        self._accept(data, addr, header.destination_cid, original_dcid, retry_scid, hinted)
 
-    def _make_room(self, source: str, now: float) -> bool:
+    def _hint_ok(self, token: bytes) -> bool:
+        creds = self._mesh.credentials
+        if creds is None:
+            return False
+        if self._hint_genesis != creds.genesis.encoded:
+            self._hint_genesis = creds.genesis.encoded
+            self._hint_key = hint_key(mesh_key(creds.genesis.encoded))
+        return self._hints.check(self._hint_key, token, time.time())
+
+    def _make_room(self, source: str, now: float, hinted: bool) -> bool:
         """Evict unproven handshakes until one more from ``source`` fits under both caps; False if the
         new one must be refused instead (see ``admission.choose_eviction``)."""
         mesh = self._mesh
         cfg = mesh.config
         while True:
             pending = [
-                Pending(c, c.remote_address[0] if c.remote_address else "", c.started_at, c.stage)
+                Pending(c, c.remote_address[0] if c.remote_address else "", c.started_at, c.stage, c.hinted)
                 for c in mesh._unproven()
             ]
             admit, victim = choose_eviction(
                 pending, source, now, cfg.max_pending_handshakes, cfg.max_pending_handshakes_per_source,
-                cfg.evict_min_age_s,
+                cfg.evict_min_age_s, hinted,
             )
             if victim is None:
                 return admit
@@ -156,7 +182,8 @@ class MeshServer(asyncio.DatagramProtocol):
             conn.close_with(ErrorCode.TOO_MANY_CONNECTIONS, "too many handshakes in progress")
 
     def _accept(
-        self, data: bytes, addr: Any, dcid: bytes, original_dcid: bytes | None, retry_scid: bytes | None
+        self, data: bytes, addr: Any, dcid: bytes, original_dcid: bytes | None, retry_scid: bytes | None,
+        hinted: bool,
     ) -> None:
         connection = QuicConnection(
             configuration=self._configuration,
@@ -164,6 +191,7 @@ class MeshServer(asyncio.DatagramProtocol):
             retry_source_connection_id=retry_scid,
         )
         protocol = self._create_protocol(connection)
+        protocol.hinted = hinted
         protocol.connection_made(self._transport)  # type: ignore[arg-type]
         protocol._connection_id_issued_handler = partial(self._cid_issued, protocol=protocol)
         protocol._connection_id_retired_handler = partial(self._cid_retired, protocol=protocol)
