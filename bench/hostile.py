@@ -81,7 +81,10 @@ class Side:
             [sys.executable, str(ROOT / "bench" / "hostile_probe.py"), str(path)],
             env=self.env, capture_output=True, text=True, timeout=120, cwd=str(self.tree),
         )
-        result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+        lines = out.stdout.strip().splitlines()
+        if out.returncode != 0 or not lines:
+            raise RuntimeError(f"{self.name} probe failed: {out.stderr[-1500:]}")
+        result: dict[str, Any] = json.loads(lines[-1])
         return result
 
 
@@ -150,11 +153,14 @@ def transport_rows(before: Side, after: Side) -> list[dict[str, str]]:
                  "before": res["before"]["rss"], "after": res["after"]["rss"], "target": "<= 20 MB"})
     rows.append({"attack": "10,000 junk Initials in 10 s", "measure": "member connect during flood",
                  "before": res["before"]["connect"], "after": res["after"]["connect"], "target": "< 1 s"})
+    for row in rows:
+        print(f"# {json.dumps(row)}", file=sys.stderr, flush=True)
     for source, label in (("127.0.0.2", "another address"), ("127.0.0.1", "the member's address")):
         res = {s.name: held_slots(s, mesh, source) for s in (before, after)}
         rows.append({"attack": f"200 silent connections from {label}", "measure": "member connect (10 tries)",
                      "before": res["before"]["connect"], "after": res["after"]["connect"],
                      "target": "10/10 < 1 s"})
+        print(f"# {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
         for name in ("before", "after"):
             if res[name]["errors"]:
                 print(f"# {name}, {label}: {res[name]['errors']}", file=sys.stderr)

@@ -16,6 +16,9 @@ import sys
 import time
 from pathlib import Path
 
+# bench/ holds a transport.py of its own (the transport benchmark): keep it from shadowing the package
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
 
 async def probe(config: dict) -> dict:
     from transport.credentials import Genesis, MemberCert, MeshCredentials
