@@ -422,3 +422,33 @@ def test_rate_limited_log_with_fake_clock() -> None:
     now = 10.0
     assert rl.debug(now, "garbage", n=3)
     assert sink.lines == [("garbage", {"n": 1}), ("other", {}), ("garbage", {"n": 3, "suppressed": 5})]
+
+
+def test_aioquic_records_become_one_debug_event_per_kind_with_fake_clock() -> None:
+    import logging
+
+    from transport.ratelog import AioquicLogFilter, RateLimitedLog
+
+    lines: list[tuple[str, dict[str, Any]]] = []
+
+    class Sink:
+        def debug(self, event: str, **fields: Any) -> None:
+            lines.append((event, fields))
+
+    now = [0.0]
+    f = AioquicLogFilter(RateLimitedLog(Sink(), 10.0), lambda: now[0])
+
+    def record(msg: str, *args: Any) -> logging.LogRecord:
+        return logging.LogRecord("quic", logging.INFO, __file__, 1, msg, args, None)
+
+    assert f.filter(record("[0a1b] TLS %s -> %s", "A", "B")) is False  # the record itself is dropped
+    assert f.filter(record("[ffee] TLS %s -> %s", "B", "C")) is False  # same kind, another connection
+    assert f.filter(record("[ffee] Negotiated protocol version %s", "v1")) is False
+    now[0] = 10.0
+    f.filter(record("[0c0d] TLS %s -> %s", "C", "D"))
+    assert [(e, fields["kind"], fields.get("suppressed")) for e, fields in lines] == [
+        ("aioquic_log", "TLS %s -> %s", None),
+        ("aioquic_log", "Negotiated protocol version %s", None),
+        ("aioquic_log", "TLS %s -> %s", 1),
+    ]
+    assert lines[0][1]["message"] == "[0a1b] TLS A -> B" and lines[0][1]["level"] == "info"
