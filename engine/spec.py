@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from transport.limits import MAX_MODEL_SPEC_CHARS
+from engine.limits import MAX_MODEL_SPEC_CHARS
 
 MAX_SPEC_CHARS = MAX_MODEL_SPEC_CHARS
 # Served names: what OpenAI clients put in "model". No leading '/', '.', '~' so a path is never a name.
