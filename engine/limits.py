@@ -11,6 +11,12 @@ from __future__ import annotations
 # model forward pass (engine-model)
 # queries per attention score matrix: bounds it to H*256*L*4 bytes (48 MB at H=12 heads, L=4096)
 ATTENTION_QUERY_BLOCK = 256
+# weights dequantized per tile in a matmul over packed (bf16/f16/GGUF-quantized) weights: 64 Ki weights are a
+# 256 KiB fp32 tile, which stays in a core's L2 (1 MiB here) while the BLAS product reads it
+MATMUL_TILE_WEIGHTS = 64 * 1024
+# GGUF reading (engine/gguf_file.py)
+GGUF_MAX_SPLITS = 256  # files of one split GGUF set (-00001-of-0000N.gguf); published sets use < 100
+GGUF_MAX_VOCAB = 1 << 20  # tokens in tokenizer.ggml.tokens; the largest published vocabularies are ~260 Ki
 # generation / scheduling (engine-gen)
 MAX_ACTIVE_SEQUENCES = 8  # sequences a Scheduler runs at once per model: each holds a KV cache; more waits as 429
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's cap); bounds per-token work and response size
