@@ -227,6 +227,9 @@ class GGUFSource:
     files: list[Path]
     # q/k rows stored in ggml's rotary order (llama): HF key -> heads, to be undone on the outputs
     permuted: dict[str, int]
+    # HF key -> (file, first byte, end byte) of its stored data (absolute offsets, for range mappings)
+    offsets: dict[str, tuple[Path, int, int]]
+    hf_config: dict[str, Any]
 
 
 def _ref(path: Path, t: Any, key: str) -> TensorRef:
@@ -275,11 +278,14 @@ def load_gguf(path: str | Path) -> GGUFSource:
     moe = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"
     expert_names = (("w1", "w3", "w2") if cfg.model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj"))
     tensors: dict[str, TensorRef] = {}
+    offsets: dict[str, tuple[Path, int, int]] = {}
     for f, r in zip(files, readers):
         for t in r.tensors:
             name = t.name
+            begin = int(t.data_offset)
             if name in GLOBAL_NAMES:
                 tensors[GLOBAL_NAMES[name]] = _ref(f, t, GLOBAL_NAMES[name])
+                offsets[GLOBAL_NAMES[name]] = (f, begin, begin + int(t.n_bytes))
                 continue
             m = _BLK.match(name)
             if m is None:
@@ -291,10 +297,12 @@ def load_gguf(path: str | Path) -> GGUFSource:
                 if len(ref.shape) != 3:
                     raise CheckpointError(f"{f}: tensor {name!r} has shape {list(ref.shape)}, expected 3-D")
                 role = expert_names[_EXPS[rest]]
+                per = int(t.n_bytes) // ref.shape[0]
                 for e in range(ref.shape[0]):
                     key = f"{prefix}.{moe}.experts.{e}.{role}.weight"
                     tensors[key] = TensorRef(key=key, file=f, dtype=ref.dtype, shape=ref.shape[1:],
                                              data=ref.data[e])
+                    offsets[key] = (f, begin + e * per, begin + (e + 1) * per)
                 continue
             if rest not in TENSOR_NAMES:
                 raise CheckpointError(f"{f}: tensor {name!r} is not used by the {arch} model")
@@ -304,6 +312,7 @@ def load_gguf(path: str | Path) -> GGUFSource:
                 ref = TensorRef(key=key, file=f, dtype=ref.dtype, shape=(1, ref.shape[0]),
                                 data=ref.data.reshape(1, -1))
             tensors[key] = ref
+            offsets[key] = (f, begin, begin + int(t.n_bytes))
     permuted: dict[str, int] = {}
     if arch == "llama":
         for i in range(cfg.num_layers):
@@ -311,7 +320,7 @@ def load_gguf(path: str | Path) -> GGUFSource:
             permuted[f"model.layers.{i}.self_attn.k_proj.weight"] = cfg.num_kv_heads
     ckpt = Checkpoint(first.parent, [], tensors)
     ckpt.files = files  # type: ignore[assignment]
-    return GGUFSource(cfg, ckpt, meta, files, permuted)
+    return GGUFSource(cfg, ckpt, meta, files, permuted, offsets, raw)
 
 
 def unpermute_index(rows: int, heads: int) -> np.ndarray:
