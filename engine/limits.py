@@ -14,6 +14,9 @@ ATTENTION_QUERY_BLOCK = 256
 # weights dequantized per tile in a matmul over packed (bf16/f16/GGUF-quantized) weights: 64 Ki weights are a
 # 256 KiB fp32 tile, which stays in a core's L2 (1 MiB here) while the BLAS product reads it
 MATMUL_TILE_WEIGHTS = 64 * 1024
+# activation rows up to which a product over K-quant/Q4_0 weights uses the compiled kernel (engine.kernels, if
+# numba is installed) instead of the numpy tiles: the kernel re-reads the weights per row, the tiles once per tile
+KERNEL_MAX_ROWS = 4
 # GGUF reading (engine/gguf_file.py)
 GGUF_MAX_SPLITS = 256  # files of one split GGUF set (-00001-of-0000N.gguf); published sets use < 100
 GGUF_MAX_VOCAB = 1 << 20  # tokens in tokenizer.ggml.tokens; the largest published vocabularies are ~260 Ki

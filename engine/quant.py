@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .limits import MATMUL_TILE_WEIGHTS
+from . import kernels as _kernels
+from .limits import KERNEL_MAX_ROWS, MATMUL_TILE_WEIGHTS
 
 F32 = np.float32
 QK_K = 256
@@ -43,6 +44,10 @@ BLOCKS: dict[str, tuple[int, int]] = {
 }
 QUANTIZED = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
 SUPPORTED_TYPES = tuple(BLOCKS)
+
+# Types whose compiled decode kernel measured >= 2x the numpy tiles (engine.kernels; bench in docs/engine-model.md):
+# Q4_0 2.7x, Q4_K 2.2x, Q5_K 9.2x, Q6_K 3.3x. BF16 (1.0x) and Q8_0 (1.4x) stay on the numpy path.
+KERNEL_TYPES = ("Q4_0", "Q4_K", "Q5_K", "Q6_K")
 
 _NIBBLE_SHIFT = np.array([0, 4], dtype=np.uint8)
 _BIT_SHIFT = np.arange(8, dtype=np.uint8)
@@ -159,8 +164,14 @@ class Packed:
         return self.rows(0, self.shape[0])
 
     def matmul(self, x: np.ndarray) -> np.ndarray:
-        """``x @ W.T``: [T, K] fp32 -> [T, N] fp32, one cache-sized tile of rows at a time."""
+        """``x @ W.T``: [T, K] fp32 -> [T, N] fp32, one cache-sized tile of rows at a time (or, for a few
+        rows of a type with a compiled kernel, ``engine.kernels``: the choice depends only on T and the
+        type, so every process computing the same rows makes the same choice)."""
         n, k = self.shape
+        if x.shape[0] <= KERNEL_MAX_ROWS and self.qtype in KERNEL_TYPES and _kernels.AVAILABLE:
+            out = _kernels.gemm(x, self.qtype, self.data)
+            if out is not None:
+                return out
         step = max(1, MATMUL_TILE_WEIGHTS // k)
         if step >= n:
             return x @ self.rows(0, n).T

@@ -17,7 +17,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from engine import quant  # noqa: E402
+from engine import quant  # noqa: E402  (engine.kernels is imported by quant)
 from engine.checkpoint import CheckpointError  # noqa: E402
 from engine.gguf_export import export_gguf, quantize  # noqa: E402
 from engine.model import Model  # noqa: E402
@@ -302,3 +302,15 @@ def test_cli_reports_a_bad_gguf_in_one_line(good_gguf: Path, tmp_path: Path) -> 
     assert "Traceback" not in p.stderr
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "truncated: tensor" in lines[0], p.stderr
+
+
+@pytest.mark.skipif(not __import__("engine.kernels").kernels.AVAILABLE, reason="numba (the fast extra) not installed")
+@pytest.mark.parametrize("qtype", ["BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_compiled_kernels_match_the_numpy_tiles(qtype: str) -> None:
+    from engine import kernels
+
+    w = _rng(8).standard_normal((300, 512)).astype(np.float32)
+    x = _rng(9).standard_normal((2, 512)).astype(np.float32)
+    p = quant.packed(quantize(w, qtype), qtype, (300, 512))
+    got = kernels.gemm(x, qtype, p.data)
+    np.testing.assert_allclose(got, x @ p.widen().T, rtol=1e-5, atol=1e-4)
