@@ -56,10 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run a node that serves models and/or expert shards")
     _add_networking(p)
-    p.add_argument("--model", action="append", metavar="SPEC", help="model to serve: PATH, tiny, or "
-                   "openai:URL, optionally NAME=SPEC (repeatable)")
+    p.add_argument("--model", action="append", metavar="SPEC", help="model to serve: PATH (checkpoint "
+                   "directory or .gguf), tiny, or openai:URL, optionally NAME=SPEC (repeatable; default none)")
     p.add_argument("--experts", action="append", metavar="SPEC", help="expert shards to hold for other "
-                   "nodes: PATH[@LAYERS/EXPERTS] (repeatable)")
+                   "nodes: PATH[@LAYERS/EXPERTS], PATH a checkpoint directory or .gguf (repeatable; default none)")
     p.add_argument("--remote-experts", choices=["off", "on", "prefer"], help="hand routed experts to "
                    "workers (default off)")
     # Parsed and checked (positive, message <= layer) in meshd.config with the config file's values.

@@ -102,3 +102,35 @@ def test_unsupported_tokenizer_is_named(tmp_path: Path) -> None:
     w.close()
     with pytest.raises(TokenizerError, match="tokenizer.ggml.model 't5' is not supported"):
         Tokenizer.load(tmp_path / "spm.gguf")
+
+
+def test_meshd_generate_runs_a_quantized_gguf_end_to_end(tmp_path: Path) -> None:
+    """A real `meshd generate` process on a Q4_K_M GGUF whose tokenizer and chat template come from it."""
+    import subprocess
+    import sys
+
+    from engine.gguf_export import export_gguf
+    from engine.model import Model
+    from gguf_helpers import QWEN3_MOE, build
+
+    _hf_tokenizer(tmp_path / "src")
+    vocab = len(json.loads((tmp_path / "src" / "tokenizer.json").read_text())["model"]["vocab"]) + len(SPECIALS)
+    build("Qwen3MoeConfig", "Qwen3MoeForCausalLM", tmp_path / "src", **{**QWEN3_MOE, "vocab_size": vocab})
+    g = tmp_path / "tiny-q4km.gguf"
+    export_gguf(tmp_path / "src", g, "Q4_K_M")
+    p = subprocess.run([sys.executable, "-m", "meshd", "generate", "--model", str(g), "--prompt", "hello mesh",
+                        "--max-tokens", "5", "--temperature", "0", "--ignore-eos", "--json",
+                        "--state-dir", str(tmp_path / "st")], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    # the same greedy tokens as the engine in this process on the same file
+    tok = Tokenizer.load(g)
+    model = Model.load(g)
+    ids = tok.encode("hello mesh")
+    cache = model.new_cache()
+    logits = model.forward(ids, cache)[-1]
+    want = []
+    for _ in range(5):
+        want.append(int(logits.argmax()))
+        logits = model.forward([want[-1]], cache)[-1]
+    assert out["text"] == tok.decode(want), (out, want)
