@@ -43,18 +43,6 @@ WARM_MAX_BYTES = 8 << 20  # ``Model.warm`` reads at most this per layer (~0.6 ms
 _PAGE = 4096
 
 
-def _available_bytes() -> int:
-    """MemAvailable from /proc/meminfo (0 if unknown, which keeps narrow experts narrow)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 class KVCache:
     """Keys and values of one sequence, per layer ``[KV, capacity, hd]``; ``length`` positions are valid.
 

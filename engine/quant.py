@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import kernels as _kernels
-from .limits import KERNEL_MAX_ROWS, MATMUL_TILE_WEIGHTS
+from .limits import KERNEL_MAX_ROWS, MATMUL_PREFILL_TILE_WEIGHTS, MATMUL_TILE_WEIGHTS
 
 F32 = np.float32
 QK_K = 256
@@ -172,7 +172,10 @@ class Packed:
             out = _kernels.gemm(x, self.qtype, self.data)
             if out is not None:
                 return out
-        step = max(1, MATMUL_TILE_WEIGHTS // k)
+        # decode-sized products: small tiles that stay in L2; prefill-sized: few large tiles, so BLAS runs a
+        # few big GEMMs rather than many thin ones (each call wakes its threads: measured ~5x slower prefill)
+        tile = MATMUL_TILE_WEIGHTS if x.shape[0] <= KERNEL_MAX_ROWS else MATMUL_PREFILL_TILE_WEIGHTS
+        step = max(1, tile // k)
         if step >= n:
             return x @ self.rows(0, n).T
         out = np.empty((n, x.shape[0]), dtype=F32)  # [N, T]: each tile writes contiguous rows
