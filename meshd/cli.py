@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(required)")
 
     p = sub.add_parser("generate", help="generate text with a model in this process")
-    p.add_argument("--model", required=True, metavar="SPEC", help="model to run: PATH or tiny (required)")
+    p.add_argument("--model", required=True, metavar="SPEC",
+                   help="model to run: PATH (checkpoint directory or .gguf) or tiny (required)")
     p.add_argument("--prompt", required=True, metavar="TEXT", help="prompt text, used as is (required)")
     p.add_argument("--max-tokens", type=int, default=64, metavar="N", help="tokens to generate at most "
                    "(default 64)")
