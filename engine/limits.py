@@ -14,10 +14,10 @@ ATTENTION_QUERY_BLOCK = 256
 # weights dequantized per tile in a matmul over packed (bf16/f16/GGUF-quantized) weights: 64 Ki weights are a
 # 256 KiB fp32 tile, which stays in a core's L2 (1 MiB here) while the BLAS product reads it
 MATMUL_TILE_WEIGHTS = 64 * 1024
-# weights per tile when more than KERNEL_MAX_ROWS activation rows (prefill) share it: 4 Mi weights are a 16 MiB
-# transient fp32 tile (one per product in flight); dequantizing costs ~1/T of the GEMM then, and BLAS gets
-# few large calls
-MATMUL_PREFILL_TILE_WEIGHTS = 4 * 1024 * 1024
+# weights per tile when more than KERNEL_MAX_ROWS activation rows (prefill) share it: 1 Mi weights are a 4 MiB
+# transient fp32 tile (one per product in flight; small next to any real model's weights); dequantizing costs
+# ~1/T of the GEMM then, and BLAS gets ~1,000-row GEMMs instead of ~100-row ones
+MATMUL_PREFILL_TILE_WEIGHTS = 1024 * 1024
 # activation rows up to which a product over K-quant/Q4_0 weights uses the compiled kernel (engine.kernels, if
 # numba is installed) instead of the numpy tiles: the kernel re-reads the weights per row, the tiles once per tile
 KERNEL_MAX_ROWS = 4
