@@ -104,13 +104,8 @@ def test_unsupported_tokenizer_is_named(tmp_path: Path) -> None:
         Tokenizer.load(tmp_path / "spm.gguf")
 
 
-def test_meshd_generate_runs_a_quantized_gguf_end_to_end(tmp_path: Path) -> None:
-    """A real `meshd generate` process on a Q4_K_M GGUF whose tokenizer and chat template come from it."""
-    import subprocess
-    import sys
-
+def _q4km_gguf(tmp_path: Path) -> Path:
     from engine.gguf_export import export_gguf
-    from engine.model import Model
     from gguf_helpers import QWEN3_MOE, build
 
     _hf_tokenizer(tmp_path / "src")
@@ -118,6 +113,49 @@ def test_meshd_generate_runs_a_quantized_gguf_end_to_end(tmp_path: Path) -> None
     build("Qwen3MoeConfig", "Qwen3MoeForCausalLM", tmp_path / "src", **{**QWEN3_MOE, "vocab_size": vocab})
     g = tmp_path / "tiny-q4km.gguf"
     export_gguf(tmp_path / "src", g, "Q4_K_M")
+    return g
+
+
+def test_api_serves_a_gguf_with_its_chat_template(tmp_path: Path) -> None:
+    """The OpenAI API over real HTTP on a GGUF: listed under the file's name, chat rendered with the GGUF's
+    template, greedy output equal to the engine run directly."""
+    import openai
+    from api_helpers import LoopThread
+
+    from engine.generate import generate
+    from engine.sampling import SamplingParams
+    from meshd.api.engine_backend import load_engine_backend
+    from meshd.api.server import ApiConfig, ApiServer
+
+    g = _q4km_gguf(tmp_path)
+    lt = LoopThread()
+    backend = load_engine_backend(str(g), tmp_path / "state", max_active=1)
+    server = ApiServer(ApiConfig("gguf-node"), [backend])
+    lt.run(server.start("127.0.0.1", 0))
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{server.address[1]}/v1", api_key="x", max_retries=0)
+        assert [m.id for m in c.models.list().data] == ["tiny-q4km"]
+        msgs = [{"role": "user", "content": "hello mesh"}]
+        r = c.chat.completions.create(model="tiny-q4km", messages=msgs, max_tokens=5, temperature=0)
+        src = backend.source
+        ids = src.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+        assert ids[:1] == [src.tokenizer.token_to_id("<|im_start|>")]
+        want = "".join(e.text for e in generate(src.model, src.tokenizer, ids,
+                                                SamplingParams(max_tokens=5, temperature=0.0)))
+        assert r.choices[0].message.content == want and r.usage.prompt_tokens == len(ids)
+    finally:
+        lt.run(server.stop())
+        lt.close()
+
+
+def test_meshd_generate_runs_a_quantized_gguf_end_to_end(tmp_path: Path) -> None:
+    """A real `meshd generate` process on a Q4_K_M GGUF whose tokenizer and chat template come from it."""
+    import subprocess
+    import sys
+
+    from engine.model import Model
+
+    g = _q4km_gguf(tmp_path)
     p = subprocess.run([sys.executable, "-m", "meshd", "generate", "--model", str(g), "--prompt", "hello mesh",
                         "--max-tokens", "5", "--temperature", "0", "--ignore-eos", "--json",
                         "--state-dir", str(tmp_path / "st")], capture_output=True, text=True, timeout=300)
