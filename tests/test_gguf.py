@@ -349,3 +349,19 @@ def test_resident_memory_stays_near_the_file_size(tmp_path: Path, mix: str) -> N
     assert p.returncode == 0, p.stderr[-2000:]
     grown = int(p.stdout.strip().splitlines()[-1])
     assert grown <= 1.15 * size + (8 << 20), f"peak RSS grew {grown / 2**20:.1f} MiB for a {size / 2**20:.1f} MiB file"
+
+
+def test_expert_fingerprint_covers_the_quantization_type(qwen3_moe_src: Path, tmp_path: Path) -> None:
+    from engine.experts.fingerprint import compute_fingerprint, model_fingerprint
+    from engine.experts.shard import load_shard
+
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    export_gguf(qwen3_moe_src, a, "Q8_0")
+    export_gguf(qwen3_moe_src, b, "Q6_K")
+    fa = model_fingerprint(a, cache_dir=tmp_path / "cache")
+    assert fa == compute_fingerprint(a) == model_fingerprint(a, cache_dir=tmp_path / "cache")
+    assert fa != compute_fingerprint(b)
+    shard = load_shard(f"{b}@1/0-1")  # a worker holds the blocks as stored
+    g, _, d = shard.weights(1, 1)
+    assert isinstance(g, quant.Packed) and g.qtype == "Q6_K" and d.shape == (256, 256)
+    shard.close()
