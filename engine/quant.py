@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import kernels as _kernels
 from .limits import KERNEL_MAX_ROWS, MATMUL_PREFILL_TILE_WEIGHTS, MATMUL_TILE_WEIGHTS
 
 F32 = np.float32
@@ -134,6 +133,14 @@ def dequantize(data: np.ndarray, qtype: str, shape: tuple[int, ...]) -> np.ndarr
     return dequantize_blocks(blocks, qtype).reshape(shape)
 
 
+def _kernel_gemm(x: np.ndarray, qtype: str, data: np.ndarray) -> np.ndarray | None:
+    """``engine.kernels.gemm``, imported on first use (numba's import costs ~0.5 s and tens of MB, paid only by
+    processes that multiply K-quant weights)."""
+    from . import kernels
+
+    return kernels.gemm(x, qtype, data)
+
+
 @dataclass(frozen=True, slots=True)
 class Packed:
     """A 2-D weight [N, K] in its stored type. ``data``: [N, row_bytes] uint8 (quantized), [N, K] uint16
@@ -168,8 +175,8 @@ class Packed:
         rows of a type with a compiled kernel, ``engine.kernels``: the choice depends only on T and the
         type, so every process computing the same rows makes the same choice)."""
         n, k = self.shape
-        if x.shape[0] <= KERNEL_MAX_ROWS and self.qtype in KERNEL_TYPES and _kernels.AVAILABLE:
-            out = _kernels.gemm(x, self.qtype, self.data)
+        if x.shape[0] <= KERNEL_MAX_ROWS and self.qtype in KERNEL_TYPES:
+            out = _kernel_gemm(x, self.qtype, self.data)
             if out is not None:
                 return out
         # decode-sized products: small tiles that stay in L2; prefill-sized: few large tiles, so BLAS runs a

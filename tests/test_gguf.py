@@ -17,7 +17,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from engine import quant  # noqa: E402  (engine.kernels is imported by quant)
+from engine import quant  # noqa: E402
 from engine.checkpoint import CheckpointError  # noqa: E402
 from engine.gguf_export import export_gguf, quantize  # noqa: E402
 from engine.model import Model  # noqa: E402
