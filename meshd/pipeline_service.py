@@ -54,9 +54,15 @@ def parse_stage_spec(spec: str) -> tuple[str, tuple[int, int] | None]:
 
 
 def available_bytes() -> int:
-    from engine.model import _available_bytes
-
-    return _available_bytes()
+    """MemAvailable from /proc/meminfo (0 if unknown: such a node offers nothing unless --pipeline-memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 class _Prefixed:
