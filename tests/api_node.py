@@ -5,7 +5,7 @@ certificate issued by the admin key (``make_mesh``), so no join is needed; ``--c
 once and membership gossip finds everyone else.
 
     python tests/api_node.py --creds FILE [--standin a,b] [--model openai:URL] [--role client]
-        [--connect HOST:PORT@NODE_ID]... [--keepalive S --idle-timeout S] [--max-links N]
+        [--connect HOST:PORT@NODE_ID]... [--keepalive S --idle-timeout S] [--max-links N --link-idle S]
         # prints "READY {json}"; the state dir is state-NODEID next to FILE, emptied at start
 """
 
@@ -94,7 +94,7 @@ async def run(args: argparse.Namespace) -> None:
         shutil.rmtree(state_dir)  # a restarted node starts fresh (as the test processes always did)
     config = DaemonConfig(role="client" if args.role == "client" else "serve", state_dir=state_dir,
                           listen=HostPort("127.0.0.1", 0), api=HostPort("127.0.0.1", 0), mdns=False)
-    membership = MembershipService(config, max_links=args.max_links)
+    membership = MembershipService(config, max_links=args.max_links, link_idle_s=args.link_idle)
     api = ApiService(node_id=ident.node_id, host="127.0.0.1", port=0, role=args.role, backends=backends,
                      transport=None, tunnel_config=tun)
 
@@ -127,12 +127,14 @@ async def run(args: argparse.Namespace) -> None:
 
 
 async def _seed(transport: Any, addr: tuple[str, int], node_id: str) -> None:
-    for _ in range(50):
+    delay = 0.1
+    while True:  # until the seed answered once (it may still be starting, or the machine is busy)
         try:
             await transport.connect(addr, expected_node_id=node_id)
             return
-        except Exception:  # noqa: BLE001 - the seed may still be starting
-            await asyncio.sleep(0.2)
+        except Exception:  # noqa: BLE001
+            await asyncio.sleep(delay)
+            delay = min(1.0, delay * 2)
 
 
 if __name__ == "__main__":
@@ -149,6 +151,7 @@ if __name__ == "__main__":
     ap.add_argument("--heartbeat-timeout", type=float, default=None)
     ap.add_argument("--sse-keepalive", type=float, default=None)
     ap.add_argument("--max-links", type=int, default=None)
+    ap.add_argument("--link-idle", type=float, default=2.0)
     ap.add_argument("--log-level", default="WARNING")
     a = ap.parse_args()
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr),

@@ -406,7 +406,15 @@ class ApiServer:
         if bump is not None:
             bump(t.node_id, +1)
         try:
-            reply = await self.tunnel.request(peer, "POST", path, body)
+            try:
+                reply = await self.tunnel.request(peer, "POST", path, body)
+            except ApiError as e:
+                # the connection was closed under the stream before any answer (replaced by a duplicate
+                # dial, or closed as idle just then): the node is fine, so ask it once more
+                if e.status != 502 or "connection closed" not in e.message:
+                    raise
+                log.info("route_retry_same_node", node=t.node_id, reason=e.message)
+                reply = await self.tunnel.request(peer, "POST", path, body)
         except ApiError as e:
             if e.status >= 500:
                 self.routes.peer(t.node_id).mark_failed(time.monotonic())

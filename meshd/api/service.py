@@ -239,6 +239,7 @@ class ApiService:
         st["models"] = [m for b in own for m in b.status()]
         st["role"] = self.server.config.role
         st["tunnels_active"] = self.tunnel_server.active
+        st["tunnel_streams"] = {"served": self.tunnel_server.served, "opened": self.tunnel_client.opened}
         st["peers_serving"] = {n.node_id: list(n.models) for n in self.view.nodes()}
         st["routes"] = {nid: {"ttfb_ms": ps.ttfb_ms, "tok_per_s": ps.tok_per_s, "failures": ps.failures}
                         for nid, ps in self.server.routes.stats.items()}

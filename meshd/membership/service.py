@@ -41,6 +41,7 @@ from meshd.membership.core import Membership, MemberView
 from meshd.membership.joining import IssuerUnreachable, JoinMixin, _parse_addr
 from meshd.membership.events import Event, LocalRefuted, NodeBanned, PeerDied, PeerJoined, PeerLeft
 from meshd.membership.load import free_mb, load_changed, load_interval_s
+from meshd.mesh.limits import LINK_MIN_IDLE_S
 from meshd.mesh.links import Links
 from meshd.mesh.view import MeshView
 from meshd.membership.records import (
@@ -91,7 +92,7 @@ class MembershipService(JoinMixin, CommandsMixin):
     name = "membership"
 
     def __init__(self, config: DaemonConfig, preset: MembershipConfig | None = None,
-                 max_links: int | None = None) -> None:
+                 max_links: int | None = None, link_idle_s: float = LINK_MIN_IDLE_S) -> None:
         self.config = config
         self.preset = preset
         self.core: Membership | None = None
@@ -104,6 +105,7 @@ class MembershipService(JoinMixin, CommandsMixin):
         self._queues: dict[str, deque[bytes]] = {}
         self._senders: dict[str, asyncio.Task[None]] = {}
         self.max_links = max_links
+        self.link_idle_s = link_idle_s
         self.links: Links | None = None
         self.view = MeshView(self)
         self._ledger = InviteLedger()
@@ -212,7 +214,7 @@ class MembershipService(JoinMixin, CommandsMixin):
         except (InviteError, ValueError, OSError) as e:
             raise RuntimeFailure(f"cannot read {INVITES_FILE}: {e}") from e
         daemon.admission_checks.append(self._admit)
-        self.links = Links(t, self._addrs_of, cap=self.max_links)
+        self.links = Links(t, self._addrs_of, cap=self.max_links, min_idle_s=self.link_idle_s)
         t.on_stream(StreamType.GOSSIP, self._on_gossip_stream)
         t.set_join_handler(self._on_join)
         t.on_peer_up.append(self._on_peer_up)
@@ -445,8 +447,6 @@ class MembershipService(JoinMixin, CommandsMixin):
     async def _on_gossip_stream(self, peer: Peer, stream: Stream) -> None:
         try:
             while (data := await stream.recv()) is not None:
-                if self.links is not None:
-                    self.links.touch(peer.node_id)
                 if self.core is not None and not self._stopping:
                     self.core.receive(peer.node_id, data, self._now())
                     self._flush()

@@ -2,7 +2,8 @@
 
 Nothing keeps a connection to every member: gossip, probes and routed requests ask ``Links.get(node_id)``,
 which returns the connected peer or dials it at the addresses in its signed record (concurrent callers
-share one dial). Every use ``touch``es the link; ``hold`` marks it busy while a routed request streams.
+share one dial). Every use by this node ``touch``es the link (what peers send us does not: a peer that
+only talks to us does not keep our slot); ``hold`` marks it busy while a routed request streams.
 When the connections exceed ``cap`` (default: the transport's cap minus ``LINK_CAP_HEADROOM``), the least
 recently used ones that are not busy and idle for ``LINK_MIN_IDLE_S`` are closed, so a mesh larger than
 the connection cap still reaches every member.
@@ -41,12 +42,14 @@ class Links:
     """See module docstring. ``addrs_of(node_id)`` gives the addresses to dial (record, then mDNS)."""
 
     def __init__(self, transport: MeshTransport, addrs_of: Callable[[str], list[Address]],
-                 cap: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 cap: int | None = None, min_idle_s: float = LINK_MIN_IDLE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.transport = transport
         self.addrs_of = addrs_of
         max_conns = int(getattr(getattr(transport, "config", None), "max_connections", 256))
         self.cap = cap if cap is not None else max(2, max_conns - LINK_CAP_HEADROOM)
         self._clock = clock
+        self.min_idle_s = min_idle_s
         self._used: dict[str, float] = {}
         self._busy: dict[str, int] = {}
         self._dials: dict[str, asyncio.Future[Peer | None]] = {}
@@ -119,15 +122,21 @@ class Links:
             return 0
         now = self._clock()
         idle = [p for p in peers if p.node_id not in self._busy
-                and now - self._used.get(p.node_id, -1e18) >= LINK_MIN_IDLE_S]
+                and now - self._used.get(p.node_id, -1e18) >= self.min_idle_s]
         idle.sort(key=lambda p: self._used.get(p.node_id, -1e18))
         closed = 0
         for p in idle[:excess]:
-            self._used.pop(p.node_id, None)
-            self.stats["closed_idle"] += 1
             closed += 1
-            _spawn(self.transport.disconnect(p.node_id, "idle connection closed to make room"))
+            _spawn(self._close_if_idle(p.node_id))
         return closed
+
+    async def _close_if_idle(self, node_id: str) -> None:
+        # checked again here: a request may have started on the link since it was picked
+        if node_id in self._busy or self._clock() - self._used.get(node_id, -1e18) < self.min_idle_s:
+            return
+        self._used.pop(node_id, None)
+        self.stats["closed_idle"] += 1
+        await self.transport.disconnect(node_id, "idle connection closed to make room")
 
     def status(self) -> dict[str, Any]:
         return {"cap": self.cap, "connected": len(self.transport.peers()), "busy": len(self._busy), **self.stats}

@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from meshd.api.router import NodeInfo
+from transport.errors import TransportError
 
 if TYPE_CHECKING:
     from meshd.membership.core import MemberView
@@ -41,11 +42,17 @@ class OnDemandPeer:
         links = self._view.membership.links
         if links is None:
             raise ConnectionError("this node has no transport")
-        peer = await links.get(self.node_id)
-        if peer is None:
-            raise ConnectionError(f"node {self.node_id[:12]} cannot be reached at its addresses")
-        links.touch(self.node_id)
-        return await peer.open_stream(stream_type)
+        for attempt in range(2):  # a connection closing just now (idle, or replaced) is dialled again once
+            peer = await links.get(self.node_id)
+            if peer is None:
+                raise ConnectionError(f"node {self.node_id[:12]} cannot be reached at its addresses")
+            links.touch(self.node_id)
+            try:
+                return await peer.open_stream(stream_type)
+            except TransportError:
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
 
 
 class MeshView:
