@@ -451,12 +451,17 @@ async def _watch_body(body: AsyncIterator[bytes], st: PeerStats, reply: Reply) -
     request goes elsewhere at once instead of waiting for the dead node to time out again."""
     events = 0
     t0 = time.monotonic()
+    buf = bytearray()
     try:
         async for chunk in body:
             if reply.stream:
                 events += chunk.count(b"data: ")
                 reply.events = max(0, events - 1)  # the last event is [DONE]
+            elif len(buf) < _USAGE_SCAN_BYTES:
+                buf += chunk
             yield chunk
+        if buf:
+            reply.events = _completion_tokens(bytes(buf))
     except ApiError as e:
         if e.status >= 500:
             st.mark_failed(time.monotonic())
@@ -465,6 +470,19 @@ async def _watch_body(body: AsyncIterator[bytes], st: PeerStats, reply: Reply) -
     dt = time.monotonic() - t0
     if events >= 8 and dt > 0:
         st.observe_rate(events / dt)
+
+
+_USAGE_SCAN_BYTES = 1024 * 1024  # a non-streamed answer from a peer is read this far for its token count
+
+
+def _completion_tokens(data: bytes) -> int:
+    """``usage.completion_tokens`` of an OpenAI JSON answer, 0 if absent (for the request log)."""
+    try:
+        usage = json.loads(data).get("usage") or {}
+        n = usage.get("completion_tokens", 0)
+        return n if isinstance(n, int) else 0
+    except (ValueError, AttributeError):
+        return 0
 
 
 def _json_reply(payload: dict[str, Any], node_id: str) -> Reply:

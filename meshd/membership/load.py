@@ -7,9 +7,15 @@ load re-signs sets every node's gossip bandwidth. Two rules keep that flat in N:
 - a node re-signs for load only when it changed materially (``load_changed``): in flight, queue or slots
   differ, tokens/s moved by more than ``TOK_S_STEP`` (relative), or free memory by more than
   ``FREE_MB_STEP`` (relative);
-- and at most once per ``load_interval_s(n)``: the mesh as a whole re-signs for load about
-  ``MESH_LOAD_RESIGNS_PER_S`` times a second, so a node of a larger mesh waits longer (never less
-  than ``LOAD_MIN_INTERVAL_S``).
+- and at most once per ``load_interval_s(n, record_bytes)``. One re-signed record costs every member
+  about ``retransmit_limit(N) * record_bytes`` (times a factor below 1 that piggybacking gives), so the
+  interval is ``n * retransmit_limit(n) * record_bytes / LOAD_RESIGN_BUDGET``: the mesh as a whole
+  re-signs for load at a rate that keeps each node's added gossip about constant (never more often than
+  every ``LOAD_MIN_INTERVAL_S`` per node). ``LOAD_RESIGN_BUDGET`` is calibrated with
+  ``bench/gossip.py`` so that bytes per node per second with load stay within 2x of a quiet mesh's.
+  The price is freshness: a node of a 10-node mesh re-signs its load about every 50 s, of a 100-node
+  mesh about every 12 minutes, of 1,000 nodes every 2.7 hours; between re-signs the router counts its
+  own requests on each node and steers away from nodes that fail or answer 429.
 
 Changes of what a node serves (models, expert shards, stages, API address) are not rate limited: they
 are rare and routing depends on them.
@@ -17,17 +23,21 @@ are rare and routing depends on them.
 
 from __future__ import annotations
 
+from meshd.membership.config import retransmit_limit
 from meshd.membership.records import Capacity, Load
 
 LOAD_MIN_INTERVAL_S = 2.0  # a node re-signs for load at most this often, whatever the mesh size
-MESH_LOAD_RESIGNS_PER_S = 0.5  # load re-signs per second across the whole mesh (see bench/gossip.py)
+LOAD_RESIGN_BUDGET = 2000.0  # calibrated with bench/gossip.py (see module docstring)
+TYPICAL_RECORD_BYTES = 1200  # a record with one model and its member certificate
 TOK_S_STEP = 0.25  # relative change of tokens/s worth a re-sign
 FREE_MB_STEP = 0.10  # relative change of free memory worth a re-sign
 
 
-def load_interval_s(n: int) -> float:
+def load_interval_s(n: int, record_bytes: int = TYPICAL_RECORD_BYTES, retransmit_mult: int = 4) -> float:
     """Minimum seconds between two load re-signs of one node in a mesh of ``n`` nodes."""
-    return max(LOAD_MIN_INTERVAL_S, max(1, n) / MESH_LOAD_RESIGNS_PER_S)
+    n = max(1, n)
+    cost = n * retransmit_limit(retransmit_mult, n) * max(1, record_bytes)
+    return max(LOAD_MIN_INTERVAL_S, cost / LOAD_RESIGN_BUDGET)
 
 
 def _moved(old: float, new: float, step: float) -> bool:

@@ -40,7 +40,7 @@ from meshd.membership.config import MembershipConfig
 from meshd.membership.core import Membership, MemberView
 from meshd.membership.joining import IssuerUnreachable, JoinMixin, _parse_addr
 from meshd.membership.events import Event, LocalRefuted, NodeBanned, PeerDied, PeerJoined, PeerLeft
-from meshd.membership.load import free_mb, load_changed, load_interval_s
+from meshd.membership.load import TYPICAL_RECORD_BYTES, free_mb, load_changed, load_interval_s
 from meshd.mesh.limits import LINK_MIN_IDLE_S
 from meshd.mesh.links import Links
 from meshd.mesh.view import MeshView
@@ -138,8 +138,11 @@ class MembershipService(JoinMixin, CommandsMixin):
         if self._load_handle is not None:
             return
         loop = asyncio.get_running_loop()
-        n = len(self.core.live_ids()) + 1 if self.core is not None else 1
-        delay = max(0.0, self._last_load_publish + load_interval_s(n) - loop.time())
+        core = self.core
+        n = len(core.live_ids()) + 1 if core is not None else 1
+        size = len(core.local_record.encoded) if core is not None else TYPICAL_RECORD_BYTES
+        interval = load_interval_s(n, size, core.config.retransmit_mult if core is not None else 4)
+        delay = max(0.0, self._last_load_publish + interval - loop.time())
         self._load_handle = loop.call_later(delay, self._publish_load)
 
     def _publish_load(self) -> None:
