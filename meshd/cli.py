@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_state_dir(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
+    p = sub.add_parser("doctor", help="check what usually breaks a mesh and say how to fix it (exit 1 on a failure)")
+    _add_state_dir(p)
+    p.add_argument("--json", action="store_true", help="print the checks as one JSON list")
+
     p = sub.add_parser("ban", help="revoke a member mesh-wide (needs the mesh admin key)")
     _add_state_dir(p)
     p.add_argument("node_id", metavar="NODE_ID")
@@ -126,6 +130,7 @@ _COMMAND_MODULES = {
     "invite": "meshd.commands.invite",
     "join": "meshd.commands.join",
     "status": "meshd.commands.status",
+    "doctor": "meshd.commands.doctor",
     "ban": "meshd.commands.ban",
     "generate": "meshd.commands.generate",
     "model": "meshd.commands.model",

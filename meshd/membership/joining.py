@@ -7,6 +7,8 @@ A mixin of ``MembershipService`` (``meshd.membership.service``); split from it, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import random
 import time
 from typing import TYPE_CHECKING, Any
@@ -35,6 +37,7 @@ log = structlog.get_logger("meshd.membership.service")
 JOIN_BACKOFF_MIN_S = 0.5  # issuer unreachable: retry after this, doubling ...
 JOIN_BACKOFF_MAX_S = 30.0  # ... up to this (with jitter)
 INVITES_FILE = "invites.json"
+LAST_JOIN_FILE = "last-join.json"  # why the last join attempt failed (removed once a join succeeds)
 
 
 class IssuerUnreachable(RuntimeFailure):
@@ -147,6 +150,7 @@ class JoinMixin:
             try:
                 tok.check_usable(time.time(), mine)
             except InviteError as e:
+                self._note_join(f"join refused: {e}")
                 raise RuntimeFailure(f"join refused: {e}") from None
             request = build_join_request(tok, self.daemon.identity.public_key, PROTOCOL_VERSION)
             last = "no address in the token"
@@ -155,11 +159,13 @@ class JoinMixin:
                     reply = await self.transport.redeem(addr, tok.issuer_id, request)
                 except JoinRefused as e:
                     log.warning("join_refused", issuer=tok.issuer_id, reason=e.reason)
+                    self._note_join(f"join refused: {e.reason}")
                     raise RuntimeFailure(f"join refused: {e.reason}") from None
                 except (TransportError, OSError) as e:
                     last = str(e)
                     continue
                 return self._accept_join(tok, reply), JoinResponse.decode(reply)
+            self._note_join(f"issuer of the invite token unreachable: {last}")
             if self._stop_requested() or (deadline is not None and self._now() >= deadline):
                 raise IssuerUnreachable(f"issuer of the invite token unreachable: {last}")
             wait = delay * (0.5 + 0.5 * random.random())
@@ -172,6 +178,17 @@ class JoinMixin:
             delay = min(delay * 2, JOIN_BACKOFF_MAX_S)
             if reread:
                 text = self.config.read_join_token() or text
+
+    def _note_join(self, reason: str | None) -> None:
+        """Remember why the last join attempt failed (``meshd doctor`` shows it); None: it succeeded."""
+        if self.daemon is None:
+            return
+        path = self.daemon.state.path / LAST_JOIN_FILE
+        with contextlib.suppress(OSError):
+            if reason is None:
+                path.unlink(missing_ok=True)
+            else:
+                write_atomic(path, json.dumps({"time": int(time.time()), "reason": reason}).encode())
 
     def _stop_requested(self) -> bool:
         check = getattr(self.daemon, "_stop_requested", None)
@@ -190,6 +207,7 @@ class JoinMixin:
         if cert.node_pub != self.daemon.identity.public_key:
             raise RuntimeFailure("join failed: the certificate is for another key")
         log.info("mesh_joined", mesh_id=genesis.mesh_id, issuer=tok.issuer_id)
+        self._note_join(None)
         return MeshCredentials(genesis=genesis, cert=cert)
 
     async def _on_join(self, joiner_pub: bytes, request: bytes) -> bytes:

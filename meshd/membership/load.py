@@ -13,9 +13,9 @@ load re-signs sets every node's gossip bandwidth. Two rules keep that flat in N:
   re-signs for load at a rate that keeps each node's added gossip about constant (never more often than
   every ``LOAD_MIN_INTERVAL_S`` per node). ``LOAD_RESIGN_BUDGET`` is calibrated with
   ``bench/gossip.py`` so that bytes per node per second with load stay within 2x of a quiet mesh's.
-  The price is freshness: a node of a 10-node mesh re-signs its load about every 50 s, of a 100-node
-  mesh about every 12 minutes, of 1,000 nodes every 2.7 hours; between re-signs the router counts its
-  own requests on each node and steers away from nodes that fail or answer 429.
+  The price is freshness: with ~800-byte records a node of a 10-node mesh re-signs its load about once
+  a minute, of a 100-node mesh every ~15 minutes, of 1,000 nodes every ~3 hours; between re-signs the
+  router counts its own requests on each node and steers away from nodes that fail or answer 429.
 
 Changes of what a node serves (models, expert shards, stages, API address) are not rate limited: they
 are rare and routing depends on them.
@@ -27,7 +27,7 @@ from meshd.membership.config import retransmit_limit
 from meshd.membership.records import Capacity, Load
 
 LOAD_MIN_INTERVAL_S = 2.0  # a node re-signs for load at most this often, whatever the mesh size
-LOAD_RESIGN_BUDGET = 2000.0  # calibrated with bench/gossip.py (see module docstring)
+LOAD_RESIGN_BUDGET = 1100.0  # calibrated with bench/gossip.py (see module docstring)
 TYPICAL_RECORD_BYTES = 1200  # a record with one model and its member certificate
 TOK_S_STEP = 0.25  # relative change of tokens/s worth a re-sign
 FREE_MB_STEP = 0.10  # relative change of free memory worth a re-sign

@@ -462,7 +462,7 @@ class MembershipService(JoinMixin, CommandsMixin):
             return
         if self.links is not None:
             self.links.forget_failure(peer.node_id)
-            self.links.touch(peer.node_id)
+            self.links.note_up(peer.node_id)
         view = core.member(peer.node_id)
         if view is None or view.state != "alive":
             core.sync_with(peer.node_id, self._now())

@@ -54,10 +54,17 @@ class Links:
         self._busy: dict[str, int] = {}
         self._dials: dict[str, asyncio.Future[Peer | None]] = {}
         self._failed: dict[str, float] = {}
-        self.stats = {"dialled": 0, "dial_failures": 0, "closed_idle": 0}
+        self.stats = {"dialled": 0, "dial_failures": 0, "closed_idle": 0, "inbound": 0}
 
     def touch(self, node_id: str) -> None:
         self._used[node_id] = self._clock()
+
+    def note_up(self, node_id: str) -> None:
+        """A connection came up; one this node was not dialling was made by the peer (``inbound``: proof
+        that peers can reach this node's UDP port, for ``meshd doctor``)."""
+        if node_id not in self._dials:
+            self.stats["inbound"] += 1
+        self.touch(node_id)
 
     def forget_failure(self, node_id: str) -> None:
         self._failed.pop(node_id, None)
