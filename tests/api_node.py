@@ -6,7 +6,7 @@ once and membership gossip finds everyone else.
 
     python tests/api_node.py --creds FILE [--standin a,b] [--model openai:URL] [--role client]
         [--connect HOST:PORT@NODE_ID]... [--keepalive S --idle-timeout S] [--max-links N --link-idle S]
-        [--api-key KEY]... [--probe-interval S]
+        [--api-key KEY]... [--probe-interval S] [--gossip-interval S]
         # prints "READY {json}"; the state dir is state-NODEID next to FILE, emptied at start
 """
 
@@ -95,12 +95,15 @@ async def run(args: argparse.Namespace) -> None:
         shutil.rmtree(state_dir)  # a restarted node starts fresh (as the test processes always did)
     config = DaemonConfig(role="client" if args.role == "client" else "serve", state_dir=state_dir,
                           listen=HostPort("127.0.0.1", 0), api=HostPort("127.0.0.1", 0), mdns=False)
-    preset = None
-    if args.probe_interval is not None:
-        from meshd.membership.config import MembershipConfig
+    from meshd.membership.config import MembershipConfig
 
-        preset = replace(MembershipConfig.local(), probe_interval_s=args.probe_interval,
-                         probe_timeout_s=args.probe_interval / 2)
+    # probes every 1 s by default (the loopback preset's 0.5 s, with 0.25 s to answer, declares nodes of a
+    # starved 2-core test machine dead now and then); tests of failure detection pass a shorter one
+    preset = replace(MembershipConfig.local(), probe_interval_s=args.probe_interval,
+                     probe_timeout_s=args.probe_interval / 2)
+    if args.gossip_interval is not None:
+        preset = replace(preset, gossip_interval_s=args.gossip_interval,
+                         anti_entropy_min_gap_s=args.gossip_interval)
     membership = MembershipService(config, preset=preset, max_links=args.max_links, link_idle_s=args.link_idle)
     api = ApiService(node_id=ident.node_id, host="127.0.0.1", port=0, role=args.role, backends=backends,
                      transport=None, tunnel_config=tun, api_keys=[k.encode() for k in args.api_key or []])
@@ -160,7 +163,8 @@ if __name__ == "__main__":
     ap.add_argument("--max-links", type=int, default=None)
     ap.add_argument("--link-idle", type=float, default=2.0)
     ap.add_argument("--api-key", action="append")
-    ap.add_argument("--probe-interval", type=float, default=None)
+    ap.add_argument("--probe-interval", type=float, default=1.0)
+    ap.add_argument("--gossip-interval", type=float, default=None)
     ap.add_argument("--log-level", default="WARNING")
     a = ap.parse_args()
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr),

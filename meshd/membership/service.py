@@ -43,7 +43,7 @@ from meshd.membership.events import Event, LocalRefuted, NodeBanned, PeerDied, P
 from meshd.membership.load import TYPICAL_RECORD_BYTES, free_mb, load_changed, load_interval_s
 from meshd.mesh.limits import LINK_MIN_IDLE_S
 from meshd.mesh.links import Links
-from meshd.mesh.view import MeshView
+from meshd.mesh.view import HEARD_RECENTLY_S, MeshView
 from meshd.membership.records import (
     KNOWN_KEYS,
     Capacity,
@@ -501,7 +501,9 @@ class MembershipService(JoinMixin, CommandsMixin):
             self._schedule_save()
         elif isinstance(ev, PeerDied):
             log.info("peer_died", peer=ev.node_id, incarnation=ev.incarnation)
-            if t is not None:
+            v = self.core.member(ev.node_id) if self.core is not None else None
+            heard = v is not None and v.last_seen is not None and self._now() - v.last_seen < HEARD_RECENTLY_S
+            if t is not None and not heard:  # still talking to us: keep the link, it will refute
                 self._spawn(t.disconnect(ev.node_id, "declared dead by membership"))
         elif isinstance(ev, PeerLeft):
             log.info("peer_left", peer=ev.node_id)

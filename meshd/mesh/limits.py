@@ -4,6 +4,7 @@ from __future__ import annotations
 
 LINK_DIAL_TIMEOUT_S = 2.0  # dialling a member at the addresses in its record
 LINK_DIAL_RETRY_S = 1.0  # a member whose dial just failed is not redialled sooner than this
+LINK_MAX_GOSSIP_DIALS = 4  # handshakes in progress for gossip at once; more frames to unconnected members wait
 LINK_MIN_IDLE_S = 2.0  # a connection unused this long may be closed to make room (least recently used)
 LINK_CAP_HEADROOM = 16  # links kept below the transport's connection cap (room for inbound connections)
 REQUEST_LOG_SIZE = 200  # recent API requests kept for the console

@@ -2,7 +2,8 @@
 
 Nothing keeps a connection to every member: gossip, probes and routed requests ask ``Links.get(node_id)``,
 which returns the connected peer or dials it at the addresses in its signed record (concurrent callers
-share one dial). Every use by this node ``touch``es the link (what peers send us does not: a peer that
+share one dial; gossip, which is lossy anyway, starts at most ``LINK_MAX_GOSSIP_DIALS`` handshakes at once,
+so a node that just learnt of many members does not start a handshake storm). Every use by this node ``touch``es the link (what peers send us does not: a peer that
 only talks to us does not keep our slot); ``hold`` marks it busy while a routed request streams.
 When the connections exceed ``cap`` (default: the transport's cap minus ``LINK_CAP_HEADROOM``), the least
 recently used ones that are not busy and idle for ``LINK_MIN_IDLE_S`` are closed, so a mesh larger than
@@ -20,7 +21,13 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from meshd.config import format_hostport
-from meshd.mesh.limits import LINK_CAP_HEADROOM, LINK_DIAL_RETRY_S, LINK_DIAL_TIMEOUT_S, LINK_MIN_IDLE_S
+from meshd.mesh.limits import (
+    LINK_CAP_HEADROOM,
+    LINK_DIAL_RETRY_S,
+    LINK_DIAL_TIMEOUT_S,
+    LINK_MAX_GOSSIP_DIALS,
+    LINK_MIN_IDLE_S,
+)
 from transport.errors import TransportError
 
 if TYPE_CHECKING:
@@ -54,7 +61,7 @@ class Links:
         self._busy: dict[str, int] = {}
         self._dials: dict[str, asyncio.Future[Peer | None]] = {}
         self._failed: dict[str, float] = {}
-        self.stats = {"dialled": 0, "dial_failures": 0, "closed_idle": 0, "inbound": 0}
+        self.stats = {"dialled": 0, "dial_failures": 0, "closed_idle": 0, "inbound": 0, "dials_deferred": 0}
 
     def touch(self, node_id: str) -> None:
         self._used[node_id] = self._clock()
@@ -96,7 +103,9 @@ class Links:
             return peer
         pending = self._dials.get(node_id)
         if pending is None:
-            if not retry and self._clock() - self._failed.get(node_id, -1e18) < LINK_DIAL_RETRY_S:
+            if not retry and (self._clock() - self._failed.get(node_id, -1e18) < LINK_DIAL_RETRY_S
+                              or len(self._dials) >= LINK_MAX_GOSSIP_DIALS):
+                self.stats["dials_deferred"] += 1
                 return None
             pending = asyncio.ensure_future(self._dial(node_id))
             self._dials[node_id] = pending

@@ -7,7 +7,8 @@ class; nothing polls peers. Per member it adds what this node measured: state (a
 left), round trip, last seen, whether a connection is up and its path kind.
 
 For routing (``nodes``) a member counts while it is alive or suspect (a suspect one is tried last and is
-not listed in ``/v1/models``); ``handle(node_id)`` gives a peer whose streams dial the member on demand
+not listed in ``/v1/models``), and so does one declared dead that sent this node a frame in the last
+``HEARD_RECENTLY_S`` (it is alive, just slow to refute, e.g. on a starved machine); ``handle(node_id)`` gives a peer whose streams dial the member on demand
 (``meshd.mesh.links``), so a member this node is not connected to is still routed to.
 """
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from meshd.membership.service import MembershipService
 
 ROUTABLE = ("alive", "suspect")
+HEARD_RECENTLY_S = 2.0  # a member declared dead that sent us a frame this recently is evidently alive
 
 
 class OnDemandPeer:
@@ -81,15 +83,19 @@ class MeshView:
     def nodes(self) -> list[NodeInfo]:
         """Members that can be routed to now (alive or suspect, not leaving), not this node."""
         out = []
+        now = self.membership._now()
         for v in self.members():
             rec = v.record
-            if v.state not in ROUTABLE or rec.leaving:
+            state = v.state
+            if state == "dead" and v.last_seen is not None and now - v.last_seen < HEARD_RECENTLY_S:
+                state = "suspect"  # declared dead (an overloaded machine missed its probes) yet talking to us
+            if state not in ROUTABLE or rec.leaving:
                 continue
             bump = self._bumps.get(v.node_id)
             ours = bump[1] if bump is not None and bump[0] == rec.version else 0
             out.append(NodeInfo(v.node_id, rec.role, tuple(m.name for m in rec.models),
                                 rec.capacity.in_flight + ours, max(1, rec.load.slots), self._rtt(v) or 0.0,
-                                state=v.state))
+                                state=state))
         return sorted(out, key=lambda n: n.node_id)
 
     def handle(self, node_id: str) -> OnDemandPeer | None:
