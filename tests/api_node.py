@@ -73,7 +73,8 @@ async def run(args: argparse.Namespace) -> None:
     from transport.quic import MeshTransport, TransportConfig
 
     ident, creds = load_creds(args.creds)
-    tcfg = TransportConfig.loopback()
+    # every test node shares 127.0.0.1, which the per-source handshake cap would treat as one stranger
+    tcfg = replace(TransportConfig.loopback(), max_pending_handshakes_per_source=TransportConfig().max_pending_handshakes)
     if args.keepalive is not None:
         tcfg = replace(tcfg, keepalive_interval_s=args.keepalive, idle_timeout_s=args.idle_timeout,
                        dead_peer_timeout_s=args.idle_timeout)

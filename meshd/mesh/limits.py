@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-LINK_DIAL_TIMEOUT_S = 2.0  # dialling a member at the addresses in its record
+LINK_DIAL_TIMEOUT_S = 5.0  # dialling a member at its record's addresses (a starved handshake can take seconds)
 LINK_DIAL_RETRY_S = 1.0  # a member whose dial just failed is not redialled sooner than this
 LINK_MAX_GOSSIP_DIALS = 4  # handshakes in progress for gossip at once; more frames to unconnected members wait
 LINK_MIN_IDLE_S = 2.0  # a connection unused this long may be closed to make room (least recently used)
