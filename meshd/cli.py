@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_state_dir(p)
     p.add_argument("--json", action="store_true", help="print one JSON object (default: text)")
 
+    p = sub.add_parser("doctor", help="check what usually breaks a mesh and say how to fix it (exit 1 on a failure)")
+    _add_state_dir(p)
+    p.add_argument("--json", action="store_true", help="print the checks as one JSON list (default: text)")
+
     p = sub.add_parser("ban", help="revoke a member mesh-wide (needs the mesh admin key)")
     _add_state_dir(p)
     p.add_argument("node_id", metavar="NODE_ID", help="id of the member to ban, as `meshd status` shows it "
@@ -149,6 +153,7 @@ _COMMAND_MODULES = {
     "invite": "meshd.commands.invite",
     "join": "meshd.commands.join",
     "status": "meshd.commands.status",
+    "doctor": "meshd.commands.doctor",
     "ban": "meshd.commands.ban",
     "generate": "meshd.commands.generate",
     "model": "meshd.commands.model",

@@ -74,6 +74,7 @@ class NodeProcess:
             err = self.proc.stderr.read() if self.proc.stderr else ""
             raise RuntimeError(f"node did not start: {err[-2000:]}")
         info = _json.loads(line[6:])
+        self.state_dir = Path(info["state_dir"])
         self.node_id: str = info["node_id"]
         self.quic: int = info["quic"]
         self.api: int = info["api"]
@@ -86,6 +87,12 @@ class NodeProcess:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait(5)
+
+    def status(self) -> dict[str, Any]:
+        """``meshd status --json`` of this node (its control socket)."""
+        from meshd.control import call
+
+        return call(self.state_dir / "control.sock", "status", timeout_s=10.0)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -1,12 +1,13 @@
-"""A minimal mesh node process for API tests and bench: real ``MeshTransport`` (QUIC on loopback) plus
-``ApiService``, serving seeded stand-in models in process and/or ``openai:URL`` backends.
-
-Until the daemon (``meshd serve``) is merged this is how the API is run across processes; it wires the
-API exactly as the daemon service does (``ApiService``). Mesh membership comes from credentials the test
-writes: one genesis, each node's own key and a certificate issued by the admin key (``make_mesh``).
+"""A mesh node process for API tests and bench: the real ``Daemon`` with its membership and API services
+(QUIC on loopback, ``--no-mdns``), serving seeded stand-in models in process and/or ``openai:URL``
+backends. Mesh credentials come from a file the test writes: one genesis, each node's own key and a
+certificate issued by the admin key (``make_mesh``), so no join is needed; ``--connect`` dials a seed
+once and membership gossip finds everyone else.
 
     python tests/api_node.py --creds FILE [--standin a,b] [--model openai:URL] [--role client]
-        [--connect HOST:PORT@NODE_ID]... [--keepalive S --idle-timeout S]      # prints "READY {json}"
+        [--connect HOST:PORT@NODE_ID]... [--keepalive S --idle-timeout S] [--max-links N --link-idle S]
+        [--api-key KEY]... [--probe-interval S] [--gossip-interval S]
+        # prints "READY {json}"; the state dir is state-NODEID next to FILE, emptied at start
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import base64
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -60,20 +60,24 @@ def load_creds(path: str) -> tuple[NodeIdentity, MeshCredentials]:
 
 
 async def run(args: argparse.Namespace) -> None:
+    import shutil
     from dataclasses import replace
 
     from api_standin import standin_backends
     from meshd.api.service import ApiService, openai_backend_from_spec
     from meshd.api.tunnel import TunnelConfig
+    from meshd.config import DaemonConfig, HostPort
+    from meshd.daemon import Daemon
+    from meshd.membership.service import MembershipService
+    from meshd.state import StateDir
     from transport.quic import MeshTransport, TransportConfig
 
     ident, creds = load_creds(args.creds)
-    tcfg = TransportConfig()
+    # every test node shares 127.0.0.1, which the per-source handshake cap would treat as one stranger
+    tcfg = replace(TransportConfig.loopback(), max_pending_handshakes_per_source=TransportConfig().max_pending_handshakes)
     if args.keepalive is not None:
         tcfg = replace(tcfg, keepalive_interval_s=args.keepalive, idle_timeout_s=args.idle_timeout,
                        dead_peer_timeout_s=args.idle_timeout)
-    transport = MeshTransport(ident, creds, tcfg)
-    qhost, qport = await transport.listen("127.0.0.1", 0)
     backends: list[Any] = []
     if args.role != "client":
         if args.standin:
@@ -87,24 +91,61 @@ async def run(args: argparse.Namespace) -> None:
         tun = replace(tun, heartbeat_timeout_s=args.heartbeat_timeout)
     if args.sse_keepalive is not None:
         tun = replace(tun, sse_keepalive_s=args.sse_keepalive)
-    svc = ApiService(node_id=ident.node_id, host="127.0.0.1", port=0, role=args.role, backends=backends,
-                     transport=transport, tunnel_config=tun, poll_interval_s=args.poll)
-    await svc.start()
-    for c in args.connect or []:
+    state_dir = Path(args.creds).parent / f"state-{ident.node_id[:12]}"
+    if state_dir.exists():
+        shutil.rmtree(state_dir)  # a restarted node starts fresh (as the test processes always did)
+    config = DaemonConfig(role="client" if args.role == "client" else "serve", state_dir=state_dir,
+                          listen=HostPort("127.0.0.1", 0), api=HostPort("127.0.0.1", 0), mdns=False)
+    from meshd.membership.config import MembershipConfig
+
+    # probes every 1 s by default (the loopback preset's 0.5 s, with 0.25 s to answer, declares nodes of a
+    # starved 2-core test machine dead now and then); tests of failure detection pass a shorter one
+    preset = replace(MembershipConfig.local(), probe_interval_s=args.probe_interval,
+                     probe_timeout_s=args.probe_interval / 2)
+    if args.gossip_interval is not None:
+        preset = replace(preset, gossip_interval_s=args.gossip_interval,
+                         anti_entropy_min_gap_s=args.gossip_interval)
+    membership = MembershipService(config, preset=preset, max_links=args.max_links, link_idle_s=args.link_idle)
+    api = ApiService(node_id=ident.node_id, host="127.0.0.1", port=0, role=args.role, backends=backends,
+                     transport=None, tunnel_config=tun, api_keys=[k.encode() for k in args.api_key or []])
+
+    class _Daemon(Daemon):
+        async def _start_transport(self) -> None:  # the daemon's, with this node's transport settings
+            transport = MeshTransport(self.identity, self.credentials, tcfg, admission=self.admit)
+            host, port = await transport.listen("127.0.0.1", 0)
+            self.transport = transport
+            self.quic_address = HostPort(host, port)
+
+    state = StateDir(state_dir)
+    state.ensure()
+    daemon = _Daemon(config, state, ident, creds, services=[membership, api])
+    runner = asyncio.ensure_future(daemon.run())
+    while daemon.phase != "running" or api.address is None:
+        if runner.done():
+            runner.result()
+            raise SystemExit("daemon stopped while starting")
+        await asyncio.sleep(0.01)
+    assert daemon.transport is not None and daemon.quic_address is not None
+    for c in args.connect or []:  # a seed: membership learns everyone else from it
         addr, _, nid = c.partition("@")
         h, _, p = addr.rpartition(":")
-        transport.keep_connected(nid, [(h, int(p))])
-    assert svc.address is not None
-    sys.stdout.write("READY " + json.dumps({"node_id": ident.node_id, "quic": qport, "api": svc.address[1],
-                                            "pid": os.getpid()}) + "\n")
+        asyncio.ensure_future(_seed(daemon.transport, (h, int(p)), nid))
+    sys.stdout.write("READY " + json.dumps({"node_id": ident.node_id, "quic": daemon.quic_address.port,
+                                            "api": api.address[1], "pid": os.getpid(),
+                                            "state_dir": str(state_dir)}) + "\n")
     sys.stdout.flush()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await svc.stop()
-    await transport.close()
+    await runner
+
+
+async def _seed(transport: Any, addr: tuple[str, int], node_id: str) -> None:
+    delay = 0.1
+    while True:  # until the seed answered once (it may still be starting, or the machine is busy)
+        try:
+            await transport.connect(addr, expected_node_id=node_id)
+            return
+        except Exception:  # noqa: BLE001
+            await asyncio.sleep(delay)
+            delay = min(1.0, delay * 2)
 
 
 if __name__ == "__main__":
@@ -120,7 +161,11 @@ if __name__ == "__main__":
     ap.add_argument("--idle-timeout", type=float, default=None)
     ap.add_argument("--heartbeat-timeout", type=float, default=None)
     ap.add_argument("--sse-keepalive", type=float, default=None)
-    ap.add_argument("--poll", type=float, default=0.3)
+    ap.add_argument("--max-links", type=int, default=None)
+    ap.add_argument("--link-idle", type=float, default=2.0)
+    ap.add_argument("--api-key", action="append")
+    ap.add_argument("--probe-interval", type=float, default=1.0)
+    ap.add_argument("--gossip-interval", type=float, default=None)
     ap.add_argument("--log-level", default="WARNING")
     a = ap.parse_args()
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr),

@@ -312,14 +312,21 @@ def test_human_status_lists_models_and_peers() -> None:
                 "experts": [],
                 "version": "0.1.0",
                 "last_seen_s": 0.4,
-            }
+                "role": "serve",
+            },
+            {"node_id": "d" * 32, "addrs": ["10.0.0.3:9336"], "state": "dead", "rtt_ms": None,
+             "models": [{"name": "gone"}], "role": "client", "last_seen_s": 12.0},
         ],
+        "services": {"membership": {"banned": ["e" * 32]}},
     }
     text = format_status(st)
     assert "mesh      home (" + "b" * 32 + ")" in text
     assert "models    1" in text and "tiny" in text and "f00d" in text
     row = next(line for line in text.splitlines() if line.strip().startswith("c" * 32))
-    assert row.split()[1:] == ["alive", "1.2", "0.4", "10.0.0.2:9336", "qwen"]
+    assert row.split()[1:] == ["serve", "alive", "1.2", "0.4", "10.0.0.2:9336", "qwen"]
+    dead = next(line for line in text.splitlines() if line.strip().startswith("d" * 32))
+    assert dead.split()[1:] == ["client", "dead", "-", "12.0", "10.0.0.3:9336", "-"]  # no models when dead
+    assert "banned    1" in text and "  " + "e" * 32 in text
 
 
 class SlowService(RecordingService):

@@ -30,6 +30,8 @@ class Reply:
     route: str = "local"
     on_close: Callable[[], Awaitable[None]] | None = None
     usage: dict[str, int] = field(default_factory=dict)  # filled by producers that know token counts
+    model: str = ""  # the model that answered (what "auto" resolved to), for the request log
+    events: int = 0  # SSE data events passed through from a peer (about tokens), for the request log
 
     async def aclose(self) -> None:
         aclose = getattr(self.body, "aclose", None)

@@ -9,8 +9,9 @@ How a target list is built for a model (``plan``):
    ``cost_ms = rtt_ms + (ttfb_ms + 64 tokens / tok_per_s) * (1 + in_flight) / capacity``: a peer's
    measured time to first byte (50 ms until measured) and streamed tokens/s through it (EWMAs), scaled
    by how many requests share its slots; ties by node id.
-3. Saturated peers, then peers that failed a request in the last 30 s, then the overloaded local node:
-   tried last rather than refusing at once.
+3. Saturated peers, then peers that failed a request in the last 30 s (before its first byte or in the
+   middle of a stream) or that membership suspects, then the overloaded local node: tried last rather
+   than refusing at once.
 ``model: "auto"`` (``choose_auto``): a model this node serves and has room for (first by name);
 otherwise the model served by the most nodes (more nodes, more room), ties by name.
 """
@@ -35,6 +36,7 @@ class NodeInfo:
     in_flight: int = 0
     capacity: int = 1
     rtt_ms: float = 0.0
+    state: str = "alive"  # membership state: a "suspect" node is tried last and not listed
 
 
 @dataclass(frozen=True)
@@ -48,11 +50,16 @@ class PeerStats:
     ttfb_ms: float | None = None
     tok_per_s: float | None = None
     failures: int = 0
-    failed_at: float | None = None  # monotonic time of the last failure before the first byte
+    failed_at: float | None = None  # monotonic time of the last failure (before or after the first byte)
 
     def penalized(self, now: float) -> bool:
         """A peer that just failed goes after the others for ``FAILURE_PENALTY_S``."""
         return self.failed_at is not None and now - self.failed_at < FAILURE_PENALTY_S
+
+    def mark_failed(self, now: float) -> None:
+        """The node failed a request (before its first byte or mid-response): try it last for a while."""
+        self.failures += 1
+        self.failed_at = now
 
     def observe_ttfb(self, ms: float) -> None:
         self.ttfb_ms = ms if self.ttfb_ms is None else (1 - EWMA_ALPHA) * self.ttfb_ms + EWMA_ALPHA * ms
@@ -78,9 +85,11 @@ def plan(model: str, local: NodeInfo | None, peers: list[NodeInfo],
     """Ordered targets for ``model`` (see module docstring). Empty: nobody serves it."""
     stats = stats or {}
 
+    suspect = {p.node_id for p in peers if p.state != "alive"}
+
     def failed(node_id: str) -> bool:
         st = stats.get(node_id)
-        return st is not None and st.penalized(now)
+        return node_id in suspect or (st is not None and st.penalized(now))
 
     out: list[Target] = []
     local_ok = local is not None and model in local.models
@@ -98,7 +107,7 @@ def plan(model: str, local: NodeInfo | None, peers: list[NodeInfo],
 def routable_models(local: NodeInfo | None, peers: list[NodeInfo]) -> dict[str, list[str]]:
     """model name -> node ids serving it now (the local node first). Clients serve nothing."""
     out: dict[str, list[str]] = {}
-    nodes = ([local] if local is not None else []) + [p for p in peers if p.role != "client"]
+    nodes = ([local] if local is not None else []) + [p for p in peers if p.role != "client" and p.state == "alive"]
     for n in nodes:
         for m in n.models:
             ids = out.setdefault(m, [])

@@ -28,7 +28,6 @@ from aiohttp import web
 
 from meshd.api import limits as http_limits
 from meshd.api.backends import Backend
-from meshd.api.directory import NODE_INFO_PATH, MeshView, StaticView
 from meshd.api.errors import ApiError
 from meshd.api.http import ConnectionGuard, bind_tcp, protocol_factory
 from meshd.api.metrics import CONTENT_TYPE, ApiMetrics
@@ -36,6 +35,7 @@ from meshd.api.reply import Reply
 from meshd.api.router import NodeInfo, PeerStats, RouteTable, Target, choose_auto, plan, routable_models
 from meshd.api.schema import GenRequest, parse_request
 from meshd.api.tunnel import TunnelClient
+from meshd.api.view import MeshView, StaticView
 from meshd.config import is_loopback, refuse_shared_file
 from meshd.errors import RuntimeFailure, UsageError
 from transport import limits
@@ -101,6 +101,9 @@ class ApiServer:
         self.address: tuple[str, int] | None = None
         self.in_flight = 0
         self._seen: dict[str, float] = {}  # model -> when it was last routable (503 instead of 404 for a while)
+        self.key_from_request: Any = None  # (request) -> key or None: where else a key may come from
+        self.on_request: list[Any] = []  # callbacks(entry: dict) once a generation request is answered
+        self.on_tokens: list[Any] = []  # callbacks(n) for tokens generated here (recent tokens/s)
         self.app = self._make_app()
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -184,6 +187,8 @@ class ApiServer:
         """Runs as soon as the head is parsed, before any body byte is read; a 401 closes the connection."""
         auth = request.headers.get("Authorization", "")
         scheme, _, token = auth.partition(" ")
+        if not auth and self.key_from_request is not None:  # e.g. the console's cookie
+            scheme, token = "bearer", self.key_from_request(request) or ""
         try:
             presented = token.strip().encode("ascii")  # keys are ASCII; other bytes cannot match
         except UnicodeEncodeError:
@@ -251,6 +256,7 @@ class ApiServer:
         t0 = time.monotonic()
         route = "none"
         code = 500
+        reply: Reply | None = None
         self.in_flight += 1
         self.metrics.in_flight.inc()
         try:
@@ -272,6 +278,18 @@ class ApiServer:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(endpoint, route, str(code)).inc()
             self.metrics.latency.labels(endpoint, route).observe(time.monotonic() - t0)
+            if self.on_request:
+                self._log_request(endpoint, route, code, reply, time.monotonic() - t0)
+
+    def _log_request(self, endpoint: str, route: str, code: int, reply: Reply | None, seconds: float) -> None:
+        usage = reply.usage if reply is not None else {}
+        entry = {"time": time.time(), "endpoint": endpoint, "model": reply.model if reply is not None else None,
+                 "route": route, "node": reply.node_id if reply is not None else None,
+                 "tokens": usage.get("completion_tokens", reply.events if reply is not None else 0),
+                 "latency_ms": round(seconds * 1000.0, 1), "status": code}
+        for cb in list(self.on_request):
+            with contextlib.suppress(Exception):
+                cb(entry)
 
     def _reply_headers(self, reply: Reply) -> dict[str, str]:
         h = {k: v for k, v in reply.headers.items() if k.lower() in ("content-type", "retry-after")}
@@ -336,6 +354,9 @@ class ApiServer:
         if reply.usage:
             self.metrics.tokens.labels("prompt").inc(reply.usage.get("prompt_tokens", 0))
             self.metrics.tokens.labels("completion").inc(reply.usage.get("completion_tokens", 0))
+            for cb in list(self.on_tokens):
+                with contextlib.suppress(Exception):
+                    cb(reply.usage.get("completion_tokens", 0))
 
     def _resolve(self, req: GenRequest, local_only: bool) -> tuple[str, list[Target]]:
         local = self.local_info()
@@ -365,11 +386,6 @@ class ApiServer:
 
     async def dispatch(self, method: str, path: str, body: bytes, *, local_only: bool) -> Reply:
         """Answer one request (see module docstring)."""
-        if method == "GET" and path == NODE_INFO_PATH and local_only:
-            info = self.local_info()
-            payload = {"node_id": info.node_id, "role": info.role, "models": list(info.models),
-                       "in_flight": info.in_flight, "capacity": info.capacity}
-            return _json_reply(payload, self.config.node_id)
         if method == "GET" and path == "/v1/models":
             return _json_reply(self.models_payload(local_only), self.config.node_id)
         if method != "POST" or path not in ("/v1/chat/completions", "/v1/completions"):
@@ -396,6 +412,7 @@ class ApiServer:
                 last = e
                 continue
             self.metrics.routes.labels("local" if t.local else "tunnel").inc()
+            reply.model = model
             return reply
         self.metrics.routes.labels("none").inc()
         assert last is not None  # targets was non-empty
@@ -420,32 +437,43 @@ class ApiServer:
             raise ApiError(502, f"node {t.node_id[:12]} is not connected")
         t0 = time.monotonic()
         bump = getattr(self.mesh, "update_load", None)
+        hold = getattr(self.mesh, "hold", None)
+        held = hold(t.node_id) if hold is not None else contextlib.nullcontext()
+        held.__enter__()  # the link stays open (not closed for room) until the reply is closed
         if bump is not None:
             bump(t.node_id, +1)
         try:
-            reply = await self.tunnel.request(peer, "POST", path, body)
+            try:
+                reply = await self.tunnel.request(peer, "POST", path, body)
+            except ApiError as e:
+                # the connection was closed under the stream before any answer (replaced by a duplicate
+                # dial, or closed as idle just then): the node is fine, so ask it once more
+                if e.status != 502 or "connection closed" not in e.message:
+                    raise
+                log.info("route_retry_same_node", node=t.node_id, reason=e.message)
+                reply = await self.tunnel.request(peer, "POST", path, body)
         except ApiError as e:
             if e.status >= 500:
-                st = self.routes.peer(t.node_id)
-                st.failures += 1
-                st.failed_at = time.monotonic()
+                self.routes.peer(t.node_id).mark_failed(time.monotonic())
             if bump is not None:
                 bump(t.node_id, -1)
+            held.__exit__(None, None, None)
             raise
         except BaseException:
             if bump is not None:
                 bump(t.node_id, -1)
+            held.__exit__(None, None, None)
             raise
         st = self.routes.peer(t.node_id)
         st.observe_ttfb((time.monotonic() - t0) * 1000.0)
         st.failed_at = None
-        if reply.stream:
-            reply.body = _measure_rate(reply.body, st)
+        reply.body = _watch_body(reply.body, st, reply)
         inner = reply.on_close
 
         async def on_close() -> None:
             if bump is not None:
                 bump(t.node_id, -1)
+            held.__exit__(None, None, None)
             if inner is not None:
                 await inner()
 
@@ -454,16 +482,44 @@ class ApiServer:
         return reply
 
 
-async def _measure_rate(body: AsyncIterator[bytes], st: PeerStats) -> AsyncIterator[bytes]:
-    """Pass a tunnelled SSE body through, recording its events per second (about tokens/s)."""
+async def _watch_body(body: AsyncIterator[bytes], st: PeerStats, reply: Reply) -> AsyncIterator[bytes]:
+    """Pass a tunnelled body through: count its SSE events (about tokens) and record their rate, and mark
+    the serving node failed for routing when it fails mid-response (killed, silent, reset), so the next
+    request goes elsewhere at once instead of waiting for the dead node to time out again."""
     events = 0
     t0 = time.monotonic()
-    async for chunk in body:
-        events += chunk.count(b"data: ")
-        yield chunk
+    buf = bytearray()
+    try:
+        async for chunk in body:
+            if reply.stream:
+                events += chunk.count(b"data: ")
+                reply.events = max(0, events - 1)  # the last event is [DONE]
+            elif len(buf) < _USAGE_SCAN_BYTES:
+                buf += chunk
+            yield chunk
+        if buf:
+            reply.events = _completion_tokens(bytes(buf))
+    except ApiError as e:
+        if e.status >= 500:
+            st.mark_failed(time.monotonic())
+            log.info("route_failed_mid_response", node=reply.node_id, reason=e.message)
+        raise
     dt = time.monotonic() - t0
     if events >= 8 and dt > 0:
         st.observe_rate(events / dt)
+
+
+_USAGE_SCAN_BYTES = 1024 * 1024  # a non-streamed answer from a peer is read this far for its token count
+
+
+def _completion_tokens(data: bytes) -> int:
+    """``usage.completion_tokens`` of an OpenAI JSON answer, 0 if absent (for the request log)."""
+    try:
+        usage = json.loads(data).get("usage") or {}
+        n = usage.get("completion_tokens", 0)
+        return n if isinstance(n, int) else 0
+    except (ValueError, AttributeError):
+        return 0
 
 
 def _json_reply(payload: dict[str, Any], node_id: str) -> Reply:

@@ -1,4 +1,7 @@
-"""The API as a daemon service: HTTP server on ``--api``, tunnel handler on the transport, peer directory.
+"""The API as a daemon service: HTTP server on ``--api``, tunnel handler on the transport, console.
+
+What the router knows about other nodes comes from membership's ``MeshView`` (signed records); this
+service advertises this node's models, load and API address in its own record.
 
 ``ApiService(...)`` takes already-built parts so that the daemon, the test nodes and the bench wire it
 the same way. ``await start(daemon=None)`` binds and registers ``StreamType.HTTP_TUNNEL`` on the
@@ -18,13 +21,14 @@ from typing import Any
 import structlog
 
 from meshd.api.backends import Backend, OpenAIBackend
-from meshd.api.directory import TunnelDirectory
 from meshd.api.server import ApiConfig, ApiServer, ensure_safe_bind, load_api_keys
 from meshd.api.tunnel import TunnelClient, TunnelConfig, TunnelServer
+from meshd.api.view import StaticView
 from meshd.errors import UsageError
-from transport import limits
 
 log = structlog.get_logger(__name__)
+
+PUBLISH_CHECK_S = 0.5  # how often this node's models and load are compared with its record (no network)
 
 
 def split_spec(spec: str) -> tuple[str | None, str]:
@@ -79,29 +83,33 @@ class ApiService:
         backends: Sequence[Backend] = (),
         transport: Any = None,
         tunnel_config: TunnelConfig | None = None,
-        poll_interval_s: float = limits.TUNNEL_POLL_INTERVAL_S,
     ) -> None:
         self.config = config
         self.tunnel_config = tunnel_config or TunnelConfig()
-        self.poll_interval_s = poll_interval_s
         self.address: tuple[str, int] | None = None
         self.daemon: Any = None
         self.membership: Any = None
         self._own: list[Backend] | None = None
         self._publisher: asyncio.Task[None] | None = None
         self.server: ApiServer | None = None
-        if node_id is not None:
-            self._build(node_id, host, port, role, list(api_keys), list(backends), transport)
+        self.view: Any = StaticView()
+        self.console: Any = None
+        self._parts: tuple[Any, ...] | None = None
+        if node_id is not None:  # built at start(), once the daemon's membership view is known
+            ensure_safe_bind(host, bool(api_keys))
+            self._parts = (node_id, host, port, role, list(api_keys), list(backends), transport)
 
     def _build(self, node_id: str, host: str, port: int, role: str, keys: list[bytes], backends: list[Backend],
                transport: Any) -> None:
+        from meshd.mesh.console import Console
+
         ensure_safe_bind(host, bool(keys))
         self.host, self.port = host, port
         self.transport = transport
         self.tunnel_client = TunnelClient(_http_tunnel_type(), self.tunnel_config)
-        self.directory = TunnelDirectory(self._peers, self.tunnel_client, interval_s=self.poll_interval_s)
         self.server = ApiServer(ApiConfig(node_id, role=role, api_keys=keys), backends,
-                                mesh=self.directory, tunnel=self.tunnel_client)
+                                mesh=self.view, tunnel=self.tunnel_client)
+        self.console = Console(self.server, self.view)
         self.tunnel_client.count = self.server.metrics.count_tunnel
         self.tunnel_server = TunnelServer(self._dispatch_local, self.tunnel_config, self.server.metrics.count_tunnel)
 
@@ -141,67 +149,73 @@ class ApiService:
             backends.extend(provided or [])
         self._build(daemon.node_id, cfg.api.host, cfg.api.port, cfg.role, keys, backends, daemon.transport)
 
-    def _peers(self) -> list[Any]:
-        return list(self.transport.peers()) if self.transport is not None else []
-
     async def _dispatch_local(self, method: str, path: str, body: bytes) -> Any:
         assert self.server is not None
         return await self.server.dispatch(method, path, body, local_only=True)
 
-    def _peer_down(self, peer: Any) -> None:
-        self.directory.forget(peer.node_id)
-
-    def _peer_up(self, peer: Any) -> None:
-        self.directory.poke()
-
     async def start(self, daemon: Any = None) -> None:
+        self.membership = _membership_of(daemon) if daemon is not None else None
+        view = getattr(self.membership, "view", None)
+        if view is not None:
+            self.view = view
         if self.server is None:
-            if daemon is None:
+            if self._parts is not None:
+                parts = list(self._parts)
+                if parts[6] is None and daemon is not None:
+                    parts[6] = daemon.transport
+                self._build(*parts)
+            elif daemon is None:
                 raise RuntimeError("ApiService needs node_id=... or a daemon")
-            await self._build_from_daemon(daemon)
-        assert self.server is not None
+            else:
+                await self._build_from_daemon(daemon)
+        assert self.server is not None and self.console is not None
         self.daemon = daemon
         if self.transport is not None:
             self.transport.on_stream(_http_tunnel_type(), self.tunnel_server.handle)
-            self.transport.on_peer_down.append(self._peer_down)
-            self.transport.on_peer_up.append(self._peer_up)
         if daemon is not None:
             register_collectors(daemon, self.server.metrics.registry)
+        self.console.install(self.server.app)
         # serve.run binds the API before it creates anything (a taken port must leave no mesh behind)
         socks = getattr(daemon, "api_sockets", None) if daemon is not None else None
         self.address = await self.server.start(self.host, self.port, socks=socks)
-        await self.directory.start()
+        await self.console.start()
         if daemon is not None:
             daemon.set_api_address(*self.address)
             daemon.control.register("api_connect", self._cmd_connect)
-            self.membership = _membership_of(daemon)
             if self.membership is not None:
-                with contextlib.suppress(Exception):
-                    self.membership.on_change(lambda event: self.directory.poke())
-                self.directory.states_source = self._member_states
+                self.membership.set_api(self._advertised_api())
                 self._publisher = asyncio.create_task(self._publish_loop())
 
-    def _member_states(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for v in self.membership.peers():
-            counts[str(v.state)] = counts.get(str(v.state), 0) + 1
-        return counts
+    def _advertised_api(self) -> str | None:
+        """This node's API address for its record: as bound, or with the QUIC host when bound to any."""
+        if self.address is None:
+            return None
+        from meshd.config import format_hostport
+
+        host, port = self.address
+        if host in ("0.0.0.0", "::", ""):
+            addrs = list(getattr(getattr(self.membership, "_info", None), "addrs", ()) or ())
+            host = addrs[0].rpartition(":")[0].strip("[]") if addrs else "127.0.0.1"
+        return format_hostport(host, port)
 
     async def _publish_loop(self) -> None:
-        """Advertise this node's served models and load in its membership record (gossip)."""
+        """Advertise this node's served models and load in its membership record. Local reads only: the
+        membership service decides when a change is worth re-signing (``meshd.membership.load``)."""
         last: tuple[tuple[str, str, str, int], ...] | None = None
         while True:
             try:
-                assert self.server is not None
+                assert self.server is not None and self.console is not None
                 models = tuple(sorted((m["name"], m["kind"], m["fingerprint"], _context_of(b))
                                       for b in self.server.backends if b.models() for m in b.status()))
                 if models != last:
                     self.membership.set_local_models([_model_info(*m) for m in models])
                     last = models
-                self.membership.set_load(self.server.local_info().in_flight)
+                info = self.server.local_info()
+                self.membership.set_load(info.in_flight, queue=max(0, info.in_flight - info.capacity),
+                                         tok_s=self.console.tok_rate(), slots=info.capacity)
             except Exception as e:  # noqa: BLE001 - advertising must never take the API down
                 log.debug("api_publish_failed", error=type(e).__name__)
-            await asyncio.sleep(self.poll_interval_s)
+            await asyncio.sleep(PUBLISH_CHECK_S)
 
     async def _cmd_connect(self, params: dict[str, Any]) -> dict[str, Any]:
         """Interim until membership connects peers: keep a connection to ``addr`` pinned to ``node_id``."""
@@ -224,13 +238,9 @@ class ApiService:
             self._publisher.cancel()
             with contextlib.suppress(BaseException):
                 await self._publisher
-        await self.directory.stop()
+        if self.console is not None:
+            await self.console.stop()
         await self.server.stop()
-        if self.transport is not None:
-            with contextlib.suppress(ValueError):
-                self.transport.on_peer_down.remove(self._peer_down)
-            with contextlib.suppress(ValueError):
-                self.transport.on_peer_up.remove(self._peer_up)
 
     def status(self) -> dict[str, Any]:
         if self.server is None:
@@ -240,7 +250,8 @@ class ApiService:
         st["models"] = [m for b in own for m in b.status()]
         st["role"] = self.server.config.role
         st["tunnels_active"] = self.tunnel_server.active
-        st["peers_serving"] = {n.node_id: list(n.models) for n in self.directory.nodes()}
+        st["tunnel_streams"] = {"served": self.tunnel_server.served, "opened": self.tunnel_client.opened}
+        st["peers_serving"] = {n.node_id: list(n.models) for n in self.view.nodes()}
         st["routes"] = {nid: {"ttfb_ms": ps.ttfb_ms, "tok_per_s": ps.tok_per_s, "failures": ps.failures}
                         for nid, ps in self.server.routes.stats.items()}
         return st

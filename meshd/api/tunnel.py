@@ -192,6 +192,7 @@ class TunnelClient:
         self.stream_type = stream_type
         self.config = config or TunnelConfig()
         self.count = count
+        self.opened = 0  # tunnel streams opened since start
 
     async def request(self, peer: TunnelPeer, method: str, path: str, body: bytes = b"") -> Reply:
         """Send one request; return once the response head arrived.
@@ -199,6 +200,7 @@ class TunnelClient:
         Raises ``ApiError``: 502 if the peer fails before the head (unreachable, reset, silent, broken
         protocol), or the peer's own error status (404/429/503...) with its OpenAI-shaped message."""
         cfg = self.config
+        self.opened += 1
         try:
             async with asyncio.timeout(cfg.connect_timeout_s):
                 stream = await peer.open_stream(self.stream_type)
@@ -343,11 +345,13 @@ class TunnelServer:
         self.count = count
         self.max_body_bytes = max_body_bytes
         self.active = 0
+        self.served = 0  # tunnel streams handled since start
 
     async def handle(self, peer: Any, stream: TunnelStream) -> None:
         """The ``on_stream(HTTP_TUNNEL)`` handler. Never raises."""
         conn = _Conn(stream, self.count, None)
         self.active += 1
+        self.served += 1
         try:
             await self._handle(conn, getattr(peer, "node_id", "?"))
         except TunnelProtocolError as e:

@@ -57,18 +57,23 @@ def format_status(st: dict[str, Any]) -> str:
     peers = st.get("peers") or []
     text += f"peers     {len(peers)}\n"
     if peers:
-        rows = [["NODE", "STATE", "RTT_MS", "LAST_SEEN_S", "ADDRS", "MODELS"]]
+        rows = [["NODE", "ROLE", "STATE", "RTT_MS", "LAST_SEEN_S", "ADDRS", "MODELS"]]
         for p in peers:
             rtt = p.get("rtt_ms")
+            live = p.get("state") in ("alive", "suspect", None)
             rows.append(
                 [
                     _cell(p.get("node_id")),
+                    _cell(p.get("role")),
                     _cell(p.get("state")),
                     "-" if rtt is None else f"{rtt:.1f}" if isinstance(rtt, (int, float)) else str(rtt),
                     _cell(p.get("last_seen_s")),
                     _cell(p.get("addrs")),
-                    _cell(p.get("models")),
+                    _cell(p.get("models")) if live else "-",  # a dead node serves nothing
                 ]
             )
         text += _table(rows)
+    banned = (st.get("services") or {}).get("membership", {}).get("banned") or []
+    text += f"banned    {len(banned)}\n"
+    text += "".join(f"  {b}\n" for b in banned)
     return text

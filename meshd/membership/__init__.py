@@ -12,6 +12,7 @@ from meshd.membership.core import Membership, MemberView
 from meshd.membership.records import (
     Capacity,
     ExpertShard,
+    Load,
     LocalInfo,
     ModelInfo,
     NodeRecord,
@@ -21,6 +22,6 @@ from meshd.membership.records import (
 )
 
 __all__ = [
-    "Capacity", "ExpertShard", "LocalInfo", "MemberView", "Membership", "MembershipConfig", "ModelInfo",
+    "Capacity", "ExpertShard", "Load", "LocalInfo", "MemberView", "Membership", "MembershipConfig", "ModelInfo",
     "NodeRecord", "RecordError", "RecordVerifier", "Revocations",
 ]

@@ -9,8 +9,14 @@ document (``transport.credentials``) under domain ``node-record``, signed by the
      "models": [{"name", "kind", "fingerprint", "ctx"}],
      "experts": [{"model_fp", "layers": [first, last], "experts": [first, last], "capacity"}],
      "stages": [{"model_fp", "free_kb", "pin": [first, last] | null}]  (optional, default []),
-     "cap": {"cpus": int, "ram_mb": int, "in_flight": int}, "api": "host:port" | null,
-     "admin": bool (holds the mesh admin key; optional, default false)}
+     "cap": {"cpus": int, "ram_mb": int, "in_flight": int, "free_mb": int (optional)},
+     "api": "host:port" | null, "admin": bool (holds the mesh admin key; optional, default false),
+     "load": {"queue": int, "tok_s": number, "slots": int} (optional: waiting requests, recent
+             tokens/s, request slots), ...any other key (carried generically)}
+
+Keys this version does not know (a newer node's, or another service's) are kept as ``NodeRecord.extra``
+and shown by status and the console: set them with ``LocalInfo.extra``
+(``MembershipService.set_local_field``).
 
 The embedded member certificate makes a record verifiable by any member, including ones that never
 connected to the node: a record is accepted only if the certificate was issued by this mesh's admin key,
@@ -105,9 +111,28 @@ class Capacity:
     cpus: int = 0
     ram_mb: int = 0
     in_flight: int = 0
+    free_mb: int = 0  # available memory when last re-signed
 
     def to_json(self) -> dict[str, Any]:
-        return {"cpus": self.cpus, "ram_mb": self.ram_mb, "in_flight": self.in_flight}
+        return {"cpus": self.cpus, "ram_mb": self.ram_mb, "in_flight": self.in_flight, "free_mb": self.free_mb}
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """Load beyond requests in flight (``Capacity.in_flight``): requests waiting for a slot, recent
+    generated tokens per second, and how many requests the node serves at once."""
+
+    queue: int = 0
+    tok_s: float = 0.0
+    slots: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        return {"queue": self.queue, "tok_s": self.tok_s, "slots": self.slots}
+
+
+KNOWN_KEYS = frozenset({"v", "mesh_id", "node_id", "cert", "ver", "leaving", "addrs", "role", "proto", "sw",
+                        "models", "experts", "cap", "api", "admin", "load", "stages"})
+MAX_EXTRA_KEY_CHARS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +149,8 @@ class LocalInfo:
     api: str | None = None
     admin: bool = False  # holds the mesh admin key (can issue invites and bans)
     stages: tuple[StageOffer, ...] = ()
+    load: Load = field(default_factory=Load)
+    extra: tuple[tuple[str, Any], ...] = ()  # other record keys (sorted (key, JSON value) pairs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,25 +172,29 @@ class NodeRecord:
     admin: bool
     encoded: bytes
     stages: tuple[StageOffer, ...] = ()
+    load: Load = field(default_factory=Load)
+    extra: dict[str, Any] = field(default_factory=dict)  # keys this version does not know, as signed
 
     def to_json(self) -> dict[str, Any]:
         """JSON view for status and other services (no certificate, no signature)."""
-        return {"node_id": self.node_id, "version": self.version, "leaving": self.leaving,
+        return {**self.extra, "node_id": self.node_id, "version": self.version, "leaving": self.leaving,
                 "addrs": list(self.addrs), "role": self.role, "proto": self.proto, "sw": self.software,
                 "models": [m.to_json() for m in self.models],
                 "experts": [e.to_json() for e in self.experts], "cap": self.capacity.to_json(),
-                "api": self.api, "admin": self.admin, "stages": [s.to_json() for s in self.stages]}
+                "api": self.api, "admin": self.admin, "stages": [s.to_json() for s in self.stages],
+                "load": self.load.to_json()}
 
 
 def sign_record(identity: NodeIdentity, creds: MeshCredentials, info: LocalInfo, version: int,
                 leaving: bool = False) -> bytes:
     """Encode and sign this node's record. Raises ``RecordError`` if it would exceed the limits."""
     body = {
+        **dict(info.extra),
         "v": RECORD_FORMAT_VERSION, "mesh_id": creds.mesh_id, "node_id": identity.node_id,
         "cert": creds.cert.encoded.decode(), "ver": int(version), "leaving": bool(leaving),
         "addrs": list(info.addrs), "role": info.role, "proto": info.proto, "sw": info.software,
         "models": [m.to_json() for m in info.models], "experts": [e.to_json() for e in info.experts],
-        "cap": info.capacity.to_json(), "api": info.api, "admin": info.admin,
+        "cap": info.capacity.to_json(), "api": info.api, "admin": info.admin, "load": info.load.to_json(),
     }
     if info.stages:  # optional: a record without stages stays as older nodes wrote it
         body["stages"] = [s.to_json() for s in info.stages]
@@ -231,8 +262,18 @@ def _check_body(body: dict[str, Any]) -> tuple[Any, ...]:
     )
     cap = _obj(body.get("cap"), "cap", {"cpus", "ram_mb", "in_flight"})
     capacity = Capacity(_int(cap["cpus"], "cpus"), _int(cap["ram_mb"], "ram_mb"),
-                        _int(cap["in_flight"], "in_flight"))
+                        _int(cap["in_flight"], "in_flight"), _int(cap.get("free_mb", 0), "free_mb"))
     _stages(body)
+    load = Load()
+    if "load" in body:
+        ld = _obj(body["load"], "load", {"queue", "tok_s", "slots"})
+        tok_s = ld["tok_s"]
+        if not isinstance(tok_s, (int, float)) or isinstance(tok_s, bool) or not 0 <= tok_s < 1e9:
+            raise RecordError("field 'tok_s' must be a non-negative number")
+        load = Load(_int(ld["queue"], "queue"), float(tok_s), _int(ld["slots"], "slots"))
+    extra = {k: v for k, v in body.items() if k not in KNOWN_KEYS}
+    if any(len(k) > MAX_EXTRA_KEY_CHARS for k in extra):
+        raise RecordError(f"record keys are at most {MAX_EXTRA_KEY_CHARS} chars")
     if not isinstance(body.get("admin", False), bool):
         raise RecordError("field 'admin' must be a boolean")
     if not isinstance(body.get("leaving"), bool):
@@ -240,7 +281,7 @@ def _check_body(body: dict[str, Any]) -> tuple[Any, ...]:
     return (
         tuple(_str(a, "addrs[]") for a in addrs), role, _int(body.get("proto"), "proto"),
         _str(body.get("sw"), "sw"), models, experts, capacity, _str(body.get("api"), "api", True),
-        _int(body.get("ver"), "ver"),
+        _int(body.get("ver"), "ver"), load, extra,
     )
 
 
@@ -303,11 +344,12 @@ class RecordVerifier:
         parsed = _check_body(body)
         if not verify_signature(cert.node_pub, RECORD_DOMAIN, canonical_json(body), sig):
             raise RecordError("bad record signature")
-        addrs, role, proto, sw, models, experts, capacity, api, ver = parsed
+        addrs, role, proto, sw, models, experts, capacity, api, ver, load, extra = parsed
         rec = NodeRecord(node_id=cert.node_id, public_key=cert.node_pub, version=ver,
                          leaving=body["leaving"], addrs=addrs, role=role, proto=proto, software=sw,
                          models=models, experts=experts, capacity=capacity, api=api,
-                         admin=body.get("admin", False), encoded=data, stages=_stages(body))
+                         admin=body.get("admin", False), encoded=data, stages=_stages(body), load=load,
+                         extra=extra)
         self._cache[key] = rec
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
