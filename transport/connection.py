@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -35,6 +35,7 @@ from transport.framing import (
 )
 from transport.handshake import Handshake, JoinReplied, JoinRequested, Mode, PeerAdmitted, tls_binding
 from transport.stream import Stream
+from transport.stream_api import PATH_QUIC
 from transport.streams import HANDSHAKE_STREAM_TYPES, StreamType
 from transport.tls import certificate_der
 
@@ -126,7 +127,22 @@ class _Connection(QuicConnectionProtocol):
         self._quic.send_stream_data(sid, encode_preamble(stream_type, PROTOCOL_VERSION))
         return stream
 
-    async def write(self, stream_id: int, data: bytes, end: bool) -> None:
+    # -- the stream carrier interface (transport.stream_api.StreamCarrier) ---------------------------
+
+    path = PATH_QUIC
+
+    @property
+    def max_datagram_bytes(self) -> int:
+        return int(self._quic._max_datagram_size)
+
+    def stream_done(self, stream_id: int) -> None:
+        self._flow.app_consumed.pop(stream_id, None)
+
+    def consumed(self, stream: Stream) -> None:
+        self._consumed(stream)
+
+    async def write(self, stream_id: int, parts: Sequence[bytes], end: bool) -> None:
+        data = b"".join(parts)
         limit = self.mesh.config.stream_send_buffer_bytes
         stream = self.streams.get(stream_id)
         while True:
@@ -140,8 +156,9 @@ class _Connection(QuicConnectionProtocol):
         self._queue_data(stream_id, data, end)
         self._transmit_soon()
 
-    def write_now(self, stream_id: int, data: bytes) -> bool:
+    def write_now(self, stream_id: int, parts: Sequence[bytes]) -> bool:
         """``write`` without waiting: False if the send buffer is over its limit; sends the packet now."""
+        data = b"".join(parts)
         if self.closing:
             raise TransportError(f"connection closed: {self.close_reason or 'closed'}")
         if self._pending_send_bytes(stream_id) > self.mesh.config.stream_send_buffer_bytes:

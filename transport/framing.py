@@ -116,6 +116,14 @@ def encode_frame(frame_type: FrameType, payload: bytes, max_payload: int | None 
     return FRAME_HEADER.pack(FRAME_MAGIC, FRAMING_VERSION, int(frame_type), 0, len(payload)) + payload
 
 
+def frame_parts(frame_type: FrameType, payload: bytes, max_payload: int) -> tuple[bytes, bytes]:
+    """One frame as (header, payload), for carriers that write pieces without joining them (a large
+    payload is not copied). Raises ``ValueError`` like :func:`encode_frame`."""
+    if len(payload) > max_payload:
+        raise ValueError(f"frame payload of {len(payload)} bytes exceeds the limit of {max_payload}")
+    return FRAME_HEADER.pack(FRAME_MAGIC, FRAMING_VERSION, int(frame_type), 0, len(payload)), payload
+
+
 def encode_error(code: int, reason: str) -> bytes:
     """Payload of an ERROR frame."""
     return struct.pack(">H", code) + reason.encode()[: limits.MAX_REFUSAL_REASON_BYTES]

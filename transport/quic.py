@@ -48,7 +48,8 @@ from transport.handshake import Admission, Mode, PeerAdmitted, tls_binding
 from transport.identity import NodeIdentity
 from transport.ratelog import RateLimitedLog
 from transport.stream import Stream
-from transport.streams import HANDSHAKE_STREAM_TYPES, StreamType, max_frame_bytes
+from transport.stream_api import PATH_LANE, PATH_QUIC
+from transport.streams import HANDSHAKE_STREAM_TYPES, LANE_STREAM_TYPES, StreamType, max_frame_bytes
 from transport.tls import certificate_der, self_signed_certificate
 
 __all__ = [
@@ -101,6 +102,7 @@ class Peer:
         self.cert: MemberCert | None = None
         self.protocol_version = PROTOCOL_VERSION
         self._conn: _Connection | None = None
+        self._lane: Any = None  # a transport.lane.LaneConnection while a data lane to this peer is up
         self._down_timer: asyncio.TimerHandle | None = None  # a down report held back (see _terminated)
 
     def __repr__(self) -> str:
@@ -118,6 +120,12 @@ class Peer:
     def rtt_ms(self) -> float | None:
         return self._conn.rtt_ms if self._conn is not None else None
 
+    @property
+    def path(self) -> str:
+        """What carries this peer's lane stream types now: "lane" while a data lane is up, else "quic"."""
+        lane = self._lane
+        return PATH_LANE if lane is not None and lane.open and not lane.closed else PATH_QUIC
+
     def _connection(self) -> _Connection:
         conn = self._conn
         if conn is None or conn.closing:
@@ -128,6 +136,12 @@ class Peer:
         """Open a typed stream (its preamble goes out with the first frame)."""
         if stream_type in HANDSHAKE_STREAM_TYPES:
             raise ValueError("handshake streams are opened by the transport")
+        lane = self._lane
+        if lane is not None and stream_type in LANE_STREAM_TYPES and lane.open and not lane.closed:
+            try:
+                return lane.open_stream(StreamType(stream_type))  # type: ignore[no-any-return]
+            except TransportError:
+                pass  # the lane just closed or is full: QUIC carries it
         return self._connection().open_stream(StreamType(stream_type))
 
     async def request(self, stream_type: StreamType, payload: bytes, timeout_s: float) -> bytes:
@@ -250,6 +264,7 @@ class MeshTransport:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ratelog = RateLimitedLog(log, self.config.log_interval_s)
         self._closing = False
+        self.lane: Any = None  # the transport.lane.LaneManager, when this node runs data lanes
 
     # -- configuration ---------------------------------------------------------------------------
 
@@ -544,6 +559,10 @@ class MeshTransport:
                 _maybe_task(cb(peer), self._tasks)
             except Exception as e:  # noqa: BLE001
                 log.warning("peer_down_callback_failed", error=repr(e))
+
+    def dispatch_stream(self, carrier: Any, stream: Stream) -> None:
+        """Serve a stream the peer opened on another carrier (a data lane) with this type's handler."""
+        self._dispatch(carrier, stream)
 
     def _dispatch(self, conn: _Connection, stream: Stream) -> None:
         stype = stream.stream_type
