@@ -100,6 +100,8 @@ class DaemonConfig:
     state_dir: Path
     listen: HostPort
     api: HostPort
+    lane_listen: HostPort | None = None  # the data lane's TCP address; None: off (see lane_listen_text)
+    lane_off: bool = False  # --lane-listen off
     models: tuple[str, ...] = ()
     experts: tuple[str, ...] = ()
     remote_experts: str = "off"
@@ -161,6 +163,7 @@ _FILE_KEYS: dict[str, tuple[type, ...]] = {
     "state-dir": (str,),
     "listen": (str,),
     "api": (str,),
+    "lane-listen": (str,),
     "model": (str, list),
     "experts": (str, list),
     "remote-experts": (str,),
@@ -312,6 +315,15 @@ def load_config(args: argparse.Namespace, env: Mapping[str, str], role: str) -> 
         else parse_hostport(DEFAULT_API, "default api")
     )
 
+    lane_text, lane_source = pick("lane-listen")
+    lane_off = lane_text is not None and lane_text.strip().lower() == "off"
+    if lane_text is None:
+        lane_listen: HostPort | None = listen  # SPEC: TCP on the QUIC port's number
+    elif lane_off:
+        lane_listen = None
+    else:
+        lane_listen = parse_hostport(lane_text, lane_source)
+
     models = _as_list(pick("model")[0])
     experts = _as_list(pick("experts")[0])
     for spec, what in [(m, "model") for m in models] + [(e, "experts") for e in experts]:
@@ -392,6 +404,8 @@ def load_config(args: argparse.Namespace, env: Mapping[str, str], role: str) -> 
         state_dir=state_dir,
         listen=listen,
         api=api,
+        lane_listen=lane_listen,
+        lane_off=lane_off,
         models=models if role == "serve" else (),
         experts=experts if role == "serve" else (),
         remote_experts=remote_experts if role == "serve" else "off",

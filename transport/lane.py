@@ -35,7 +35,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography import x509
 
 from transport import PROTOCOL_MAX, PROTOCOL_MIN, PROTOCOL_VERSION, lane_wire, limits
-from transport.config import backoff_delay_s, is_loopback_host
+from transport.config import backoff_delay_s
 from transport.errors import StreamReset, TransportError
 from transport.framing import ErrorCode, FrameDecoder, RemoteProtocolError, encode_preamble
 from transport.identity import NodeIdentity, node_id_from_public_key
@@ -696,6 +696,11 @@ class LaneManager:
                     await lane.closed_event.wait()
                 except asyncio.CancelledError:
                     raise
+                except StreamReset as e:
+                    if e.code == ErrorCode.NO_HANDLER:
+                        log.info("lane_unavailable", peer=peer.node_id, reason="the peer runs no lanes")
+                        return
+                    self.count("lane_dial_failures")
                 except Exception as e:  # noqa: BLE001 - keep trying while the member is connected
                     self.count("lane_dial_failures")
                     self.ratelog("lane_dial_failed", peer=peer.node_id, error=str(e))
@@ -719,12 +724,3 @@ class LaneManager:
             raise
         return lane
 
-
-def lane_host_for(quic_host: str) -> str:
-    """The default lane listen host for a QUIC listen host (the same)."""
-    return quic_host
-
-
-def on_loopback(lane: LaneConnection) -> bool:
-    addr = lane.remote_address
-    return addr is not None and is_loopback_host(addr[0])

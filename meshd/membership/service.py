@@ -330,6 +330,7 @@ class MembershipService:
                 "experts": [e.to_json() for e in v.record.experts], "version": v.record.software,
                 "last_seen_s": None if v.last_seen is None else round(now - v.last_seen, 2),
                 "role": v.record.role, "api": v.record.api, "incarnation": v.incarnation,
+                "path": getattr(tpeer, "path", None),  # quic | lane | relay; null when not connected
             })
         rev = core.revocations
         return {
