@@ -301,3 +301,74 @@ def test_a_node_without_a_lane_is_reached_over_quic() -> None:
             assert s.path == "quic" and await roundtrip(s, b"x") == b"x"
 
     asyncio.run(main())
+
+
+# -- the sans-I/O lane codec ------------------------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from transport.framing import RemoteProtocolError  # noqa: E402
+from transport.lane_wire import MuxDecoder, MuxKind, encode_reset, mux_header  # noqa: E402
+
+
+_valid = st.lists(st.one_of(
+    st.tuples(st.just(MuxKind.DATA), st.integers(0, 2**32 - 1), st.binary(min_size=1, max_size=64)),
+    st.tuples(st.just(MuxKind.FIN), st.integers(0, 2**32 - 1), st.just(b"")),
+    st.tuples(st.just(MuxKind.RESET), st.integers(0, 2**32 - 1), st.integers(0, 65535)),
+    st.tuples(st.sampled_from([MuxKind.PING, MuxKind.PONG]), st.just(0), st.just(b"")),
+), max_size=8)
+
+
+def _encode(recs: list[tuple[MuxKind, int, Any]]) -> bytes:
+    out = b""
+    for kind, sid, p in recs:
+        if kind is MuxKind.RESET:
+            out += encode_reset(sid, p)
+        else:
+            out += mux_header(kind, sid, len(p)) + p
+    return out
+
+
+def _whole(decoder: MuxDecoder, data: bytes, step: int) -> list[tuple[int, int, bytes]] | str:
+    """Records with each DATA record's pieces joined (pieces of one record are consecutive)."""
+    got: list[tuple[int, int, bytes]] = []
+    left = 0
+    try:
+        for i in range(0, len(data), step):
+            for r in decoder.feed(data[i:i + step]):
+                if r.kind is MuxKind.DATA and left:
+                    kind, sid, p = got[-1]
+                    got[-1] = (kind, sid, p + bytes(r.payload))
+                else:
+                    got.append((int(r.kind), r.stream_id, bytes(r.payload)))
+                left = decoder._left if decoder._kind is MuxKind.DATA else 0
+    except RemoteProtocolError as e:
+        return e.code.name
+    return got
+
+
+@given(_valid)
+@settings(max_examples=200, deadline=None)
+def test_mux_records_decode_the_same_in_one_chunk_and_byte_by_byte(recs: list[tuple[MuxKind, int, Any]]) -> None:
+    data = _encode(recs)
+    one = _whole(MuxDecoder(), data, max(1, len(data)))
+    assert one == _whole(MuxDecoder(), data, 1)
+    expect = [(int(k), sid, (p.to_bytes(2, "big") if k is MuxKind.RESET else p)) for k, sid, p in recs]
+    assert one == expect
+
+
+@given(st.binary(max_size=64))
+@settings(max_examples=300, deadline=None)
+def test_mux_arbitrary_bytes_give_records_or_a_protocol_error(data: bytes) -> None:
+    one = _whole(MuxDecoder(), data, max(1, len(data)))
+    assert one == _whole(MuxDecoder(), data, 1)
+
+
+def test_mux_refuses_oversized_and_malformed_records_from_the_header() -> None:
+    from transport.lane_wire import MAX_CHUNK_BYTES
+
+    for bad in (mux_header(MuxKind.DATA, 0, MAX_CHUNK_BYTES + 1), mux_header(MuxKind.DATA, 0, 0),
+                mux_header(MuxKind.FIN, 0, 1), mux_header(MuxKind.RESET, 0, 3), b"\x09" + b"\0" * 8):
+        with pytest.raises(RemoteProtocolError):
+            MuxDecoder().feed(bad)

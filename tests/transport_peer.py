@@ -6,6 +6,10 @@ overrides), ``join`` (accept joins) and ``keep`` ([[node_id, host, port], ...] t
 Prints one JSON line ``{"node_id", "addr": [host, port]}`` on stdout when listening, then serves until
 SIGTERM/SIGINT (exit 0).
 
+``lane`` ("host:port") also runs a data lane there (transport.lane). EXPERT streams (which use the lane
+when it is up) start with ``echo`` (then every frame is echoed) or ``sink`` (then bytes are counted and
+the count is the answer at the stream's end), for bench/transport.py.
+
 RPC (StreamType.RPC) commands, by payload prefix: ``echo:`` (reply = payload), ``sleep:S`` (reply after
 S seconds of silence), ``stats`` (JSON of stats and peers), ``call:`` (request ``echo:back`` from the
 caller and return its reply), ``fail`` (RpcError 7), ``big`` (a reply over the frame limit), ``crash`` (handler bug), ``hang`` (never answers;
@@ -60,8 +64,17 @@ def serve_bench(mesh: MeshTransport) -> None:
     async def echo(peer: Peer, request: bytes) -> bytes:
         return request
 
+    async def lane_bench(peer: Peer, stream: Stream) -> None:
+        mode = await stream.recv()
+        if mode == b"sink":
+            await sink(peer, stream)
+        elif mode == b"echo":
+            await tunnel(peer, stream)
+
     mesh.on_stream(StreamType.HTTP_TUNNEL, tunnel)
     mesh.on_stream(StreamType.GOSSIP, sink)
+    if StreamType.EXPERT not in mesh._stream_handlers:
+        mesh.on_stream(StreamType.EXPERT, lane_bench)
     if StreamType.RPC not in mesh._rpc_handlers:
         mesh.on_rpc(StreamType.RPC, echo)
 
@@ -109,6 +122,13 @@ async def main(path: str) -> int:
         mesh.set_join_handler(join)
     host, port = config.get("listen", "127.0.0.1:0").rsplit(":", 1)
     addr = await mesh.listen(host, int(port))
+    lanes = None
+    if config.get("lane"):
+        from transport.lane import LaneManager
+
+        lanes = LaneManager(mesh)
+        lhost, lport = config["lane"].rsplit(":", 1)
+        await lanes.listen(lhost, int(lport))
     for node_id, khost, kport in config.get("keep", []):
         mesh.keep_connected(node_id, [(khost, int(kport))])
     print(json.dumps({"node_id": identity.node_id, "addr": list(addr)}), flush=True)
@@ -117,6 +137,8 @@ async def main(path: str) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if lanes is not None:
+        await lanes.close()
     await mesh.close()
     return 0
 

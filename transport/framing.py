@@ -259,7 +259,9 @@ class FrameDecoder:
             if len(buf) < self._need:
                 return frames
             assert self._header_type is not None  # noqa: S101 - set with _need
-            frames.append(Frame(self._header_type, bytes(buf[: self._need])))
+            with memoryview(buf) as view:  # one copy of the payload, not two
+                payload = bytes(view[: self._need])
+            frames.append(Frame(self._header_type, payload))
             del buf[: self._need]
             self._need = None
             self._header_type = None

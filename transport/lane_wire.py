@@ -115,9 +115,13 @@ class MuxKind(IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class MuxRecord:
+    """A lane record, or for DATA a piece of one (a record's payload may come in several pieces, each
+    handed on as it arrives: the stream's own decoder reassembles frames, so a payload is never buffered
+    twice). ``payload`` may be a memoryview into the bytes fed."""
+
     kind: MuxKind
     stream_id: int
-    payload: bytes
+    payload: bytes | memoryview
 
 
 def mux_header(kind: MuxKind, stream_id: int, length: int) -> bytes:
@@ -129,47 +133,80 @@ def encode_reset(stream_id: int, code: int) -> bytes:
 
 
 class MuxDecoder:
-    """Incremental, strict decoder of lane records. ``feed`` returns complete records; after an error
-    every call raises it again."""
+    """Incremental, strict decoder of lane records. ``feed`` returns the records (DATA in pieces) the bytes
+    complete; after an error every call raises it again."""
 
     def __init__(self) -> None:
-        self._buf = bytearray()
+        self._head = bytearray()  # a header (or a RESET payload) split across reads
+        self._kind: MuxKind | None = None  # the record whose header was parsed...
+        self._sid = 0
+        self._left = 0  # ...and its payload bytes still to come
         self._error: RemoteProtocolError | None = None
 
     def feed(self, data: bytes) -> list[MuxRecord]:
         if self._error is not None:
             raise self._error
-        self._buf += data
-        out: list[MuxRecord] = []
-        buf = self._buf
         try:
-            at = 0
-            while len(buf) - at >= MUX_HEADER.size:
-                kind_b, sid, length = MUX_HEADER.unpack_from(buf, at)
-                try:
-                    kind = MuxKind(kind_b)
-                except ValueError:
-                    raise RemoteProtocolError(ErrorCode.PROTOCOL_ERROR, f"unknown lane record {kind_b}") from None
-                if kind is MuxKind.DATA:
-                    if length == 0 or length > MAX_CHUNK_BYTES:
-                        raise RemoteProtocolError(ErrorCode.FRAME_TOO_LARGE, f"lane record of {length} bytes")
-                elif kind is MuxKind.RESET:
-                    if length != 2:
-                        raise RemoteProtocolError(ErrorCode.PROTOCOL_ERROR, "bad lane RESET")
-                elif length != 0:
-                    raise RemoteProtocolError(ErrorCode.PROTOCOL_ERROR, f"lane {kind.name} with a payload")
-                end = at + MUX_HEADER.size + length
-                if len(buf) < end:
-                    break
-                out.append(MuxRecord(kind, sid, bytes(buf[at + MUX_HEADER.size: end])))
-                at = end
-            del buf[:at]
+            return self._parse(memoryview(data))
         except RemoteProtocolError as e:
             self._error = e
-            buf.clear()
+            self._head.clear()
             raise
+
+    def _parse(self, mv: memoryview) -> list[MuxRecord]:
+        out: list[MuxRecord] = []
+        at, n = 0, len(mv)
+        while at < n:
+            if self._kind is MuxKind.DATA:
+                take = min(self._left, n - at)
+                out.append(MuxRecord(MuxKind.DATA, self._sid, mv[at: at + take]))
+                at += take
+                self._left -= take
+                if not self._left:
+                    self._kind = None
+                continue
+            if self._kind is MuxKind.RESET:
+                take = min(self._left, n - at)
+                self._head += mv[at: at + take]
+                at += take
+                self._left -= take
+                if not self._left:
+                    out.append(MuxRecord(MuxKind.RESET, self._sid, bytes(self._head)))
+                    self._head.clear()
+                    self._kind = None
+                continue
+            if not self._head and n - at >= MUX_HEADER.size:
+                header = mv[at: at + MUX_HEADER.size]
+                at += MUX_HEADER.size
+            else:
+                take = min(MUX_HEADER.size - len(self._head), n - at)
+                self._head += mv[at: at + take]
+                at += take
+                if len(self._head) < MUX_HEADER.size:
+                    break
+                header = memoryview(bytes(self._head))
+                self._head.clear()
+            self._header(*MUX_HEADER.unpack(header), out)
         return out
+
+    def _header(self, kind_b: int, sid: int, length: int, out: list[MuxRecord]) -> None:
+        try:
+            kind = MuxKind(kind_b)
+        except ValueError:
+            raise RemoteProtocolError(ErrorCode.PROTOCOL_ERROR, f"unknown lane record {kind_b}") from None
+        if kind is MuxKind.DATA:
+            if length == 0 or length > MAX_CHUNK_BYTES:
+                raise RemoteProtocolError(ErrorCode.FRAME_TOO_LARGE, f"lane record of {length} bytes")
+        elif kind is MuxKind.RESET:
+            if length != 2:
+                raise RemoteProtocolError(ErrorCode.PROTOCOL_ERROR, "bad lane RESET")
+        elif length != 0:
+            raise RemoteProtocolError(ErrorCode.PROTOCOL_ERROR, f"lane {kind.name} with a payload")
+        if length:
+            self._kind, self._sid, self._left = kind, sid, length
+        else:
+            out.append(MuxRecord(kind, sid, b""))
 
     @property
     def buffered_bytes(self) -> int:
-        return len(self._buf)
+        return len(self._head)
