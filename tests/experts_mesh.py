@@ -63,15 +63,19 @@ class WorkerProc:
             self.proc.stdout.close()
 
 
-def spawn_worker(mesh: MeshFixture, tmp: Path, specs: list[str], **extra: Any) -> WorkerProc:
-    """Start tests/experts_node.py; returns once it listens. Raises RuntimeError with its error line."""
+def spawn_worker(mesh: MeshFixture, tmp: Path, specs: list[str], netns: str | None = None, **extra: Any) -> WorkerProc:
+    """Start tests/experts_node.py (in network namespace ``netns`` if given); returns once it listens.
+    Raises RuntimeError with its error line."""
     ident = NodeIdentity.generate()
     creds = mesh.member(ident)
     cfg = {"key": ident.private_bytes().hex(), "genesis": base64.b64encode(creds.genesis.encoded).decode(),
            "cert": base64.b64encode(creds.cert.encoded).decode(), "specs": specs, **extra}
     path = tmp / f"node-{ident.node_id[:8]}.json"
     path.write_text(json.dumps(cfg))
-    proc = subprocess.Popen([sys.executable, str(NODE_SCRIPT), str(path)], stdout=subprocess.PIPE,
+    argv = [sys.executable, str(NODE_SCRIPT), str(path)]
+    if netns is not None:
+        argv = ["ip", "netns", "exec", netns, *argv]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, env=meshd_env())
     assert proc.stdout is not None
     ready, _, _ = select.select([proc.stdout], [], [], 30)
@@ -94,6 +98,7 @@ class Coordinator:
     config: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     lt: LoopThread = field(default_factory=LoopThread)
     lane: bool = False  # run a data lane (transport.lane) beside QUIC, as the daemon does
+    host: str = "127.0.0.1"  # where its transport (and lane) listen
 
     def __post_init__(self) -> None:
         from transport.quic import MeshTransport, TransportConfig
@@ -101,14 +106,14 @@ class Coordinator:
         self.ident = NodeIdentity.generate()
         self.transport = MeshTransport(self.ident, self.mesh.member(self.ident), TransportConfig.loopback())
         self.service = ExpertsService(coordinator_config=self.config, probe_interval_s=3600)
-        addr = self.lt.run(self.transport.listen("127.0.0.1", 0))
+        self.lt.run(self.transport.listen(self.host, 0))
         self.lanes = None
         if self.lane:
             from transport.lane import LaneManager
 
             async def lanes() -> LaneManager:
                 m = LaneManager(self.transport)
-                await m.listen("127.0.0.1", 0)
+                await m.listen(self.host, 0)
                 return m
 
             self.lanes = self.lt.run(lanes())
