@@ -255,7 +255,7 @@ def run_lane(tmp: Path, mb: int, n: int, inprocess: bool) -> dict[str, float]:
 
             server = MeshTransport(server_ident, server_creds)  # type: ignore[arg-type]
             lanes = LaneManager(server)
-            transport_peer.serve_bench(server)
+            transport_peer.serve_bench(server, lane=True)
             addr = await server.listen("127.0.0.1", 0)
             await lanes.listen("127.0.0.1", 0)
             try:

@@ -47,9 +47,9 @@ def load(config: dict) -> tuple[NodeIdentity, MeshCredentials | None]:
     return identity, creds
 
 
-def serve_bench(mesh: MeshTransport) -> None:
+def serve_bench(mesh: MeshTransport, lane: bool = False) -> None:
     """HTTP_TUNNEL streams echo frame by frame; GOSSIP streams sink and answer the byte count;
-    ``echo:`` RPCs (if no RPC handler is set yet) echo."""
+    ``echo:`` RPCs (if no RPC handler is set yet) echo; with ``lane``, EXPERT streams as in the module doc."""
 
     async def tunnel(peer: Peer, stream: Stream) -> None:
         while (chunk := await stream.recv()) is not None:
@@ -73,7 +73,7 @@ def serve_bench(mesh: MeshTransport) -> None:
 
     mesh.on_stream(StreamType.HTTP_TUNNEL, tunnel)
     mesh.on_stream(StreamType.GOSSIP, sink)
-    if StreamType.EXPERT not in mesh._stream_handlers:
+    if lane:
         mesh.on_stream(StreamType.EXPERT, lane_bench)
     if StreamType.RPC not in mesh._rpc_handlers:
         mesh.on_rpc(StreamType.RPC, echo)
@@ -117,7 +117,7 @@ async def main(path: str) -> int:
         return b"joined:" + request
 
     mesh.on_rpc(StreamType.RPC, rpc)
-    serve_bench(mesh)
+    serve_bench(mesh, lane=bool(config.get("lane")))
     if config.get("join"):
         mesh.set_join_handler(join)
     host, port = config.get("listen", "127.0.0.1:0").rsplit(":", 1)
