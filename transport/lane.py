@@ -41,7 +41,7 @@ from transport.framing import ErrorCode, FrameDecoder, RemoteProtocolError, enco
 from transport.identity import NodeIdentity, node_id_from_public_key
 from transport.lane_wire import MuxKind
 from transport.stream import Stream
-from transport.stream_api import PATH_LANE, Address
+from transport.stream_api import PATH_LANE, PATH_RELAY, Address
 from transport.streams import LANE_STREAM_TYPES, StreamType
 from transport.tls import certificate_der, self_signed_certificate
 
@@ -525,7 +525,8 @@ class LaneManager:
         mesh.lane = self
         mesh.on_peer_up.append(self._peer_up)
         mesh.on_peer_down.append(self._peer_down)
-        mesh.on_rpc(StreamType.RELAY, self._control)
+        mesh.on_path_change.append(self._path_moved)
+        mesh.on_stream(StreamType.RELAY, self._control)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -655,8 +656,13 @@ class LaneManager:
 
     # -- dialling ----------------------------------------------------------------------------------
 
+    def _path_moved(self, peer: Any) -> None:
+        """The peer's QUIC connection moved (relayed -> direct): a lane may be possible now."""
+        self._peer_up(peer)
+        self._changed(peer)
+
     def _peer_up(self, peer: Any) -> None:
-        if self._closing or self._server is None:
+        if self._closing or self._server is None or peer.path == PATH_RELAY:
             return
         if self.identity.node_id < peer.node_id and peer.node_id not in self._dialers:
             self._dialers[peer.node_id] = asyncio.ensure_future(self._dialer(peer))
@@ -669,13 +675,16 @@ class LaneManager:
         if lane is not None:
             lane.close("the member disconnected")
 
-    async def _control(self, peer: Any, request: bytes) -> bytes:
-        if request == CONTROL_LANE_PORT:
+    async def _control(self, peer: Any, stream: Any) -> None:
+        """A RELAY stream: the lane's port, or a relay request (``transport.relay``)."""
+        first = await stream.recv()
+        if first == CONTROL_LANE_PORT:
             port = self.address[1] if self.address is not None and self._server is not None else 0
-            return struct.pack(">H", port)
-        from transport.errors import RpcError
-
-        raise RpcError(ErrorCode.PROTOCOL_ERROR, "unknown path control request")
+            await stream.send(struct.pack(">H", port), end=True)
+        elif first and self.mesh.relay is not None:
+            await self.mesh.relay.serve(peer, stream, first)
+        else:
+            stream.reset(ErrorCode.PROTOCOL_ERROR)
 
     async def _dialer(self, peer: Any) -> None:
         cfg = self.config

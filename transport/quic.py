@@ -48,7 +48,7 @@ from transport.handshake import Admission, Mode, PeerAdmitted, tls_binding
 from transport.identity import NodeIdentity
 from transport.ratelog import RateLimitedLog
 from transport.stream import Stream
-from transport.stream_api import PATH_LANE, PATH_QUIC
+from transport.stream_api import PATH_LANE, PATH_QUIC, PATH_RELAY
 from transport.streams import HANDSHAKE_STREAM_TYPES, LANE_STREAM_TYPES, StreamType, max_frame_bytes
 from transport.tls import certificate_der, self_signed_certificate
 
@@ -124,7 +124,10 @@ class Peer:
     def path(self) -> str:
         """What carries this peer's lane stream types now: "lane" while a data lane is up, else "quic"."""
         lane = self._lane
-        return PATH_LANE if lane is not None and lane.open and not lane.closed else PATH_QUIC
+        if lane is not None and lane.open and not lane.closed:
+            return PATH_LANE
+        conn = self._conn
+        return conn.path if conn is not None else PATH_QUIC  # "relay" through a member, else "quic"
 
     def _connection(self) -> _Connection:
         conn = self._conn
@@ -265,6 +268,9 @@ class MeshTransport:
         self._ratelog = RateLimitedLog(log, self.config.log_interval_s)
         self._closing = False
         self.lane: Any = None  # the transport.lane.LaneManager, when this node runs data lanes
+        self.relay: Any = None  # the transport.relay.RelayManager, when this node relays / is relayed
+        self.on_dial_failed: list[Callable[[str, Address], Any]] = []  # (node_id, addr): a pinned dial failed
+        self.on_path_change: list[PeerCallback] = []  # a connected peer's connection moved (relayed -> direct)
 
     # -- configuration ---------------------------------------------------------------------------
 
@@ -346,10 +352,27 @@ class MeshTransport:
     def peers(self) -> list[Peer]:
         return [p for p in self._known.values() if p.connected]
 
-    async def connect(self, addr: Address, expected_node_id: str | None = None) -> Peer:
-        """Dial and authenticate. Raises HandshakeRefused(reason) or TransportError."""
+    async def connect(self, addr: Address, expected_node_id: str | None = None, *,
+                      replace_relayed: bool = False) -> Peer:
+        """Dial and authenticate. Raises HandshakeRefused(reason) or TransportError.
+
+        A connected ``expected_node_id`` is returned as is, unless it is reached through a relay and
+        ``replace_relayed``: then a direct connection is dialled, and replaces the relayed one."""
         if expected_node_id is not None and (existing := self.peer(expected_node_id)) is not None:
-            return existing
+            if not (replace_relayed and existing.path == PATH_RELAY):
+                return existing
+        try:
+            return await self._connect(addr, expected_node_id)
+        except (TransportError, OSError) as e:
+            if expected_node_id is not None and not isinstance(e, HandshakeRefused):
+                for cb in list(self.on_dial_failed):
+                    try:
+                        cb(expected_node_id, addr)
+                    except Exception as e2:  # noqa: BLE001
+                        log.warning("dial_failed_callback_failed", error=repr(e2))
+            raise
+
+    async def _connect(self, addr: Address, expected_node_id: str | None) -> Peer:
         if self.credentials is None:
             raise TransportError("this node has no mesh credentials yet")
         if self._closing:
@@ -495,7 +518,9 @@ class MeshTransport:
             peer = self._known[ev.node_id] = Peer(self, ev.node_id, ev.public_key)
         old = peer._conn
         if old is not None and old is not conn and not old.closing:
-            if conn.admitted_at - old.admitted_at < self.config.simultaneous_dial_window_s:
+            if (old.path == PATH_RELAY) != (conn.path == PATH_RELAY):
+                keep_new = old.path == PATH_RELAY  # a direct connection beats a relayed one
+            elif conn.admitted_at - old.admitted_at < self.config.simultaneous_dial_window_s:
                 # Simultaneous dials: both ends keep the connection dialled by the smaller node id.
                 def dialer(c: _Connection) -> str:
                     return self.identity.node_id if c.is_client else ev.node_id
@@ -512,6 +537,12 @@ class MeshTransport:
             peer._conn = conn
             conn.peer = peer
             old.close_with(ErrorCode.DUPLICATE, "replaced by a newer connection")
+            if old.path != conn.path:  # relayed -> direct: the peer stays up, its path changed
+                for cb in list(self.on_path_change):
+                    try:
+                        _maybe_task(cb(peer), self._tasks)
+                    except Exception as e:  # noqa: BLE001
+                        log.warning("path_change_callback_failed", error=repr(e))
             return
         # still "up" for the rest of meshd if the old connection is closing or was just lost to a
         # duplicate-resolution close: swap silently instead of reporting down and up again
