@@ -41,6 +41,8 @@ def _add_networking(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lane-listen", metavar="HOST:PORT|off",
                    help="data lane (TLS over TCP) address for expert/pipeline traffic, or off "
                         "(default: TCP on the --listen host and port)")
+    p.add_argument("--relay", choices=["on", "off"],
+                   help="forward traffic between members that have no direct path (default on)")
     join = p.add_mutually_exclusive_group()
     join.add_argument("--join", metavar="TOKEN", help="invite token to join a mesh (also $MESHD_JOIN)")
     join.add_argument("--join-file", metavar="FILE", help="file holding an invite token "

@@ -102,6 +102,7 @@ class DaemonConfig:
     api: HostPort
     lane_listen: HostPort | None = None  # the data lane's TCP address; None: off (see lane_listen_text)
     lane_off: bool = False  # --lane-listen off
+    relay: bool = True  # --relay: forward traffic between members without a direct path
     models: tuple[str, ...] = ()
     experts: tuple[str, ...] = ()
     remote_experts: str = "off"
@@ -164,6 +165,7 @@ _FILE_KEYS: dict[str, tuple[type, ...]] = {
     "listen": (str,),
     "api": (str,),
     "lane-listen": (str,),
+    "relay": (str,),
     "model": (str, list),
     "experts": (str, list),
     "remote-experts": (str,),
@@ -324,6 +326,10 @@ def load_config(args: argparse.Namespace, env: Mapping[str, str], role: str) -> 
     else:
         lane_listen = parse_hostport(lane_text, lane_source)
 
+    relay_text, relay_source = pick("relay")
+    if relay_text is not None and relay_text not in ("on", "off"):
+        raise UsageError(f"{relay_source}: must be on or off, got {relay_text!r}")
+
     models = _as_list(pick("model")[0])
     experts = _as_list(pick("experts")[0])
     for spec, what in [(m, "model") for m in models] + [(e, "experts") for e in experts]:
@@ -406,6 +412,7 @@ def load_config(args: argparse.Namespace, env: Mapping[str, str], role: str) -> 
         api=api,
         lane_listen=lane_listen,
         lane_off=lane_off,
+        relay=relay_text != "off",
         models=models if role == "serve" else (),
         experts=experts if role == "serve" else (),
         remote_experts=remote_experts if role == "serve" else "off",

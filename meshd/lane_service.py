@@ -1,4 +1,6 @@
-"""The daemon's data-lane service: runs ``transport.lane.LaneManager`` on the daemon's transport.
+"""The daemon's data-path service: runs ``transport.lane.LaneManager`` (data lanes) and
+``transport.relay.RelayManager`` (relay through a member; ``--relay off``: this node relays for nobody,
+but still uses relays itself) on the daemon's transport.
 
 ``--lane-listen HOST:PORT`` binds there (a failure stops the start, like ``--listen``); by default the lane
 takes TCP on the QUIC listen address and port, and if that TCP port is taken, an ephemeral one (peers ask
@@ -27,12 +29,15 @@ class LaneService:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.manager: Any = None
+        self.relay: Any = None
 
     async def start(self, daemon: Any) -> None:
         from transport.lane import LaneManager
+        from transport.relay import RelayConfig, RelayManager
 
         transport = daemon.transport
         self.manager = LaneManager(transport)
+        self.relay = RelayManager(transport, RelayConfig(allow_relay=self.config.relay))
         cfg = self.config
         if cfg.lane_off or cfg.lane_listen is None:
             log.info("lane_off")
@@ -52,11 +57,16 @@ class LaneService:
         log.info("lane_listening", address=daemon.lane_address)
 
     async def stop(self) -> None:
+        if self.relay is not None:
+            await self.relay.close()
         if self.manager is not None:
             await self.manager.close()
 
     def status(self) -> dict[str, Any]:
-        return self.manager.status() if self.manager is not None else {}
+        out = self.manager.status() if self.manager is not None else {}
+        if self.relay is not None:
+            out["relay"] = self.relay.status()
+        return out
 
     def prometheus_collectors(self) -> list[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -73,6 +83,14 @@ class LaneService:
                     counter.add_metric([key], float(value))
                 gauge = GaugeMetricFamily("meshd_lane_open", "Data lanes open now")
                 gauge.add_metric([], float(m.lane_count()))
-                return [counter, gauge]
+                out = [counter, gauge]
+                r = service.relay
+                if r is not None:
+                    relay = CounterMetricFamily("meshd_relay_events", "Relay through a member: events by kind "
+                                                "(relay_bytes: bytes forwarded for others)", labels=["event"])
+                    for key, value in sorted(r.stats.items()):
+                        relay.add_metric([key], float(value))
+                    out.append(relay)
+                return out
 
         return [_Collector()]
