@@ -32,7 +32,7 @@ def _ip(*args: str) -> None:
 
 def _can_netns() -> bool:
     return os.geteuid() == 0 and shutil.which("ip") is not None and subprocess.run(
-        ["ip", "netns", "list"], capture_output=True).returncode == 0
+        ["ip", "netns", "list"], capture_output=True, check=False).returncode == 0
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def nets() -> Iterator[None]:
     if not _can_netns():
         pytest.skip("needs root and ip netns")
     for ns in NS.values():
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
     try:
         for ns in NS.values():
             _ip("netns", "add", ns)
@@ -55,7 +55,7 @@ def nets() -> Iterator[None]:
         yield
     finally:
         for ns in NS.values():
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
 
 
 def _direct_link() -> None:
@@ -89,7 +89,7 @@ def _chat(ns: str, api: str, model: str) -> tuple[dict[str, str], str]:
         "print(json.dumps({'headers': dict(r.headers), 'body': json.loads(r.read())}))\n"
     )
     out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code,
-                          f"http://{api}/v1/chat/completions", model], capture_output=True, timeout=120)
+                          f"http://{api}/v1/chat/completions", model], capture_output=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr.decode()[-2000:]
     res = json.loads(out.stdout)
     headers = {k.lower(): v for k, v in res["headers"].items()}

@@ -25,7 +25,6 @@ from transport.errors import TransportError
 from transport.identity import NodeIdentity
 from transport.lane import LaneConfig, LaneManager
 from transport.quic import MeshTransport, Peer, Stream, StreamType
-from transport.tls import self_signed_certificate
 
 
 @dataclass
@@ -310,7 +309,6 @@ from hypothesis import strategies as st  # noqa: E402
 
 from transport.framing import RemoteProtocolError  # noqa: E402
 from transport.lane_wire import MuxDecoder, MuxKind, encode_reset, mux_header  # noqa: E402
-
 
 _valid = st.lists(st.one_of(
     st.tuples(st.just(MuxKind.DATA), st.integers(0, 2**32 - 1), st.binary(min_size=1, max_size=64)),

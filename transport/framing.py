@@ -173,7 +173,7 @@ class FrameDecoder:
     def buffered_bytes(self) -> int:
         return len(self._buffer)
 
-    def feed(self, data: bytes) -> list[Frame]:
+    def feed(self, data: bytes | memoryview) -> list[Frame]:
         if self._error is not None:
             raise self._error
         self._buffer += data

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
+from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-from cryptography import x509
 
 from transport import PROTOCOL_MAX, PROTOCOL_MIN, PROTOCOL_VERSION, lane_wire, limits
 from transport.config import backoff_delay_s

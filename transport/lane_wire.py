@@ -186,7 +186,8 @@ class MuxDecoder:
                     break
                 header = memoryview(bytes(self._head))
                 self._head.clear()
-            self._header(*MUX_HEADER.unpack(header), out)
+            kind_b, sid, length = MUX_HEADER.unpack(header)
+            self._header(kind_b, sid, length, out)
         return out
 
     def _header(self, kind_b: int, sid: int, length: int, out: list[MuxRecord]) -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from aioquic.buffer import Buffer
+from aioquic.buffer import Buffer  # type: ignore[attr-defined]
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import pull_quic_header
 
@@ -123,7 +123,7 @@ class RelayManager:
             task.cancel()
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
-        task = asyncio.ensure_future(coro)
+        task: asyncio.Task[Any] = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
@@ -150,6 +150,7 @@ class RelayManager:
             self.count("relay_refused")
             await up.send(REPLY_REFUSED + reason.encode(), end=True)
             return
+        assert down_peer is not None  # noqa: S101 - checked above
         try:
             down = await down_peer.open_stream(StreamType.RELAY)
             await down.send(OP_INCOMING + source.node_id.encode())
