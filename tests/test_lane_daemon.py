@@ -60,3 +60,4 @@ def test_help_names_lane_listen_and_its_default() -> None:
     out = subprocess.run(meshd_cmd("serve", "--help"), env=meshd_env(), capture_output=True, timeout=60, check=False)
     text = " ".join(out.stdout.decode().split())
     assert "--lane-listen HOST:PORT|off" in text and "default: TCP on the --listen host and port" in text
+    assert "--relay {on,off}" in text and "(default on)" in text
