@@ -157,7 +157,7 @@ class Peer:
         try:
             async with asyncio.timeout(timeout_s):
                 await stream.send(payload, end=True)
-                frame = await stream._recv_frame()
+                frame = await stream.recv_frame()
         except (TimeoutError, asyncio.CancelledError):
             stream.reset(ErrorCode.CANCELLED)
             raise
@@ -605,10 +605,10 @@ class MeshTransport:
         else:
             self._count("streams_refused_no_handler")
             conn.reset_stream(stream.stream_id, ErrorCode.NO_HANDLER)
-            stream._set_error(StreamReset(ErrorCode.NO_HANDLER, "no handler"))
+            stream.fail(StreamReset(ErrorCode.NO_HANDLER, "no handler"), done=False)
             return
         task = asyncio.ensure_future(coro)
-        stream._handler_task = task
+        stream.handler_task = task
         conn._tasks.add(task)
         task.add_done_callback(conn._tasks.discard)
 
@@ -623,14 +623,14 @@ class MeshTransport:
                 if stype is not None and len(reply) > max_frame_bytes(stype):
                     raise ValueError(f"reply of {len(reply)} bytes exceeds the {stype.name} frame limit")
             except RpcError as e:
-                await stream._send_frame(FrameType.ERROR, encode_error(e.code, e.reason), True)
+                await stream.send_frame(FrameType.ERROR, encode_error(e.code, e.reason), True)
                 return
             except (asyncio.CancelledError, TransportError):
                 raise
             except Exception as e:  # noqa: BLE001 - a handler bug must not take the connection down
                 self._count("rpc_handler_errors")
                 log.warning("rpc_handler_failed", stream_type=str(stream.stream_type), error=repr(e))
-                await stream._send_frame(FrameType.ERROR, encode_error(ErrorCode.INTERNAL_ERROR, "handler failed"), True)
+                await stream.send_frame(FrameType.ERROR, encode_error(ErrorCode.INTERNAL_ERROR, "handler failed"), True)
                 return
             await stream.send(reply, end=True)
         except (asyncio.CancelledError, TransportError):
@@ -653,4 +653,4 @@ class MeshTransport:
 
     def _forget_stream(self, stream: Stream) -> None:
         """The stream's user is done with it: free its slot (late data for it is dropped)."""
-        stream._mark_done()
+        stream.mark_done()

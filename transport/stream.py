@@ -235,6 +235,32 @@ class Stream:
         return self._decoder
 
     @property
+    def error(self) -> TransportError | None:
+        """Why the stream broke (reset, carrier gone), or None."""
+        return self._error
+
+    @property
+    def consumed_bytes(self) -> int:
+        """Stream bytes received from the carrier that the application has taken (for flow credit)."""
+        return self._raw_received - self._raw_queued
+
+    def count_received(self, n: int) -> None:
+        """The carrier received ``n`` more stream bytes (preamble and frames) for this stream."""
+        self._raw_received += n
+
+    def mark_done(self) -> None:
+        """The stream's user is finished with it: its slot is free and late input is dropped."""
+        self._mark_done()
+
+    async def recv_frame(self) -> Frame | None:
+        """The next frame (DATA or ERROR), None at a clean end; raises like :meth:`recv`."""
+        return await self._recv_frame()
+
+    async def send_frame(self, frame_type: FrameType, payload: bytes, end: bool) -> None:
+        """Send one frame of any application type (an RPC handler's ERROR answer)."""
+        await self._send_frame(frame_type, payload, end)
+
+    @property
     def done(self) -> bool:
         """Its user is finished with it (or it was reset): late input for it is dropped."""
         return self._app_done
@@ -251,12 +277,14 @@ class Stream:
         """Queue decoded input; False if the reader fell more than ``recv_limit`` bytes behind."""
         return self._on_frames(frames, end, recv_limit)
 
-    def fail(self, error: TransportError) -> None:
+    def fail(self, error: TransportError, done: bool = True, cancel: bool = True) -> None:
         """The stream broke (reset by the peer, its carrier gone): readers and senders get ``error``;
-        its handler task is cancelled."""
-        self._mark_done()
+        ``cancel``: its handler task is cancelled; ``done``: its slot is freed too (not when the peer only
+        stopped reading: the stream's sending side is still to be finished)."""
+        if done:
+            self._mark_done()
         self._set_error(error)
-        if self._handler_task is not None:
+        if cancel and self._handler_task is not None:
             self._handler_task.cancel()
 
     # -- called by the connection ----------------------------------------------------------------
