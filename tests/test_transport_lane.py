@@ -302,6 +302,44 @@ def test_a_node_without_a_lane_is_reached_over_quic() -> None:
     asyncio.run(main())
 
 
+def test_a_reader_that_falls_behind_slows_the_sender_instead_of_being_reset() -> None:
+    """No per-stream credit on a lane: the lane stops reading while a stream's unread input is over half the
+    limit, so TCP pushes back on the sender (as QUIC's stream credit does) and nothing is reset."""
+    async def main() -> None:
+        async with pair() as p:
+            await wait_for(lambda: p.peer_of_b.path == "lane")
+            go = asyncio.Event()
+            got: list[int] = []
+
+            async def slow_sink(peer: Peer, stream: Stream) -> None:
+                await go.wait()  # reads nothing until told
+                total = 0
+                while (chunk := await stream.recv()) is not None:
+                    total += len(chunk)
+                got.append(total)
+
+            p.b.on_stream(StreamType.EXPERT, slow_sink)
+            s = await p.peer_of_b.open_stream(StreamType.EXPERT)
+            blob = b"x" * (1024 * 1024)
+            total = 24 * len(blob)  # 3x the 8 MiB unread limit at which a stream is reset
+            sender = asyncio.ensure_future(_send_all(s, blob, total // len(blob)))
+            await asyncio.sleep(1.0)
+            assert not sender.done()  # held back by TCP, not failed
+            go.set()
+            await asyncio.wait_for(sender, 20)
+            await wait_for(lambda: got == [total], 20)
+            assert p.lb.stats.get("lane_read_paused", 0) >= 1
+            assert "lane_streams_reset_recv_overflow" not in p.lb.stats
+
+    asyncio.run(main())
+
+
+async def _send_all(s: Stream, blob: bytes, n: int) -> None:
+    for _ in range(n):
+        await s.send(blob)
+    await s.end()
+
+
 # -- the sans-I/O lane codec ------------------------------------------------------------------------
 
 from hypothesis import given, settings  # noqa: E402

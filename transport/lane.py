@@ -138,6 +138,8 @@ class LaneConnection(asyncio.Protocol):
         self._preambles: dict[int, bytes] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._drain: asyncio.Future[None] | None = None
+        self._throttled_by: Stream | None = None  # the stream whose unread input stopped the lane's reading
+        self._throttle_at = max(1, manager.mesh.config.stream_recv_queue_bytes // 2)
         self._mss = 1448
         self.last_rx = self._loop.time()
         self._timers: list[asyncio.TimerHandle] = [
@@ -178,10 +180,28 @@ class LaneConnection(asyncio.Protocol):
             self._transport.write(lane_wire.encode_reset(stream_id, int(code)))
 
     def stream_done(self, stream_id: int) -> None:
-        self.streams.pop(stream_id, None)
+        stream = self.streams.pop(stream_id, None)
+        if stream is not None and stream is self._throttled_by:
+            self._unthrottle()
 
     def consumed(self, stream: Any) -> None:
-        """No per-stream credit on a lane: a reader that falls behind is reset (``stream_recv_queue_bytes``)."""
+        """The application took input from ``stream``: if it was the one holding the lane's reading, and
+        it is under half the limit again, read on."""
+        if stream is self._throttled_by and stream.queued_bytes <= self._throttle_at // 2:
+            self._unthrottle()
+
+    def _throttle(self, stream: Stream) -> None:
+        """A stream's reader fell behind: stop reading the lane (TCP then slows the sender, as QUIC's
+        per-stream credit would) until it catches up. Other streams on the lane wait meanwhile."""
+        if self._throttled_by is None and self._transport is not None:
+            self._throttled_by = stream
+            self.manager.count("lane_read_paused")
+            self._transport.pause_reading()
+
+    def _unthrottle(self) -> None:
+        self._throttled_by = None
+        if self._transport is not None and not self.closed:
+            self._transport.resume_reading()
 
     # -- streams ---------------------------------------------------------------------------------
 
@@ -431,6 +451,8 @@ class LaneConnection(asyncio.Protocol):
                 self.manager.count("lane_streams_reset_recv_overflow")
                 stream.fail(StreamReset(ErrorCode.RECV_OVERFLOW, "receive queue overflow"))
                 self.reset_stream(sid, ErrorCode.RECV_OVERFLOW)
+            elif stream.queued_bytes > self._throttle_at and not stream.done:
+                self._throttle(stream)
 
     def _new_remote(self, sid: int) -> Stream | None:
         self._max_remote_sid = sid

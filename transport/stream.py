@@ -240,6 +240,11 @@ class Stream:
         return self._error
 
     @property
+    def queued_bytes(self) -> int:
+        """Payload bytes received and not yet taken by the application."""
+        return self._queued_bytes
+
+    @property
     def consumed_bytes(self) -> int:
         """Stream bytes received from the carrier that the application has taken (for flow credit)."""
         return self._raw_received - self._raw_queued
