@@ -6,7 +6,8 @@ overrides), ``join`` (accept joins) and ``keep`` ([[node_id, host, port], ...] t
 Prints one JSON line ``{"node_id", "addr": [host, port]}`` on stdout when listening, then serves until
 SIGTERM/SIGINT (exit 0).
 
-``lane`` ("host:port") also runs a data lane there (transport.lane). EXPERT streams (which use the lane
+``lane`` ("host:port") also runs a data lane there (transport.lane); ``relay`` (true) runs a relay manager
+(transport.relay) that relays for others. EXPERT streams (which use the lane
 when it is up) start with ``echo`` (then every frame is echoed) or ``sink`` (then bytes are counted and
 the count is the answer at the stream's end), for bench/transport.py.
 
@@ -122,13 +123,18 @@ async def main(path: str) -> int:
         mesh.set_join_handler(join)
     host, port = config.get("listen", "127.0.0.1:0").rsplit(":", 1)
     addr = await mesh.listen(host, int(port))
-    lanes = None
-    if config.get("lane"):
+    lanes = relay = None
+    if config.get("lane") or config.get("relay"):
         from transport.lane import LaneManager
 
         lanes = LaneManager(mesh)
-        lhost, lport = config["lane"].rsplit(":", 1)
-        await lanes.listen(lhost, int(lport))
+        if config.get("lane"):
+            lhost, lport = config["lane"].rsplit(":", 1)
+            await lanes.listen(lhost, int(lport))
+    if config.get("relay"):
+        from transport.relay import RelayManager
+
+        relay = RelayManager(mesh)
     for node_id, khost, kport in config.get("keep", []):
         mesh.keep_connected(node_id, [(khost, int(kport))])
     print(json.dumps({"node_id": identity.node_id, "addr": list(addr)}), flush=True)
@@ -137,6 +143,8 @@ async def main(path: str) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if relay is not None:
+        await relay.close()
     if lanes is not None:
         await lanes.close()
     await mesh.close()

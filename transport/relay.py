@@ -6,7 +6,7 @@ one per DATA frame, in a pair of RELAY streams through the relaying member B::
 
     A --RELAY stream (A-B QUIC)--> B --RELAY stream (B-C QUIC)--> C
 
-B forwards frames it cannot read (QUIC packets encrypted with keys only A and C hold) or forge (QUIC's
+B forwards frames (each the datagrams one send of the connection emitted) it cannot read (QUIC packets encrypted with keys only A and C hold) or forge (QUIC's
 AEAD and the handshake's signatures fail on any change). Like the network it replaces, B's forwarding is
 lossy: a datagram that finds the next stream's send buffer full is dropped and QUIC recovers it, so B
 holds at most one stream buffer per direction. ``Peer.path`` is "relay" for such a peer.
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ from aioquic.buffer import Buffer  # type: ignore[attr-defined]
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import pull_quic_header
 
+from transport import limits
 from transport.connection import _Connection
 from transport.errors import TransportError
 from transport.framing import ErrorCode
@@ -61,25 +63,44 @@ class RelayConfig:
 
 
 class _StreamDatagrams(asyncio.DatagramTransport):
-    """A datagram transport over a RELAY stream: each datagram is one DATA frame; lossy when full."""
+    """A datagram transport over a RELAY stream. The datagrams one ``transmit`` of the QUIC connection
+    emits go out as one DATA frame (``u16 length | datagram`` each), sent at the end of that loop turn:
+    one packet on the relay's legs instead of one per datagram. Lossy when the stream's buffer is full."""
 
     def __init__(self, stream: Any, on_drop: Callable[[], None]) -> None:
         super().__init__()
         self._stream = stream
         self._on_drop = on_drop
         self._closing = False
+        self._batch: list[bytes] = []
+        self._batch_bytes = 0
 
     def sendto(self, data: bytes, addr: Any = None) -> None:  # type: ignore[override]
         if self._closing:
             return
+        if self._batch_bytes + 2 + len(data) > limits.MAX_RELAY_FRAME_BYTES:
+            self._flush()
+        if not self._batch:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._batch.append(struct.pack(">H", len(data)))
+        self._batch.append(bytes(data))
+        self._batch_bytes += 2 + len(data)
+
+    def _flush(self) -> None:
+        if not self._batch or self._closing:
+            return
+        frame = b"".join(self._batch)
+        self._batch.clear()
+        self._batch_bytes = 0
         try:
-            if not self._stream.send_now(bytes(data)):
+            if not self._stream.send_now(frame):
                 self._on_drop()
         except TransportError:
             self._closing = True
 
     def close(self) -> None:
         if not self._closing:
+            self._flush()
             self._closing = True
             self._stream.reset(ErrorCode.NO_ERROR)
 
@@ -91,6 +112,21 @@ class _StreamDatagrams(asyncio.DatagramTransport):
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return default
+
+
+def split_datagrams(frame: bytes) -> list[bytes]:
+    """The datagrams of one relayed frame; raises TransportError if it is malformed."""
+    out: list[bytes] = []
+    at = 0
+    while at < len(frame):
+        if at + 2 > len(frame):
+            raise TransportError("truncated relayed frame")
+        (n,) = struct.unpack_from(">H", frame, at)
+        if n == 0 or at + 2 + n > len(frame):
+            raise TransportError("truncated relayed frame")
+        out.append(frame[at + 2: at + 2 + n])
+        at += 2 + n
+    return out
 
 
 class RelayManager:
@@ -201,21 +237,22 @@ class RelayManager:
         transport = _StreamDatagrams(stream, lambda: self.count("relay_dropped"))
         conn: _Connection | None = None
 
-        def on_data(data: bytes) -> None:
+        def on_data(frame: bytes) -> None:
             nonlocal conn
-            if conn is None:
-                try:
-                    header = pull_quic_header(Buffer(data=data),
-                                              host_cid_length=self.mesh._quic_config(False).connection_id_length)
-                except ValueError:
-                    raise TransportError("not a QUIC packet") from None
-                quic = QuicConnection(configuration=self.mesh._quic_config(False),
-                                      original_destination_connection_id=header.destination_cid)
-                conn = _Connection(quic, mesh=self.mesh, is_client=False)
-                conn.path = PATH_RELAY
-                conn.connection_made(transport)
-                self._spawn(_close_when_finished(conn, transport))
-            conn.datagram_received(data, RELAY_ADDR)
+            for data in split_datagrams(frame):
+                if conn is None:
+                    try:
+                        header = pull_quic_header(Buffer(data=data),
+                                                  host_cid_length=self.mesh._quic_config(False).connection_id_length)
+                    except ValueError:
+                        raise TransportError("not a QUIC packet") from None
+                    quic = QuicConnection(configuration=self.mesh._quic_config(False),
+                                          original_destination_connection_id=header.destination_cid)
+                    conn = _Connection(quic, mesh=self.mesh, is_client=False)
+                    conn.path = PATH_RELAY
+                    conn.connection_made(transport)
+                    self._spawn(_close_when_finished(conn, transport))
+                conn.datagram_received(data, RELAY_ADDR)
 
         def on_end(_: Exception | None) -> None:
             if conn is not None:
@@ -304,7 +341,11 @@ class RelayManager:
                 def on_end(_: Exception | None) -> None:
                     conn.close_with(ErrorCode.DISCONNECT, "relay path lost")
 
-                stream.set_receiver(lambda d: conn.datagram_received(d, RELAY_ADDR), on_end)
+                def on_data(frame: bytes) -> None:
+                    for data in split_datagrams(frame):
+                        conn.datagram_received(data, RELAY_ADDR)
+
+                stream.set_receiver(on_data, on_end)
                 conn.connect(RELAY_ADDR)
                 self._spawn(_close_when_finished(conn, transport))
                 peer = await conn.result
