@@ -47,6 +47,8 @@ from transport.tls import certificate_der, self_signed_certificate
 
 log = structlog.get_logger("meshd.transport")
 
+_JOIN_BELOW_BYTES = 16 * 1024  # messages up to this size are joined into one TLS record (each piece
+#   written separately becomes a record of its own: header + AEAD tag + one more encryption call)
 CONTROL_LANE_PORT = b"\x01"  # RELAY control request: "which TCP port is your lane on?" -> u16 (0 = none)
 
 
@@ -228,7 +230,8 @@ class LaneConnection(asyncio.Protocol):
             raise TransportError("stream closed")
 
     def _send(self, stream_id: int, parts: Sequence[bytes], end: bool) -> None:
-        """One write of one message: record header, (preamble), frame pieces, (FIN) - never joined."""
+        """One write of one message: record header, (preamble), frame pieces, (FIN); a large payload is never
+        joined or copied before encryption."""
         pieces: list[bytes] = []
         size = sum(len(p) for p in parts)
         pre = self._preambles.pop(stream_id, None)
@@ -243,7 +246,11 @@ class LaneConnection(asyncio.Protocol):
             pieces.append(lane_wire.mux_header(MuxKind.FIN, stream_id, 0))
         if pieces:
             assert self._transport is not None  # noqa: S101 - checked by _check_writable
-            self._transport.writelines(pieces)
+            if size <= _JOIN_BELOW_BYTES:
+                self._transport.write(b"".join(pieces))  # one TLS record for a small message
+            else:  # headers, then the payload as it is: TLS encrypts it from where it lies
+                self._transport.writelines((b"".join(pieces[:-1]), pieces[-1]) if not end else
+                                           (b"".join(pieces[:-2]), pieces[-2], pieces[-1]))
 
     # -- asyncio protocol ------------------------------------------------------------------------
 
