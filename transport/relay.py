@@ -60,6 +60,7 @@ class RelayConfig:
     relay_after_s: float = 0.0  # after a failed direct dial, wait this long before trying relays
     direct_retry_s: float = 5.0  # while relayed, try the direct address this often
     open_timeout_s: float = 5.0  # a relay's answer plus the relayed handshake
+    give_up_s: float = 60.0  # no relay found for this long: stop trying until the next failed dial
 
 
 class _StreamDatagrams(asyncio.DatagramTransport):
@@ -278,15 +279,22 @@ class RelayManager:
 
     async def _keep_relayed(self, node_id: str) -> None:
         """Reach ``node_id`` through a relay while no direct connection is up; retry direct meanwhile."""
+        loop = asyncio.get_running_loop()
         try:
             await asyncio.sleep(self.config.relay_after_s)
+            alone_since = loop.time()
             while not self._closing:
                 peer = self.mesh.peer(node_id)
                 if peer is None:
                     peer = await self._via_any(node_id)
                 if peer is None:
+                    if loop.time() - alone_since > self.config.give_up_s:
+                        self.count("relay_gave_up")
+                        self._direct.pop(node_id, None)  # a later failed dial starts over
+                        return
                     await asyncio.sleep(self.config.direct_retry_s * (0.5 + self._rng.random()))
                     continue
+                alone_since = loop.time()
                 if peer.path != PATH_RELAY:
                     return  # direct now
                 await asyncio.sleep(self.config.direct_retry_s * (0.5 + 0.5 * self._rng.random()))
