@@ -128,6 +128,7 @@ class LaneConnection(asyncio.Protocol):
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
+        self._raw: asyncio.Transport | None = None  # server: the TCP transport while TLS is being set up
         self._source = source  # server: counted in the manager's pending caps until open or closed
         self._early = bytearray()  # auth bytes (and, server, bytes that beat the TLS transport's hand-over)
         self._nonce = os.urandom(lane_wire.NONCE_BYTES)
@@ -496,6 +497,8 @@ class LaneConnection(asyncio.Protocol):
         self._timers.clear()
         if self._transport is not None:
             self._transport.abort()
+        elif self._raw is not None:
+            self._raw.abort()  # still in TLS: a stranger holds nothing once refused
         err = TransportError(f"lane closed: {reason}")
         for stream in list(self.streams.values()):
             stream.fail(err)
@@ -662,6 +665,7 @@ class LaneManager:
             raw.abort()
             return
         lane = LaneConnection(self, False, source=source)
+        lane._raw = raw
         self._pending[source] = self._pending.get(source, 0) + 1
         self._pending_conns.add(lane)
         self._spawn(self._start_tls(raw, lane))
