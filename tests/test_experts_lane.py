@@ -1,9 +1,13 @@
 """Expert RPC over the data lane, with real worker processes: parity with local over the lane and over
-QUIC, and a lane cut in the middle of a decode (output still byte-identical, no call hanging, the links
-back on QUIC, then on the lane again once it is redialled)."""
+QUIC, a lane cut in the middle of a decode (output still byte-identical, no call hanging, the links
+back on QUIC, then on the lane again once it is redialled), and a lane whose packets are dropped with
+iptables inside a namespace the test creates (the silent lane is given up, QUIC carries on)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -132,5 +136,75 @@ def test_links_move_to_quic_at_once_when_the_lane_dies(tmp_path: Path, ckpt: Pat
         model = Model.load(ckpt)
         assert gate(model, ex, PROMPT[:3]) == []  # "on" mode: no local compute, all over QUIC now
         assert ex.status()["items_local"] == 0
+    finally:
+        coord.close()
+
+
+# -- a lane whose packets are dropped (iptables in a namespace the test creates) ----------------------
+
+NS_W, VETH_HOST, VETH_NS = "lane-tw", "lane-tv0", "lane-tv1"
+HOST_ADDR, NS_ADDR = "10.202.0.1", "10.202.0.2"
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def worker_ns() -> Iterator[str]:
+    """Namespace lane-tw reached from here over a veth pair (10.202.0.1 here, 10.202.0.2 there)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("iptables") is None:
+        pytest.skip("needs root, ip and iptables")
+    subprocess.run(["ip", "netns", "del", NS_W], capture_output=True, check=False)
+    subprocess.run(["ip", "link", "del", VETH_HOST], capture_output=True, check=False)
+    try:
+        _ip("netns", "add", NS_W)
+        _ip("-n", NS_W, "link", "set", "lo", "up")
+        _ip("link", "add", VETH_HOST, "type", "veth", "peer", "name", VETH_NS, "netns", NS_W)
+        _ip("addr", "add", f"{HOST_ADDR}/30", "dev", VETH_HOST)
+        _ip("link", "set", VETH_HOST, "up")
+        _ip("-n", NS_W, "addr", "add", f"{NS_ADDR}/30", "dev", VETH_NS)
+        _ip("-n", NS_W, "link", "set", VETH_NS, "up")
+        yield NS_W
+    finally:
+        subprocess.run(["ip", "netns", "del", NS_W], capture_output=True, check=False)
+        subprocess.run(["ip", "link", "del", VETH_HOST], capture_output=True, check=False)
+
+
+@pytest.mark.netns
+def test_lane_packets_dropped_mid_decode_fall_back_byte_identical(tmp_path: Path, ckpt: Path, worker_ns: str,
+                                                                  procs: list[WorkerProc]) -> None:
+    mesh = MeshFixture()
+    procs.append(spawn_worker(mesh, tmp_path, [str(ckpt)], netns=worker_ns, listen=NS_ADDR))
+    coord = Coordinator(mesh, CoordinatorConfig(message_timeout_s=1.0, layer_timeout_s=3.0), lane=True,
+                        host=HOST_ADDR)
+    try:
+        coord.connect(procs)
+        model = Model.load(ckpt)
+        ex = coord.executor(ckpt, "prefer", model.expert_weights)
+        coord.wait_paths(procs, "lane")
+        steps = 30
+        ref = _decode(model, None, steps)
+        cut = threading.Event()
+
+        def dropper() -> None:
+            cut.wait(30)
+            for chain in ("INPUT", "OUTPUT"):  # every TCP packet of the worker's namespace vanishes; UDP flows
+                subprocess.run(["ip", "netns", "exec", worker_ns, "iptables", "-A", chain, "-p", "tcp", "-j", "DROP"],
+                               check=True, capture_output=True)
+
+        t = threading.Thread(target=dropper, daemon=True)
+        t.start()
+        t0 = time.monotonic()
+        got = _decode(model, ex, steps, cut)
+        took = time.monotonic() - t0
+        t.join(5)
+        assert got == ref  # byte-identical through the silent lane
+        assert took < 20.0, took  # at most a message timeout per layer until the link is given up, no hang
+        assert ex.status()["local_fallback_layers"] + ex.status()["retries"] >= 1
+        coord.wait_paths(procs, "quic", timeout_s=20.0)  # the dead lane is noticed; the worker is back on QUIC
+        on = coord.executor(ckpt, "on")
+        assert _decode(model, on, 3) == ref[:4]
+        assert on.status()["items_local"] == 0
     finally:
         coord.close()
