@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from transport_peer import member_of
 
-import transport.lane as lane_mod
+import transport.lane_conn as lane_mod
 from transport.credentials import create_mesh
 from transport.errors import TransportError
 from transport.identity import NodeIdentity
