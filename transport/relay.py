@@ -251,6 +251,9 @@ class RelayManager:
                                           original_destination_connection_id=header.destination_cid)
                     conn = _Connection(quic, mesh=self.mesh, is_client=False)
                     conn.path = PATH_RELAY
+                    size = self.mesh.config.loopback_datagram_size
+                    if size:  # its packets travel in a stream, never as UDP: no path MTU to respect
+                        conn._set_datagram_size(size)
                     conn.connection_made(transport)
                     self._spawn(_close_when_finished(conn, transport))
                 conn.datagram_received(data, RELAY_ADDR)
@@ -340,7 +343,8 @@ class RelayManager:
                     self.count("relay_open_refused")
                     raise TransportError(f"relay {relay.node_id} refused: {why}")
                 transport = _StreamDatagrams(stream, lambda: self.count("relay_dropped"))
-                quic = QuicConnection(configuration=mesh._quic_config(True))
+                # loopback-sized packets: they travel in a stream, never as UDP (no path MTU to respect)
+                quic = QuicConnection(configuration=mesh._quic_config(True, loopback=True))
                 conn = _Connection(quic, mesh=mesh, is_client=True, mode=Mode.MEMBER, expected_node_id=node_id)
                 conn.path = PATH_RELAY
                 conn.connection_made(transport)
