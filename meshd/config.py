@@ -100,7 +100,7 @@ class DaemonConfig:
     state_dir: Path
     listen: HostPort
     api: HostPort
-    lane_listen: HostPort | None = None  # the data lane's TCP address; None: off (see lane_listen_text)
+    lane_listen: HostPort | None = None  # the data lane's TCP address (default: listen); None when off
     lane_off: bool = False  # --lane-listen off
     relay: bool = True  # --relay: forward traffic between members without a direct path
     models: tuple[str, ...] = ()
