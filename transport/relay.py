@@ -87,6 +87,16 @@ class _StreamDatagrams(asyncio.DatagramTransport):
         self._batch.append(bytes(data))
         self._batch_bytes += 2 + len(data)
 
+    def attach(self, conn: _Connection) -> None:
+        """Send the batch at the end of each of ``conn``'s transmits, not a loop turn later."""
+        transmit = conn.transmit
+
+        def transmit_and_flush() -> None:
+            transmit()
+            self._flush()
+
+        conn.transmit = transmit_and_flush  # type: ignore[method-assign]
+
     def _flush(self) -> None:
         if not self._batch or self._closing:
             return
@@ -255,6 +265,7 @@ class RelayManager:
                     if size:  # its packets travel in a stream, never as UDP: no path MTU to respect
                         conn._set_datagram_size(size)
                     conn.connection_made(transport)
+                    transport.attach(conn)
                     self._spawn(_close_when_finished(conn, transport))
                 conn.datagram_received(data, RELAY_ADDR)
 
@@ -348,6 +359,7 @@ class RelayManager:
                 conn = _Connection(quic, mesh=mesh, is_client=True, mode=Mode.MEMBER, expected_node_id=node_id)
                 conn.path = PATH_RELAY
                 conn.connection_made(transport)
+                transport.attach(conn)
                 conn.remote_address = RELAY_ADDR
 
                 def on_end(_: Exception | None) -> None:
