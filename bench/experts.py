@@ -1,6 +1,13 @@
-"""Expert-workers benchmark: local engine vs routed experts on 1, 2, 3 worker processes over QUIC loopback.
+"""Expert-workers benchmark: local engine vs routed experts on 1, 2, 3 worker processes over the data lane.
 
     python bench/experts.py [--dir DIR] [--threads 1] [--workers 1,2,3] [--prompt 64] [--decode 64] [--rounds 3]
+                            [--paths lane,quic] [--netns]
+
+Expert streams go over the data lane (``transport.lane``: TLS over TCP, as a daemon does by default); with
+``--paths lane,quic`` (the default) the 1-worker setup also runs over QUIC alone, in the same rounds. By
+default everything runs on loopback. ``--netns`` (root) runs the coordinator and the workers in two network
+namespaces joined by a veth pair with MTU 1500 (``lane-bench-a``/``lane-bench-b``, 10.199.0.1/2, deleted at
+the end), where packets have real LAN sizes (QUIC 1350 B, TCP MSS 1448).
 
 Checkpoint: the engine benchmark's mid-size Qwen3-MoE (hidden 768, 8 layers, 12 heads over 4 KV heads,
 head_dim 64, 16 experts of width 384, top-4, fp32), written here with numpy (no torch) into --dir
@@ -212,7 +219,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--echo", type=int, default=200, help="4 KB echoes per worker, back to back")
     ap.add_argument("--rounds", type=int, default=3, help="repeat every setup; the table has the medians")
+    ap.add_argument("--paths", default="lane,quic",
+                    help="expert stream paths to measure: lane (all worker counts), quic (1 worker); default lane,quic")
+    ap.add_argument("--netns", action="store_true",
+                    help="coordinator and workers in two network namespaces over a veth pair, MTU 1500 (root)")
+    ap.add_argument("--in-netns", default=None, help=argparse.SUPPRESS)  # set when re-run inside namespace a
     args = ap.parse_args(argv)
+    if args.netns and args.in_netns is None:
+        return run_in_netns(argv if argv is not None else sys.argv[1:])
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(args.threads)
 
@@ -233,20 +247,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     mesh = MeshFixture()
     tmp = Path(tempfile.mkdtemp(prefix="meshd-bench-nodes-"))
     counts = [int(n) for n in args.workers.split(",") if n]
-    procs = [spawn_worker(mesh, tmp, [str(path)]) for _ in range(max(counts, default=0))]
+    paths = [p for p in args.paths.split(",") if p]
+    where: dict[str, Any] = {}
+    host = "127.0.0.1"
+    if args.in_netns:
+        where = {"netns": NS_B, "listen": ADDR_B}
+        host = ADDR_A
+    procs = [spawn_worker(mesh, tmp, [str(path)], **where) for _ in range(max(counts, default=0))]
+    setups = [(n, v, "lane") for n in counts for v in (VARIANTS if n == 1 else VARIANTS[:1])] if "lane" in paths else []
+    if "quic" in paths and 1 in counts:
+        setups.append((1, VARIANTS[0], "quic"))
     runs: dict[str, list[dict[str, Any]]] = {}  # setup -> one row per round
     try:
         for _ in range(args.rounds):
-            for n, variant in [(n, v) for n in counts for v in (VARIANTS if n == 1 else VARIANTS[:1])]:
-                coord = Coordinator(mesh)
+            for n, variant, over in setups:
+                coord = Coordinator(mesh, lane=over == "lane", host=host)
                 try:
                     coord.connect(procs[:n])
                     ex = coord.executor(path, "on")
+                    coord.wait_paths(procs[:n], over)
                     ex.config = dataclasses.replace(ex.config, **variant[1])
                     local, remote = measure(model, ex, prompt, args, local_prefill)
                 finally:
                     coord.close()
-                remote["setup"] += variant[0]
+                remote["setup"] += variant[0] + f" ({over})"
                 runs.setdefault("local", []).append(local)
                 runs.setdefault(remote["setup"], []).append(remote)
     finally:
@@ -255,7 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = [summarize(name, rounds) for name, rounds in runs.items()]
     print(f"\nQwen3-MoE mid-size ({CONFIG['num_hidden_layers']} sparse layers, {CONFIG['num_experts']} experts, "
           f"top-{CONFIG['num_experts_per_tok']}), prompt {args.prompt}, decode {args.decode}, "
-          f"{args.threads} BLAS thread(s)/process, loopback QUIC; medians of {args.rounds} rounds "
+          f"{args.threads} BLAS thread(s)/process, "
+          f"{'two network namespaces over a veth pair, MTU 1500' if args.in_netns else 'loopback'}; medians of {args.rounds} rounds "
           f"(ratios: median (lowest-highest))\n")
     print("| setup | prefill tok/s | prefill vs local | decode tok/s | decode vs local | decode step ms "
           "| per-layer overhead ms | RTT ms back-to-back | overhead / RTT | RTT ms in decode "
@@ -277,6 +302,37 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{row.get('bit_exact', '-')} |")
     print(json.dumps({"rows": rows}))
     return 0
+
+
+NS_A, NS_B = "lane-bench-a", "lane-bench-b"
+VETH_A, VETH_B = "lane-bva", "lane-bvb"
+ADDR_A, ADDR_B = "10.199.0.1", "10.199.0.2"
+
+
+def run_in_netns(argv: Sequence[str]) -> int:
+    """Make the two namespaces and the veth pair (MTU 1500), re-run this script inside namespace a (it
+    starts its workers in namespace b), delete everything afterwards."""
+    import subprocess
+
+    def sh(*cmd: str, check: bool = True) -> None:
+        subprocess.run(cmd, check=check, capture_output=not check)
+
+    for ns in (NS_A, NS_B):
+        sh("ip", "netns", "del", ns, check=False)
+    try:
+        for ns in (NS_A, NS_B):
+            sh("ip", "netns", "add", ns)
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "link", "add", VETH_A, "mtu", "1500", "netns", NS_A, "type", "veth", "peer", "name", VETH_B,
+           "mtu", "1500", "netns", NS_B)
+        for ns, dev, addr in ((NS_A, VETH_A, ADDR_A), (NS_B, VETH_B, ADDR_B)):
+            sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            sh("ip", "-n", ns, "link", "set", dev, "up")
+        cmd = ["ip", "netns", "exec", NS_A, sys.executable, __file__, *argv, "--in-netns", NS_A]
+        return subprocess.run(cmd).returncode
+    finally:
+        for ns in (NS_A, NS_B):
+            sh("ip", "netns", "del", ns, check=False)
 
 
 if __name__ == "__main__":

@@ -182,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rec = experts_trace.Recorder()
     rec.on = False
     experts_trace.install(rec)
-    worker = spawn_worker(mesh, tmp, [str(path)], trace=str(trace_file))
+    worker = spawn_worker(mesh, tmp, [str(path)], trace=str(trace_file), lane=False)  # traces QUIC
     windows: dict[str, list[tuple[float, float]]] = {"echo": [], "decode": []}
     try:
         for _ in range(args.rounds):

@@ -6,8 +6,12 @@ Each server runs in its own process (tests/transport_peer.py for QUIC, this file
 TCP/TLS); the client runs here. Measures bulk MB/s on one stream (send N MiB in 64 KiB writes to a sink
 that answers the byte count at the end) and the median / p99 round trip of a 4 KiB request with a
 4 KiB response on one connection. For QUIC the round trip is measured twice: ``Peer.request`` (a new
-stream per request, the RPC helper) and ping-pong on one long-lived stream. Prints a table and the
-ratios to TCP. ``--variants`` also tries QUIC packet sizes and uvloop.
+stream per request, the RPC helper) and ping-pong on one long-lived stream. The data lane
+(``transport.lane``: TLS 1.3 over TCP between two members, carrying EXPERT/PIPELINE streams) is measured
+the same way on one EXPERT stream (its "rtt" is that stream's ping-pong; a lane has no per-request stream
+setup). Prints a table and the ratios to TCP. The QUIC variants try packet sizes (16 KiB exists only on
+loopback; 1350 B is what a LAN with MTU 1500 gets) and uvloop when it is installed (``pip install
+.[bench]``).
 """
 
 from __future__ import annotations
@@ -189,6 +193,85 @@ async def _quic_client(addr: tuple[str, int], node_id: str, creds: object, ident
         await mesh.close()
 
 
+async def _lane_client(addr: tuple[str, int], node_id: str, creds: object, ident: object, mb: int,
+                       n: int) -> dict[str, float]:
+    from transport.lane import LaneManager
+    from transport.quic import MeshTransport, StreamType
+
+    mesh = MeshTransport(ident, creds)  # type: ignore[arg-type]
+    lanes = LaneManager(mesh)
+    await mesh.listen("127.0.0.1", 0)
+    await lanes.listen("127.0.0.1", 0)
+    try:
+        peer = await mesh.connect(addr, expected_node_id=node_id)
+        deadline = time.monotonic() + 10
+        while peer.path != "lane":
+            if time.monotonic() > deadline:
+                raise RuntimeError("the lane did not come up")
+            await asyncio.sleep(0.01)
+        payload = os.urandom(MSG)
+        stream = await peer.open_stream(StreamType.EXPERT)
+        assert stream.path == "lane"
+        await stream.send(b"echo")
+        for _ in range(50):  # warm up
+            await stream.send(payload)
+            await stream.recv()
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await stream.send(payload)
+            await stream.recv()
+            times.append(time.perf_counter() - t0)
+        await stream.end()
+        total = mb * 1024 * 1024
+        blob = os.urandom(CHUNK)
+        sink = await peer.open_stream(StreamType.EXPERT)
+        t0 = time.perf_counter()
+        await sink.send(b"sink")
+        for _ in range(total // CHUNK):
+            await sink.send(blob)
+        await sink.end()
+        count = await sink.recv()
+        bulk_s = time.perf_counter() - t0
+        assert count == str(total).encode(), count
+        out = _summary(times, total, bulk_s)
+        out["stream_rtt_median_us"] = out["rtt_median_us"]
+        return out
+    finally:
+        await lanes.close()
+        await mesh.close()
+
+
+def run_lane(tmp: Path, mb: int, n: int, inprocess: bool) -> dict[str, float]:
+    from transport_peer import PeerProcess, peer_config
+
+    server_ident, server_creds, client_ident, client_creds = _quic_pair({})
+    if inprocess:
+
+        async def both() -> dict[str, float]:
+            import transport_peer
+            from transport.lane import LaneManager
+            from transport.quic import MeshTransport
+
+            server = MeshTransport(server_ident, server_creds)  # type: ignore[arg-type]
+            lanes = LaneManager(server)
+            transport_peer.serve_bench(server, lane=True)
+            addr = await server.listen("127.0.0.1", 0)
+            await lanes.listen("127.0.0.1", 0)
+            try:
+                return await _lane_client(addr, server_ident.node_id, client_creds, client_ident, mb, n)  # type: ignore[attr-defined]
+            finally:
+                await lanes.close()
+                await server.close()
+
+        return asyncio.run(both())
+    proc = PeerProcess(peer_config(server_ident, server_creds, lane="127.0.0.1:0"), tmp)  # type: ignore[arg-type]
+    try:
+        return asyncio.run(_lane_client(proc.addr, proc.node_id, client_creds, client_ident, mb, n))
+    finally:
+        proc.stop()
+
+
 def _quic_pair(overrides: dict) -> tuple[object, object, object, object]:
     from transport.credentials import create_mesh
     from transport.identity import NodeIdentity
@@ -201,7 +284,7 @@ def _quic_pair(overrides: dict) -> tuple[object, object, object, object]:
 
 def _run(coro: object, use_uvloop: bool) -> dict[str, float]:
     if use_uvloop:
-        import uvloop
+        import uvloop  # only when installed (the bench extra); see main()
 
         return uvloop.run(coro)  # type: ignore[arg-type]
     return asyncio.run(coro)  # type: ignore[arg-type]
@@ -296,6 +379,11 @@ def main() -> None:
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
     variants = [v for v in VARIANTS if v[0] == "quic 16 KiB (default)"] if args.quick else VARIANTS
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        print("uvloop is not installed (pip install .[bench]): its variant is left out")
+        variants = [v for v in variants if not v[2]]
     modes = [("processes", False), ("inprocess", True)]
     if args.mode != "both":
         modes = [m for m in modes if m[0] == args.mode]
@@ -308,6 +396,7 @@ def main() -> None:
             rows: list[tuple[str, dict[str, float]]] = []
             rows.append(("tcp", run_tcp(tmp, False, args.mb, args.rtt_n, inproc)))
             rows.append(("tls-tcp", run_tcp(tmp, True, args.mb, args.rtt_n, inproc)))
+            rows.append(("lane (tls-tcp, meshd)", run_lane(tmp, args.mb, args.rtt_n, inproc)))
             for name, overrides, uv in variants:
                 rows.append((name, run_quic(tmp, args.mb, args.rtt_n, overrides, uv, inproc)))
             table(f"{mode} (client and server {'in one event loop' if inproc else 'in two processes'})", rows)

@@ -41,6 +41,11 @@ def _add_networking(p: argparse.ArgumentParser) -> None:
     _add_state_dir(p)
     p.add_argument("--listen", metavar="HOST:PORT", help="QUIC (UDP) address (default 0.0.0.0:9336)")
     p.add_argument("--api", metavar="HOST:PORT", help="OpenAI API address (default 127.0.0.1:9337)")
+    p.add_argument("--lane-listen", metavar="HOST:PORT|off",
+                   help="data lane (TLS over TCP) address for expert/pipeline traffic, or off "
+                        "(default: TCP on the --listen host and port)")
+    p.add_argument("--relay", choices=["on", "off"],
+                   help="forward traffic between members that have no direct path (default on)")
     join = p.add_mutually_exclusive_group()
     join.add_argument("--join", metavar="TOKEN", help="invite token to join a mesh, or - to read it from "
                       "standard input (a token here is visible in ps) (also $MESHD_JOIN; default: none)")

@@ -101,6 +101,9 @@ class DaemonConfig:
     state_dir: Path
     listen: HostPort
     api: HostPort
+    lane_listen: HostPort | None = None  # the data lane's TCP address (default: listen); None when off
+    lane_off: bool = False  # --lane-listen off
+    relay: bool = True  # --relay: forward traffic between members without a direct path
     models: tuple[str, ...] = ()
     experts: tuple[str, ...] = ()
     remote_experts: str = "off"
@@ -182,6 +185,8 @@ _FILE_KEYS: dict[str, tuple[type, ...]] = {
     "state-dir": (str,),
     "listen": (str,),
     "api": (str,),
+    "lane-listen": (str,),
+    "relay": (str,),
     "model": (str, list),
     "experts": (str, list),
     "remote-experts": (str,),
@@ -336,6 +341,19 @@ def load_config(args: argparse.Namespace, env: Mapping[str, str], role: str) -> 
         else parse_hostport(DEFAULT_API, "default api")
     )
 
+    lane_text, lane_source = pick("lane-listen")
+    lane_off = lane_text is not None and lane_text.strip().lower() == "off"
+    if lane_text is None:
+        lane_listen: HostPort | None = listen  # SPEC: TCP on the QUIC port's number
+    elif lane_off:
+        lane_listen = None
+    else:
+        lane_listen = parse_hostport(lane_text, lane_source)
+
+    relay_text, relay_source = pick("relay")
+    if relay_text is not None and relay_text not in ("on", "off"):
+        raise UsageError(f"{relay_source}: must be on or off, got {relay_text!r}")
+
     models = _as_list(pick("model")[0])
     experts = _as_list(pick("experts")[0])
     for spec, what in [(m, "model") for m in models] + [(e, "experts") for e in experts]:
@@ -436,6 +454,9 @@ def load_config(args: argparse.Namespace, env: Mapping[str, str], role: str) -> 
         state_dir=state_dir,
         listen=listen,
         api=api,
+        lane_listen=lane_listen,
+        lane_off=lane_off,
+        relay=relay_text != "off",
         models=models if role == "serve" else (),
         experts=experts if role == "serve" else (),
         remote_experts=remote_experts if role == "serve" else "off",

@@ -202,6 +202,7 @@ class Daemon:
             "protocol": PROTOCOL_VERSION,
             "quic": str(self.quic_address) if self.quic_address else None,
             "api": str(self.api_address) if self.api_address else None,
+            "lane": getattr(self, "lane_address", None),  # set by the lane service (meshd/lane_service.py)
             "models": models,
             "peers": peers,
             "role": self.config.role,

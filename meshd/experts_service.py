@@ -132,6 +132,9 @@ class ExpertsService:
             self._membership.on_change(self._membership_changed)
         self.transport.on_peer_up.append(self._peer_up)
         self.transport.on_peer_down.append(self._peer_down)
+        lanes = getattr(self.transport, "lane", None)  # transport.lane.LaneManager (the lane service)
+        if lanes is not None:
+            lanes.on_path_change.append(self._path_changed)
         self._spawn(self._probe_loop())
 
     def _load_all(self) -> tuple[list[ExpertShard], list[bytes]]:
@@ -331,6 +334,16 @@ class ExpertsService:
             c.retry_at.pop(peer.node_id, None)
         if self._coordinated:
             self._spawn(self.probe_all())
+
+    def _path_changed(self, peer: Any) -> None:
+        """A data lane to ``peer`` came up or went down: greet its worker again over the path in use now
+        (the new link replaces the old one; the old one finishes the replies in flight first)."""
+        for c in self._coordinated:
+            link = c.executor.links.get(peer.node_id)
+            if link is None and peer.node_id not in c.refused:
+                self._spawn(self._probe(c, peer))  # a link the lane's end broke: back over QUIC now
+            elif link is not None and getattr(link.channel, "path", None) != peer.path:
+                self._spawn(self._probe(c, peer))
 
     def _peer_down(self, peer: Any) -> None:
         for c in self._coordinated:

@@ -16,7 +16,10 @@ from meshd.daemon import Service
 def build_services(config: DaemonConfig) -> list[Service]:
     """The services for ``config`` (``config.role`` is ``serve`` or ``client``)."""
     services: list[Service] = []
+    from meshd.lane_service import LaneService
     from meshd.membership.service import MembershipService
+
+    services.append(LaneService(config))  # data lanes (issue 19): before anything that opens streams
 
     services.append(MembershipService(config))  # membership / gossip / join (issue 3)
     # models and expert shards (issue 4/6), only when config.role == "serve"

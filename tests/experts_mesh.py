@@ -63,15 +63,19 @@ class WorkerProc:
             self.proc.stdout.close()
 
 
-def spawn_worker(mesh: MeshFixture, tmp: Path, specs: list[str], **extra: Any) -> WorkerProc:
-    """Start tests/experts_node.py; returns once it listens. Raises RuntimeError with its error line."""
+def spawn_worker(mesh: MeshFixture, tmp: Path, specs: list[str], netns: str | None = None, **extra: Any) -> WorkerProc:
+    """Start tests/experts_node.py (in network namespace ``netns`` if given); returns once it listens.
+    Raises RuntimeError with its error line."""
     ident = NodeIdentity.generate()
     creds = mesh.member(ident)
     cfg = {"key": ident.private_bytes().hex(), "genesis": base64.b64encode(creds.genesis.encoded).decode(),
            "cert": base64.b64encode(creds.cert.encoded).decode(), "specs": specs, **extra}
     path = tmp / f"node-{ident.node_id[:8]}.json"
     path.write_text(json.dumps(cfg))
-    proc = subprocess.Popen([sys.executable, str(NODE_SCRIPT), str(path)], stdout=subprocess.PIPE,
+    argv = [sys.executable, str(NODE_SCRIPT), str(path)]
+    if netns is not None:
+        argv = ["ip", "netns", "exec", netns, *argv]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, env=meshd_env())
     assert proc.stdout is not None
     ready, _, _ = select.select([proc.stdout], [], [], 30)
@@ -93,6 +97,8 @@ class Coordinator:
     mesh: MeshFixture
     config: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     lt: LoopThread = field(default_factory=LoopThread)
+    lane: bool = False  # run a data lane (transport.lane) beside QUIC, as the daemon does
+    host: str = "127.0.0.1"  # where its transport (and lane) listen
 
     def __post_init__(self) -> None:
         from transport.quic import MeshTransport, TransportConfig
@@ -100,7 +106,17 @@ class Coordinator:
         self.ident = NodeIdentity.generate()
         self.transport = MeshTransport(self.ident, self.mesh.member(self.ident), TransportConfig.loopback())
         self.service = ExpertsService(coordinator_config=self.config, probe_interval_s=3600)
-        self.lt.run(self.transport.listen("127.0.0.1", 0))
+        self.lt.run(self.transport.listen(self.host, 0))
+        self.lanes = None
+        if self.lane:
+            from transport.lane import LaneManager
+
+            async def lanes() -> LaneManager:
+                m = LaneManager(self.transport)
+                await m.listen(self.host, 0)
+                return m
+
+            self.lanes = self.lt.run(lanes())
         self.lt.run(self.service.start(self.transport))
 
     def connect(self, workers: list[WorkerProc]) -> None:
@@ -110,12 +126,34 @@ class Coordinator:
     def executor(self, path: Path, mode: str = "on", local_weights: Any = None) -> RemoteExecutor:
         return self.lt.run(self.service.coordinator(path, local_weights, mode), timeout=60)
 
+    def wait_paths(self, workers: list[WorkerProc], path: str, timeout_s: float = 10.0) -> None:
+        """Wait until every worker's peer uses ``path`` ("lane" or "quic") and its expert link does too."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            async def check() -> bool:
+                for w in workers:
+                    peer = self.transport.peer(w.node_id)
+                    if peer is None or peer.path != path:
+                        return False
+                    for c in self.service._coordinated:
+                        link = c.executor.links.get(w.node_id)
+                        if link is None or getattr(link.channel, "path", None) != path:
+                            return False
+                return True
+
+            if self.lt.run(check()):
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"workers not on the {path} path within {timeout_s}s")
+
     def probe(self) -> None:
         self.lt.run(self.service.probe_all(), timeout=30)
 
     def close(self) -> None:
         try:
             self.lt.run(self.service.stop(), timeout=10)
+            if self.lanes is not None:
+                self.lt.run(self.lanes.close(), timeout=10)
             self.lt.run(self.transport.close(), timeout=10)
         finally:
             self.lt.stop()

@@ -4,8 +4,10 @@ Usage: ``python tests/experts_node.py CONFIG.json``. CONFIG: ``key`` (hex privat
 ``cert`` (base64), ``specs`` (``--experts`` specs), optional ``capacity``, and test hooks:
 ``perturb`` (add this relative amount to the first output of the first reply: the negative control),
 ``hang_after`` (after answering this many requests, the next one never finishes: a hung worker), and
-``trace`` (a file: record ``tests/experts_trace.py``'s timestamps and write them there as JSON at exit).
-Runs a real ``MeshTransport`` on 127.0.0.1 and the real ``ExpertsService``. Prints one JSON line
+``trace`` (a file: record ``tests/experts_trace.py``'s timestamps and write them there as JSON at exit),
+``listen`` (host, default 127.0.0.1) and ``lane`` (default true: run a data lane on TCP with the QUIC
+port's number, as the daemon does; false: QUIC only).
+Runs a real ``MeshTransport`` and the real ``ExpertsService``. Prints one JSON line
 ``{"node_id", "addr", "pid"}`` when listening (or ``{"error"}`` and exit 2 if the shards are refused),
 then serves until SIGTERM/SIGINT.
 """
@@ -28,7 +30,9 @@ import structlog  # noqa: E402
 
 from meshd.experts_service import ExpertsService, ExpertsStartError  # noqa: E402
 from transport.credentials import Genesis, MemberCert, MeshCredentials  # noqa: E402
+from transport.errors import TransportError  # noqa: E402
 from transport.identity import NodeIdentity  # noqa: E402
+from transport.lane import LaneManager  # noqa: E402
 from transport.quic import MeshTransport, TransportConfig  # noqa: E402
 
 
@@ -63,7 +67,13 @@ async def main(path: str) -> int:
     genesis = Genesis.decode(base64.b64decode(config["genesis"]))
     creds = MeshCredentials(genesis, MemberCert.decode(base64.b64decode(config["cert"]), genesis))
     mesh = MeshTransport(identity, creds, TransportConfig.loopback())
-    addr = await mesh.listen("127.0.0.1", 0)
+    addr = await mesh.listen(config.get("listen", "127.0.0.1"), 0)
+    lanes = LaneManager(mesh)
+    if config.get("lane", True):
+        try:
+            await lanes.listen(addr[0], addr[1])
+        except TransportError:
+            await lanes.listen(addr[0], 0)
     svc = ExpertsService(config["specs"], capacity=float(config.get("capacity", 1.0)),
                          reply_hook=make_hook(config))  # type: ignore[arg-type]
     try:
@@ -79,6 +89,7 @@ async def main(path: str) -> int:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await svc.stop()
+    await lanes.close()
     await mesh.close()
     if recorder is not None:
         Path(config["trace"]).write_text(json.dumps(list(recorder.events)))

@@ -35,7 +35,7 @@ def test_the_timeline_follows_each_delegated_layer_and_echo_through_both_process
     experts_trace.install(rec)
     trace_file = tmp_path / "worker-trace.json"
     try:
-        worker = spawn_worker(mesh, tmp_path, [str(ckpt)], trace=str(trace_file))
+        worker = spawn_worker(mesh, tmp_path, [str(ckpt)], trace=str(trace_file), lane=False)  # QUIC internals
         try:
             coord = Coordinator(mesh)
             try:

@@ -29,6 +29,7 @@ HS_TYPES = [FrameType.HELLO, FrameType.AUTH, FrameType.ACCEPT, FrameType.JOIN_RE
 def test_enums_are_append_only() -> None:
     assert {t.name: t.value for t in StreamType} == {
         "HANDSHAKE": 0, "GOSSIP": 1, "RPC": 2, "HTTP_TUNNEL": 3, "EXPERT": 4, "JOIN": 5, "PIPELINE": 6,
+        "RELAY": 7,
     }
     assert {t.name: t.value for t in FrameType} == {
         "DATA": 0, "ERROR": 1, "HELLO": 2, "AUTH": 3, "ACCEPT": 4, "JOIN_REQUEST": 5, "JOIN_REPLY": 6,

@@ -6,6 +6,11 @@ overrides), ``join`` (accept joins) and ``keep`` ([[node_id, host, port], ...] t
 Prints one JSON line ``{"node_id", "addr": [host, port]}`` on stdout when listening, then serves until
 SIGTERM/SIGINT (exit 0).
 
+``lane`` ("host:port") also runs a data lane there (transport.lane); ``relay`` (true) runs a relay manager
+(transport.relay) that relays for others. EXPERT streams (which use the lane
+when it is up) start with ``echo`` (then every frame is echoed) or ``sink`` (then bytes are counted and
+the count is the answer at the stream's end), for bench/transport.py.
+
 RPC (StreamType.RPC) commands, by payload prefix: ``echo:`` (reply = payload), ``sleep:S`` (reply after
 S seconds of silence), ``stats`` (JSON of stats and peers), ``call:`` (request ``echo:back`` from the
 caller and return its reply), ``fail`` (RpcError 7), ``big`` (a reply over the frame limit), ``crash`` (handler bug), ``hang`` (never answers;
@@ -43,9 +48,9 @@ def load(config: dict) -> tuple[NodeIdentity, MeshCredentials | None]:
     return identity, creds
 
 
-def serve_bench(mesh: MeshTransport) -> None:
+def serve_bench(mesh: MeshTransport, lane: bool = False) -> None:
     """HTTP_TUNNEL streams echo frame by frame; GOSSIP streams sink and answer the byte count;
-    ``echo:`` RPCs (if no RPC handler is set yet) echo."""
+    ``echo:`` RPCs (if no RPC handler is set yet) echo; with ``lane``, EXPERT streams as in the module doc."""
 
     async def tunnel(peer: Peer, stream: Stream) -> None:
         while (chunk := await stream.recv()) is not None:
@@ -60,8 +65,17 @@ def serve_bench(mesh: MeshTransport) -> None:
     async def echo(peer: Peer, request: bytes) -> bytes:
         return request
 
+    async def lane_bench(peer: Peer, stream: Stream) -> None:
+        mode = await stream.recv()
+        if mode == b"sink":
+            await sink(peer, stream)
+        elif mode == b"echo":
+            await tunnel(peer, stream)
+
     mesh.on_stream(StreamType.HTTP_TUNNEL, tunnel)
     mesh.on_stream(StreamType.GOSSIP, sink)
+    if lane:
+        mesh.on_stream(StreamType.EXPERT, lane_bench)
     if StreamType.RPC not in mesh._rpc_handlers:
         mesh.on_rpc(StreamType.RPC, echo)
 
@@ -104,11 +118,23 @@ async def main(path: str) -> int:
         return b"joined:" + request
 
     mesh.on_rpc(StreamType.RPC, rpc)
-    serve_bench(mesh)
+    serve_bench(mesh, lane=bool(config.get("lane")))
     if config.get("join"):
         mesh.set_join_handler(join)
     host, port = config.get("listen", "127.0.0.1:0").rsplit(":", 1)
     addr = await mesh.listen(host, int(port))
+    lanes = relay = None
+    if config.get("lane") or config.get("relay"):
+        from transport.lane import LaneManager
+
+        lanes = LaneManager(mesh)
+        if config.get("lane"):
+            lhost, lport = config["lane"].rsplit(":", 1)
+            await lanes.listen(lhost, int(lport))
+    if config.get("relay"):
+        from transport.relay import RelayManager
+
+        relay = RelayManager(mesh)
     for node_id, khost, kport in config.get("keep", []):
         mesh.keep_connected(node_id, [(khost, int(kport))])
     print(json.dumps({"node_id": identity.node_id, "addr": list(addr)}), flush=True)
@@ -117,6 +143,10 @@ async def main(path: str) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if relay is not None:
+        await relay.close()
+    if lanes is not None:
+        await lanes.close()
     await mesh.close()
     return 0
 

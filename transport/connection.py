@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -44,6 +44,7 @@ from transport.handshake import (
     tls_binding,
 )
 from transport.stream import Stream
+from transport.stream_api import PATH_QUIC
 from transport.streams import HANDSHAKE_STREAM_TYPES, StreamType
 from transport.tls import certificate_der
 
@@ -152,22 +153,38 @@ class _Connection(QuicConnectionProtocol):
         self._quic.send_stream_data(sid, encode_preamble(stream_type, PROTOCOL_VERSION))
         return stream
 
-    async def write(self, stream_id: int, data: bytes, end: bool) -> None:
+    # -- the stream carrier interface (transport.stream_api.StreamCarrier) ---------------------------
+
+    path = PATH_QUIC
+
+    @property
+    def max_datagram_bytes(self) -> int:
+        return int(self._quic._max_datagram_size)
+
+    def stream_done(self, stream_id: int) -> None:
+        self._flow.app_consumed.pop(stream_id, None)
+
+    def consumed(self, stream: Stream) -> None:
+        self._consumed(stream)
+
+    async def write(self, stream_id: int, parts: Sequence[bytes], end: bool) -> None:
+        data = b"".join(parts)
         limit = self.mesh.config.stream_send_buffer_bytes
         stream = self.streams.get(stream_id)
         while True:
             if self.closing:
                 raise TransportError(f"connection closed: {self.close_reason or 'closed'}")
-            if stream is not None and stream._error is not None:
-                raise stream._error
+            if stream is not None and stream.error is not None:
+                raise stream.error
             if self._pending_send_bytes(stream_id) <= limit:
                 break
             await self._wait_progress()
         self._queue_data(stream_id, data, end)
         self._transmit_soon()
 
-    def write_now(self, stream_id: int, data: bytes) -> bool:
+    def write_now(self, stream_id: int, parts: Sequence[bytes]) -> bool:
         """``write`` without waiting: False if the send buffer is over its limit; sends the packet now."""
+        data = b"".join(parts)
         if self.closing:
             raise TransportError(f"connection closed: {self.close_reason or 'closed'}")
         if self._pending_send_bytes(stream_id) > self.mesh.config.stream_send_buffer_bytes:
@@ -193,7 +210,7 @@ class _Connection(QuicConnectionProtocol):
             pass  # already finished on our side
         stream = self.streams.get(stream_id)
         if stream is not None:
-            stream._mark_done()
+            stream.mark_done()
         self._transmit_soon()
 
     def close_with(self, code: ErrorCode, reason: str) -> None:
@@ -316,18 +333,13 @@ class _Connection(QuicConnectionProtocol):
         elif isinstance(event, qe.StreamReset):
             stream = self.streams.get(event.stream_id)
             if stream is not None:
-                stream._mark_done()
-                stream._set_error(StreamReset(event.error_code))
-                if stream._handler_task is not None:
-                    stream._handler_task.cancel()
+                stream.fail(StreamReset(event.error_code))
             elif not self.admitted and event.stream_id == _HANDSHAKE_STREAM_ID:
                 raise RemoteProtocolError(ErrorCode.PROTOCOL_ERROR, "handshake stream reset")
         elif isinstance(event, qe.StopSendingReceived):
             stream = self.streams.get(event.stream_id)
             if stream is not None:
-                stream._set_error(StreamReset(event.error_code, "peer stopped reading"))
-                if stream._handler_task is not None:
-                    stream._handler_task.cancel()
+                stream.fail(StreamReset(event.error_code, "peer stopped reading"), done=False)
         elif isinstance(event, qe.ConnectionTerminated):
             self._on_terminated(event)
 
@@ -419,7 +431,7 @@ class _Connection(QuicConnectionProtocol):
                 return
             raise RemoteProtocolError(ErrorCode.NOT_ADMITTED, "stream opened before the handshake")
         stream = self.streams.get(stream_id)
-        if stream is not None and stream._app_done:
+        if stream is not None and stream.done:
             return  # late data for a stream we are done with or reset (stock credit lets it drain)
         if stream is None:
             # aioquic only reports streams it has not discarded, so an unknown id is a new stream
@@ -433,20 +445,20 @@ class _Connection(QuicConnectionProtocol):
                 return
             stream = Stream(self, stream_id, None, FrameDecoder(None, (PROTOCOL_MIN, PROTOCOL_MAX)))
             self._add_stream(stream)
-        stream._raw_received += len(data)
-        frames = stream._decoder.feed(data)
+        stream.count_received(len(data))
+        frames = stream.decoder.feed(data)
         if end:
-            stream._decoder.feed_eof()
-        if stream.stream_type is None and stream._decoder.stream_type is not None:
-            stream.stream_type = stream._decoder.stream_type
+            stream.decoder.feed_eof()
+        if stream.stream_type is None and stream.decoder.stream_type is not None:
+            stream.stream_type = stream.decoder.stream_type
             if stream.stream_type in HANDSHAKE_STREAM_TYPES:
                 raise RemoteProtocolError(ErrorCode.PROTOCOL_ERROR, "second handshake stream")
             self.mesh._dispatch(self, stream)
-        queue_ok = stream._on_frames(frames, end, self.mesh.config.stream_recv_queue_bytes)
+        queue_ok = stream.deliver(frames, end, self.mesh.config.stream_recv_queue_bytes)
         self._consumed(stream)
         if not queue_ok:
             self.mesh._count("streams_reset_recv_overflow")
-            stream._set_error(StreamReset(ErrorCode.RECV_OVERFLOW, "receive queue overflow"))
+            stream.fail(StreamReset(ErrorCode.RECV_OVERFLOW, "receive queue overflow"), done=False, cancel=False)
             self.reset_stream(stream_id, ErrorCode.RECV_OVERFLOW)
 
     def _on_admitted(self, ev: PeerAdmitted) -> None:
@@ -525,9 +537,7 @@ class _Connection(QuicConnectionProtocol):
         reason = reason_phrase or "connection closed"
         err = TransportError(f"connection closed: {reason}")
         for stream in self.streams.values():
-            stream._set_error(err)
-            if stream._handler_task is not None:
-                stream._handler_task.cancel()
+            stream.fail(err, done=False)
         for task in self._tasks:
             task.cancel()
         if not self.result.done():
@@ -611,9 +621,9 @@ class _Connection(QuicConnectionProtocol):
         """Tell the flow controller how much of ``stream`` the application has taken; send credit soon
         if the announced window fell below half."""
         sid = stream.stream_id
-        if stream._app_done or sid not in self._flow.app_consumed:
+        if stream.done or sid not in self._flow.app_consumed:
             return
-        consumed = stream._raw_received - stream._raw_queued
+        consumed = stream.consumed_bytes
         self._flow.app_consumed[sid] = consumed
         qstream = self._quic._streams.get(sid)
         if qstream is not None and consumed + self._flow.app_window - qstream.max_stream_data_local >= (
@@ -622,12 +632,12 @@ class _Connection(QuicConnectionProtocol):
             self._transmit_soon()
 
     def _open_streams(self, local: bool) -> int:
-        return sum(1 for s in self.streams.values() if not s._app_done and self._is_local(s.stream_id) == local)
+        return sum(1 for s in self.streams.values() if not s.done and self._is_local(s.stream_id) == local)
 
     def _add_stream(self, stream: Stream) -> None:
         if len(self.streams) >= self._prune_at:
             live = self._quic._streams
-            for sid in [sid for sid, s in self.streams.items() if s._app_done and sid not in live]:
+            for sid in [sid for sid, s in self.streams.items() if s.done and sid not in live]:
                 del self.streams[sid]
                 self._flow.app_consumed.pop(sid, None)
             self._prune_at = max(64, 2 * len(self.streams))

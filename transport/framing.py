@@ -118,6 +118,14 @@ def encode_frame(frame_type: FrameType, payload: bytes, max_payload: int | None 
     return FRAME_HEADER.pack(FRAME_MAGIC, FRAMING_VERSION, int(frame_type), 0, len(payload)) + payload
 
 
+def frame_parts(frame_type: FrameType, payload: bytes, max_payload: int) -> tuple[bytes, bytes]:
+    """One frame as (header, payload), for carriers that write pieces without joining them (a large
+    payload is not copied). Raises ``ValueError`` like :func:`encode_frame`."""
+    if len(payload) > max_payload:
+        raise ValueError(f"frame payload of {len(payload)} bytes exceeds the limit of {max_payload}")
+    return FRAME_HEADER.pack(FRAME_MAGIC, FRAMING_VERSION, int(frame_type), 0, len(payload)), payload
+
+
 def encode_error(code: int, reason: str) -> bytes:
     """Payload of an ERROR frame."""
     return struct.pack(">H", code) + reason.encode()[: limits.MAX_REFUSAL_REASON_BYTES]
@@ -167,7 +175,7 @@ class FrameDecoder:
     def buffered_bytes(self) -> int:
         return len(self._buffer)
 
-    def feed(self, data: bytes) -> list[Frame]:
+    def feed(self, data: bytes | memoryview) -> list[Frame]:
         if self._error is not None:
             raise self._error
         self._buffer += data
@@ -253,7 +261,9 @@ class FrameDecoder:
             if len(buf) < self._need:
                 return frames
             assert self._header_type is not None  # noqa: S101 - set with _need
-            frames.append(Frame(self._header_type, bytes(buf[: self._need])))
+            with memoryview(buf) as view:  # one copy of the payload, not two
+                payload = bytes(view[: self._need])
+            frames.append(Frame(self._header_type, payload))
             del buf[: self._need]
             self._need = None
             self._header_type = None

@@ -38,6 +38,20 @@ RETRY_ABOVE_PENDING_HANDSHAKES = 16  # handshakes in progress beyond which new c
 #   validation (a Retry round trip) first: a spoofed source then creates nothing
 MAX_EARLY_STREAM_BYTES = 1024 * 1024  # server stream data a client holds while its ACCEPT is in flight
 
+# --- data lane (issue 19: TLS over TCP between members, transport.lane) --------------------------
+MAX_RELAY_FRAME_BYTES = 64 * 1024  # a path-control request/reply (the lane's port) is a few bytes
+LANE_MUX_HEADER_BYTES = 9  # kind(1) stream id(4) length(4); fixed by transport.lane_wire
+LANE_AUTH_TIMEOUT_S = 1.0  # a lane connection must finish TLS and prove a member's key within this; a
+#   stranger is refused (and forgotten) by then. A member on a LAN needs ~3 round trips
+LANE_MAX_PENDING = 32  # lane connections still authenticating, in all; more are refused at once
+LANE_MAX_PENDING_PER_SOURCE = 4  # ...and from one source address (a member dials one lane at a time)
+LANE_MAX_CONNECTIONS = 256  # authenticated lanes (one per connected member, as MAX_CONNECTIONS)
+LANE_KEEPALIVE_S = 2.0  # a PING after this much silence on a lane...
+LANE_DEAD_S = 6.0  # ...and a lane silent this long is closed (its streams fail; QUIC carries on)
+LANE_RETRY_MIN_S = 0.2  # redial a lost lane after this at first...
+LANE_RETRY_MAX_S = 10.0  # ...doubling up to this while dials keep failing
+LANE_SEND_BUFFER_BYTES = 4 * 1024 * 1024  # unsent bytes on one lane before senders wait (send_now refuses)
+
 # --- daemon: control socket (issue 2, daemon) ------------------------------------------------
 MAX_CONTROL_LINE_BYTES = 1 << 20  # one control request/reply line; status of a big mesh is ~100 KiB
 MAX_CONTROL_CONNECTIONS = 64  # concurrent local CLI clients; more means something is looping

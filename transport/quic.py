@@ -47,7 +47,8 @@ from transport.identity import NodeIdentity
 from transport.ratelog import RateLimitedLog, route_aioquic_logs
 from transport.server import MeshServer
 from transport.stream import Stream
-from transport.streams import HANDSHAKE_STREAM_TYPES, StreamType, max_frame_bytes
+from transport.stream_api import PATH_LANE, PATH_QUIC, PATH_RELAY
+from transport.streams import HANDSHAKE_STREAM_TYPES, LANE_STREAM_TYPES, StreamType, max_frame_bytes
 from transport.tls import certificate_der, self_signed_certificate
 
 __all__ = [
@@ -100,6 +101,7 @@ class Peer:
         self.cert: MemberCert | None = None
         self.protocol_version = PROTOCOL_VERSION
         self._conn: _Connection | None = None
+        self._lane: Any = None  # a transport.lane.LaneConnection while a data lane to this peer is up
         self._down_timer: asyncio.TimerHandle | None = None  # a down report held back (see _terminated)
 
     def __repr__(self) -> str:
@@ -117,6 +119,15 @@ class Peer:
     def rtt_ms(self) -> float | None:
         return self._conn.rtt_ms if self._conn is not None else None
 
+    @property
+    def path(self) -> str:
+        """What carries this peer's lane stream types now: "lane" while a data lane is up, else "quic"."""
+        lane = self._lane
+        if lane is not None and lane.open and not lane.closed:
+            return PATH_LANE
+        conn = self._conn
+        return conn.path if conn is not None else PATH_QUIC  # "relay" through a member, else "quic"
+
     def _connection(self) -> _Connection:
         conn = self._conn
         if conn is None or conn.closing:
@@ -127,6 +138,12 @@ class Peer:
         """Open a typed stream (its preamble goes out with the first frame)."""
         if stream_type in HANDSHAKE_STREAM_TYPES:
             raise ValueError("handshake streams are opened by the transport")
+        lane = self._lane
+        if lane is not None and stream_type in LANE_STREAM_TYPES and lane.open and not lane.closed:
+            try:
+                return lane.open_stream(StreamType(stream_type))  # type: ignore[no-any-return]
+            except TransportError:
+                pass  # the lane just closed or is full: QUIC carries it
         return self._connection().open_stream(StreamType(stream_type))
 
     async def request(self, stream_type: StreamType, payload: bytes, timeout_s: float) -> bytes:
@@ -139,7 +156,7 @@ class Peer:
         try:
             async with asyncio.timeout(timeout_s):
                 await stream.send(payload, end=True)
-                frame = await stream._recv_frame()
+                frame = await stream.recv_frame()
         except (TimeoutError, asyncio.CancelledError):
             stream.reset(ErrorCode.CANCELLED)
             raise
@@ -201,6 +218,10 @@ class MeshTransport:
         self._ratelog = RateLimitedLog(log, self.config.log_interval_s)
         route_aioquic_logs(log, self.config.log_interval_s, time.monotonic)
         self._closing = False
+        self.lane: Any = None  # the transport.lane.LaneManager, when this node runs data lanes
+        self.relay: Any = None  # the transport.relay.RelayManager, when this node relays / is relayed
+        self.on_dial_failed: list[Callable[[str, Address], Any]] = []  # (node_id, addr): a pinned dial failed
+        self.on_path_change: list[PeerCallback] = []  # a connected peer's connection moved (relayed -> direct)
 
     # -- configuration ---------------------------------------------------------------------------
 
@@ -285,10 +306,27 @@ class MeshTransport:
     def peers(self) -> list[Peer]:
         return [p for p in self._known.values() if p.connected]
 
-    async def connect(self, addr: Address, expected_node_id: str | None = None) -> Peer:
-        """Dial and authenticate. Raises HandshakeRefused(reason) or TransportError."""
+    async def connect(self, addr: Address, expected_node_id: str | None = None, *,
+                      replace_relayed: bool = False) -> Peer:
+        """Dial and authenticate. Raises HandshakeRefused(reason) or TransportError.
+
+        A connected ``expected_node_id`` is returned as is, unless it is reached through a relay and
+        ``replace_relayed``: then a direct connection is dialled, and replaces the relayed one."""
         if expected_node_id is not None and (existing := self.peer(expected_node_id)) is not None:
-            return existing
+            if not (replace_relayed and existing.path == PATH_RELAY):
+                return existing
+        try:
+            return await self._connect(addr, expected_node_id)
+        except (TransportError, OSError) as e:
+            if expected_node_id is not None and not isinstance(e, HandshakeRefused):
+                for cb in list(self.on_dial_failed):
+                    try:
+                        cb(expected_node_id, addr)
+                    except Exception as e2:  # noqa: BLE001
+                        log.warning("dial_failed_callback_failed", error=repr(e2))
+            raise
+
+    async def _connect(self, addr: Address, expected_node_id: str | None) -> Peer:
         if self.credentials is None:
             raise TransportError("this node has no mesh credentials yet")
         if self._closing:
@@ -438,7 +476,9 @@ class MeshTransport:
             peer = self._known[ev.node_id] = Peer(self, ev.node_id, ev.public_key)
         old = peer._conn
         if old is not None and old is not conn and not old.closing:
-            if conn.admitted_at - old.admitted_at < self.config.simultaneous_dial_window_s:
+            if (old.path == PATH_RELAY) != (conn.path == PATH_RELAY):
+                keep_new = old.path == PATH_RELAY  # a direct connection beats a relayed one
+            elif conn.admitted_at - old.admitted_at < self.config.simultaneous_dial_window_s:
                 # Simultaneous dials: both ends keep the connection dialled by the smaller node id.
                 def dialer(c: _Connection) -> str:
                     return self.identity.node_id if c.is_client else ev.node_id
@@ -455,6 +495,12 @@ class MeshTransport:
             peer._conn = conn
             conn.peer = peer
             old.close_with(ErrorCode.DUPLICATE, "replaced by a newer connection")
+            if old.path != conn.path:  # relayed -> direct: the peer stays up, its path changed
+                for cb in list(self.on_path_change):
+                    try:
+                        _maybe_task(cb(peer), self._tasks)
+                    except Exception as e:  # noqa: BLE001
+                        log.warning("path_change_callback_failed", error=repr(e))
             return
         # still "up" for the rest of meshd if the old connection is closing or was just lost to a
         # duplicate-resolution close: swap silently instead of reporting down and up again
@@ -503,6 +549,10 @@ class MeshTransport:
             except Exception as e:  # noqa: BLE001
                 log.warning("peer_down_callback_failed", error=repr(e))
 
+    def dispatch_stream(self, carrier: Any, stream: Stream) -> None:
+        """Serve a stream the peer opened on another carrier (a data lane) with this type's handler."""
+        self._dispatch(carrier, stream)
+
     def _dispatch(self, conn: _Connection, stream: Stream) -> None:
         stype = stream.stream_type
         assert stype is not None and conn.peer is not None  # noqa: S101 - admitted, preamble parsed
@@ -513,10 +563,10 @@ class MeshTransport:
         else:
             self._count("streams_refused_no_handler")
             conn.reset_stream(stream.stream_id, ErrorCode.NO_HANDLER)
-            stream._set_error(StreamReset(ErrorCode.NO_HANDLER, "no handler"))
+            stream.fail(StreamReset(ErrorCode.NO_HANDLER, "no handler"), done=False)
             return
         task = asyncio.ensure_future(coro)
-        stream._handler_task = task
+        stream.handler_task = task
         conn._tasks.add(task)
         task.add_done_callback(conn._tasks.discard)
 
@@ -531,14 +581,14 @@ class MeshTransport:
                 if stype is not None and len(reply) > max_frame_bytes(stype):
                     raise ValueError(f"reply of {len(reply)} bytes exceeds the {stype.name} frame limit")
             except RpcError as e:
-                await stream._send_frame(FrameType.ERROR, encode_error(e.code, e.reason), True)
+                await stream.send_frame(FrameType.ERROR, encode_error(e.code, e.reason), True)
                 return
             except (asyncio.CancelledError, TransportError):
                 raise
             except Exception as e:  # noqa: BLE001 - a handler bug must not take the connection down
                 self._count("rpc_handler_errors")
                 log.warning("rpc_handler_failed", stream_type=str(stream.stream_type), error=repr(e))
-                await stream._send_frame(FrameType.ERROR, encode_error(ErrorCode.INTERNAL_ERROR, "handler failed"), True)
+                await stream.send_frame(FrameType.ERROR, encode_error(ErrorCode.INTERNAL_ERROR, "handler failed"), True)
                 return
             await stream.send(reply, end=True)
         except (asyncio.CancelledError, TransportError):
@@ -561,4 +611,4 @@ class MeshTransport:
 
     def _forget_stream(self, stream: Stream) -> None:
         """The stream's user is done with it: free its slot (late data for it is dropped)."""
-        stream._mark_done()
+        stream.mark_done()

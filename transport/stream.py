@@ -1,6 +1,8 @@
 """A typed stream over one mesh connection: frames in, frames out, by task or by callback.
 
-Made and fed by ``transport.connection._Connection``; handed to applications by ``transport.quic``.
+Made and fed by its carrier (``transport.stream_api.StreamCarrier``): a QUIC connection
+(``transport.connection``) or a data lane (``transport.lane``); handed to applications by ``transport.quic``.
+It knows its carrier only through that interface, so it imports neither.
 """
 
 from __future__ import annotations
@@ -15,12 +17,11 @@ import structlog
 from transport import limits
 from transport.config import is_loopback_host
 from transport.errors import RemoteError, StreamReset, TransportError
-from transport.framing import ErrorCode, Frame, FrameDecoder, FrameType, decode_error, encode_frame
+from transport.framing import ErrorCode, Frame, FrameDecoder, FrameType, decode_error, frame_parts
 from transport.streams import StreamType, max_frame_bytes
 
 if TYPE_CHECKING:
-    from transport.connection import _Connection
-    from transport.quic import Peer
+    from transport.stream_api import StreamCarrier
 
 log = structlog.get_logger("meshd.transport")
 
@@ -28,7 +29,7 @@ log = structlog.get_logger("meshd.transport")
 class Stream:
     """One typed stream. ``send``/``recv`` frames; ``reset`` cancels both directions."""
 
-    def __init__(self, conn: _Connection, stream_id: int, stream_type: StreamType | None, decoder: FrameDecoder):
+    def __init__(self, conn: StreamCarrier, stream_id: int, stream_type: StreamType | None, decoder: FrameDecoder):
         self._conn = conn
         self.stream_id = stream_id
         self.stream_type = stream_type
@@ -48,13 +49,18 @@ class Stream:
         self._delivering = False  # _deliver is running: calls from inside a callback leave it to that run
 
     @property
-    def peer(self) -> Peer | None:
+    def peer(self) -> Any:
         return self._conn.peer
 
     @property
+    def path(self) -> str:
+        """What carries this stream: "quic", "lane" or "relay"."""
+        return self._conn.path
+
+    @property
     def max_datagram_bytes(self) -> int:
-        """The QUIC packet size this stream's connection uses (16 KiB on loopback, else ~1350)."""
-        return int(self._conn._quic._max_datagram_size)
+        """The packet size of this stream's path (QUIC: 16 KiB on loopback, else ~1350; lane: the TCP MSS)."""
+        return int(self._conn.max_datagram_bytes)
 
     @property
     def on_loopback(self) -> bool:
@@ -72,9 +78,9 @@ class Stream:
         if self._error is not None:
             raise self._error
         assert self.stream_type is not None  # noqa: S101 - set for local streams and after preamble
-        data = encode_frame(frame_type, payload, max_frame_bytes(self.stream_type))
+        parts = frame_parts(frame_type, payload, max_frame_bytes(self.stream_type))
         self._sent_end = end
-        await self._conn.write(self.stream_id, data, end)
+        await self._conn.write(self.stream_id, parts, end)
         self._check_done()
 
     async def end(self) -> None:
@@ -83,13 +89,13 @@ class Stream:
             raise self._error
         if not self._sent_end:
             self._sent_end = True
-            await self._conn.write(self.stream_id, b"", True)
+            await self._conn.write(self.stream_id, (), True)
             self._check_done()
 
     def _mark_done(self) -> None:
         """The application is finished with this stream: free its slot, stop flow accounting."""
         self._app_done = True
-        self._conn._flow.app_consumed.pop(self.stream_id, None)
+        self._conn.stream_done(self.stream_id)
 
     def _check_done(self) -> None:
         """Free the stream's slot once both directions ended."""
@@ -108,8 +114,8 @@ class Stream:
         if self._error is not None:
             raise self._error
         assert self.stream_type is not None  # noqa: S101 - set for local streams and after preamble
-        if not self._conn.write_now(self.stream_id, encode_frame(FrameType.DATA, payload,
-                                                                 max_frame_bytes(self.stream_type))):
+        if not self._conn.write_now(self.stream_id, frame_parts(FrameType.DATA, payload,
+                                                                max_frame_bytes(self.stream_type))):
             return False
         self._check_done()
         return True
@@ -148,7 +154,7 @@ class Stream:
         try:
             while self._frames:
                 if self._paused:
-                    self._conn._consumed(self)
+                    self._conn.consumed(self)
                     return
                 frame = self._pop_frame()
                 if frame.type is FrameType.ERROR:
@@ -158,7 +164,7 @@ class Stream:
                     on_end(RemoteError(*decode_error(frame.payload)))
                     return
                 on_data(frame.payload)
-            self._conn._consumed(self)
+            self._conn.consumed(self)
             if self._paused:
                 return  # the end (or error) is delivered on resume, after any data queued meanwhile
             if self._error is not None:
@@ -203,7 +209,7 @@ class Stream:
             finally:
                 self._waiter = None
         frame = self._pop_frame()
-        self._conn._consumed(self)
+        self._conn.consumed(self)
         return frame
 
     def _pop_frame(self) -> Frame:
@@ -221,6 +227,70 @@ class Stream:
         self._conn.reset_stream(self.stream_id, code)
         self._set_error(StreamReset(code, "stream reset locally"))
         self._mark_done()
+
+    # -- the carrier's side (public, for carriers other than the QUIC connection) ----------------------
+
+    @property
+    def decoder(self) -> FrameDecoder:
+        return self._decoder
+
+    @property
+    def error(self) -> TransportError | None:
+        """Why the stream broke (reset, carrier gone), or None."""
+        return self._error
+
+    @property
+    def queued_bytes(self) -> int:
+        """Payload bytes received and not yet taken by the application."""
+        return self._queued_bytes
+
+    @property
+    def consumed_bytes(self) -> int:
+        """Stream bytes received from the carrier that the application has taken (for flow credit)."""
+        return self._raw_received - self._raw_queued
+
+    def count_received(self, n: int) -> None:
+        """The carrier received ``n`` more stream bytes (preamble and frames) for this stream."""
+        self._raw_received += n
+
+    def mark_done(self) -> None:
+        """The stream's user is finished with it: its slot is free and late input is dropped."""
+        self._mark_done()
+
+    async def recv_frame(self) -> Frame | None:
+        """The next frame (DATA or ERROR), None at a clean end; raises like :meth:`recv`."""
+        return await self._recv_frame()
+
+    async def send_frame(self, frame_type: FrameType, payload: bytes, end: bool) -> None:
+        """Send one frame of any application type (an RPC handler's ERROR answer)."""
+        await self._send_frame(frame_type, payload, end)
+
+    @property
+    def done(self) -> bool:
+        """Its user is finished with it (or it was reset): late input for it is dropped."""
+        return self._app_done
+
+    @property
+    def handler_task(self) -> asyncio.Task[Any] | None:
+        return self._handler_task
+
+    @handler_task.setter
+    def handler_task(self, task: asyncio.Task[Any] | None) -> None:
+        self._handler_task = task
+
+    def deliver(self, frames: list[Frame], end: bool, recv_limit: int) -> bool:
+        """Queue decoded input; False if the reader fell more than ``recv_limit`` bytes behind."""
+        return self._on_frames(frames, end, recv_limit)
+
+    def fail(self, error: TransportError, done: bool = True, cancel: bool = True) -> None:
+        """The stream broke (reset by the peer, its carrier gone): readers and senders get ``error``;
+        ``cancel``: its handler task is cancelled; ``done``: its slot is freed too (not when the peer only
+        stopped reading: the stream's sending side is still to be finished)."""
+        if done:
+            self._mark_done()
+        self._set_error(error)
+        if cancel and self._handler_task is not None:
+            self._handler_task.cancel()
 
     # -- called by the connection ----------------------------------------------------------------
 

@@ -23,6 +23,7 @@ class StreamType(IntEnum):
     EXPERT = 4
     JOIN = 5
     PIPELINE = 6  # layer-pipeline stage protocol (engine.pipeline.wire)
+    RELAY = 7  # path control between members: the lane's port (transport.lane); relay through a member
 
 
 HANDSHAKE_STREAM_TYPES = frozenset({StreamType.HANDSHAKE, StreamType.JOIN})
@@ -36,8 +37,14 @@ MAX_FRAME_BYTES: dict[StreamType, int] = {
     StreamType.EXPERT: limits.MAX_EXPERT_FRAME_BYTES,
     StreamType.JOIN: limits.MAX_JOIN_FRAME_BYTES,
     StreamType.PIPELINE: limits.MAX_PIPELINE_FRAME_BYTES,
+    StreamType.RELAY: limits.MAX_RELAY_FRAME_BYTES,
 }
 """Largest frame payload accepted on each stream type, in bytes."""
+
+
+LANE_STREAM_TYPES = frozenset(t for t in StreamType if t.name in ("EXPERT", "PIPELINE"))
+"""Stream types that move bulk or latency-critical data: they use a peer's data lane when one is up
+(``transport.lane``), QUIC otherwise. Every other type always uses QUIC."""
 
 
 def max_frame_bytes(stream_type: StreamType) -> int:

@@ -151,7 +151,7 @@ class RemoteExecutor(LoopPasses, GeneralPath):
             raise
         old = self.links.pop(node_id, None)
         if old is not None:
-            old.close("replaced")
+            old.retire("replaced")
         self.links[node_id] = link
         link.on_close = self._link_closed
         self._rebuild()

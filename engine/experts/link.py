@@ -95,6 +95,7 @@ class WorkerLink:
         self._send_lock = asyncio.Lock()
         self._decoder = rpc.MessageDecoder()
         self.on_close: Callable[[WorkerLink, str], None] | None = None  # the executor forgets a closed link
+        self._retiring = ""  # replaced by another link: close once the replies in flight are in
 
     def next_id(self) -> int:
         return (next(self._ids) - 1) % 0xFFFFFFFF + 1
@@ -134,9 +135,19 @@ class WorkerLink:
             raise WorkerFailed("too many requests in flight")
         self._pending[rid] = sink
 
+    def retire(self, reason: str) -> None:
+        """Another link to the same worker took over (e.g. a data lane came up): close this one once the
+        replies already in flight on it have arrived, so a layer in progress is not failed by the swap."""
+        if not self._pending:
+            self.close(reason)
+        else:
+            self._retiring = reason
+
     def forget(self, rid: int) -> None:
-        """A reply to ``rid`` is no longer wanted (it is dropped when it comes)."""
+        """A reply to ``rid`` is no longer wanted (it is dropped when it comes). Loop thread."""
         self._pending.pop(rid, None)
+        if self._retiring and not self._pending:
+            self.close(self._retiring)
 
     def send_now(self, data: bytes) -> bool:
         """Send one encoded message at once (loop thread); False if the channel's send buffer is full."""
@@ -185,6 +196,9 @@ class WorkerLink:
                 sink = self._pending.pop(env.request_id, None)
                 if sink is not None:
                     sink(env.message)
+                    if self._retiring and not self._pending:
+                        self.close(self._retiring)
+                        return
                 elif isinstance(env.message, rpc.ErrorMsg) and env.request_id == 0:
                     self.close(f"worker error: {env.message.text}")
                     return

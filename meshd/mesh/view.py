@@ -199,5 +199,5 @@ class MeshView:
 
 def _path_kind(peer: Any) -> str:
     """How this node reaches a connected peer: ``quic``, or what the transport says (lane, relay)."""
-    kind = getattr(peer, "path_kind", None)
+    kind = getattr(peer, "path", None)
     return kind if isinstance(kind, str) else "quic"
