@@ -29,6 +29,8 @@ import structlog
 from . import families
 from .checkpoint import Checkpoint, CheckpointError, ProgressFn, TensorRef, load_checkpoint, to_f32
 from .config import ModelConfig
+from .deepseek import route_sigmoid
+from .fp8 import Fp8Tensor, scale_key, scale_shape
 from .moe import ExpertExecutor, ForwardSteps, RoutedCall, drive, expert_ffn, local_executor, route, silu
 from .ops import RopeTable, apply_rope, attention, rmsnorm
 
@@ -54,17 +56,20 @@ def _available_bytes() -> int:
 
 
 class KVCache:
-    """Keys and values of one sequence, per layer ``[KV, capacity, hd]``; ``length`` positions are valid.
+    """Keys and values of one sequence, per layer ``[KV, capacity, hd]`` (values ``v_dim`` wide if given);
+    ``length`` positions are valid. Latent attention (engine/mla.py) keeps its latent in ``k`` and its
+    shared rope key in ``v``.
 
     Capacity grows by doubling. A forward pass writes its positions first and advances ``length`` only
     when it completes, so a failed step leaves the cache as it was.
     """
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int = 256) -> None:
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int = 256,
+                 v_dim: int | None = None) -> None:
         self.length = 0
-        self._shape = (kv_heads, head_dim)
+        self._shape = (kv_heads, head_dim, head_dim if v_dim is None else v_dim)
         self.k = [np.zeros((kv_heads, capacity, head_dim), dtype=F32) for _ in range(num_layers)]
-        self.v = [np.zeros((kv_heads, capacity, head_dim), dtype=F32) for _ in range(num_layers)]
+        self.v = [np.zeros((kv_heads, capacity, self._shape[2]), dtype=F32) for _ in range(num_layers)]
 
     @property
     def capacity(self) -> int:
@@ -76,8 +81,8 @@ class KVCache:
         if n <= cap:
             return
         new = max(n, 2 * cap)
-        kvh, hd = self._shape
-        for store in (self.k, self.v):
+        kvh, kd, vd = self._shape
+        for store, hd in ((self.k, kd), (self.v, vd)):
             for i, old in enumerate(store):
                 grown = np.zeros((kvh, new, hd), dtype=F32)
                 grown[:, : self.length] = old[:, : self.length]
@@ -122,6 +127,8 @@ class Layer:
     expert_dtypes: tuple[str, str, str] = ("F32", "F32", "F32")  # storage dtypes of the fused layout
     shared: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     shared_expert_gate: np.ndarray | None = None
+    router_bias: np.ndarray | None = None  # sigmoid routers' e_score_correction_bias [E]
+    extra: dict[str, np.ndarray] = field(default_factory=dict)  # family weights (latent attention's)
 
     @property
     def sparse(self) -> bool:
@@ -131,8 +138,10 @@ class Layer:
 class _Loader:
     """Takes tensors out of a checkpoint by explicit key, checking shape, and tracks what was used."""
 
-    def __init__(self, ckpt: Checkpoint, progress: ProgressFn | None, prefetch: bool) -> None:
+    def __init__(self, ckpt: Checkpoint, progress: ProgressFn | None, prefetch: bool,
+                 block: tuple[int, int] = (128, 128)) -> None:
         self.ckpt = ckpt
+        self.block = block
         self.used: set[str] = set()
         self.progress = progress
         self.prefetch = prefetch
@@ -159,22 +168,41 @@ class _Loader:
             self.progress(self.done, self.total)
         return t
 
-    def f32(self, spec: families.Spec) -> np.ndarray:
+    def weight(self, spec: families.Spec) -> TensorRef | Fp8Tensor:
+        """A tensor as stored: its TensorRef, or for F8_E4M3 bytes an Fp8Tensor with its block scales."""
         t = self.ref(spec)
-        return to_f32(t.data, t.dtype)
+        if t.dtype != "F8_E4M3":
+            return t
+        try:
+            sshape = scale_shape(t.shape, self.block)
+        except ValueError as exc:
+            raise CheckpointError(f"{t.file}: tensor {t.key!r}: {exc}") from None
+        s = self.ref((scale_key(t.key), sshape))
+        return Fp8Tensor(t.key, t.data, to_f32(s.data, s.dtype), self.block)
+
+    def f32(self, spec: families.Spec) -> np.ndarray:
+        return widen(self.weight(spec))
 
     def group(self, specs: dict[str, families.Spec]) -> dict[str, np.ndarray]:
         return {role: self.f32(spec) for role, spec in specs.items()}
 
-    def check_unexpected(self, tied: bool) -> None:
+    def check_unexpected(self, cfg: ModelConfig) -> None:
+        tied = cfg.tie_word_embeddings
         for key in self.ckpt:
-            if key in self.used or any(p.match(key) for p in families.IGNORABLE):
+            if key in self.used or families.is_ignorable(cfg, key):
                 continue
             if tied and key == "lm_head.weight":
                 continue  # some exporters keep the tied head; the embedding is used, as the reference does
             raise CheckpointError(
                 f"{self.ckpt.describe(key)} is not used by the {self.ckpt.directory.name!r} model"
             )
+
+
+def widen(w: TensorRef | Fp8Tensor) -> np.ndarray:
+    """A stored tensor in fp32 (fp32 storage: the view itself)."""
+    if isinstance(w, Fp8Tensor):
+        return w.f32()
+    return to_f32(w.data, w.dtype)
 
 
 class Model:
@@ -189,7 +217,7 @@ class Model:
         self.lm_head = lm_head  # [V, D]
         self.checkpoint = checkpoint
         self.path = path
-        self.rope = RopeTable(config.rope, config.head_dim)
+        self.rope = RopeTable(config.rope, config.rotary_dim or config.head_dim)
         self.scale = config.head_dim**-0.5
         self._local = local_executor(self.expert_weights)
 
@@ -214,25 +242,36 @@ class Model:
         if widen_experts is None:
             f32_bytes = sum(t.nbytes * 4 // t.data.itemsize for t in ckpt.values())
             widen_experts = f32_bytes <= _available_bytes() // 2
-        ld = _Loader(ckpt, progress, progress is not None if prefetch is None else prefetch)
+        ld = _Loader(ckpt, progress, progress is not None if prefetch is None else prefetch, cfg.fp8_block)
+        if cfg.mla is not None and cls is Model:
+            from .mla import MlaModel
+
+            cls = MlaModel
         g = families.global_tensors(cfg)
         embed = ld.ref(g["embed"])
         norm = ld.f32(g["norm"])
         lm_head = ld.f32(g["lm_head"]) if "lm_head" in g else to_f32(embed.data, embed.dtype)
         layers = [cls._load_layer(cfg, ld, i, widen_experts) for i in range(cfg.num_layers)]
-        ld.check_unexpected(cfg.tie_word_embeddings)
+        ld.check_unexpected(cfg)
         log.info("model_loaded", path=str(p), model_type=cfg.model_type, layers=cfg.num_layers,
                  weight_bytes=ckpt.nbytes, files=len(ckpt.files))
         return cls(cfg, layers, embed, norm, lm_head, ckpt, p)
 
     @staticmethod
-    def _load_layer(cfg: ModelConfig, ld: _Loader, i: int, widen_experts: bool) -> Layer:
-        layer = Layer(**ld.group(families.attention_tensors(cfg, i)))
+    def _attention_layer(cfg: ModelConfig, ld: _Loader, i: int) -> Layer:
+        return Layer(**ld.group(families.attention_tensors(cfg, i)))
+
+    @classmethod
+    def _load_layer(cls, cfg: ModelConfig, ld: _Loader, i: int, widen_experts: bool) -> Layer:
+        layer = cls._attention_layer(cfg, ld, i)
         if not cfg.is_sparse(i):
             for role, arr in ld.group(families.dense_mlp_tensors(cfg, i)).items():
                 setattr(layer, role, arr)
             return layer
         fused = families.fused_expert_tensors(cfg, i)
+        bias = families.router_bias_tensor(cfg, i)
+        if bias is not None:
+            layer.router_bias = ld.f32(bias)
         if fused["gate_up"][0] in ld.ckpt:
             layer.router = ld.f32(fused["router"])
             gu, dn = ld.ref(fused["gate_up"]), ld.ref(fused["down"])
@@ -249,20 +288,17 @@ class Model:
             dtypes: set[str] = set()
             for e in range(cfg.num_experts):
                 sp = families.expert_tensors(cfg, i, e)
-                refs = (ld.ref(sp["gate"]), ld.ref(sp["up"]), ld.ref(sp["down"]))
-                dtypes.update(r.dtype for r in refs)
-                layer.experts.append(refs)
+                refs = (ld.weight(sp["gate"]), ld.weight(sp["up"]), ld.weight(sp["down"]))
+                dtypes.update("F8_E4M3" if isinstance(r, Fp8Tensor) else r.dtype for r in refs)
+                layer.experts.append(refs)  # type: ignore[arg-type]
             layer.experts_f32 = dtypes == {"F32"} or widen_experts
             if layer.experts_f32:
                 refs = layer.experts
-                layer.experts = [
-                    (to_f32(g.data, g.dtype), to_f32(u.data, u.dtype), to_f32(d.data, d.dtype))
-                    for g, u, d in refs  # type: ignore[union-attr]
-                ]
+                layer.experts = [(widen(g), widen(u), widen(d)) for g, u, d in refs]  # type: ignore[arg-type]
         shared = ld.group(families.shared_expert_tensors(cfg, i))
         if shared:
             layer.shared = (shared["shared_gate"], shared["shared_up"], shared["shared_down"])
-            layer.shared_expert_gate = shared["shared_expert_gate"]
+            layer.shared_expert_gate = shared.get("shared_expert_gate")  # None: added ungated
         return layer
 
     # ----- API ---------------------------------------------------------------------------------------
@@ -279,8 +315,8 @@ class Model:
         w = lay.experts[expert]
         if lay.experts_f32:
             return w  # type: ignore[return-value]
-        if isinstance(w[0], TensorRef):
-            return tuple(to_f32(r.data, r.dtype) for r in w)  # type: ignore[return-value,union-attr]
+        if isinstance(w[0], (TensorRef, Fp8Tensor)):
+            return tuple(widen(r) for r in w)  # type: ignore[return-value,arg-type]
         out = tuple(to_f32(a, dt) for a, dt in zip(w, lay.expert_dtypes))  # type: ignore[arg-type]
         return out  # type: ignore[return-value]
 
@@ -355,11 +391,7 @@ class Model:
         window = self.config.sliding_window
         for i, layer in enumerate(self.layers):
             h = rmsnorm(x, layer.attn_norm, self.config.rms_norm_eps)
-            q, k, v = self._qkv(layer, h, cos, sin)
-            kc, vc = cache.k[i], cache.v[i]
-            kc[:, past : past + t] = k.transpose(1, 0, 2)
-            vc[:, past : past + t] = v.transpose(1, 0, 2)
-            att = attention(q, kc[:, : past + t], vc[:, : past + t], past, self.scale, window)
+            att = self._attend(i, layer, h, cache, past, cos, sin, window)
             x = x + self._out(layer, att)
             x += yield from self._mlp(i, layer, rmsnorm(x, layer.mlp_norm, self.config.rms_norm_eps))
         cache.length = past + t
@@ -393,14 +425,7 @@ class Model:
         window = self.config.sliding_window
         for i, layer in enumerate(self.layers):
             h = rmsnorm(x, layer.attn_norm, self.config.rms_norm_eps)
-            q, k, v = self._qkv(layer, h, cos, sin)  # [B, heads, hd]
-            att = np.empty((b, q.shape[1] * q.shape[2]), dtype=F32)
-            for s, c in enumerate(caches):
-                p = int(pos[s])
-                kc, vc = c.k[i], c.v[i]
-                kc[:, p] = k[s]
-                vc[:, p] = v[s]
-                att[s] = attention(q[s : s + 1], kc[:, : p + 1], vc[:, : p + 1], p, self.scale, window)[0]
+            att = self._attend_batch(i, layer, h, caches, pos, cos, sin, window)
             x = x + self._out(layer, att)
             x += yield from self._mlp(i, layer, rmsnorm(x, layer.mlp_norm, self.config.rms_norm_eps))
         for c in caches:
@@ -408,6 +433,30 @@ class Model:
         return self._logits(x)
 
     # ----- pieces ------------------------------------------------------------------------------------
+    def _attend(self, i: int, layer: Layer, h: np.ndarray, cache: KVCache, past: int, cos: np.ndarray,
+                sin: np.ndarray, window: int | None) -> np.ndarray:
+        """Attention of layer i for T new positions after ``past``: normed h [T, D] -> [T, H * hd] (before
+        o_proj); writes the new keys and values to the cache."""
+        t = h.shape[0]
+        q, k, v = self._qkv(layer, h, cos, sin)
+        kc, vc = cache.k[i], cache.v[i]
+        kc[:, past : past + t] = k.transpose(1, 0, 2)
+        vc[:, past : past + t] = v.transpose(1, 0, 2)
+        return attention(q, kc[:, : past + t], vc[:, : past + t], past, self.scale, window)
+
+    def _attend_batch(self, i: int, layer: Layer, h: np.ndarray, caches: list[KVCache], pos: np.ndarray,
+                      cos: np.ndarray, sin: np.ndarray, window: int | None) -> np.ndarray:
+        """Attention of layer i for one new position per sequence: h [B, D] -> [B, H * hd]."""
+        q, k, v = self._qkv(layer, h, cos, sin)  # [B, heads, hd]
+        att = np.empty((h.shape[0], q.shape[1] * q.shape[2]), dtype=F32)
+        for s, c in enumerate(caches):
+            p = int(pos[s])
+            kc, vc = c.k[i], c.v[i]
+            kc[:, p] = k[s]
+            vc[:, p] = v[s]
+            att[s] = attention(q[s : s + 1], kc[:, : p + 1], vc[:, : p + 1], p, self.scale, window)[0]
+        return att
+
     def _qkv(self, layer: Layer, h: np.ndarray, cos: np.ndarray,
              sin: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """[T, D] -> q [T, H, hd], k/v [T, KV, hd] with biases, q/k norms, clipping and rope applied."""
@@ -451,12 +500,19 @@ class Model:
             a = silu(a) * (h @ layer.up.T + layer.up_bias)  # type: ignore[union-attr]
             return a @ layer.down.T + layer.down_bias  # type: ignore[union-attr]
         c = self.config
-        routing = route(h @ layer.router.T, c.top_k, c.norm_topk_prob)  # type: ignore[union-attr]  # [T, E] logits
+        logits = h @ layer.router.T  # type: ignore[union-attr]  # [T, E]
+        if c.router is not None:
+            routing = route_sigmoid(logits, layer.router_bias, c.top_k, c.router, c.norm_topk_prob)  # type: ignore[arg-type]
+        else:
+            routing = route(logits, c.top_k, c.norm_topk_prob)
         out = yield (i, h, routing)
         if layer.shared is not None:
             shared = expert_ffn(h, *layer.shared)
-            gate = h @ layer.shared_expert_gate.T  # type: ignore[union-attr]  # [T, 1]
-            out += (F32(1.0) / (F32(1.0) + np.exp(-gate))) * shared
+            if layer.shared_expert_gate is None:
+                out += shared
+            else:
+                gate = h @ layer.shared_expert_gate.T  # [T, 1]
+                out += (F32(1.0) / (F32(1.0) + np.exp(-gate))) * shared
         return out
 
     def _logits(self, x: np.ndarray) -> np.ndarray:
