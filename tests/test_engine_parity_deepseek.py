@@ -234,3 +234,15 @@ def test_fp8_block_scaled_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"kv_b_proj.weight_scale_inv. has shape \[6, 2\], expected \[3, 1\]"):
         Model.load(tmp_path)
+
+
+@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
+def test_tiny_checkpoints_match_transformers(tmp_path: Path, arch: str) -> None:
+    """`meshd model create-tiny --arch glm4_moe|deepseek_v3` (numpy-written) as transformers reads it."""
+    from engine.tiny import create_tiny
+
+    path = create_tiny(tmp_path / arch, arch=arch, seed=3)
+    ref = getattr(transformers, {"glm4_moe": "Glm4MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}[arch])
+    m = ref.from_pretrained(path, dtype=torch.float32).eval()
+    eng = _check(m, path)
+    assert eng.sparse_layers == [1, 2, 3] and eng.config.model_type == arch
