@@ -1,6 +1,6 @@
 """Engine benchmark: numpy engine vs transformers (torch CPU) on a mid-size Qwen3-MoE it creates.
 
-    python bench/engine.py [--threads 2] [--rounds 5] [--dir DIR] [--no-ref]
+    python bench/engine.py [--threads 2] [--rounds 5] [--dir DIR] [--no-ref] [--arch ARCH]
 
 Checkpoint: Qwen3-MoE, hidden 768, 8 layers, 12 heads over 4 KV heads, head_dim 64, 16 experts of
 width 384 with top-4, vocab 8192, fp32 (written once into --dir, default a temp dir). Each side runs in
@@ -8,6 +8,11 @@ its own long-lived subprocess with the same thread count (so peak RSS is its own
 them alternately (prefill of a 256-token prompt, then 64 greedy decode steps) for several rounds and
 keeps each side's best, so both see the same machine load. The engine also runs 1, 4 and 8 concurrent
 sequences through ``forward_batch``. Prints a Markdown table and the BLAS kernel that ran.
+
+``--arch glm4_moe`` / ``--arch deepseek_v3`` write the same-size model of that family instead (hidden 768,
+8 layers, 16 experts of width 384, top-4, vocab 8192; layer 0 dense, 4 expert groups with 2 kept, one
+shared expert; glm4_moe: 12 heads over 4 KV heads of 64 with q/k/v bias, qk-norm and half rotary;
+deepseek_v3: 12 heads of latent attention, q LoRA 384, KV latent 256, nope 64 + rope 32, v 64, YaRN).
 """
 
 from __future__ import annotations
@@ -32,6 +37,24 @@ CONFIG = dict(
     num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4, head_dim=64,
     num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=4096,
 )
+_DEEPSEEK_MOE = dict(
+    vocab_size=8192, hidden_size=768, intermediate_size=2048, moe_intermediate_size=384, num_hidden_layers=8,
+    num_attention_heads=12, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+    n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+    max_position_embeddings=4096,
+)
+# --arch: (transformers config class, model class, config kwargs)
+ARCHES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", CONFIG),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        _DEEPSEEK_MOE, num_key_value_heads=4, head_dim=64, attention_bias=True, use_qk_norm=True,
+        partial_rotary_factor=0.5)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        _DEEPSEEK_MOE, num_key_value_heads=12, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64,
+        qk_rope_head_dim=32, v_head_dim=64, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024,
+            "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})),
+}
 
 
 def _rss_mb() -> float:
@@ -59,13 +82,14 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [r.randrange(CONFIG["vocab_size"]) for _ in range(n)]
 
 
-def create(path: Path) -> None:
+def create(path: Path, arch: str = "qwen3_moe") -> None:
     import torch
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.Qwen3MoeConfig(**CONFIG)
-    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    cfg_cls, model_cls, kw = ARCHES[arch]
+    cfg = getattr(transformers, cfg_cls)(**kw)
+    model = getattr(transformers, model_cls)(cfg).eval()
     model.save_pretrained(path)
 
 
@@ -148,7 +172,7 @@ class _TorchSide:
 
         torch.set_num_threads(threads)
         self.torch, self.transformers = torch, transformers
-        self.model = transformers.Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         self.prompt = torch.tensor([_prompt(PROMPT_LEN, 1)])
         with torch.inference_mode():
             self.model(self.prompt, use_cache=True)
@@ -232,6 +256,8 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=None, help="checkpoint dir (created if empty)")
     ap.add_argument("--no-ref", action="store_true", help="skip transformers")
     ap.add_argument("--rounds", type=int, default=5, help="alternating engine/transformers rounds; best kept")
+    ap.add_argument("--arch", choices=sorted(ARCHES), default="qwen3_moe",
+                    help="model family of the checkpoint written when --dir has none (default: qwen3_moe)")
     ap.add_argument("--worker", choices=["engine", "torch"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -243,7 +269,7 @@ def main() -> None:
         tmp = tempfile.TemporaryDirectory(prefix="meshd-bench-")
         path = Path(tmp.name)
     if not (path / "config.json").exists():
-        create(path)
+        create(path, args.arch)
     load0 = os.getloadavg()[0]
     # Both sides stay loaded and are stepped alternately, so each sees the same machine load
     # (this machine is shared); the best of the rounds is kept for each.
