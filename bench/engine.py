@@ -52,7 +52,8 @@ ARCHES = {
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
         _DEEPSEEK_MOE, num_key_value_heads=12, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64,
         qk_rope_head_dim=32, v_head_dim=64, rope_parameters={
-            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024,
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 1024,
             "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})),
 }
 

@@ -123,7 +123,8 @@ class SafetensorsFile:
         shape = info.get("shape")
         offsets = info.get("data_offsets")
         if dtype not in _DTYPES:
-            raise CheckpointError(f"{where}: unsupported dtype {dtype!r} (supported: F32, F16, BF16, F8_E4M3)")
+            raise CheckpointError(
+                f"{where}: unsupported dtype {dtype!r} (supported: F32, F16, BF16, F8_E4M3)")
         if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
             raise CheckpointError(f"{where}: malformed shape {shape!r}")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):

@@ -30,7 +30,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "olmoe": {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "norm_topk_prob": False, "attention_bias": False},
     "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "attention_bias": False, "mlp_bias": False},
     "qwen3": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "attention_bias": False},
-    "glm4_moe": {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "norm_topk_prob": True, "attention_bias": False},
+    "glm4_moe": {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "norm_topk_prob": True,
+                 "attention_bias": False},
     "glm4_moe_lite": {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "norm_topk_prob": True,
                       "attention_bias": False},
     "deepseek_v3": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "norm_topk_prob": True,
@@ -44,7 +45,7 @@ class ConfigError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class RopeConfig:
-    """Rotary embedding: ``theta`` plus an optional scaling (``default``, ``linear``, ``llama3`` or ``yarn``)."""
+    """Rotary embedding: ``theta`` plus an optional scaling (``default``, ``linear``, ``llama3``, ``yarn``)."""
 
     theta: float
     type: str = "default"

@@ -65,7 +65,8 @@ class MlaConfig:
 ReqInt = Callable[..., int]
 
 
-def parse_extra(raw: dict[str, Any], mt: str, head_dim: int, rope: RopeConfig, req_int: ReqInt) -> dict[str, Any]:
+def parse_extra(raw: dict[str, Any], mt: str, head_dim: int, rope: RopeConfig,
+                req_int: ReqInt) -> dict[str, Any]:
     """The ModelConfig fields these families add or override. Raises ConfigError naming the field."""
     layers = req_int("num_hidden_layers")
     experts = raw.get("n_routed_experts") or raw.get("num_experts") or raw.get("num_local_experts")
@@ -78,7 +79,8 @@ def parse_extra(raw: dict[str, Any], mt: str, head_dim: int, rope: RopeConfig, r
         raise ConfigError(f"n_routed_experts {experts} is not a multiple of n_group {n_group}")
     per_group = experts // n_group
     if per_group < 2:
-        raise ConfigError(f"n_group {n_group} leaves fewer than 2 experts per group (a group scores its top 2)")
+        raise ConfigError(f"n_group {n_group} leaves fewer than 2 experts per group "
+                          f"(a group scores its top 2)")
     if topk_group > n_group:
         raise ConfigError(f"topk_group {topk_group} exceeds n_group {n_group}")
     if top_k > topk_group * per_group:

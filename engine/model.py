@@ -502,7 +502,8 @@ class Model:
         c = self.config
         logits = h @ layer.router.T  # type: ignore[union-attr]  # [T, E]
         if c.router is not None:
-            routing = route_sigmoid(logits, layer.router_bias, c.top_k, c.router, c.norm_topk_prob)  # type: ignore[arg-type]
+            bias = layer.router_bias
+            routing = route_sigmoid(logits, bias, c.top_k, c.router, c.norm_topk_prob)  # type: ignore[arg-type]
         else:
             routing = route(logits, c.top_k, c.norm_topk_prob)
         out = yield (i, h, routing)

@@ -86,7 +86,8 @@ def _config(arch: str, vocab: int, ids: dict[str, int]) -> dict[str, Any]:
                 "mlp_only_layers": [], "rope_theta": 1000000.0, "attention_bias": False,
                 "sliding_window": None, "use_sliding_window": False, "max_window_layers": LAYERS}
     if arch in ("glm4_moe", "deepseek_v3"):
-        ds = {"intermediate_size": 4 * HIDDEN, "moe_intermediate_size": EXPERT_WIDTH, "n_routed_experts": EXPERTS,
+        ds = {"intermediate_size": 4 * HIDDEN, "moe_intermediate_size": EXPERT_WIDTH,
+              "n_routed_experts": EXPERTS,
               "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
               "routed_scaling_factor": 2.5, "norm_topk_prob": True, "num_nextn_predict_layers": 0,
               "attention_bias": arch == "glm4_moe"}
@@ -97,8 +98,9 @@ def _config(arch: str, vocab: int, ids: dict[str, int]) -> dict[str, Any]:
                 "num_key_value_heads": HEADS, "head_dim": MLA_ROPE, "q_lora_rank": MLA_Q_LORA,
                 "kv_lora_rank": MLA_KV_LORA, "qk_rope_head_dim": MLA_ROPE, "qk_nope_head_dim": MLA_NOPE,
                 "v_head_dim": MLA_V, "rope_interleave": True, "rope_theta": 10000.0,
-                "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": CONTEXT // 4,
-                                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
+                "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                 "original_max_position_embeddings": CONTEXT // 4, "beta_fast": 32,
+                                 "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **common,
             "intermediate_size": EXPERT_WIDTH, "num_local_experts": EXPERTS, "rope_theta": 1000000.0,
             "sliding_window": None, "router_jitter_noise": 0.0}

@@ -118,8 +118,9 @@ class ExpertShard:
         scales = self.scales.get((layer, expert))
         if scales is not None:
             block = self.layout.config.fp8_block
-            return tuple(dequantize(self.maps.array(t), as_f32(self.maps.array(s), s.dtype), block)  # type: ignore[return-value]
-                         for t, s in zip((g, u, d), scales))
+            w = [dequantize(self.maps.array(t), as_f32(self.maps.array(s), s.dtype), block)
+                 for t, s in zip((g, u, d), scales)]
+            return w[0], w[1], w[2]
         triple = (as_f32(self.maps.array(g), g.dtype), as_f32(self.maps.array(u), u.dtype),
                   as_f32(self.maps.array(d), d.dtype))
         if g.dtype == u.dtype == d.dtype == "F32":
