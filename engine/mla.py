@@ -130,22 +130,22 @@ class MlaModel(Model):
             out = np.matmul(ctx, e["w_uv"].transpose(0, 2, 1))  # [H, T, v]
         return out.transpose(1, 0, 2).reshape(t, -1)
 
-    def _attend(self, i: int, layer: Layer, h: np.ndarray, cache: KVCache, past: int, cos: np.ndarray,
-                sin: np.ndarray, window: int | None) -> np.ndarray:
+    def _attend(self, layer: Layer, h: np.ndarray, kc: np.ndarray, vc: np.ndarray, past: int,
+                cos: np.ndarray, sin: np.ndarray, window: int | None) -> np.ndarray:
         t = h.shape[0]
         q_nope, q_rot, latent, k_rot = self._project(layer, h, cos, sin)
-        lc, rc = cache.k[i][0], cache.v[i][0]  # [cap, c], [cap, r]
+        lc, rc = kc[0], vc[0]  # [cap, c], [cap, r]
         lc[past : past + t] = latent
         rc[past : past + t] = k_rot
         return self._latent_attention(layer, q_nope, q_rot, lc[: past + t], rc[: past + t], past)
 
-    def _attend_batch(self, i: int, layer: Layer, h: np.ndarray, caches: list[KVCache], pos: np.ndarray,
-                      cos: np.ndarray, sin: np.ndarray, window: int | None) -> np.ndarray:
+    def _attend_batch(self, layer: Layer, h: np.ndarray, kv: list[tuple[np.ndarray, np.ndarray]],
+                      pos: np.ndarray, cos: np.ndarray, sin: np.ndarray, window: int | None) -> np.ndarray:
         q_nope, q_rot, latent, k_rot = self._project(layer, h, cos, sin)
         att = np.empty((h.shape[0], self.config.num_heads * self.mla.v_head_dim), dtype=F32)
-        for s, c in enumerate(caches):
+        for s, (kc, vc) in enumerate(kv):
             p = int(pos[s])
-            lc, rc = c.k[i][0], c.v[i][0]
+            lc, rc = kc[0], vc[0]
             lc[p] = latent[s]
             rc[p] = k_rot[s]
             att[s] = self._latent_attention(layer, q_nope[s : s + 1], q_rot[s : s + 1], lc[: p + 1],

@@ -64,7 +64,7 @@ class KVCache:
     when it completes, so a failed step leaves the cache as it was.
     """
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int = 256,
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int = 256, *,
                  v_dim: int | None = None) -> None:
         self.length = 0
         self._shape = (kv_heads, head_dim, head_dim if v_dim is None else v_dim)
@@ -391,7 +391,8 @@ class Model:
         window = self.config.sliding_window
         for i, layer in enumerate(self.layers):
             h = rmsnorm(x, layer.attn_norm, self.config.rms_norm_eps)
-            att = self._attend(i, layer, h, cache, past, cos, sin, window)
+            kc, vc = cache.k[i], cache.v[i]
+            att = self._attend(layer, h, kc, vc, past, cos, sin, window)
             x = x + self._out(layer, att)
             x += yield from self._mlp(i, layer, rmsnorm(x, layer.mlp_norm, self.config.rms_norm_eps))
         cache.length = past + t
@@ -425,7 +426,8 @@ class Model:
         window = self.config.sliding_window
         for i, layer in enumerate(self.layers):
             h = rmsnorm(x, layer.attn_norm, self.config.rms_norm_eps)
-            att = self._attend_batch(i, layer, h, caches, pos, cos, sin, window)
+            kv = [(c.k[i], c.v[i]) for c in caches]
+            att = self._attend_batch(layer, h, kv, pos, cos, sin, window)
             x = x + self._out(layer, att)
             x += yield from self._mlp(i, layer, rmsnorm(x, layer.mlp_norm, self.config.rms_norm_eps))
         for c in caches:
@@ -433,25 +435,24 @@ class Model:
         return self._logits(x)
 
     # ----- pieces ------------------------------------------------------------------------------------
-    def _attend(self, i: int, layer: Layer, h: np.ndarray, cache: KVCache, past: int, cos: np.ndarray,
-                sin: np.ndarray, window: int | None) -> np.ndarray:
-        """Attention of layer i for T new positions after ``past``: normed h [T, D] -> [T, H * hd] (before
-        o_proj); writes the new keys and values to the cache."""
+    def _attend(self, layer: Layer, h: np.ndarray, kc: np.ndarray, vc: np.ndarray, past: int,
+                cos: np.ndarray, sin: np.ndarray, window: int | None) -> np.ndarray:
+        """Attention of a layer for T new positions after ``past``: normed h [T, D] -> [T, H * hd] (before
+        o_proj); writes the new keys and values into the layer's cache arrays kc, vc."""
         t = h.shape[0]
         q, k, v = self._qkv(layer, h, cos, sin)
-        kc, vc = cache.k[i], cache.v[i]
         kc[:, past : past + t] = k.transpose(1, 0, 2)
         vc[:, past : past + t] = v.transpose(1, 0, 2)
         return attention(q, kc[:, : past + t], vc[:, : past + t], past, self.scale, window)
 
-    def _attend_batch(self, i: int, layer: Layer, h: np.ndarray, caches: list[KVCache], pos: np.ndarray,
-                      cos: np.ndarray, sin: np.ndarray, window: int | None) -> np.ndarray:
-        """Attention of layer i for one new position per sequence: h [B, D] -> [B, H * hd]."""
+    def _attend_batch(self, layer: Layer, h: np.ndarray, kv: list[tuple[np.ndarray, np.ndarray]],
+                      pos: np.ndarray, cos: np.ndarray, sin: np.ndarray, window: int | None) -> np.ndarray:
+        """Attention of a layer for one new position per sequence: h [B, D] -> [B, H * hd]; ``kv`` holds
+        each sequence's cache arrays of this layer."""
         q, k, v = self._qkv(layer, h, cos, sin)  # [B, heads, hd]
         att = np.empty((h.shape[0], q.shape[1] * q.shape[2]), dtype=F32)
-        for s, c in enumerate(caches):
+        for s, (kc, vc) in enumerate(kv):
             p = int(pos[s])
-            kc, vc = c.k[i], c.v[i]
             kc[:, p] = k[s]
             vc[:, p] = v[s]
             att[s] = attention(q[s : s + 1], kc[:, : p + 1], vc[:, : p + 1], p, self.scale, window)[0]
