@@ -98,33 +98,44 @@ class MlaModel(Model):
 
     def _latent_attention(self, layer: Layer, q_nope: np.ndarray, q_rot: np.ndarray, latent: np.ndarray,
                           k_rot: np.ndarray, past: int) -> np.ndarray:
-        """T queries at positions past.. over L = past + T cached positions -> [T, H * v]."""
+        """T queries at positions past.. over L = past + T cached positions -> [T, H * v]. Long prompts
+        go in blocks of ``ATTENTION_QUERY_BLOCK`` queries (the expanded keys and values made once)."""
         t, length = q_nope.shape[0], latent.shape[0]
-        if t > ATTENTION_QUERY_BLOCK:
-            out = np.empty((t, self.config.num_heads * self.mla.v_head_dim), dtype=F32)
-            for a in range(0, t, ATTENTION_QUERY_BLOCK):
-                b = min(t, a + ATTENTION_QUERY_BLOCK)
-                out[a:b] = self._latent_attention(layer, q_nope[a:b], q_rot[a:b], latent[: past + b],
-                                                  k_rot[: past + b], past + a)
-            return out
         e = layer.extra
-        qr = q_rot.transpose(1, 0, 2)  # [H, T, r]
-        rot_scores = qr @ k_rot.T  # [H, T, L]
+        kv = None
         if self._expanded_cheaper(t, length):
             k_nope = np.matmul(latent, e["w_uk"].transpose(0, 2, 1))  # [H, L, n]
             values = np.matmul(latent, e["w_uv"].transpose(0, 2, 1))  # [H, L, v]
-            scores = np.matmul(q_nope.transpose(1, 0, 2), k_nope.transpose(0, 2, 1))  # [H, T, L]
+            kv = (k_nope, values)
+        if t <= ATTENTION_QUERY_BLOCK:
+            return self._attend_block(layer, q_nope, q_rot, latent, k_rot, past, kv)
+        out = np.empty((t, self.config.num_heads * self.mla.v_head_dim), dtype=F32)
+        for a in range(0, t, ATTENTION_QUERY_BLOCK):
+            b = min(t, a + ATTENTION_QUERY_BLOCK)
+            # queries a..b-1 see positions up to past+b-1
+            part = None if kv is None else (kv[0][:, : past + b], kv[1][:, : past + b])
+            out[a:b] = self._attend_block(layer, q_nope[a:b], q_rot[a:b], latent[: past + b],
+                                          k_rot[: past + b], past + a, part)
+        return out
+
+    def _attend_block(self, layer: Layer, q_nope: np.ndarray, q_rot: np.ndarray, latent: np.ndarray,
+                      k_rot: np.ndarray, past: int, kv: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray:
+        """One block of T queries, expanded (``kv``: k_nope [H, L, n], values [H, L, v]) or absorbed."""
+        t = q_nope.shape[0]
+        e = layer.extra
+        rot_scores = q_rot.transpose(1, 0, 2) @ k_rot.T  # [H, T, L]
+        if kv is not None:
+            scores = np.matmul(q_nope.transpose(1, 0, 2), kv[0].transpose(0, 2, 1))  # [H, T, L]
         else:
             q_lat = np.matmul(q_nope.transpose(1, 0, 2), e["w_uk"])  # [H, T, c]
             scores = q_lat @ latent.T  # [H, T, L]
-            values = None
         scores += rot_scores
         scores *= F32(self.scale)
         if t > 1:
             scores += causal_mask(past, t)
         softmax_(scores)
-        if values is not None:
-            out = np.matmul(scores, values)  # [H, T, v]
+        if kv is not None:
+            out = np.matmul(scores, kv[1])  # [H, T, v]
         else:
             ctx = scores @ latent  # [H, T, c]
             out = np.matmul(ctx, e["w_uv"].transpose(0, 2, 1))  # [H, T, v]

@@ -246,3 +246,15 @@ def test_tiny_checkpoints_match_transformers(tmp_path: Path, arch: str) -> None:
     m = ref.from_pretrained(path, dtype=torch.float32).eval()
     eng = _check(m, path)
     assert eng.sparse_layers == [1, 2, 3] and eng.config.model_type == arch
+
+
+@pytest.mark.parametrize("expanded", [True, False])
+def test_mla_expanded_and_absorbed_paths_each_match(tmp_path: Path, expanded: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways of attending (normally chosen by cost), forced for prefill and decode alike."""
+    from engine.mla import MlaModel
+
+    monkeypatch.setattr(MlaModel, "_expanded_cheaper", lambda self, t, length: expanded)
+    m = _build("DeepseekV3Config", "DeepseekV3ForCausalLM", seed=28, **DSV3, q_lora_rank=24, rope_parameters=YARN)
+    m.save_pretrained(tmp_path)
+    _check(m, tmp_path)
