@@ -53,6 +53,7 @@ class MlaModel(Model):
         w["w_uk"] = np.ascontiguousarray(kvb[:, : m.qk_nope_head_dim])  # [H, n, c]
         w["w_uv"] = np.ascontiguousarray(kvb[:, m.qk_nope_head_dim :])  # [H, v, c]
         layer.extra = w  # q_a, q_a_norm, q_a_bias, kv_a_norm, w_uk, w_uv
+        layer.v = np.zeros((0, m.kv_lora_rank), dtype=F32)  # kv_b lives on split in w_uk/w_uv only
         return layer
 
     def new_cache(self, capacity: int = 256) -> KVCache:
