@@ -449,7 +449,12 @@ def test_executor_seam(tiny: Path) -> None:
     with pytest.raises(RuntimeError, match="expert executor returned"):
         m.forward([3, 4], c, executor=broken)
     assert c.length == 2  # a failed step does not advance the cache
-    np.testing.assert_array_equal(m.forward([3], c), m.forward([1, 2, 3], m.new_cache())[-1:])
+    # ... nor leave anything in it: the next step equals the same step on a cache that never failed (same
+    # shapes on both sides: one token against the last row of a 3-token prefill differs in the last bits
+    # on CPUs whose BLAS takes another kernel for one row, e.g. OpenBLAS on AVX-512)
+    clean = m.new_cache()
+    m.forward([1, 2], clean)
+    assert m.forward([3], c).tobytes() == m.forward([3], clean).tobytes()
 
 
 def test_bad_ids(tiny: Path) -> None:

@@ -28,7 +28,13 @@ UDP_RECV_BUFFER_BYTES = 4 * 1024 * 1024  # kernel receive buffer asked for on ea
 STREAM_SEND_BUFFER_BYTES = 512 * 1024  # unacknowledged bytes queued per stream before send() waits
 STREAM_RECV_QUEUE_FRAMES = 1024  # frames received but not yet read per stream before it is reset
 STREAM_RECV_QUEUE_BYTES = 8 * 1024 * 1024  # bytes received but not yet read per stream before reset
-MAX_PENDING_HANDSHAKES = 64  # connections still proving membership; more are refused at once
+MAX_PENDING_HANDSHAKES = 64  # connections still proving membership; a new one evicts the least promising
+MAX_PENDING_HANDSHAKES_PER_SOURCE = 8  # ... from one source address: a stranger's share; a NAT'd office of
+#   members dials a few at a time, and an evicted member handshake is redialled
+HINT_WINDOW_S = 60.0  # a member's Initial hint is honoured this long either side of its timestamp (clock skew)
+MAX_REMEMBERED_HINTS = 4096  # hint nonces remembered (each counts once); when full, hints are ignored
+RETRY_ABOVE_PENDING_HANDSHAKES = 16  # handshakes in progress beyond which new clients must pass QUIC address
+#   validation (a Retry round trip) first: a spoofed source then creates nothing
 MAX_EARLY_STREAM_BYTES = 1024 * 1024  # server stream data a client holds while its ACCEPT is in flight
 
 # --- daemon: control socket (issue 2, daemon) ------------------------------------------------
