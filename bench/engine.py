@@ -2,6 +2,7 @@
 mid-size Qwen3-MoE it creates, plus the machine's memory read bandwidth measured in the same run.
 
     python bench/engine.py [--threads 2] [--rounds 5] [--dir DIR] [--no-ref] [--variants fp32,bf16,Q8_0,Q4_K_M]
+        [--arch qwen3_moe|glm4_moe|deepseek_v3]
 
 Checkpoint: Qwen3-MoE, hidden 768, 8 layers, 12 heads over 4 KV heads, head_dim 64, 16 experts of
 width 384 with top-4, vocab 8192, fp32 (written once into --dir, default a temp dir), and from it a bf16
@@ -18,6 +19,12 @@ greedy steps). The bandwidth probe (its own subprocess, same threads) reads a 1 
 than the caches, with one reader thread per core, and keeps the best of five passes. The bandwidth row
 divides the weight bytes one decoded token reads (every non-expert matrix, top-k of the E experts of each
 sparse layer, one embedding row) by that bandwidth: the decode speed memory allows.
+
+``--arch glm4_moe`` / ``--arch deepseek_v3`` write the same-size model of that family instead (hidden 768,
+8 layers, 16 experts of width 384, top-4, vocab 8192; layer 0 dense, 4 expert groups with 2 kept, one
+shared expert; glm4_moe: 12 heads over 4 KV heads of 64 with q/k/v bias, qk-norm and half rotary;
+deepseek_v3: 12 heads of latent attention, q LoRA 384, KV latent 256, nope 64 + rope 32, v 64, YaRN).
+The GGUF variants exist for qwen3_moe only: use ``--variants fp32,bf16`` with another arch.
 """
 
 from __future__ import annotations
@@ -42,6 +49,25 @@ CONFIG = dict(
     num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4, head_dim=64,
     num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, max_position_embeddings=4096,
 )
+_DEEPSEEK_MOE = dict(
+    vocab_size=8192, hidden_size=768, intermediate_size=2048, moe_intermediate_size=384, num_hidden_layers=8,
+    num_attention_heads=12, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+    n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+    max_position_embeddings=4096,
+)
+# --arch: (transformers config class, model class, config kwargs)
+ARCHES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", CONFIG),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        _DEEPSEEK_MOE, num_key_value_heads=4, head_dim=64, attention_bias=True, use_qk_norm=True,
+        partial_rotary_factor=0.5)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        _DEEPSEEK_MOE, num_key_value_heads=12, q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64,
+        qk_rope_head_dim=32, v_head_dim=64, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1})),
+}
 
 
 def _rss_mb() -> float:
@@ -69,13 +95,14 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [r.randrange(CONFIG["vocab_size"]) for _ in range(n)]
 
 
-def create(path: Path) -> None:
+def create(path: Path, arch: str = "qwen3_moe") -> None:
     import torch
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.Qwen3MoeConfig(**CONFIG)
-    model = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    cfg_cls, model_cls, kw = ARCHES[arch]
+    cfg = getattr(transformers, cfg_cls)(**kw)
+    model = getattr(transformers, model_cls)(cfg).eval()
     model.save_pretrained(path)
 
 
@@ -158,7 +185,7 @@ class _TorchSide:
 
         torch.set_num_threads(threads)
         self.torch, self.transformers = torch, transformers
-        self.model = transformers.Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         self.prompt = torch.tensor([_prompt(PROMPT_LEN, 1)])
         with torch.inference_mode():
             self.model(self.prompt, use_cache=True)
@@ -311,6 +338,8 @@ def main() -> None:
     ap.add_argument("--variants", default="fp32,bf16,Q8_0,Q4_K_M",
                     help="engine weight forms to run (default fp32,bf16,Q8_0,Q4_K_M)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--arch", choices=sorted(ARCHES), default="qwen3_moe",
+                    help="model family of the checkpoint written when --dir has none (default: qwen3_moe)")
     args = ap.parse_args()
     if args.worker:
         out = os.fdopen(os.dup(1), "w")
@@ -325,7 +354,7 @@ def main() -> None:
         tmp = tempfile.TemporaryDirectory(prefix="meshd-bench-")
         path = Path(tmp.name)
     if not (path / "config.json").exists():
-        create(path)
+        create(path, args.arch)
     variants = _variants(path, [v for v in args.variants.split(",") if v])
     load0 = os.getloadavg()[0]
     res: dict[str, dict] = {"bandwidth": _spawn("bandwidth", path, args.threads, 1)}

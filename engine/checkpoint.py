@@ -33,6 +33,7 @@ _DTYPES: dict[str, np.dtype] = {
     "F32": np.dtype("<f4"),
     "F16": np.dtype("<f2"),
     "BF16": np.dtype("<u2"),
+    "F8_E4M3": np.dtype("u1"),  # float8_e4m3fn bytes; block-scaled, widened by engine.fp8 with its scales
 }
 
 # progress(done_bytes, total_bytes) — called while a checkpoint is being prepared.
@@ -49,7 +50,7 @@ class TensorRef:
 
     key: str
     file: Path
-    dtype: str  # "F32" | "F16" | "BF16" (safetensors, GGUF) | "Q8_0" | "Q4_0" | "Q4_K" | "Q5_K" | "Q6_K" (GGUF)
+    dtype: str  # "F32" | "F16" | "BF16" | "F8_E4M3" (safetensors, GGUF) | "Q8_0" | "Q4_0" | "Q4_K" | "Q5_K" | "Q6_K" (GGUF)
     shape: tuple[int, ...]
     data: np.ndarray  # read-only view over the file's mmap, storage dtype (bf16 as uint16, GGUF blocks as
     #                   uint8 [..., row bytes])
@@ -68,6 +69,8 @@ def to_f32(data: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "BF16":
         # bf16 is the top half of an fp32: shift the 16 bits up and reinterpret.
         return (data.astype(np.uint32) << 16).view(np.float32)
+    if dtype == "F8_E4M3":
+        raise CheckpointError("an F8_E4M3 tensor is only usable with its weight_scale_inv block scales")
     from .quant import BLOCKS, QUANTIZED, dequantize
 
     if dtype in QUANTIZED:  # GGUF blocks: [..., row bytes] uint8
@@ -126,7 +129,8 @@ class SafetensorsFile:
         shape = info.get("shape")
         offsets = info.get("data_offsets")
         if dtype not in _DTYPES:
-            raise CheckpointError(f"{where}: unsupported dtype {dtype!r} (supported: F32, F16, BF16)")
+            raise CheckpointError(
+                f"{where}: unsupported dtype {dtype!r} (supported: F32, F16, BF16, F8_E4M3)")
         if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
             raise CheckpointError(f"{where}: malformed shape {shape!r}")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):

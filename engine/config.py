@@ -14,8 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "llama", "qwen3", "qwen2")
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "llama", "qwen3", "qwen2", "glm4_moe",
+                         "glm4_moe_lite", "deepseek_v3")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "glm4_moe_lite", "deepseek_v3")
+# Sigmoid-routed families with shared experts (engine/deepseek.py parses their extra fields).
+DEEPSEEK_MODEL_TYPES = ("glm4_moe", "glm4_moe_lite", "deepseek_v3")
 
 # Per-family defaults for fields a Hub config may leave out (the transformers config classes' defaults).
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -28,6 +31,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "attention_bias": False, "mlp_bias": False},
     "qwen3": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "attention_bias": False},
     "qwen2": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0},
+    "glm4_moe": {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "norm_topk_prob": True,
+                 "attention_bias": False},
+    "glm4_moe_lite": {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "norm_topk_prob": True,
+                      "attention_bias": False},
+    "deepseek_v3": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "norm_topk_prob": True,
+                    "attention_bias": False},
 }
 
 
@@ -37,7 +46,7 @@ class ConfigError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class RopeConfig:
-    """Rotary embedding: ``theta`` plus an optional scaling (``default``, ``linear`` or ``llama3``)."""
+    """Rotary embedding: ``theta`` plus an optional scaling (``default``, ``linear``, ``llama3``, ``yarn``)."""
 
     theta: float
     type: str = "default"
@@ -45,6 +54,12 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn: correction range, cos/sin scale (``attention_factor``) and the softmax-scale ``mscale_all_dim``
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+    mscale_all_dim: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +91,13 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0
+    # DeepSeek-V3-style families (engine/deepseek.py): sigmoid group-limited routing, ungated shared
+    # experts, partial rotary (``rotary_dim`` < head_dim; 0 = all of it), multi-head latent attention.
+    rotary_dim: int = 0
+    router: Any = None  # deepseek.SigmoidRouter | None (None: softmax routing)
+    mla: Any = None  # deepseek.MlaConfig | None
+    mtp_layers: int = 0  # multi-token-prediction layers stored after the last layer (skipped)
+    fp8_block: tuple[int, int] = (128, 128)  # quantization_config.weight_block_size of F8_E4M3 weights
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -133,12 +155,16 @@ class ModelConfig:
         hidden = req_int("hidden_size")
         heads = req_int("num_attention_heads")
         kv_heads = req_int("num_key_value_heads", raw.get("num_key_value_heads") or heads)
+        if mt in ("deepseek_v3", "glm4_moe_lite"):
+            kv_heads = heads  # latent attention: every head has its own key and value (the field is unused)
         if heads % kv_heads:
             raise ConfigError(
                 f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
             )
         head_dim_raw = raw.get("head_dim")
-        if mt == "olmoe" or head_dim_raw is None:
+        if mt in ("deepseek_v3", "glm4_moe_lite"):
+            head_dim = req_int("qk_rope_head_dim", raw.get("qk_rope_head_dim", 64))
+        elif mt == "olmoe" or head_dim_raw is None:
             if hidden % heads:
                 raise ConfigError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
             head_dim = hidden // heads
@@ -147,7 +173,13 @@ class ModelConfig:
         if head_dim % 2:
             raise ConfigError(f"head_dim {head_dim} must be even for rotary embeddings")
 
-        rope = _rope(raw, float(get("rope_theta", 10000.0)))
+        max_pos = int(raw.get("max_position_embeddings") or 4096)
+        rope = _rope(raw, float(get("rope_theta", 10000.0)), max_pos)
+        extra: dict[str, Any] = {}
+        if mt in DEEPSEEK_MODEL_TYPES:
+            from .deepseek import parse_extra
+
+            extra = parse_extra(raw, mt, head_dim, rope, req_int)
 
         num_experts = 0
         top_k = 0
@@ -158,6 +190,8 @@ class ModelConfig:
             ne = raw.get("num_experts")
             if ne is None:
                 ne = raw.get("num_local_experts")
+            if ne is None:
+                ne = raw.get("n_routed_experts")
             num_experts = req_int("num_experts", ne)
             top_k = req_int("num_experts_per_tok")
             if top_k > num_experts:
@@ -203,6 +237,7 @@ class ModelConfig:
         if clip is not None and (not isinstance(clip, (int, float)) or clip <= 0):
             raise ConfigError(f"clip_qkv must be a positive number, got {clip!r}")
 
+        fp8_block = _fp8_block(raw.get("quantization_config"))
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         inter = raw.get("intermediate_size")
@@ -219,12 +254,12 @@ class ModelConfig:
             ),
             rms_norm_eps=float(get("rms_norm_eps")),
             rope=rope,
-            max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
+            qkv_bias=extra.pop("qkv_bias", qkv_bias),
+            o_bias=extra.pop("o_bias", o_bias),
             mlp_bias=bool(get("mlp_bias", False)) if mt == "llama" else False,
-            qk_norm=qk_norm,
+            qk_norm=extra.pop("qk_norm", qk_norm),
             clip_qkv=float(clip) if clip is not None else None,
             sliding_window=window,
             num_experts=num_experts,
@@ -232,14 +267,33 @@ class ModelConfig:
             moe_intermediate_size=moe_inter,
             norm_topk_prob=norm_topk,
             decoder_sparse_step=sparse_step,
-            mlp_only_layers=mlp_only,
-            shared_expert_intermediate_size=shared_inter,
+            mlp_only_layers=extra.pop("mlp_only_layers", mlp_only),
+            shared_expert_intermediate_size=extra.pop("shared_expert_intermediate_size", shared_inter),
             bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
             eos_token_ids=eos_ids,
+            fp8_block=fp8_block,
+            **extra,
         )
 
 
-def _rope(raw: dict[str, Any], theta_default: float) -> RopeConfig:
+def _fp8_block(q: Any) -> tuple[int, int]:
+    """Block size of block-scaled fp8 weights (``quant_method: fp8``); other quantization configs are
+    refused here rather than misread."""
+    if q is None:
+        return (128, 128)
+    if not isinstance(q, dict) or q.get("quant_method") != "fp8":
+        method = q.get("quant_method") if isinstance(q, dict) else q
+        raise ConfigError(f"quantization_config quant_method {method!r} is not supported (only fp8)")
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ConfigError(f"quantization_config fmt {fmt!r} is not supported (only e4m3)")
+    block = q.get("weight_block_size") or [128, 128]
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ConfigError(f"quantization_config weight_block_size must be [rows, cols], got {block!r}")
+    return (block[0], block[1])
+
+
+def _rope(raw: dict[str, Any], theta_default: float, max_pos: int) -> RopeConfig:
     """Rotary settings from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling`` (Hub)."""
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and "rope_theta" not in params and "rope_type" not in params:
@@ -273,4 +327,45 @@ def _rope(raw: dict[str, Any], theta_default: float) -> RopeConfig:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"rope_scaling llama3 is missing or has a bad field ({exc})") from None
-    raise ConfigError(f"rope type {kind!r} is not supported (supported: default, linear, llama3)")
+    if kind == "yarn":
+        return _yarn(raw, scaling, theta, max_pos)
+    raise ConfigError(f"rope type {kind!r} is not supported (supported: default, linear, llama3, yarn)")
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(raw: dict[str, Any], s: dict[str, Any], theta: float, max_pos: int) -> RopeConfig:
+    """YaRN as transformers 5 computes it (``_compute_yarn_parameters``): a missing ``factor`` is
+    max_position_embeddings / original_max_position_embeddings; the cos/sin scale is ``attention_factor``,
+    else mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are set, else mscale(factor)."""
+    try:
+        orig = int(s.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+                   or max_pos)
+        factor = float(s["factor"]) if s.get("factor") is not None else max_pos / orig
+        mscale, mscale_all = s.get("mscale"), s.get("mscale_all_dim")
+        att = s.get("attention_factor")
+        if att is None:
+            if mscale and mscale_all:
+                att = _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all))
+            else:
+                att = _yarn_mscale(factor)
+        rope = RopeConfig(theta=theta, type="yarn", factor=factor, original_max_position_embeddings=orig,
+                          beta_fast=float(s.get("beta_fast") or 32), beta_slow=float(s.get("beta_slow") or 1),
+                          truncate=bool(s.get("truncate", True)), attention_factor=float(att),
+                          mscale_all_dim=float(mscale_all or 0.0))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"rope_scaling yarn has a bad field ({exc})") from None
+    if not (factor > 0 and orig > 0 and math.isfinite(rope.attention_factor)):
+        raise ConfigError(f"rope_scaling yarn needs a positive factor and original_max_position_embeddings, "
+                          f"got {factor!r} and {orig!r}")
+    return rope
+
+
+def yarn_softmax_mscale(rope: RopeConfig) -> float:
+    """The factor DeepSeek-style latent attention multiplies its softmax scale by (1.0 without YaRN)."""
+    if rope.type == "default" or not rope.mscale_all_dim:
+        return 1.0
+    m = _yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return m * m

@@ -24,6 +24,7 @@ Spec = tuple[str, tuple[int, ...]]
 
 # Keys some exporters leave in a checkpoint that carry nothing the forward pass uses.
 IGNORABLE = (re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$"),)
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def global_tensors(cfg: ModelConfig) -> dict[str, Spec]:
@@ -114,12 +115,37 @@ def router_tensor(cfg: ModelConfig, layer: int) -> Spec:
     return (f"{moe_prefix(cfg, layer)}.gate.weight", (cfg.num_experts, cfg.hidden_size))
 
 
+def router_bias_tensor(cfg: ModelConfig, layer: int) -> Spec | None:
+    """The sigmoid routers' ``e_score_correction_bias`` [E] (added for choosing experts only)."""
+    if cfg.router is None:
+        return None
+    return (f"{moe_prefix(cfg, layer)}.gate.e_score_correction_bias", (cfg.num_experts,))
+
+
+def is_ignorable(cfg: ModelConfig, key: str) -> bool:
+    """Keys that carry nothing the forward pass uses: exporters' leftovers, and multi-token-prediction
+    layers stored after the last layer (``model.layers.{n}.*``, n >= num_layers)."""
+    if any(p.match(key) for p in IGNORABLE):
+        return True
+    m = _LAYER_KEY.match(key)
+    return bool(m) and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + cfg.mtp_layers
+
+
 def shared_expert_tensors(cfg: ModelConfig, layer: int) -> dict[str, Spec]:
-    """Qwen2-MoE's always-on shared expert and its sigmoid gate."""
-    if cfg.model_type != "qwen2_moe" or cfg.shared_expert_intermediate_size == 0:
+    """The always-on shared expert: Qwen2-MoE's with its sigmoid gate, the DeepSeek-V3 style's ungated
+    (``mlp.shared_experts``, width ``moe_intermediate_size * n_shared_experts``)."""
+    if cfg.shared_expert_intermediate_size == 0:
         return {}
     p = f"model.layers.{layer}.mlp"
     d, i = cfg.hidden_size, cfg.shared_expert_intermediate_size
+    if cfg.router is not None:
+        return {
+            "shared_gate": (f"{p}.shared_experts.gate_proj.weight", (i, d)),
+            "shared_up": (f"{p}.shared_experts.up_proj.weight", (i, d)),
+            "shared_down": (f"{p}.shared_experts.down_proj.weight", (d, i)),
+        }
+    if cfg.model_type != "qwen2_moe":
+        return {}
     return {
         "shared_gate": (f"{p}.shared_expert.gate_proj.weight", (i, d)),
         "shared_up": (f"{p}.shared_expert.up_proj.weight", (i, d)),

@@ -29,6 +29,8 @@ import structlog
 from . import families
 from .checkpoint import Checkpoint, CheckpointError, ProgressFn, TensorRef, load_checkpoint, to_f32
 from .config import ModelConfig
+from .deepseek import route_sigmoid
+from .fp8 import Fp8Tensor, scale_key, scale_shape
 from .gguf_file import PermutedRows, is_gguf, load_gguf, unpermute_index
 from .moe import ExpertExecutor, ForwardSteps, RoutedCall, drive, expert_ffn, local_executor, route, silu
 from .ops import RopeTable, apply_rope, attention, rmsnorm
@@ -44,19 +46,21 @@ _PAGE = 4096
 
 
 class KVCache:
-    """Keys and values of one sequence, per layer ``[KV, capacity, hd]``; ``length`` positions are valid.
+    """Keys and values of one sequence, per layer ``[KV, capacity, hd]`` (values ``v_dim`` wide if given);
+    ``length`` positions are valid. Latent attention (engine/mla.py) keeps its latent in ``k`` and its
+    shared rope key in ``v``.
 
     Capacity grows by doubling. A forward pass writes its positions first and advances ``length`` only
     when it completes, so a failed step leaves the cache as it was.
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int = 256,
-                 first_layer: int = 0) -> None:
+                 first_layer: int = 0, *, v_dim: int | None = None) -> None:
         self.length = 0
         self.first_layer = first_layer  # a pipeline stage's cache holds layers first_layer.. only
-        self._shape = (kv_heads, head_dim)
+        self._shape = (kv_heads, head_dim, head_dim if v_dim is None else v_dim)
         self.k = [np.zeros((kv_heads, capacity, head_dim), dtype=F32) for _ in range(num_layers)]
-        self.v = [np.zeros((kv_heads, capacity, head_dim), dtype=F32) for _ in range(num_layers)]
+        self.v = [np.zeros((kv_heads, capacity, self._shape[2]), dtype=F32) for _ in range(num_layers)]
 
     @property
     def capacity(self) -> int:
@@ -68,8 +72,8 @@ class KVCache:
         if n <= cap:
             return
         new = max(n, 2 * cap)
-        kvh, hd = self._shape
-        for store in (self.k, self.v):
+        kvh, kd, vd = self._shape
+        for store, hd in ((self.k, kd), (self.v, vd)):
             for i, old in enumerate(store):
                 grown = np.zeros((kvh, new, hd), dtype=F32)
                 grown[:, : self.length] = old[:, : self.length]
@@ -112,6 +116,8 @@ class Layer:
     expert_dtypes: tuple[str, str, str] = ("F32", "F32", "F32")  # stored types of the routed experts
     shared: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     shared_expert_gate: np.ndarray | None = None
+    router_bias: np.ndarray | None = None  # sigmoid routers' e_score_correction_bias [E]
+    extra: dict[str, np.ndarray] = field(default_factory=dict)  # family weights (latent attention's)
 
     @property
     def sparse(self) -> bool:
@@ -119,16 +125,18 @@ class Layer:
 
 
 def _widened(w: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return tuple(a.widen() if isinstance(a, Packed) else a for a in w)  # type: ignore[return-value]
+    return tuple(a.widen() if isinstance(a, Packed) else a.f32() if isinstance(a, Fp8Tensor) else a
+                 for a in w)  # type: ignore[return-value]
 
 
 class _Loader:
     """Takes tensors out of a checkpoint by explicit key, checking shape, and tracks what was used."""
 
     def __init__(self, ckpt: Checkpoint, progress: ProgressFn | None, prefetch: bool,
-                 permuted: dict[str, int] | None = None) -> None:
+                 permuted: dict[str, int] | None = None, block: tuple[int, int] = (128, 128)) -> None:
         self.ckpt = ckpt
         self.permuted = permuted or {}
+        self.block = block  # FP8 block-scale tile (weight_scale_inv)
         self.used: set[str] = set()
         self.progress = progress
         self.prefetch = prefetch
@@ -155,14 +163,16 @@ class _Loader:
             self.progress(self.done, self.total)
         return t
 
-    def f32(self, spec: families.Spec) -> np.ndarray:
-        t = self.ref(spec)
-        return to_f32(t.data, t.dtype)
+    def _fp8(self, t: TensorRef) -> Fp8Tensor:
+        """F8_E4M3 bytes with their block scales (``weight_scale_inv``, taken here too)."""
+        try:
+            sshape = scale_shape(t.shape, self.block)
+        except ValueError as exc:
+            raise CheckpointError(f"{t.file}: tensor {t.key!r}: {exc}") from None
+        s = self.ref((scale_key(t.key), sshape))
+        return Fp8Tensor(t.key, t.data, to_f32(s.data, s.dtype), self.block)
 
-    def weight(self, spec: families.Spec) -> np.ndarray | Packed | PermutedRows:
-        """A matrix in its stored type (``engine.quant.packed``), a vector widened to fp32. The one place a
-        tensor becomes a weight, for every family and file format."""
-        t = self.ref(spec)
+    def _stored(self, t: TensorRef) -> np.ndarray | Packed | PermutedRows:
         heads = self.permuted.get(t.key.replace(".bias", ".weight"))
         if len(t.shape) != 2:
             v = to_f32(t.data, t.dtype)
@@ -170,18 +180,43 @@ class _Loader:
         w = packed(t.data, t.dtype, t.shape)
         return w if heads is None else PermutedRows(w, unpermute_index(t.shape[0], heads))
 
+    def weight(self, spec: families.Spec) -> np.ndarray | Packed | PermutedRows:
+        """A matrix in its stored type (``engine.quant.packed``), a vector widened to fp32; FP8 with block
+        scales widened to fp32 here (routed experts keep FP8: :meth:`expert`). The one place a tensor
+        becomes a weight, for every family and file format."""
+        t = self.ref(spec)
+        return self._fp8(t).f32() if t.dtype == "F8_E4M3" else self._stored(t)
+
+    def expert(self, spec: families.Spec) -> np.ndarray | Packed | PermutedRows | Fp8Tensor:
+        """A routed expert's matrix as stored: like :meth:`weight`, but FP8 stays FP8 (dequantized per use
+        by ``Model.expert_weights``: a DeepSeek-V3 widened to fp32 would need 4x its memory)."""
+        t = self.ref(spec)
+        return self._fp8(t) if t.dtype == "F8_E4M3" else self._stored(t)
+
+    def f32(self, spec: families.Spec) -> np.ndarray:
+        t = self.ref(spec)
+        return self._fp8(t).f32() if t.dtype == "F8_E4M3" else to_f32(t.data, t.dtype)
+
     def group(self, specs: dict[str, families.Spec]) -> dict[str, np.ndarray]:
         return {role: self.weight(spec) for role, spec in specs.items()}  # type: ignore[misc]
 
-    def check_unexpected(self, tied: bool) -> None:
+    def check_unexpected(self, cfg: ModelConfig) -> None:
+        tied = cfg.tie_word_embeddings
         for key in self.ckpt:
-            if key in self.used or any(p.match(key) for p in families.IGNORABLE):
+            if key in self.used or families.is_ignorable(cfg, key):
                 continue
             if tied and key == "lm_head.weight":
                 continue  # some exporters keep the tied head; the embedding is used, as the reference does
             raise CheckpointError(
                 f"{self.ckpt.describe(key)} is not used by the {self.ckpt.directory.name!r} model"
             )
+
+
+def widen(w: TensorRef | Fp8Tensor) -> np.ndarray:
+    """A stored tensor in fp32 (fp32 storage: the view itself)."""
+    if isinstance(w, Fp8Tensor):
+        return w.f32()
+    return to_f32(w.data, w.dtype)
 
 
 class Model:
@@ -199,7 +234,7 @@ class Model:
         self.lm_head = lm_head  # [V, D]; None on a pipeline stage that does not hold the last layer
         self.checkpoint = checkpoint
         self.path = path
-        self.rope = RopeTable(config.rope, config.head_dim)
+        self.rope = RopeTable(config.rope, config.rotary_dim or config.head_dim)
         self.scale = config.head_dim**-0.5
         self._local = local_executor(self.expert_weights)
 
@@ -235,7 +270,12 @@ class Model:
         if not 0 <= first <= last < cfg.num_layers:
             raise ValueError(f"layers {first}-{last} outside the model's 0-{cfg.num_layers - 1}")
         widen_experts = bool(widen_experts)
-        ld = _Loader(ckpt, progress, progress is not None if prefetch is None else prefetch, permuted)
+        ld = _Loader(ckpt, progress, progress is not None if prefetch is None else prefetch, permuted,
+                     cfg.fp8_block)
+        if cfg.mla is not None and cls is Model:
+            from .mla import MlaModel
+
+            cls = MlaModel
         g = families.global_tensors(cfg)
         embed = ld.ref(g["embed"]) if first == 0 else ckpt[g["embed"][0]]
         head = last == cfg.num_layers - 1
@@ -245,19 +285,26 @@ class Model:
             lm_head = ld.weight(g["lm_head"]) if "lm_head" in g else packed(embed.data, embed.dtype, embed.shape)
         loaded = [cls._load_layer(cfg, ld, i, widen_experts) for i in range(first, last + 1)]
         if layers is None:
-            ld.check_unexpected(cfg.tie_word_embeddings)
+            ld.check_unexpected(cfg)
         log.info("model_loaded", path=str(p), model_type=cfg.model_type, layers=cfg.num_layers,
                  first_layer=first, last_layer=last, weight_bytes=ckpt.nbytes, files=len(ckpt.files))
         return cls(cfg, loaded, embed, norm, lm_head, ckpt, p, first_layer=first)
 
     @staticmethod
-    def _load_layer(cfg: ModelConfig, ld: _Loader, i: int, widen_experts: bool) -> Layer:
-        layer = Layer(**ld.group(families.attention_tensors(cfg, i)))
+    def _attention_layer(cfg: ModelConfig, ld: _Loader, i: int) -> Layer:
+        return Layer(**ld.group(families.attention_tensors(cfg, i)))
+
+    @classmethod
+    def _load_layer(cls, cfg: ModelConfig, ld: _Loader, i: int, widen_experts: bool) -> Layer:
+        layer = cls._attention_layer(cfg, ld, i)
         if not cfg.is_sparse(i):
             for role, arr in ld.group(families.dense_mlp_tensors(cfg, i)).items():
                 setattr(layer, role, arr)
             return layer
         fused = families.fused_expert_tensors(cfg, i)
+        bias = families.router_bias_tensor(cfg, i)
+        if bias is not None:
+            layer.router_bias = ld.f32(bias)
         if fused["gate_up"][0] in ld.ckpt:
             layer.router = ld.weight(fused["router"])
             gu, dn = ld.ref(fused["gate_up"]), ld.ref(fused["down"])
@@ -271,14 +318,14 @@ class Model:
             layer.router = ld.weight(families.router_tensor(cfg, i))
             for e in range(cfg.num_experts):
                 sp = families.expert_tensors(cfg, i, e)
-                w = (ld.weight(sp["gate"]), ld.weight(sp["up"]), ld.weight(sp["down"]))
+                w = (ld.expert(sp["gate"]), ld.expert(sp["up"]), ld.expert(sp["down"]))
                 layer.experts.append(_widened(w) if widen_experts else w)  # type: ignore[arg-type]
                 layer.expert_dtypes = (ld.ckpt[sp["gate"][0]].dtype, ld.ckpt[sp["up"][0]].dtype,
                                        ld.ckpt[sp["down"][0]].dtype)
         shared = ld.group(families.shared_expert_tensors(cfg, i))
         if shared:
             layer.shared = (shared["shared_gate"], shared["shared_up"], shared["shared_down"])
-            layer.shared_expert_gate = shared["shared_expert_gate"]
+            layer.shared_expert_gate = shared.get("shared_expert_gate")  # None: added ungated
         return layer
 
     # ----- API ---------------------------------------------------------------------------------------
@@ -294,7 +341,7 @@ class Model:
             held = f"{self.first_layer}-{self.last_layer}"
             raise ValueError(f"layers {first}-{last} are not all held here ({held})")
         head = last == self.config.num_layers - 1
-        return Model(self.config, self.layers[lo:hi] if first <= last else [], self._embed, self.norm,
+        return type(self)(self.config, self.layers[lo:hi] if first <= last else [], self._embed, self.norm,
                      self.lm_head if head else None, self.checkpoint, self.path, first_layer=max(0, first))
 
     @property
@@ -309,7 +356,10 @@ class Model:
         lay = self.layers[layer - self.first_layer]
         if not lay.sparse:
             raise ValueError(f"layer {layer} has no routed experts")
-        return lay.experts[expert]  # type: ignore[return-value]
+        w = lay.experts[expert]
+        if any(isinstance(a, Fp8Tensor) for a in w):  # FP8 routed experts: dequantized per use
+            return tuple(a.f32() if isinstance(a, Fp8Tensor) else a for a in w)  # type: ignore[return-value]
+        return w  # type: ignore[return-value]
 
     @property
     def local_executor(self) -> ExpertExecutor:
@@ -394,11 +444,8 @@ class Model:
         for j, layer in enumerate(self.layers):
             i = self.first_layer + j
             h = rmsnorm(x, layer.attn_norm, self.config.rms_norm_eps)
-            q, k, v = self._qkv(layer, h, cos, sin)
             kc, vc = cache.k[i - cache.first_layer], cache.v[i - cache.first_layer]
-            kc[:, past : past + t] = k.transpose(1, 0, 2)
-            vc[:, past : past + t] = v.transpose(1, 0, 2)
-            att = attention(q, kc[:, : past + t], vc[:, : past + t], past, self.scale, window)
+            att = self._attend(layer, h, kc, vc, past, cos, sin, window)
             x = x + self._out(layer, att)
             x += yield from self._mlp(i, layer, rmsnorm(x, layer.mlp_norm, self.config.rms_norm_eps))
         return x
@@ -441,19 +488,36 @@ class Model:
         for j, layer in enumerate(self.layers):
             i = self.first_layer + j
             h = rmsnorm(x, layer.attn_norm, self.config.rms_norm_eps)
-            q, k, v = self._qkv(layer, h, cos, sin)  # [B, heads, hd]
-            att = np.empty((b, q.shape[1] * q.shape[2]), dtype=F32)
-            for s, c in enumerate(caches):
-                p = int(pos[s])
-                kc, vc = c.k[i - c.first_layer], c.v[i - c.first_layer]
-                kc[:, p] = k[s]
-                vc[:, p] = v[s]
-                att[s] = attention(q[s : s + 1], kc[:, : p + 1], vc[:, : p + 1], p, self.scale, window)[0]
+            kv = [(c.k[i - c.first_layer], c.v[i - c.first_layer]) for c in caches]
+            att = self._attend_batch(layer, h, kv, pos, cos, sin, window)
             x = x + self._out(layer, att)
             x += yield from self._mlp(i, layer, rmsnorm(x, layer.mlp_norm, self.config.rms_norm_eps))
         return x
 
     # ----- pieces ------------------------------------------------------------------------------------
+    def _attend(self, layer: Layer, h: np.ndarray, kc: np.ndarray, vc: np.ndarray, past: int,
+                cos: np.ndarray, sin: np.ndarray, window: int | None) -> np.ndarray:
+        """Attention of a layer for T new positions after ``past``: normed h [T, D] -> [T, H * hd] (before
+        o_proj); writes the new keys and values into the layer's cache arrays kc, vc."""
+        t = h.shape[0]
+        q, k, v = self._qkv(layer, h, cos, sin)
+        kc[:, past : past + t] = k.transpose(1, 0, 2)
+        vc[:, past : past + t] = v.transpose(1, 0, 2)
+        return attention(q, kc[:, : past + t], vc[:, : past + t], past, self.scale, window)
+
+    def _attend_batch(self, layer: Layer, h: np.ndarray, kv: list[tuple[np.ndarray, np.ndarray]],
+                      pos: np.ndarray, cos: np.ndarray, sin: np.ndarray, window: int | None) -> np.ndarray:
+        """Attention of a layer for one new position per sequence: h [B, D] -> [B, H * hd]; ``kv`` holds
+        each sequence's cache arrays of this layer."""
+        q, k, v = self._qkv(layer, h, cos, sin)  # [B, heads, hd]
+        att = np.empty((h.shape[0], q.shape[1] * q.shape[2]), dtype=F32)
+        for s, (kc, vc) in enumerate(kv):
+            p = int(pos[s])
+            kc[:, p] = k[s]
+            vc[:, p] = v[s]
+            att[s] = attention(q[s : s + 1], kc[:, : p + 1], vc[:, : p + 1], p, self.scale, window)[0]
+        return att
+
     def _qkv(self, layer: Layer, h: np.ndarray, cos: np.ndarray,
              sin: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """[T, D] -> q [T, H, hd], k/v [T, KV, hd] with biases, q/k norms, clipping and rope applied."""
@@ -497,12 +561,20 @@ class Model:
             a = silu(a) * (h @ layer.up.T + layer.up_bias)  # type: ignore[union-attr]
             return a @ layer.down.T + layer.down_bias  # type: ignore[union-attr]
         c = self.config
-        routing = route(h @ layer.router.T, c.top_k, c.norm_topk_prob)  # type: ignore[union-attr]  # [T, E] logits
+        logits = h @ layer.router.T  # type: ignore[union-attr]  # [T, E]
+        if c.router is not None:
+            bias = layer.router_bias
+            routing = route_sigmoid(logits, bias, c.top_k, c.router, c.norm_topk_prob)  # type: ignore[arg-type]
+        else:
+            routing = route(logits, c.top_k, c.norm_topk_prob)
         out = yield (i, h, routing)
         if layer.shared is not None:
             shared = expert_ffn(h, *layer.shared)
-            gate = h @ layer.shared_expert_gate.T  # type: ignore[union-attr]  # [T, 1]
-            out += (F32(1.0) / (F32(1.0) + np.exp(-gate))) * shared
+            if layer.shared_expert_gate is None:
+                out += shared
+            else:
+                gate = h @ layer.shared_expert_gate.T  # [T, 1]
+                out += (F32(1.0) / (F32(1.0) + np.exp(-gate))) * shared
         return out
 
     def _logits(self, x: np.ndarray) -> np.ndarray:

@@ -6,7 +6,9 @@ protocol version):
 1. Routing, in fp32: ``probs = softmax(router_logits)`` over all experts of the layer ([T, E]). Each
    token's top-k experts are chosen by descending probability, ties broken by the lower expert index
    (a stable sort of ``-probs``). Slot ``j`` (0..k-1) is the j-th ranked expert. If ``norm_topk_prob``
-   the k weights are divided by their sum.
+   the k weights are divided by their sum. The DeepSeek-V3-style families route differently
+   (``engine.deepseek.route_sigmoid``: sigmoid scores, a bias for choosing only, group-limited) but
+   end the same way: slots ranked by the choosing score, ties to the lower index, weights in fp32.
 2. Work list: the experts that received at least one token, in ascending expert index; for each, its
    rows are the token indices routed to it, ascending. This is ``route()``'s ``work``.
 3. Execution: ``executor(layer, x, work)`` returns, for each work item in order, the array
@@ -78,6 +80,12 @@ def route(router_logits: np.ndarray, top_k: int, norm_topk_prob: bool) -> Routin
     weights = probs[np.arange(probs.shape[0])[:, None], experts]  # [T, k]
     if norm_topk_prob:
         weights = weights / weights.sum(axis=-1, keepdims=True)
+    return make_routing(experts, weights)
+
+
+def make_routing(experts: np.ndarray, weights: np.ndarray) -> Routing:
+    """Step 2 for chosen slots: experts [T, k] int64 and weights [T, k] fp32 in slot order -> Routing."""
+    top_k = experts.shape[1]
     flat = experts.reshape(-1)
     order = np.argsort(flat, kind="stable")  # groups by expert, ascending token within each
     tokens = order // top_k

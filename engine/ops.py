@@ -6,6 +6,8 @@ Pure functions over numpy arrays, shapes in comments. ``T`` new tokens, ``L`` ca
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from engine.limits import ATTENTION_QUERY_BLOCK
@@ -26,8 +28,33 @@ def rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return out
 
 
+def _yarn_inv_freq(rope: RopeConfig, dim: int) -> np.ndarray:
+    """YaRN inverse frequencies [dim/2], in fp32 step by step as transformers computes them."""
+    base = rope.theta
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as the reference: no singular ramp
+    pos_freqs = np.power(F32(base), np.arange(0, dim, 2).astype(F32) / F32(dim), dtype=F32)
+    extra = F32(1.0) / pos_freqs
+    inter = F32(1.0) / (F32(rope.factor) * pos_freqs)
+    ramp = np.clip((np.arange(dim // 2, dtype=F32) - F32(low)) / F32(high - low), 0, 1).astype(F32)
+    extra_factor = F32(1.0) - ramp
+    return inter * (F32(1.0) - extra_factor) + extra * extra_factor
+
+
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
-    """Inverse frequencies [hd/2] (float64), with linear or llama3 scaling applied."""
+    """Inverse frequencies [hd/2] (float64), with linear, llama3 or yarn scaling applied (``head_dim``: the
+    rotated width)."""
+    if rope.type == "yarn":
+        return _yarn_inv_freq(rope, head_dim).astype(np.float64)
     inv = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float64) / head_dim))
     if rope.type == "linear":
         inv = inv / rope.factor
@@ -54,12 +81,17 @@ class RopeTable:
 
     def __init__(self, rope: RopeConfig, head_dim: int, capacity: int = 512) -> None:
         self.inv_freq = rope_inv_freq(rope, head_dim).astype(np.float32)  # fp32 like the reference
+        self.attention_factor = F32(rope.attention_factor)  # yarn scales cos and sin (1.0 otherwise)
         self._table = self._make(capacity)
 
     def _make(self, capacity: int) -> tuple[np.ndarray, np.ndarray]:
         pos = np.arange(capacity, dtype=np.float32)
         ang = np.outer(pos, self.inv_freq).astype(np.float32)  # [cap, hd/2], fp32 product like the reference
-        return np.cos(ang).astype(F32), np.sin(ang).astype(F32)
+        cos, sin = np.cos(ang).astype(F32), np.sin(ang).astype(F32)
+        if self.attention_factor != 1:
+            cos *= self.attention_factor
+            sin *= self.attention_factor
+        return cos, sin
 
     def _at_least(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         table = self._table
@@ -80,8 +112,14 @@ class RopeTable:
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate-half RoPE: x [T, heads, hd], cos/sin [T, hd/2] -> [T, heads, hd] (new array)."""
-    half = x.shape[-1] // 2
+    """Rotate-half RoPE: x [T, heads, hd], cos/sin [T, r/2] -> [T, heads, hd] (new array). Partial rotary
+    (r < hd): the first r dims are rotated (rotate-half within them), the rest pass through."""
+    half = cos.shape[-1]
+    if 2 * half < x.shape[-1]:
+        out = np.empty_like(x)
+        out[..., : 2 * half] = apply_rope(x[..., : 2 * half], cos, sin)
+        out[..., 2 * half :] = x[..., 2 * half :]
+        return out
     c = cos[:, None, :]
     s = sin[:, None, :]
     x1 = x[..., :half]

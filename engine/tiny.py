@@ -26,7 +26,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from engine.tiny_corpus import CORPUS
 
 TINY_VERSION = 1  # bump when the corpus, dims or init change (ensure_tiny then creates a fresh copy)
-ARCHES = ("qwen3_moe", "mixtral")
+ARCHES = ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TOKENIZER_VOCAB = 1024  # BPE target; the corpus is a few KB, so merges may stop earlier
 VOCAB_PAD = 64  # the model's vocab is the tokenizer's rounded up to this (exercises padded vocab)
@@ -34,6 +34,8 @@ FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenize
          "tokenizer_config.json")
 
 # Small dims so it runs fast: hidden 64, 4 layers, 4 query heads over 2 KV heads of 16, 8 experts top-2.
+# glm4_moe / deepseek_v3: layer 0 dense, 4 groups of 2 experts (2 groups kept), one shared expert; glm4_moe
+# with q/k/v bias, qk-norm and half-width rotary; deepseek_v3 latent attention with a q LoRA and YaRN.
 HIDDEN = 64
 LAYERS = 4
 HEADS = 4
@@ -43,6 +45,7 @@ EXPERTS = 8
 TOP_K = 2
 EXPERT_WIDTH = 32
 CONTEXT = 4096
+MLA_Q_LORA, MLA_KV_LORA, MLA_ROPE, MLA_NOPE, MLA_V = 32, 32, 8, 16, 16  # deepseek_v3's latent attention
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -82,6 +85,22 @@ def _config(arch: str, vocab: int, ids: dict[str, int]) -> dict[str, Any]:
                 "num_experts": EXPERTS, "norm_topk_prob": True, "decoder_sparse_step": 1,
                 "mlp_only_layers": [], "rope_theta": 1000000.0, "attention_bias": False,
                 "sliding_window": None, "use_sliding_window": False, "max_window_layers": LAYERS}
+    if arch in ("glm4_moe", "deepseek_v3"):
+        ds = {"intermediate_size": 4 * HIDDEN, "moe_intermediate_size": EXPERT_WIDTH,
+              "n_routed_experts": EXPERTS,
+              "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
+              "routed_scaling_factor": 2.5, "norm_topk_prob": True, "num_nextn_predict_layers": 0,
+              "attention_bias": arch == "glm4_moe"}
+        if arch == "glm4_moe":
+            return {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", **common, **ds,
+                    "use_qk_norm": True, "partial_rotary_factor": 0.5, "rope_theta": 1000000.0}
+        return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **common, **ds,
+                "num_key_value_heads": HEADS, "head_dim": MLA_ROPE, "q_lora_rank": MLA_Q_LORA,
+                "kv_lora_rank": MLA_KV_LORA, "qk_rope_head_dim": MLA_ROPE, "qk_nope_head_dim": MLA_NOPE,
+                "v_head_dim": MLA_V, "rope_interleave": True, "rope_theta": 10000.0,
+                "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                 "original_max_position_embeddings": CONTEXT // 4, "beta_fast": 32,
+                                 "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}}
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **common,
             "intermediate_size": EXPERT_WIDTH, "num_local_experts": EXPERTS, "rope_theta": 1000000.0,
             "sliding_window": None, "router_jitter_noise": 0.0}
@@ -97,6 +116,8 @@ def _weights(arch: str, vocab: int, seed: int) -> dict[str, np.ndarray]:
     def norm_weight(n: int) -> np.ndarray:
         return (np.float32(1.0) + normal((n,), 0.1)).astype(np.float32)
 
+    if arch in ("glm4_moe", "deepseek_v3"):
+        return _weights_deepseek(arch, vocab, normal, norm_weight)
     q_out, kv_out = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
     w: dict[str, np.ndarray] = {"model.embed_tokens.weight": normal((vocab, HIDDEN), 1.0)}
     for i in range(LAYERS):
@@ -121,6 +142,51 @@ def _weights(arch: str, vocab: int, seed: int) -> dict[str, np.ndarray]:
                 w[x + "gate_proj.weight"], w[x + "up_proj.weight"], w[x + "down_proj.weight"] = gate, up, down
             else:
                 w[x + "w1.weight"], w[x + "w3.weight"], w[x + "w2.weight"] = gate, up, down
+    w["model.norm.weight"] = norm_weight(HIDDEN)
+    w["lm_head.weight"] = normal((vocab, HIDDEN), 0.3)
+    return w
+
+
+def _weights_deepseek(arch: str, vocab: int, normal: Any, norm_weight: Any) -> dict[str, np.ndarray]:
+    w: dict[str, np.ndarray] = {"model.embed_tokens.weight": normal((vocab, HIDDEN), 1.0)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        w[p + "input_layernorm.weight"] = norm_weight(HIDDEN)
+        if arch == "glm4_moe":
+            q_out, kv_out = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+            for name, n in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
+                w[a + name + ".weight"] = normal((n, HIDDEN), HIDDEN ** -0.5)
+                w[a + name + ".bias"] = normal((n,), 0.1)
+            w[a + "q_norm.weight"] = norm_weight(HEAD_DIM)
+            w[a + "k_norm.weight"] = norm_weight(HEAD_DIM)
+            w[a + "o_proj.weight"] = normal((HIDDEN, q_out), q_out ** -0.5)
+        else:
+            qk = MLA_NOPE + MLA_ROPE
+            w[a + "q_a_proj.weight"] = normal((MLA_Q_LORA, HIDDEN), HIDDEN ** -0.5)
+            w[a + "q_a_layernorm.weight"] = norm_weight(MLA_Q_LORA)
+            w[a + "q_b_proj.weight"] = normal((HEADS * qk, MLA_Q_LORA), MLA_Q_LORA ** -0.5)
+            w[a + "kv_a_proj_with_mqa.weight"] = normal((MLA_KV_LORA + MLA_ROPE, HIDDEN), HIDDEN ** -0.5)
+            w[a + "kv_a_layernorm.weight"] = norm_weight(MLA_KV_LORA)
+            w[a + "kv_b_proj.weight"] = normal((HEADS * (MLA_NOPE + MLA_V), MLA_KV_LORA), MLA_KV_LORA ** -0.5)
+            w[a + "o_proj.weight"] = normal((HIDDEN, HEADS * MLA_V), (HEADS * MLA_V) ** -0.5)
+        w[p + "post_attention_layernorm.weight"] = norm_weight(HIDDEN)
+        m = p + "mlp."
+        if i == 0:  # first_k_dense_replace = 1
+            w[m + "gate_proj.weight"] = normal((4 * HIDDEN, HIDDEN), HIDDEN ** -0.5)
+            w[m + "up_proj.weight"] = normal((4 * HIDDEN, HIDDEN), HIDDEN ** -0.5)
+            w[m + "down_proj.weight"] = normal((HIDDEN, 4 * HIDDEN), (4 * HIDDEN) ** -0.5)
+            continue
+        w[m + "gate.weight"] = normal((EXPERTS, HIDDEN), 2.0 * HIDDEN ** -0.5)
+        w[m + "gate.e_score_correction_bias"] = normal((EXPERTS,), 0.2)
+        for e in range(EXPERTS):
+            x = f"{m}experts.{e}."
+            w[x + "gate_proj.weight"] = normal((EXPERT_WIDTH, HIDDEN), HIDDEN ** -0.5)
+            w[x + "up_proj.weight"] = normal((EXPERT_WIDTH, HIDDEN), HIDDEN ** -0.5)
+            w[x + "down_proj.weight"] = normal((HIDDEN, EXPERT_WIDTH), EXPERT_WIDTH ** -0.5)
+        w[m + "shared_experts.gate_proj.weight"] = normal((EXPERT_WIDTH, HIDDEN), HIDDEN ** -0.5)
+        w[m + "shared_experts.up_proj.weight"] = normal((EXPERT_WIDTH, HIDDEN), HIDDEN ** -0.5)
+        w[m + "shared_experts.down_proj.weight"] = normal((HIDDEN, EXPERT_WIDTH), EXPERT_WIDTH ** -0.5)
     w["model.norm.weight"] = norm_weight(HIDDEN)
     w["lm_head.weight"] = normal((vocab, HIDDEN), 0.3)
     return w

@@ -143,8 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     msub.required = True
     c = msub.add_parser("create-tiny", help="write the synthetic tiny MoE checkpoint to DIR")
     c.add_argument("dir", metavar="DIR", help="directory to write the checkpoint into (required)")
-    c.add_argument("--arch", choices=["qwen3_moe", "mixtral"], default="qwen3_moe", help="architecture "
-                   "(default qwen3_moe)")
+    c.add_argument("--arch", choices=["qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3"], default="qwen3_moe",
+                   help="architecture (default qwen3_moe)")
     c.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
 
     p = sub.add_parser("identity", help="print this node's id")

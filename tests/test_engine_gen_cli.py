@@ -97,7 +97,7 @@ def test_create_tiny_errors(tmp_path: Path) -> None:
 
 
 @pytest.mark.ref
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3"])
 def test_greedy_tokens_and_logprobs_match_transformers(tmp_path: Path, arch: str) -> None:
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
@@ -114,10 +114,9 @@ def test_greedy_tokens_and_logprobs_match_transformers(tmp_path: Path, arch: str
     for i, ev in enumerate(evs):
         row = lp[len(prompt) - 1 + i]
         top2 = np.sort(row)[-2:]
-        if ev.token_id != int(np.argmax(row)):
+        if ev.token_id != int(np.argmax(row)):  # the reference reads our tokens: later steps still compare
             assert top2[1] - top2[0] < 1e-4, (i, "diverged away from a near tie")
-            break
-        assert abs(ev.logprob - row[ev.token_id]) < 2e-3
+        assert abs(ev.logprob - row[ev.token_id]) < 1e-4
 
 
 def test_scheduler_batched_equals_unbatched_on_real_model(tmp_path: Path) -> None:

@@ -304,7 +304,8 @@ def test_config_fields() -> None:
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope type 'dynamic' is not supported"),
+    ({"quantization_config": {"quant_method": "gptq"}}, "quant_method 'gptq' is not supported"),
     ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"num_experts_per_tok": 9}, "exceeds num_experts"),

@@ -5,9 +5,10 @@ saved with ``save_pretrained`` (optionally sharded, bf16/fp16, or rewritten Hub-
 ``engine.model.Model``, and compared on the same ids:
 
 * teacher-forced log-probabilities at every position (prefill of part of the prompt, then one-token
-  decode steps through the KV cache) within 2e-3 of the reference;
-* greedy decoding: identical tokens, a first difference allowed only where the reference's top two
-  log-probabilities are within 1e-4.
+  decode steps through the KV cache) within 1e-4 of the reference (fp32 runs observe ~1e-6);
+* greedy decoding (each side with its own KV cache): every step's log-probabilities within 1e-4 and the
+  same token; where the tokens differ, the step must be a near tie of the reference (top two within
+  1e-4), and decoding goes on with the reference's token, so the steps after a tie are still compared.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from engine.model import Model  # noqa: E402
 
 pytestmark = pytest.mark.ref
 
-LOGPROB_TOL = 2e-3
+LOGPROB_TOL = 1e-4
 TIE_TOL = 1e-4
 PROMPT = [3, 17, 42, 8, 25, 1, 33, 9, 14, 40, 2, 27]
 GREEDY_STEPS = 10
@@ -34,7 +35,9 @@ torch.set_num_threads(2)
 
 
 def _randomise(model: torch.nn.Module, seed: int) -> None:
-    """Weights large enough that logits and routing are far from ties (the default init is ~uniform)."""
+    """Weights large enough that logits and routing are far from ties (the default init is ~uniform).
+    Sigmoid routers' ``e_score_correction_bias`` (a buffer) gets the scale of the scores it shifts, so a
+    bias used for weighting, or ignored, changes the chosen experts."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -43,6 +46,9 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
             else:
                 fan_in = p.shape[-1] if p.dim() > 1 else 4
                 p.copy_(torch.randn(p.shape, generator=g) * (1.5 / fan_in**0.5))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=g))
 
 
 def _build(cls_cfg: str, cls_model: str, seed: int = 0, **kw: object) -> torch.nn.Module:
@@ -79,21 +85,25 @@ def _check(model: torch.nn.Module, path: Path, prompt: list[int] = PROMPT, split
     assert got.shape == ref.shape
     err = np.abs(got - ref).max()
     assert err < LOGPROB_TOL, f"teacher-forced logprob error {err}"
-    # 2. greedy decoding with the cache, against the reference recomputed on the whole sequence.
+    # 2. greedy decoding with the cache, against the reference with its own cache.
     cache = eng.new_cache()
     logits = eng.forward(prompt, cache)[-1]
     seq = list(prompt)
-    for _ in range(GREEDY_STEPS):
-        ref_lp = _ref_logprobs(model, seq)[-1]
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+    for step in range(GREEDY_STEPS):
+        ref_lp = torch.log_softmax(out.logits[0, -1].double(), dim=-1).numpy()
         lp = _logprobs(logits[None])[0]
+        err = np.abs(lp - ref_lp).max()
+        assert err < LOGPROB_TOL, f"greedy step {step}: logprob error {err}"
         ref_tok, tok = int(ref_lp.argmax()), int(lp.argmax())
-        if tok != ref_tok:
+        if tok != ref_tok:  # allowed only at a near tie; both continue with the reference's token
             top2 = np.sort(ref_lp)[-2:]
-            assert top2[1] - top2[0] < TIE_TOL, f"greedy diverged at step {len(seq) - len(prompt)}"
-            break  # diverged at a near tie: allowed, nothing after it is comparable
-        assert abs(lp[tok] - ref_lp[tok]) < LOGPROB_TOL
-        seq.append(tok)
-        logits = eng.forward([tok], cache)[-1]
+            assert top2[1] - top2[0] < TIE_TOL, f"greedy diverged at step {step} (margin {top2[1] - top2[0]})"
+        seq.append(ref_tok)
+        logits = eng.forward([ref_tok], cache)[-1]
+        with torch.no_grad():
+            out = model(torch.tensor([[ref_tok]]), cache=out.cache, use_cache=True)
     return eng
 
 

@@ -48,6 +48,8 @@ def expert_tensors(layout: MoeLayout, index: dict[str, TensorInfo]) -> list[Tens
             if name not in index:
                 raise TensorFileError(f"checkpoint has no tensor {name}")
             out.append(index[name])
+            if name + "_scale_inv" in index:  # FP8 block scales are part of the expert's weights
+                out.append(index[name + "_scale_inv"])
     return sorted(out, key=lambda t: t.name)
 
 

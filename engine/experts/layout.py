@@ -2,7 +2,8 @@
 
 Derived from the engine's own config normalisation (``engine.config.ModelConfig``) and key maps
 (``engine.families``), so the worker and the local engine read exactly the same tensors. Every MoE family
-the engine supports works (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE); shared experts stay on the coordinator.
+the engine supports works (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4 MoE, DeepSeek-V3); shared experts
+and dense layers stay on the coordinator.
 Both per-expert and fused 3-D expert layouts are understood (see ``engine.families``).
 
 Shapes: gate and up are [I, D], down is [D, I] (I = the routed expert width).

@@ -16,7 +16,8 @@ import numpy as np
 
 from engine.experts.layout import LayoutError, MoeLayout, layout_from_config, read_config
 from engine.experts.rpc import ShardRange
-from engine.experts.tensors import RangeMaps, TensorFileError, TensorInfo, index_checkpoint
+from engine.experts.tensors import RangeMaps, TensorFileError, TensorInfo, as_f32, index_checkpoint
+from engine.fp8 import dequantize, scale_shape
 from engine.gguf_file import is_gguf
 from engine.quant import SUPPORTED_TYPES, QuantTypeError, packed, row_bytes
 
@@ -90,6 +91,8 @@ class ExpertShard:
     tensors: dict[tuple[int, int], tuple[TensorInfo, TensorInfo, TensorInfo]]
     maps: RangeMaps
     _held: frozenset[tuple[int, int]] = field(default_factory=frozenset)
+    # FP8 experts: the weight_scale_inv of each of (gate, up, down), by (layer, expert)
+    scales: dict[tuple[int, int], tuple[TensorInfo, TensorInfo, TensorInfo]] = field(default_factory=dict)
 
     _f32: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
 
@@ -113,7 +116,14 @@ class ExpertShard:
         views = self._f32.get((layer, expert))
         if views is not None:
             return views
-        triple = tuple(packed(self.maps.array(t), t.dtype, t.shape) for t in self.tensors[(layer, expert)])
+        g, u, d = self.tensors[(layer, expert)]
+        scales = self.scales.get((layer, expert))
+        if scales is not None:  # FP8 with block scales: dequantized per use, as the local path does
+            block = self.layout.config.fp8_block
+            w = [dequantize(self.maps.array(t), as_f32(self.maps.array(s), s.dtype), block)
+                 for t, s in zip((g, u, d), scales)]
+            return w[0], w[1], w[2]
+        triple = tuple(packed(self.maps.array(t), t.dtype, t.shape) for t in (g, u, d))
         self._f32[(layer, expert)] = triple  # type: ignore[assignment]  # views of the mapping: no memory
         return triple  # type: ignore[return-value]
 
@@ -127,12 +137,15 @@ def _check(path: Path, t: TensorInfo | None, name: str, shape: tuple[int, ...]) 
         raise ShardError(f"--experts {path}: missing expert tensor {name}")
     if t.shape != shape:
         raise ShardError(f"--experts {path}: expert tensor {name} has shape {list(t.shape)}, expected {list(shape)}")
-    if t.dtype not in SUPPORTED_TYPES:
+    if t.dtype not in SUPPORTED_TYPES and t.dtype != "F8_E4M3":
         raise ShardError(f"--experts {path}: expert tensor {name} has unsupported dtype {t.dtype}")
-    try:
-        need = row_bytes(t.dtype, shape[-1]) * int(np.prod(shape[:-1]))
-    except QuantTypeError as e:
-        raise ShardError(f"--experts {path}: expert tensor {name}: {e}") from None
+    if t.dtype == "F8_E4M3":
+        need = int(np.prod(shape))  # one byte per weight; its block scales are checked with the layout
+    else:
+        try:
+            need = row_bytes(t.dtype, shape[-1]) * int(np.prod(shape[:-1]))
+        except QuantTypeError as e:
+            raise ShardError(f"--experts {path}: expert tensor {name}: {e}") from None
     if t.nbytes != need:
         raise ShardError(f"--experts {path}: expert tensor {name} has {t.nbytes} bytes for shape {list(shape)}")
     return t
@@ -145,6 +158,24 @@ def _per_expert(path: Path, layout: MoeLayout, index: dict[str, TensorInfo], lay
     return g, u, d
 
 
+def _fp8_scales(path: Path, layout: MoeLayout, index: dict[str, TensorInfo],
+                triple: tuple[TensorInfo, TensorInfo, TensorInfo]) -> tuple[TensorInfo, TensorInfo, TensorInfo]:
+    """The block scales of an FP8 expert's three weights (all three must be FP8)."""
+    if {t.dtype for t in triple} != {"F8_E4M3"}:
+        raise ShardError(f"--experts {path}: expert tensors {triple[0].name} and its siblings mix F8_E4M3 "
+                         f"with other dtypes")
+    out = []
+    for t in triple:
+        name = t.name + "_scale_inv"
+        info = index.get(name)
+        shape = scale_shape(t.shape, layout.config.fp8_block)
+        if info is None or info.shape != shape or info.dtype not in ("F32", "BF16"):
+            got = "missing" if info is None else f"{info.dtype}{list(info.shape)}"
+            raise ShardError(f"--experts {path}: FP8 block scales {name} are {got}, expected F32{list(shape)}")
+        out.append(info)
+    return out[0], out[1], out[2]
+
+
 def _fused_layer(path: Path, layout: MoeLayout, index: dict[str, TensorInfo], layer: int,
                  experts: list[int]) -> dict[tuple[int, int], tuple[TensorInfo, TensorInfo, TensorInfo]]:
     """Per-expert byte ranges inside the fused [E, 2I, D] / [E, D, I] tensors (each one contiguous)."""
@@ -152,7 +183,9 @@ def _fused_layer(path: Path, layout: MoeLayout, index: dict[str, TensorInfo], la
     gu_name, dn_name = layout.fused_names(layer)
     gu = _check(path, index.get(gu_name), gu_name, (e, 2 * i, d))
     dn = _check(path, index.get(dn_name), dn_name, (e, d, i))
-    isz = 4 if gu.dtype == "F32" else 2
+    if "F8_E4M3" in (gu.dtype, dn.dtype):
+        raise ShardError(f"--experts {path}: fused FP8 expert tensors ({gu_name}) are not supported")
+    isz = 4 if gu.dtype == "F32" else 2  # fused layouts are safetensors: F32, BF16 or F16
     dsz = 4 if dn.dtype == "F32" else 2
     out = {}
     for x in experts:
@@ -192,15 +225,18 @@ def load_shard(spec: ShardSpec | str) -> ExpertShard:
         raise ShardError(f"--experts {path}: expert {experts[-1]} does not exist (the model has "
                          f"{layout.num_experts} experts per layer)")
     tensors: dict[tuple[int, int], tuple[TensorInfo, TensorInfo, TensorInfo]] = {}
+    scales: dict[tuple[int, int], tuple[TensorInfo, TensorInfo, TensorInfo]] = {}
     for layer in layers:
         if layout.fused_names(layer)[0] in index:
             tensors.update(_fused_layer(path, layout, index, layer, experts))
             continue
         for expert in experts:
-            tensors[(layer, expert)] = _per_expert(path, layout, index, layer, expert)
+            triple = tensors[(layer, expert)] = _per_expert(path, layout, index, layer, expert)
+            if any(t.dtype == "F8_E4M3" for t in triple):
+                scales[(layer, expert)] = _fp8_scales(path, layout, index, triple)
     try:
-        maps = RangeMaps(t for triple in tensors.values() for t in triple)
+        maps = RangeMaps(t for group in (tensors, scales) for triple in group.values() for t in triple)
     except TensorFileError as e:
         raise ShardError(f"--experts {path}: {e}") from None
     return ExpertShard(path=path, layout=layout, layers=tuple(layers), experts=tuple(experts),
-                       tensors=tensors, maps=maps)
+                       tensors=tensors, maps=maps, scales=scales)

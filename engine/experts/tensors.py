@@ -20,7 +20,8 @@ import numpy as np
 from engine.quant import QUANTIZED, row_bytes
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit for the JSON header
-_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"),
+           "F8_E4M3": np.dtype("u1")}  # fp8 bytes: widened with their block scales (engine.fp8)
 
 
 class TensorFileError(Exception):

@@ -1,4 +1,4 @@
-"""`meshd model create-tiny DIR [--arch qwen3_moe|mixtral] [--seed S]`: write the synthetic tiny MoE."""
+"""`meshd model create-tiny DIR [--arch ARCH] [--seed S]`: write the synthetic tiny MoE."""
 
 from __future__ import annotations
 
