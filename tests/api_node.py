@@ -90,6 +90,8 @@ async def run(args: argparse.Namespace) -> None:
     svc = ApiService(node_id=ident.node_id, host="127.0.0.1", port=0, role=args.role, backends=backends,
                      transport=transport, tunnel_config=tun, poll_interval_s=args.poll)
     await svc.start()
+    assert svc.server is not None
+    svc.server.config.extra_fields = frozenset({"standin"})  # the stand-in backend's per-request knobs
     for c in args.connect or []:
         addr, _, nid = c.partition("@")
         h, _, p = addr.rpartition(":")

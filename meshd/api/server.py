@@ -74,6 +74,7 @@ class ApiConfig:
     role: str = "serve"  # "client" serves nothing and is never routed to
     api_keys: list[bytes] = field(default_factory=list)
     max_body_bytes: int = limits.API_MAX_BODY_BYTES
+    extra_fields: frozenset[str] = frozenset()  # request fields accepted besides the API's (test backends)
 
 
 class ApiServer:
@@ -339,7 +340,8 @@ class ApiServer:
             raise ApiError(404, f"no route {method} {path}", code="unknown_url")
         if len(body) > self.config.max_body_bytes:
             raise ApiError(413, f"request body is larger than {self.config.max_body_bytes} bytes")
-        req = parse_request("chat" if path == "/v1/chat/completions" else "completion", body)
+        req = parse_request("chat" if path == "/v1/chat/completions" else "completion", body,
+                            self.config.extra_fields)
         model, targets = self._resolve(req, local_only)
         if model != req.model:
             req.raw = dict(req.raw, model=model)
