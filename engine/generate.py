@@ -113,6 +113,7 @@ class DecodeState:
         self.sampler = Sampler(params, prompt_ids)
         self.tokenizer = tokenizer
         self.matcher: Any = None  # engine.constraint.Matcher, built at the first step (needs the vocab size)
+        self._close_at = 0  # with a grammar: steer to the document's end once this few tokens are left
         self.detok = tokenizer.detokenizer(prompt_ids)
         self.eos_ids = tokenizer.eos_ids
         self.n_prompt = len(prompt_ids)
@@ -135,8 +136,13 @@ class DecodeState:
             if self.matcher is None:
                 from engine.constraint import Matcher
 
+                from engine.constraint import close_reserve
+
                 self.matcher = Matcher(self.params.grammar, self.tokenizer, int(logits.shape[0]))
+                self._close_at = close_reserve(self._budget())
             allowed = self.matcher.allowed()
+            if self._left() <= self._close_at:
+                allowed = self.matcher.closing(allowed)
         tok = self.sampler.pick(logits, allowed)
         self.sampler.accept(tok)
         self.tokens.append(tok)
@@ -162,6 +168,14 @@ class DecodeState:
             more, stopped = self._scan(self.detok.flush(), final=True)
             return self._finish(tok, text + more, logprob, top, "stop" if stopped else "length")
         return TokenEvent(tok, text, logprob, top)
+
+    def _budget(self) -> int:
+        """Tokens this sequence may generate in all (``max_tokens``, or less if the context is smaller)."""
+        room = self.n_ctx - self.n_prompt if self.n_ctx is not None else self.params.max_tokens
+        return max(1, min(self.params.max_tokens, room))
+
+    def _left(self) -> int:
+        return self._budget() - len(self.tokens)
 
     def cancelled(self) -> TokenEvent:
         """The terminal event for a cancelled sequence (held text is dropped: nobody is listening)."""

@@ -98,6 +98,7 @@ class ApiServer:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model_id:.+}", self._model)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_post("/v1/completions", self._generate)
         return app
@@ -201,6 +202,17 @@ class ApiServer:
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(self.models_payload(False))
+
+    def model_payload(self, model_id: str, local_only: bool) -> dict[str, Any]:
+        """One entry of ``/v1/models`` (the OpenAI SDK's ``models.retrieve``); 404 if nothing serves it."""
+        for m in self.models_payload(local_only)["data"]:
+            if m["id"] == model_id:
+                return m  # type: ignore[no-any-return]
+        raise ApiError(404, f"model '{model_id}' does not exist in this mesh", code="model_not_found",
+                       param="model")
+
+    async def _model(self, request: web.Request) -> web.Response:
+        return web.json_response(self.model_payload(request.match_info["model_id"], False))
 
     # -- generation --------------------------------------------------------------------------------
     async def _read_body(self, request: web.Request) -> bytes:
@@ -336,6 +348,8 @@ class ApiServer:
             return _json_reply(payload, self.config.node_id)
         if method == "GET" and path == "/v1/models":
             return _json_reply(self.models_payload(local_only), self.config.node_id)
+        if method == "GET" and path.startswith("/v1/models/") and len(path) > len("/v1/models/"):
+            return _json_reply(self.model_payload(path[len("/v1/models/"):], local_only), self.config.node_id)
         if method != "POST" or path not in ("/v1/chat/completions", "/v1/completions"):
             raise ApiError(404, f"no route {method} {path}", code="unknown_url")
         if len(body) > self.config.max_body_bytes:
