@@ -15,7 +15,8 @@ Closing: a model that never ends its document (random weights do not) would run 
 return JSON cut in half. Within the last ``close_reserve(max_tokens)`` tokens of the budget,
 ``closing(allowed)`` narrows the mask to one token that ends the document soonest, by a fixed preference:
 inside a JSON string ``"``; elsewhere an end-of-sequence id, then the one-character tokens
-``} ] 0 t f n " , : - 1..9 { [``. When none of them is allowed the mask is left as it is (e.g. inside a
+``< } ] 0 t f n " , : - 1..9 { [`` (``<`` is never allowed by JSON outside a string; it ends a raw GLM
+argument value). When none of them is allowed the mask is left as it is (e.g. inside a
 key the grammar already fixes). No random draw is spent on it, so seeded sampling stays reproducible.
 
 Chosen by measurement (bench/grammar_libs.py): llguidance and xgrammar cost 8/8 us per token on tiny's
@@ -37,7 +38,7 @@ import numpy as np
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
 CLOSE_RESERVE_TOKENS = 64  # the last tokens of max_tokens spent closing the document (at most half)
-_CLOSERS = [b"}", b"]", b"0", b"t", b"f", b"n", b'"', b",", b":", b"-", *[bytes([c]) for c in b"123456789"],
+_CLOSERS = [b"<", b"}", b"]", b"0", b"t", b"f", b"n", b'"', b",", b":", b"-", *[bytes([c]) for c in b"123456789"],
             b"{", b"["]
 
 _cache_lock = threading.Lock()

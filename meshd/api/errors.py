@@ -70,9 +70,11 @@ class ApiError(Exception):
         message = err.get("message")
         code = err.get("code")
         type_ = err.get("type")
+        param = err.get("param")
         return cls(
             status,
             message if isinstance(message, str) else f"upstream answered {status}",
             code=code if isinstance(code, str) else None,
             type_=type_ if isinstance(type_, str) else None,
+            param=param if isinstance(param, str) else None,
         )
