@@ -34,17 +34,21 @@ def _add_logging(p: argparse.ArgumentParser) -> None:
 
 
 def _add_networking(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="TOML config file with the same keys as the long flags")
+    p.add_argument("--config", metavar="FILE", help="TOML config file with the same keys as the long flags; flags override it "
+                   "(default: none)")
     _add_state_dir(p)
     p.add_argument("--listen", metavar="HOST:PORT", help="QUIC (UDP) address (default 0.0.0.0:9336)")
     p.add_argument("--api", metavar="HOST:PORT", help="OpenAI API address (default 127.0.0.1:9337)")
     join = p.add_mutually_exclusive_group()
-    join.add_argument("--join", metavar="TOKEN", help="invite token to join a mesh (also $MESHD_JOIN)")
+    join.add_argument("--join", metavar="TOKEN", help="invite token to join a mesh (also $MESHD_JOIN; "
+                      "default: none)")
     join.add_argument("--join-file", metavar="FILE", help="file holding an invite token "
-                      "(also $MESHD_JOIN_FILE)")
-    p.add_argument("--mesh-name", metavar="NAME", help="name of the mesh this node creates if it has none")
-    p.add_argument("--no-mdns", action="store_true", default=None, help="do not announce or browse mDNS")
-    p.add_argument("--api-key-file", metavar="FILE", help="file with API bearer keys, one per line")
+                      "(also $MESHD_JOIN_FILE; default: none)")
+    p.add_argument("--mesh-name", metavar="NAME", help="name of the mesh this node creates if it has none "
+                   "(default: none)")
+    p.add_argument("--no-mdns", action="store_true", default=None, help="do not announce or browse mDNS (default: mDNS on)")
+    p.add_argument("--api-key-file", metavar="FILE", help="file with API bearer keys, one per line, not readable "
+                   "by group or others (default: none: no key, loopback API only)")
     _add_logging(p)
 
 
@@ -57,9 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run a node that serves models and/or expert shards")
     _add_networking(p)
     p.add_argument("--model", action="append", metavar="SPEC", help="model to serve: PATH, tiny, or "
-                   "openai:URL, optionally NAME=SPEC (repeatable)")
+                   "openai:URL, optionally NAME=SPEC (repeatable; default: none)")
     p.add_argument("--experts", action="append", metavar="SPEC", help="expert shards to hold for other "
-                   "nodes: PATH[@LAYERS/EXPERTS] (repeatable)")
+                   "nodes: PATH[@LAYERS/EXPERTS] (repeatable; default: none)")
     p.add_argument("--remote-experts", choices=["off", "on", "prefer"], help="hand routed experts to "
                    "workers (default off)")
     # Parsed and checked (positive, message <= layer) in meshd.config with the config file's values.
@@ -85,35 +89,43 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("join", help="make the running daemon join a mesh")
     _add_state_dir(p)
-    p.add_argument("token", metavar="TOKEN")
+    p.add_argument("token", metavar="TOKEN", help="invite token (meshd1...) printed by `meshd invite` on the "
+                   "admin node (required)")
 
     p = sub.add_parser("status", help="show this node, its mesh, peers and models")
     _add_state_dir(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true", help="print one JSON object (default: text)")
 
     p = sub.add_parser("ban", help="revoke a member mesh-wide (needs the mesh admin key)")
     _add_state_dir(p)
-    p.add_argument("node_id", metavar="NODE_ID")
+    p.add_argument("node_id", metavar="NODE_ID", help="id of the member to ban, as `meshd status` shows it "
+                   "(required)")
 
     p = sub.add_parser("generate", help="generate text with a model in this process")
-    p.add_argument("--model", required=True, metavar="SPEC")
-    p.add_argument("--prompt", required=True, metavar="TEXT")
-    p.add_argument("--max-tokens", type=int, default=64, metavar="N")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P")
-    p.add_argument("--top-k", type=int, default=0, metavar="K")
-    p.add_argument("--seed", type=int, default=None, metavar="S")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--model", required=True, metavar="SPEC", help="model to run: PATH or tiny (required)")
+    p.add_argument("--prompt", required=True, metavar="TEXT", help="prompt text, used as is (required)")
+    p.add_argument("--max-tokens", type=int, default=64, metavar="N", help="tokens to generate at most "
+                   "(default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature; 0 is "
+                   "greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample from the K most likely tokens; "
+                   "0 is all (default 0)")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (default: random)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence "
+                   "(default: stop there)")
+    p.add_argument("--json", action="store_true", help="print one JSON object: model, prompt_tokens, tokens, "
+                   "text, logprobs, timings (default: the text)")
     _add_state_dir(p)
 
     p = sub.add_parser("model", help="model utilities")
     msub = p.add_subparsers(dest="model_command", metavar="SUBCOMMAND", parser_class=_Parser)
     msub.required = True
     c = msub.add_parser("create-tiny", help="write the synthetic tiny MoE checkpoint to DIR")
-    c.add_argument("dir", metavar="DIR")
-    c.add_argument("--arch", choices=["qwen3_moe", "mixtral"], default="qwen3_moe")
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("dir", metavar="DIR", help="directory to write the checkpoint into (required)")
+    c.add_argument("--arch", choices=["qwen3_moe", "mixtral"], default="qwen3_moe", help="architecture "
+                   "(default qwen3_moe)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
 
     p = sub.add_parser("identity", help="print this node's id")
     _add_state_dir(p)

@@ -69,7 +69,7 @@ def test_presets_are_small_deltas() -> None:
     base = MembershipConfig.default()
     assert (base.gossip_interval_s, base.gossip_fanout) == (1.0, 3)
     changed = {f.name for f in fields(base) if getattr(base, f.name) != getattr(MembershipConfig.lan(), f.name)}
-    assert changed == {"probe_interval_s", "probe_timeout_s", "gossip_interval_s"}
+    assert changed == {"probe_interval_s", "probe_timeout_s", "gossip_interval_s", "reconnect_interval_s"}
 
 
 # ----- probes and exact timers ----------------------------------------------------------------
