@@ -144,6 +144,14 @@ def test_json_schema_strict_output_validates(mesh: dict[str, Any], target: str, 
     assert isinstance(json.loads(obj.choices[0].message.content or ""), dict)
 
 
+def test_completions_take_response_format_too(mesh: dict[str, Any]) -> None:
+    cl = client(mesh, "tunnel")
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    r = cl.completions.create(model="tiny", prompt="A person:", max_tokens=300, temperature=1.0, seed=9,
+                              extra_body={"response_format": rf})
+    jsonschema.validate(json.loads(r.choices[0].text), SCHEMA)
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_tool_choice_required_and_named_give_calls_that_validate(mesh: dict[str, Any], target: str) -> None:
     cl = client(mesh, target)
