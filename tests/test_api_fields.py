@@ -145,6 +145,13 @@ def test_streamer_holds_a_possible_marker_and_keeps_unparsable_calls_as_content(
     s = ToolStreamer(HERMES)
     s.feed("<tool_call>\nbroken")
     assert s.finish() == "<tool_call>\nbroken" and s.calls == []
+    s = ToolStreamer(HERMES)  # each block is handed out as soon as it closes
+    s.feed('<tool_call>\n{"name": "f", "arguments": {}}\n</tool')
+    assert s.take() == []
+    s.feed('_call>\n<tool_call>\n{"name": "g", "arguments": {"a": 1}}')
+    assert [c.name for c in s.take()] == ["f"]
+    s.feed("\n</tool_call>")
+    assert [c.name for c in s.take()] == ["g"] and s.finish() == "" and s.take() == []
     s = ToolStreamer(HERMES, parallel=False)
     s.feed('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": {}}'
            '\n</tool_call>')

@@ -127,6 +127,7 @@ class GenBackend:
         tools = ToolStreamer(getattr(self.source, "tool_format", HERMES), req.parallel_tool_calls) \
             if req.tools_active else None
         content: list[str] = []  # tool mode: the text outside tool calls
+        sent_calls = 0  # tool calls streamed so far
         toks: list[TokenOut] = []
         n_gen = 0
         finish = "stop"
@@ -151,9 +152,13 @@ class GenBackend:
                 if out:
                     if tools is not None:
                         shown = tools.feed("".join(t.text for t in out))
-                        if shown and req.stream:
-                            yield fmt.content_chunk(shown)
                         content.append(shown)
+                        if req.stream:
+                            if shown:
+                                yield fmt.content_chunk(shown)
+                            for c in tools.take():
+                                yield fmt.tool_chunk(sent_calls, c)
+                                sent_calls += 1
                     elif req.stream:
                         yield fmt.token_chunk(out)
                     else:
@@ -181,8 +186,9 @@ class GenBackend:
                 if calls and finish == "stop":
                     finish = "tool_calls"
                 if req.stream:
-                    for i, c in enumerate(calls):
-                        yield fmt.tool_chunk(i, c)
+                    for c in tools.take():
+                        yield fmt.tool_chunk(sent_calls, c)
+                        sent_calls += 1
             usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
             reply.usage = usage
             done = True

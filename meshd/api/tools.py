@@ -188,7 +188,12 @@ def _held(text: str, marker: str) -> int:
 
 
 class ToolStreamer:
-    """Splits streamed text into content and tool calls (see module docstring)."""
+    """Splits streamed text into content and tool calls (see module docstring).
+
+    ``feed(text)`` returns content to show now; ``take()`` the calls completed since the last call (a
+    ``<tool_call>`` block is complete at its ``</tool_call>``; Mistral's list at the end); ``finish()``
+    parses what is left and returns content still to show. ``calls`` holds every call so far.
+    """
 
     def __init__(self, fmt: str, parallel: bool = True) -> None:
         self.fmt = fmt
@@ -196,30 +201,64 @@ class ToolStreamer:
         self.parallel = parallel
         self._pending = ""  # content held back: it may begin a call marker
         self._calls_text: str | None = None  # everything from the first marker on
+        self._cursor = 0  # how much of _calls_text has become calls
+        self._given = 0  # how many calls take() has handed out
         self.calls: list[ToolCall] = []
 
     def feed(self, text: str) -> str:
         """Content that can be shown now."""
         if self._calls_text is not None:
             self._calls_text += text
+            self._blocks()
             return ""
         self._pending += text
         i = self._pending.find(self.marker)
         if i >= 0:
             out, self._calls_text, self._pending = self._pending[:i], self._pending[i:], ""
+            self._blocks()
             return out
         keep = _held(self._pending, self.marker)
         out = self._pending[:len(self._pending) - keep]
         self._pending = self._pending[len(self._pending) - keep:]
         return out
 
+    def _full(self) -> bool:
+        return not self.parallel and len(self.calls) >= 1
+
+    def _blocks(self) -> None:
+        assert self._calls_text is not None
+        if self.fmt == MISTRAL:
+            return
+        while not self._full():
+            end = self._calls_text.find("</tool_call>", self._cursor)
+            if end < 0:
+                return
+            end += len("</tool_call>")
+            calls = parse_calls(self._calls_text[self._cursor:end], self.fmt)
+            if calls is None:
+                return  # left for finish(), which keeps it as content
+            self.calls += calls
+            self._cursor = end
+
+    def take(self) -> list[ToolCall]:
+        """Calls completed since the last ``take()``."""
+        out = self.calls[self._given:]
+        self._given = len(self.calls)
+        return out
+
     def finish(self) -> str:
-        """Parse what is held; returns content still to show (a call text that did not parse)."""
+        """Parse what is held; returns content still to show (call text that did not parse)."""
         rest, self._pending = self._pending, ""
         if self._calls_text is None:
             return rest
-        calls = parse_calls(self._calls_text, self.fmt)
+        tail = self._calls_text[self._cursor:]
+        self._cursor = len(self._calls_text)
+        if self._full() or not tail.strip():
+            return rest
+        calls = parse_calls(tail, self.fmt)
         if calls is None:
-            return self._calls_text + rest
-        self.calls = calls if self.parallel else calls[:1]
-        return ""
+            return tail + rest
+        self.calls += calls
+        if not self.parallel:
+            self.calls = self.calls[:1]
+        return rest
