@@ -115,6 +115,7 @@ def bench(name: str, path: Path, rounds: int, n: int) -> None:
         sides["json"].append(j)
         sides["free"].append(f)
         ratios.append((j[0] + j[1]) / (f[0] + f[1]))
+    med = {}
     for side, runs in sides.items():
         fwd = [x[0] * 1e3 for x in runs]
         st = [x[1] * 1e3 for x in runs]
