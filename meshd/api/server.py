@@ -434,12 +434,21 @@ class ApiServer:
 
 
 async def _measure_rate(body: AsyncIterator[bytes], st: PeerStats) -> AsyncIterator[bytes]:
-    """Pass a tunnelled SSE body through, recording its events per second (about tokens/s)."""
+    """Pass a tunnelled SSE body through, recording its events per second (about tokens/s). Only whole
+    events go out: if the serving node fails mid-event, the client gets the error event after the last
+    whole one, not glued to half a chunk (which the SDK reported as a JSONDecodeError)."""
     events = 0
     t0 = time.monotonic()
+    partial = b""
     async for chunk in body:
         events += chunk.count(b"data: ")
-        yield chunk
+        partial += chunk
+        cut = partial.rfind(b"\n\n") + 2
+        if cut >= 2:
+            whole, partial = partial[:cut], partial[cut:]
+            yield whole
+    if partial:
+        yield partial
     dt = time.monotonic() - t0
     if events >= 8 and dt > 0:
         st.observe_rate(events / dt)
