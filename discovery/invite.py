@@ -46,8 +46,8 @@ EXHAUSTED = "invite token already used up"
 REVOKED = "invite token was revoked"
 WRONG_MESH = "invite token is for another mesh"
 TAMPERED = "invite token is corrupt or was tampered with"
-UNKNOWN = "invite token unknown to its issuer"
-BAD_PROOF = "invite secret proof does not match"
+UNKNOWN = "invite token unknown to its issuer, or its secret proof does not match"  # one reason for both: a
+BAD_PROOF = UNKNOWN  # token id alone must not tell whether the issuer knows it (only the secret's holder may)
 
 
 class InviteError(Exception):
@@ -194,8 +194,9 @@ class JoinResponse:
 class InviteLedger:
     """The issuer's record of tokens it issued: expiry, uses allowed, uses counted, revoked.
 
-    ``redeem`` checks in order (unknown -> wrong mesh -> revoked -> expired -> exhausted -> proof) and
-    counts the use; the caller must persist ``to_json()`` durably *before* issuing the certificate.
+    ``redeem`` checks in order (unknown or wrong proof, one reason for both -> wrong mesh -> revoked ->
+    expired -> exhausted) and counts the use; the caller must persist ``to_json()`` durably *before*
+    issuing the certificate. So a token's state is told only to whoever holds its secret.
     """
 
     def __init__(self, tokens: dict[str, dict[str, Any]] | None = None) -> None:
@@ -212,11 +213,19 @@ class InviteLedger:
         t["revoked"] = True
         return True
 
+    def check_proof(self, req: JoinRequest, joiner_pub: bytes, mesh_id: str) -> None:
+        """Raise ``InviteError(UNKNOWN)`` unless ``req`` proves the secret of a token we issued (for the
+        mesh it was issued for; ``mesh_id`` is checked later). Nothing else about the token is looked at
+        (nor told) before this passed."""
+        t = self.tokens.get(req.token_id)
+        expected = join_proof(b64d(t["secret"]), t["mesh_id"], joiner_pub) if t is not None else b"\0" * 32
+        if not hmac.compare_digest(req.proof, expected) or t is None:
+            raise InviteError(UNKNOWN)
+
     def redeem(self, req: JoinRequest, joiner_pub: bytes, mesh_id: str, now: float) -> None:
         """Count one use of ``req``'s token or raise ``InviteError`` with the refusal reason."""
-        t = self.tokens.get(req.token_id)
-        if t is None:
-            raise InviteError(UNKNOWN)
+        self.check_proof(req, joiner_pub, mesh_id)
+        t = self.tokens[req.token_id]
         if req.mesh_id != t["mesh_id"] or t["mesh_id"] != mesh_id:
             raise InviteError(WRONG_MESH)
         if t["revoked"]:
@@ -225,8 +234,6 @@ class InviteLedger:
             raise InviteError(EXPIRED)
         if t["used"] >= t["uses"]:
             raise InviteError(EXHAUSTED)
-        if not hmac.compare_digest(req.proof, join_proof(b64d(t["secret"]), mesh_id, joiner_pub)):
-            raise InviteError(BAD_PROOF)
         t["used"] += 1
 
     def purge_expired(self, now: float, keep_s: float = 7 * 86400) -> None:

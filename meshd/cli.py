@@ -60,10 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run a node that serves models and/or expert shards")
     _add_networking(p)
-    p.add_argument("--model", action="append", metavar="SPEC", help="model to serve: PATH, tiny, or "
-                   "openai:URL, optionally NAME=SPEC (repeatable; default: none)")
+    p.add_argument("--model", action="append", metavar="SPEC", help="model to serve: PATH (checkpoint "
+                   "directory or .gguf), tiny, or openai:URL, optionally NAME=SPEC (repeatable; default: none)")
     p.add_argument("--experts", action="append", metavar="SPEC", help="expert shards to hold for other "
-                   "nodes: PATH[@LAYERS/EXPERTS] (repeatable; default: none)")
+                   "nodes: PATH[@LAYERS/EXPERTS], PATH a checkpoint directory or .gguf (repeatable; default: none)")
     p.add_argument("--remote-experts", choices=["off", "on", "prefer"], help="hand routed experts to "
                    "workers (default off)")
     # Parsed and checked (positive, message <= layer) in meshd.config with the config file's values.
@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(required)")
 
     p = sub.add_parser("generate", help="generate text with a model in this process")
-    p.add_argument("--model", required=True, metavar="SPEC", help="model to run: PATH or tiny (required)")
+    p.add_argument("--model", required=True, metavar="SPEC",
+                   help="model to run: PATH (checkpoint directory or .gguf) or tiny (required)")
     p.add_argument("--prompt", required=True, metavar="TEXT", help="prompt text, used as is (required)")
     p.add_argument("--max-tokens", type=int, default=64, metavar="N", help="tokens to generate at most "
                    "(default 64)")

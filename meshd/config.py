@@ -24,7 +24,7 @@ from meshd.errors import UsageError
 from meshd.state import resolve_state_dir
 from transport.config import is_loopback_host
 from transport.credentials import MAX_MESH_NAME_CHARS
-from transport.limits import EXPERT_MAX_POLL_S, EXPERT_POLL_S
+from engine.limits import EXPERT_MAX_POLL_S, EXPERT_POLL_S
 
 DEFAULT_LISTEN = "0.0.0.0:9336"
 DEFAULT_API = "127.0.0.1:9337"

@@ -9,7 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from discovery import invite as inv
-from discovery.invite import InviteError, InviteLedger, InviteToken, build_join_request, parse_join_request
+from discovery.invite import (
+    UNKNOWN,
+    InviteError,
+    InviteLedger,
+    InviteToken,
+    build_join_request,
+    parse_join_request,
+)
 from transport.credentials import create_mesh
 from transport.identity import NodeIdentity
 
@@ -129,3 +136,29 @@ def test_arbitrary_join_messages_give_invite_error(data: bytes) -> None:
             parse(data)
         except InviteError:
             pass
+
+
+def test_token_state_is_told_only_to_the_holder_of_its_secret() -> None:
+    """Unknown, expired, revoked or used up: without the secret, every token looks the same."""
+    creds, _, tok, ledger = _setup()
+    j, thief = NodeIdentity.generate(), NodeIdentity.generate()
+    stolen_id = parse_join_request(build_join_request(tok, j.public_key, 1))  # the thief sends it as its own
+    states = {"unknown": InviteLedger(), "expired": ledger}
+    revoked, used = _setup()[3], _setup()[3]
+    for name, other in (("revoked", revoked), ("used", used)):
+        states[name] = other
+    reasons = set()
+    for name, led in states.items():
+        tid = tok.token_id if name in ("unknown", "expired") else next(iter(led.tokens))
+        req = type(stolen_id)(tid, stolen_id.mesh_id, stolen_id.proof, stolen_id.proto)
+        if name == "revoked":
+            led.revoke(tid)
+        if name == "used":
+            led.tokens[tid]["used"] = led.tokens[tid]["uses"]
+        now = NOW + (10**9 if name == "expired" else 0)
+        with pytest.raises(InviteError) as err:
+            led.redeem(req, thief.public_key, creds.mesh_id, now)
+        reasons.add(str(err.value))
+    assert reasons == {UNKNOWN}
+    with pytest.raises(InviteError, match="expired"):  # the secret's holder is told the truth
+        ledger.redeem(stolen_id, j.public_key, creds.mesh_id, NOW + 10**9)

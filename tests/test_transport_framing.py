@@ -32,6 +32,7 @@ def test_enums_are_append_only() -> None:
     }
     assert {t.name: t.value for t in FrameType} == {
         "DATA": 0, "ERROR": 1, "HELLO": 2, "AUTH": 3, "ACCEPT": 4, "JOIN_REQUEST": 5, "JOIN_REPLY": 6,
+        "PROOF": 7,
     }
     assert [c.value for c in ErrorCode] == list(range(len(ErrorCode)))
     assert ErrorCode.NO_HANDLER == 20 and ErrorCode.HANDSHAKE_TIMEOUT == 7
@@ -83,7 +84,8 @@ def _header(magic: bytes = b"md", version: int = 1, ftype: int = 0, flags: int =
         (b"ms\x02\x01" + _header(magic=b"mX"), ErrorCode.PROTOCOL_ERROR, "frame magic"),
         (b"ms\x02\x01" + b"q", ErrorCode.PROTOCOL_ERROR, "frame magic"),  # partial header, wrong magic
         (b"ms\x02\x01" + _header(version=2), ErrorCode.UNSUPPORTED_VERSION, "framing version 2"),
-        (b"ms\x02\x01" + _header(ftype=7), ErrorCode.PROTOCOL_ERROR, "unknown frame type 7"),
+        (b"ms\x02\x01" + _header(ftype=8), ErrorCode.PROTOCOL_ERROR, "unknown frame type 8"),
+        (b"ms\x02\x01" + _header(ftype=7), ErrorCode.PROTOCOL_ERROR, "PROOF not allowed on a RPC"),
         (b"ms\x02\x01" + _header(ftype=2), ErrorCode.PROTOCOL_ERROR, "HELLO not allowed on a RPC"),
         (b"ms\x00\x01" + _header(ftype=0), ErrorCode.PROTOCOL_ERROR, "DATA not allowed on a HANDSHAKE"),
         (b"ms\x02\x01" + _header(flags=1), ErrorCode.PROTOCOL_ERROR, "reserved frame flags"),

@@ -11,11 +11,15 @@ from transport.credentials import Genesis, MemberCert, MeshCredentials
 from transport.framing import ErrorCode, FrameType, RemoteProtocolError, encode_frame
 from transport.handshake import (
     CHALLENGE_BYTES,
+    NOT_A_MEMBER,
     Handshake,
     JoinReplied,
     JoinRequested,
+    MembershipProven,
     Mode,
     PeerAdmitted,
+    mesh_key,
+    proof_mac,
     tls_binding,
 )
 from transport.identity import NodeIdentity
@@ -87,8 +91,9 @@ def events(hs: Handshake) -> list[Any]:
 def test_members_admit_each_other() -> None:
     c, s = make(True, A, creds(A)), make(False, B, creds(B))
     flights = run(c, s)
-    assert len(flights) == 4
-    [ec], [es] = events(c), events(s)
+    assert len(flights) == 6  # HELLO, HELLO, PROOF, AUTH, AUTH, ACCEPT
+    [ec], [proven, es] = events(c), events(s)
+    assert isinstance(proven, MembershipProven)
     assert isinstance(ec, PeerAdmitted) and ec.node_id == B.node_id and ec.cert.node_pub == B.public_key
     assert isinstance(es, PeerAdmitted) and es.node_id == A.node_id and es.public_key == A.public_key
     assert c.done and s.done and c.get_timer() is None
@@ -97,15 +102,104 @@ def test_members_admit_each_other() -> None:
 def test_golden_handshake_bytes() -> None:
     c, s = make(True, A, creds(A)), make(False, B, creds(B))
     flights = run(c, s)
-    # client flight 1: preamble + HELLO(challenge, pub): fully literal
-    assert flights[0] == bytes.fromhex("6d730001" "6d6401020000000040") + b"\xc0" * 32 + A.public_key
-    assert flights[1][:9] == bytes.fromhex("6d6401020000000040")
-    assert flights[3] == bytes.fromhex("6d6401040000000000")  # ACCEPT
+    # client flight 1: preamble + HELLO(challenge); server: HELLO(challenge, pub): fully literal
+    assert flights[0] == bytes.fromhex("6d730001" "6d6401020000000020") + b"\xc0" * 32
+    assert flights[1] == bytes.fromhex("6d6401020000000040") + b"\x5e" * 32 + B.public_key
+    mac = proof_mac(mesh_key(GENESIS.encoded), Mode.MEMBER, b"\xc0" * 32, b"\x5e" * 32, B.node_id, 1, BINDING)
+    assert flights[2] == bytes.fromhex("6d6401070000000020") + mac  # PROOF
+    cert_b = creds(B).cert.encoded
+    assert flights[3][:9] == bytes.fromhex("6d64010300") + (64 + len(cert_b)).to_bytes(4, "big")  # AUTH
+    assert flights[3].endswith(cert_b)  # server AUTH: sig | cert, only after the PROOF
+    assert flights[4][9:41] == A.public_key  # client AUTH: pub | sig | cert
+    assert flights[5] == bytes.fromhex("6d6401040000000000")  # ACCEPT
     digests = [hashlib.sha256(f).hexdigest()[:16] for f in flights]
     assert digests == GOLDEN_DIGESTS, digests
 
 
-GOLDEN_DIGESTS = ['0285f570c3bac314', 'd9f97e8acf8e721a', '8c4baf18650317b5', '7f0be63e1aa21eb5']
+GOLDEN_DIGESTS = [  # handshake v2 (ALPN meshd/2)
+    'a0dae3c1233baa63', 'c2052802199ef7f6', 'ab6b3e99a3ffbe42', 'efa848a4b9ced9ef', '3e313664d3c1dca6',
+    '7f0be63e1aa21eb5',
+]
+
+
+def secrets_of(cr: MeshCredentials, node: NodeIdentity) -> list[bytes]:
+    """Byte strings that would tell a stranger about the mesh (or who the dialling member is)."""
+    g = cr.genesis
+    return [g.mesh_id.encode(), g.admin_pub, g.admin_pub.hex().encode(), cr.cert.encoded, g.encoded,
+            node.public_key, node.node_id.encode(), g.name.encode()]
+
+
+def leaks(flights: list[bytes], cr: MeshCredentials, node: NodeIdentity) -> list[bytes]:
+    import base64
+
+    wire = b"".join(flights)
+    found = []
+    for secret in secrets_of(cr, node):
+        for form in (secret, base64.b64encode(secret), base64.urlsafe_b64encode(secret).rstrip(b"=")):
+            if len(form) >= 8 and form in wire:
+                found.append(secret)
+    return found
+
+
+def test_a_stranger_dialling_a_member_learns_nothing_about_the_mesh() -> None:
+    # a stranger (a member of another mesh, or anyone with a genesis of its own) dials B
+    c, s = make(True, C, creds(C, ADMIN2, GENESIS2)), make(False, B, creds(B))
+    c.initiate()
+    s.receive_data(c.data_to_send())
+    server_said = [s.data_to_send()]
+    c.receive_data(server_said[0])
+    with pytest.raises(RemoteProtocolError) as err:
+        s.receive_data(c.data_to_send())
+    assert err.value.code is ErrorCode.REFUSED and err.value.reason == NOT_A_MEMBER
+    server_said.append(s.data_to_send())
+    assert server_said == [bytes.fromhex("6d6401020000000040") + b"\x5e" * 32 + B.public_key, b""]  # HELLO only
+    assert events(s) == []
+    assert leaks(server_said, creds(B), ident(255)) == []
+    # what the server said is its node key (also its TLS certificate and its mDNS TXT) and a challenge
+    assert B.public_key in server_said[0]
+
+
+def test_a_member_dialling_a_stranger_reveals_nothing() -> None:
+    # A dials something that is not of its mesh: all A sends is a challenge and a blinded proof
+    for stranger in (make(False, C, creds(C, ADMIN2, GENESIS2)), make(False, C, None, join_allowed=True)):
+        c = make(True, A, creds(A))
+        c.initiate()
+        sent = [c.data_to_send()]
+        # the stranger answers HELLO and an AUTH with whatever certificate it has
+        stranger_hello = encode_frame(FrameType.HELLO, b"\x11" * 32 + C.public_key)
+        c.receive_data(stranger_hello)
+        sent.append(c.data_to_send())
+        with pytest.raises(RemoteProtocolError):
+            c.receive_data(encode_frame(FrameType.AUTH, C.sign(b"handshake", b"x") + creds(C, ADMIN2, GENESIS2).cert.encoded))
+        sent.append(c.data_to_send())
+        assert leaks(sent, creds(A), A) == [], leaks(sent, creds(A), A)
+        assert [len(f) for f in sent] == [4 + 9 + 32, 9 + 32, 0]
+
+
+def test_a_rogue_server_knowing_the_genesis_never_sees_the_client_certificate() -> None:
+    # C holds our genesis (a former member) but no certificate of ours: the client stops at its AUTH
+    rogue = MeshCredentials(GENESIS, creds(C, ADMIN2, GENESIS2).cert)
+    c, s = make(True, A, creds(A)), make(False, C, rogue)
+    flights: list[bytes] = []
+
+    def record(i: int, data: bytes) -> bytes:
+        flights.append(data)
+        return data
+
+    with pytest.raises(RemoteProtocolError) as err:
+        run(c, s, tamper=record)
+    assert err.value.code is ErrorCode.REFUSED and "another mesh" in err.value.reason
+    client_flights = flights[0::2]
+    assert all(A.public_key not in f and creds(A).cert.encoded not in f for f in client_flights)
+
+
+def test_a_joiner_learns_no_certificate_before_its_request_checks() -> None:
+    c, s = joiner(), make(False, B, creds(B), join_allowed=True)
+    c.initiate()
+    s.receive_data(c.data_to_send())
+    issuer_said = s.data_to_send()
+    assert leaks([issuer_said], creds(B), ident(255)) == []
+    assert len(issuer_said) == (9 + 64) + (9 + 64)  # HELLO(challenge, key) | AUTH(signature)
 
 
 def test_other_mesh_is_refused_by_the_server() -> None:
@@ -115,7 +209,7 @@ def test_other_mesh_is_refused_by_the_server() -> None:
     with pytest.raises(RemoteProtocolError) as err:
         run(c, s)
     assert err.value.code is ErrorCode.REFUSED and "another mesh" in err.value.reason
-    assert events(s) == []
+    assert events(s) == [MembershipProven()]  # it knows the genesis, but is not admitted
 
 
 def test_self_made_certificate_is_refused() -> None:
@@ -154,19 +248,32 @@ def test_certificate_of_another_key_is_refused() -> None:
     assert err.value.code is ErrorCode.HANDSHAKE_FAILED and "another key" in err.value.reason
 
 
-def test_signature_bound_to_the_tls_certificate() -> None:
-    # A relay that terminates TLS itself shows the client another certificate: the server's signature fails.
+def test_proofs_bound_to_the_tls_certificate() -> None:
+    # A relay that terminates TLS itself shows the client another certificate: the client's membership
+    # proof fails at the server, and (were the proof passed along) the server's signature at the client.
     c = make(True, A, creds(A), binding=tls_binding(b"relay-certificate"))
     s = make(False, B, creds(B))
     with pytest.raises(RemoteProtocolError) as err:
         run(c, s)
+    assert err.value.code is ErrorCode.REFUSED and err.value.reason == NOT_A_MEMBER
+    c = make(True, A, creds(A), binding=tls_binding(b"relay-certificate"))
+    s = make(False, B, creds(B))
+    c.initiate()
+    s.receive_data(c.data_to_send())
+    c.receive_data(s.data_to_send())
+    c.data_to_send()
+    s._state = "wait_proof"  # noqa: SLF001 - pretend the proof passed: the client still refuses
+    s.receive_data(encode_frame(FrameType.PROOF, proof_mac(
+        mesh_key(GENESIS.encoded), Mode.MEMBER, b"\xc0" * 32, b"\x5e" * 32, B.node_id, 1, BINDING)))
+    with pytest.raises(RemoteProtocolError) as err:
+        c.receive_data(s.data_to_send())
     assert err.value.code is ErrorCode.HANDSHAKE_FAILED and "signature" in err.value.reason
 
 
 def test_tampered_signature_is_refused() -> None:
     def flip(i: int, data: bytes) -> bytes:
-        if i == 2:  # client AUTH: flip a bit of the signature
-            return data[:20] + bytes([data[20] ^ 1]) + data[21:]
+        if i == 4:  # client AUTH (header 9, key 32, signature 64): flip a bit of the signature
+            return data[:50] + bytes([data[50] ^ 1]) + data[51:]
         return data
 
     with pytest.raises(RemoteProtocolError) as err:
@@ -315,3 +422,33 @@ def test_rate_limited_log_with_fake_clock() -> None:
     now = 10.0
     assert rl.debug(now, "garbage", n=3)
     assert sink.lines == [("garbage", {"n": 1}), ("other", {}), ("garbage", {"n": 3, "suppressed": 5})]
+
+
+def test_aioquic_records_become_one_debug_event_per_kind_with_fake_clock() -> None:
+    import logging
+
+    from transport.ratelog import AioquicLogFilter, RateLimitedLog
+
+    lines: list[tuple[str, dict[str, Any]]] = []
+
+    class Sink:
+        def debug(self, event: str, **fields: Any) -> None:
+            lines.append((event, fields))
+
+    now = [0.0]
+    f = AioquicLogFilter(RateLimitedLog(Sink(), 10.0), lambda: now[0])
+
+    def record(msg: str, *args: Any) -> logging.LogRecord:
+        return logging.LogRecord("quic", logging.INFO, __file__, 1, msg, args, None)
+
+    assert f.filter(record("[0a1b] TLS %s -> %s", "A", "B")) is False  # the record itself is dropped
+    assert f.filter(record("[ffee] TLS %s -> %s", "B", "C")) is False  # same kind, another connection
+    assert f.filter(record("[ffee] Negotiated protocol version %s", "v1")) is False
+    now[0] = 10.0
+    f.filter(record("[0c0d] TLS %s -> %s", "C", "D"))
+    assert [(e, fields["kind"], fields.get("suppressed")) for e, fields in lines] == [
+        ("aioquic_log", "TLS %s -> %s", None),
+        ("aioquic_log", "Negotiated protocol version %s", None),
+        ("aioquic_log", "TLS %s -> %s", 1),
+    ]
+    assert lines[0][1]["message"] == "[0a1b] TLS A -> B" and lines[0][1]["level"] == "info"

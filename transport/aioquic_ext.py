@@ -73,3 +73,40 @@ class MeshQuicConnection(QuicConnection):
 
 
 PACING_GRANULARITY_S = 0.002  # seconds: below this, pacing gaps are skipped (see CoarsePacer)
+
+
+AIOQUIC_PRIVATE: dict[str, tuple[str, ...]] = {
+    # every private aioquic attribute meshd reads, writes or overrides, by the object it lives on;
+    # tests/test_transport_aioquic_pins.py checks each on real objects of the installed aioquic
+    "QuicConnection": (
+        "_close_event",  # connection.py: a close has started (aioquic reports it only after draining)
+        "_configuration",  # connection.py: rebuilding loss recovery for the packet size
+        "_is_client",
+        "_logger",
+        "_loss",  # connection.py: packet size, coarse pacer, rtt_ms
+        "_max_datagram_size",  # connection.py/stream.py: per-peer packet size
+        "_on_max_stream_data_delivery",  # MeshQuicConnection._write_stream_limits
+        "_quic_logger",
+        "_send_probe",
+        "_spaces",  # MeshQuicConnection.ack_with_data
+        "_streams",  # connection.py: send buffer sizes, stream credit, pruning
+        "_write_stream_limits",  # overridden by MeshQuicConnection
+    ),
+    "QuicPacketRecovery": ("_pacer", "_rtt_initialized", "_rtt_smoothed"),
+    "QuicStream": ("max_stream_data_local", "max_stream_data_local_sent"),  # public, but relied on
+    "QuicStreamSender": ("_buffer",),  # connection.py: unacknowledged bytes per stream (backpressure)
+    "tls.Context": ("_peer_certificate",),  # connection.py: the channel binding of the handshake
+    "QuicConnectionProtocol": (
+        "_quic",
+        "_loop",
+        "_timer",  # connection.discard: cancelled so nothing keeps a refused connection alive
+        "_transmit_task",  # ditto
+        "_transport",
+        "_process_events",
+        "_handle_timer",
+        "_transmit_soon",
+        "_connection_id_issued_handler",  # server.py registers connection ids as aioquic's server did
+        "_connection_id_retired_handler",
+        "_connection_terminated_handler",
+    ),
+}

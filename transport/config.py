@@ -22,7 +22,12 @@ class TransportConfig:
     reconnect_max_s: float = 30.0  # ... doubling up to this, times a jitter in [0.5, 1.0)
     simultaneous_dial_window_s: float = 5.0  # two connections admitted this close are a simultaneous dial
     max_connections: int = limits.MAX_CONNECTIONS
-    max_pending_handshakes: int = limits.MAX_PENDING_HANDSHAKES
+    max_pending_handshakes: int = limits.MAX_PENDING_HANDSHAKES  # unproven handshakes; a new one evicts one
+    max_pending_handshakes_per_source: int = limits.MAX_PENDING_HANDSHAKES_PER_SOURCE  # ... per source address
+    evict_min_age_s: float = 0.25  # a pending handshake younger than this is not evicted (new one refused)
+    retry_above_pending: int = limits.RETRY_ABOVE_PENDING_HANDSHAKES  # address validation (Retry) from here on
+    retry_token_lifetime_s: float = 10.0  # a Retry token is accepted this long after it was issued
+    first_frame_timeout_s: float = 1.0  # server: a client must begin the meshd handshake within this
     max_streams_per_peer: int = limits.MAX_STREAMS_PER_PEER
     stream_send_buffer_bytes: int = limits.STREAM_SEND_BUFFER_BYTES
     stream_recv_queue_bytes: int = limits.STREAM_RECV_QUEUE_BYTES

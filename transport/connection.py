@@ -18,7 +18,8 @@ from aioquic.quic import events as qe
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.recovery import QuicPacketRecovery
 
-from transport import PROTOCOL_MAX, PROTOCOL_MIN, PROTOCOL_VERSION, limits
+from transport import ALPN, ALPN_RETIRED, PROTOCOL_MAX, PROTOCOL_MIN, PROTOCOL_VERSION, limits
+from transport.admission import Stage
 from transport.aioquic_ext import CoarsePacer, MeshQuicConnection
 from transport.config import is_loopback_host
 from transport.errors import (
@@ -33,7 +34,15 @@ from transport.framing import (
     RemoteProtocolError,
     encode_preamble,
 )
-from transport.handshake import Handshake, JoinReplied, JoinRequested, Mode, PeerAdmitted, tls_binding
+from transport.handshake import (
+    Handshake,
+    JoinReplied,
+    JoinRequested,
+    MembershipProven,
+    Mode,
+    PeerAdmitted,
+    tls_binding,
+)
 from transport.stream import Stream
 from transport.streams import HANDSHAKE_STREAM_TYPES, StreamType
 from transport.tls import certificate_der
@@ -44,6 +53,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("meshd.transport")
 
 _HANDSHAKE_STREAM_ID = 0  # the first client-initiated bidirectional stream
+_TLS_NO_APPLICATION_PROTOCOL = 0x100 + 120  # QUIC CRYPTO_ERROR carrying TLS alert no_application_protocol
 
 
 class _Connection(QuicConnectionProtocol):
@@ -75,6 +85,11 @@ class _Connection(QuicConnectionProtocol):
         self.handshake: Handshake | None = None
         self.admitted = False
         self.admitted_at = 0.0
+        self.proven = False  # server: the peer proved membership (never evicted as a pending handshake)
+        self.tls_done = False
+        self.hinted = False  # server: its first Initial carried a valid member hint (evicted last)
+        self.started_at = self._loop.time()
+        self._discarded = False
         self.closed = False
         self.closing = False  # we or the peer began closing; no new streams
         self.finished = asyncio.Event()  # set once the connection ended (see _finish)
@@ -95,6 +110,9 @@ class _Connection(QuicConnectionProtocol):
         mesh._conns.add(self)
         if not is_client:
             self._refuse_at_start = mesh._admission_capacity()
+            self._timers.append(
+                self._loop.call_later(mesh.config.first_frame_timeout_s, self._guarded, self._first_frame_deadline)
+            )
         self._timers.append(self._loop.call_later(mesh.config.handshake_timeout_s, self._guarded, self._deadline))
         if mesh.config.keepalive_interval_s > 0:
             self._timers.append(self._loop.call_later(mesh.config.keepalive_interval_s, self._guarded, self._tick))
@@ -103,9 +121,17 @@ class _Connection(QuicConnectionProtocol):
 
     @property
     def rtt_ms(self) -> float | None:
-        loss = getattr(self._quic, "_loss", None)
-        rtt = getattr(loss, "_rtt_smoothed", 0.0) if loss is not None else 0.0
-        return round(rtt * 1000.0, 3) if rtt else None
+        """aioquic's smoothed round trip; None only before the first sample (never a silent default: a
+        renamed attribute raises, see tests/test_transport_aioquic_pins.py)."""
+        loss = self._quic._loss
+        return round(loss._rtt_smoothed * 1000.0, 3) if loss._rtt_initialized else None
+
+    @property
+    def stage(self) -> Stage:
+        """How far an unproven server-side handshake got (what eviction looks at)."""
+        if self.handshake is not None:
+            return Stage.TALKING
+        return Stage.SILENT if self.tls_done else Stage.TLS
 
     @property
     def peer_node_id(self) -> str | None:
@@ -276,8 +302,13 @@ class _Connection(QuicConnectionProtocol):
         if isinstance(event, qe.StreamDataReceived):
             self._on_stream_data(event.stream_id, event.data, event.end_stream)
         elif isinstance(event, qe.HandshakeCompleted):
+            self.tls_done = True
             if self.is_client:
                 self._start_client_handshake()
+            elif event.alpn_protocol in ALPN_RETIRED:
+                raise RemoteProtocolError(
+                    ErrorCode.UNSUPPORTED_VERSION, f"this node speaks {ALPN}, not {event.alpn_protocol}: upgrade meshd"
+                )
             elif self._refuse_at_start is not None:
                 # Refused once TLS is up, so that the client gets our code and reason (an application
                 # close sent during the TLS handshake loses both).
@@ -301,7 +332,7 @@ class _Connection(QuicConnectionProtocol):
             self._on_terminated(event)
 
     def _start_client_handshake(self) -> None:
-        cert = getattr(self._quic.tls, "_peer_certificate", None)
+        cert = self._quic.tls._peer_certificate
         if cert is None:
             raise RemoteProtocolError(ErrorCode.HANDSHAKE_FAILED, "server sent no TLS certificate")
         mesh = self.mesh
@@ -352,6 +383,8 @@ class _Connection(QuicConnectionProtocol):
         while (ev := hs.next_event()) is not None:
             if isinstance(ev, PeerAdmitted):
                 self._on_admitted(ev)
+            elif isinstance(ev, MembershipProven):
+                self.proven = True  # holds the mesh's genesis: no longer a stranger's handshake to evict
             elif isinstance(ev, JoinRequested):
                 task = asyncio.ensure_future(self._answer_join(ev))
                 self._tasks.add(task)
@@ -418,6 +451,7 @@ class _Connection(QuicConnectionProtocol):
 
     def _on_admitted(self, ev: PeerAdmitted) -> None:
         self.admitted = True
+        self.proven = True
         self.admitted_at = self._loop.time()
         self.mesh._admitted(self, ev)
         if self.is_client and not self.result.done():
@@ -502,6 +536,10 @@ class _Connection(QuicConnectionProtocol):
                 self.result.set_exception(JoinRefused(reason))
             elif app_close and error_code != ErrorCode.NO_ERROR:
                 self.result.set_exception(HandshakeRefused(reason, error_code))
+            elif error_code == _TLS_NO_APPLICATION_PROTOCOL:
+                self.result.set_exception(
+                    TransportError(f"{self._describe_remote()} does not speak {ALPN} (an older meshd?)")
+                )
             else:
                 self.result.set_exception(TransportError(f"connection failed: {reason}"))
             self.result.exception()  # mark retrieved: nobody may be waiting any more
@@ -520,6 +558,12 @@ class _Connection(QuicConnectionProtocol):
         if hs is not None and (hs.done or hs.awaiting_join_reply):
             return  # the join handler has its own timeout
         raise RemoteProtocolError(ErrorCode.HANDSHAKE_TIMEOUT, "handshake timed out")
+
+    def _first_frame_deadline(self) -> None:
+        """Server: a client that has not begun the meshd handshake by now holds a slot for nothing."""
+        if self.closed or self.handshake is not None or self.admitted:
+            return
+        raise RemoteProtocolError(ErrorCode.HANDSHAKE_TIMEOUT, "no handshake frame in time")
 
     def _tick(self) -> None:
         if self.closed:
@@ -544,15 +588,24 @@ class _Connection(QuicConnectionProtocol):
     # -- helpers ---------------------------------------------------------------------------------
 
     def discard(self) -> None:
-        """Forget a connection that never got a valid packet (no close is sent: there is nobody)."""
+        """Forget this connection now: no timer, no queued transmit, nothing that keeps it alive (whatever
+        is still queued is not sent). For a connection refused on its first datagram."""
         self.closed = self.closing = True
+        self._discarded = True
         for timer in self._timers:
             timer.cancel()
         self._timers.clear()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._transmit_task is not None:
+            self._transmit_task.cancel()
+            self._transmit_task = None
         self.mesh._conns.discard(self)
+
+    def transmit(self) -> None:
+        if not self._discarded:
+            super().transmit()
 
     def _consumed(self, stream: Stream) -> None:
         """Tell the flow controller how much of ``stream`` the application has taken; send credit soon

@@ -41,11 +41,12 @@ class FrameType(IntEnum):
 
     DATA = 0  # application payload (gossip, RPC request/response, tunnel chunk, expert call)
     ERROR = 1  # an RPC error reply: code u16 | UTF-8 reason
-    HELLO = 2  # handshake: challenge (32) | public key (32)
-    AUTH = 3  # handshake: signature (64) | member certificate
+    HELLO = 2  # handshake: challenge (32) from the client; challenge (32) | public key (32) from the server
+    AUTH = 3  # handshake: [client: public key (32)] | signature (64) | member certificate (none in join mode)
     ACCEPT = 4  # handshake: the server admitted the client (empty)
-    JOIN_REQUEST = 5  # join: signature (64) | opaque request
+    JOIN_REQUEST = 5  # join: public key (32) | signature (64) | opaque request
     JOIN_REPLY = 6  # join: opaque reply
+    PROOF = 7  # handshake: the client's blinded membership proof, HMAC-SHA256 (32)
 
 
 class ErrorCode(IntEnum):
@@ -95,7 +96,8 @@ class Frame:
 
 
 _HANDSHAKE_FRAMES = frozenset(
-    {FrameType.HELLO, FrameType.AUTH, FrameType.ACCEPT, FrameType.JOIN_REQUEST, FrameType.JOIN_REPLY}
+    {FrameType.HELLO, FrameType.AUTH, FrameType.ACCEPT, FrameType.JOIN_REQUEST, FrameType.JOIN_REPLY,
+     FrameType.PROOF}
 )
 _APP_FRAMES = frozenset({FrameType.DATA, FrameType.ERROR})
 

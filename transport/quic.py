@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import random
 import socket
 import ssl
@@ -19,14 +20,11 @@ from functools import partial
 from typing import Any
 
 import structlog
-from aioquic.asyncio.protocol import QuicConnectionProtocol
-from aioquic.asyncio.server import QuicServer
-from aioquic.buffer import Buffer
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import QuicConnection, QuicConnectionState
-from aioquic.quic.packet import QuicPacketType, pull_quic_header
+from aioquic.quic.connection import QuicConnection
 
-from transport import ALPN, PROTOCOL_VERSION
+from transport import ALPN, ALPN_RETIRED, PROTOCOL_VERSION
+from transport.admission import hint_key, make_hint
 from transport.config import TransportConfig, backoff_delay_s, is_loopback_host
 from transport.connection import _Connection
 from transport.credentials import MemberCert, MeshCredentials
@@ -44,9 +42,10 @@ from transport.framing import (
     decode_error,
     encode_error,
 )
-from transport.handshake import Admission, Mode, PeerAdmitted, tls_binding
+from transport.handshake import Admission, Mode, PeerAdmitted, mesh_key, tls_binding
 from transport.identity import NodeIdentity
-from transport.ratelog import RateLimitedLog
+from transport.ratelog import RateLimitedLog, route_aioquic_logs
+from transport.server import MeshServer
 from transport.stream import Stream
 from transport.streams import HANDSHAKE_STREAM_TYPES, StreamType, max_frame_bytes
 from transport.tls import certificate_der, self_signed_certificate
@@ -155,55 +154,6 @@ class Peer:
 
 
 
-class _MeshServer(QuicServer):
-    """aioquic's server, counting what it drops (garbage, packets for no connection)."""
-
-    def __init__(self, *, mesh: MeshTransport, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._mesh = mesh
-        self._known_cids: set[bytes] = set()  # initial cids of connections that got past their first packet
-
-    def _connection_terminated(self, protocol: QuicConnectionProtocol) -> None:
-        for cid, proto in self._protocols.items():
-            if proto is protocol:
-                self._known_cids.discard(cid)
-        super()._connection_terminated(protocol)
-
-    def datagram_received(self, data: bytes | str, addr: Any) -> None:
-        mesh = self._mesh
-        try:
-            try:
-                header = pull_quic_header(
-                    Buffer(data=bytes(data)), host_cid_length=self._configuration.connection_id_length
-                )
-            except ValueError:
-                mesh._count("datagrams_garbage")
-                mesh._ratelog.debug(time.monotonic(), "datagram_garbage", addr=addr, size=len(data))
-                return
-            cid = header.destination_cid
-            if cid not in self._protocols:
-                if not (header.packet_type == QuicPacketType.INITIAL and len(data) >= 1200):
-                    mesh._count("datagrams_dropped")
-                    mesh._ratelog.debug(time.monotonic(), "datagram_dropped", addr=addr, size=len(data))
-                elif mesh._pending_handshakes() >= mesh.config.max_pending_handshakes:
-                    mesh._count("refused_pending_handshakes")
-                    mesh._ratelog.debug(time.monotonic(), "connection_refused_pending_cap", addr=addr)
-                    return
-            super().datagram_received(data, addr)
-            new = self._protocols.get(cid) if cid not in self._known_cids else None
-            if isinstance(new, _Connection):
-                if new._quic._state == QuicConnectionState.FIRSTFLIGHT:
-                    # an Initial that did not decrypt: forget the connection it would have created
-                    mesh._count("datagrams_garbage_initial")
-                    self._connection_terminated(new)
-                    new.discard()
-                else:
-                    self._known_cids.add(cid)
-        except Exception as e:  # noqa: BLE001 - a network callback never raises
-            mesh._count("internal_errors")
-            log.warning("transport_server_datagram_failed", error=repr(e))
-
-
 def _grow_recv_buffer(transport: asyncio.BaseTransport, size: int) -> None:
     """Ask for a ``size``-byte kernel receive buffer on a UDP socket (never shrinking it); the kernel may
     grant less. See ``limits.UDP_RECV_BUFFER_BYTES`` for why."""
@@ -239,7 +189,7 @@ class MeshTransport:
         self._rng = rng or random.Random()
         self._tls_cert = self_signed_certificate(identity)
         self._tls_binding = tls_binding(certificate_der(self._tls_cert))
-        self._server: QuicServer | None = None
+        self._server: MeshServer | None = None
         self._conns: set[_Connection] = set()
         self._known: dict[str, Peer] = {}
         self._stream_handlers: dict[StreamType, StreamHandler] = {}
@@ -249,6 +199,7 @@ class MeshTransport:
         self._up_events: dict[str, asyncio.Event] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ratelog = RateLimitedLog(log, self.config.log_interval_s)
+        route_aioquic_logs(log, self.config.log_interval_s, time.monotonic)
         self._closing = False
 
     # -- configuration ---------------------------------------------------------------------------
@@ -269,13 +220,13 @@ class MeshTransport:
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    def _quic_config(self, is_client: bool, loopback: bool = False) -> QuicConfiguration:
+    def _quic_config(self, is_client: bool, loopback: bool = False, hint: bool = False) -> QuicConfiguration:
         size = self.config.max_datagram_size
         if loopback and self.config.loopback_datagram_size:
             size = self.config.loopback_datagram_size
         cfg = QuicConfiguration(
             is_client=is_client,
-            alpn_protocols=[ALPN],
+            alpn_protocols=[ALPN] if is_client else [ALPN, *ALPN_RETIRED],  # old peers are told, then closed
             idle_timeout=self.config.idle_timeout_s,
             max_datagram_size=size,
             max_data=self.config.quic_max_data,
@@ -283,6 +234,9 @@ class MeshTransport:
         )
         if is_client:
             cfg.verify_mode = ssl.CERT_NONE  # the meshd handshake authenticates, bound to this cert
+            if hint and self.credentials is not None:  # priority at a busy node, blinded (see admission)
+                key = hint_key(mesh_key(self.credentials.genesis.encoded))
+                cfg.token = make_hint(key, time.time(), os.urandom(8))
         else:
             cfg.certificate = self._tls_cert
             cfg.private_key = self.identity.private_key()
@@ -293,7 +247,7 @@ class MeshTransport:
         loop = asyncio.get_running_loop()
         try:
             transport, _ = await loop.create_datagram_endpoint(
-                lambda: _MeshServer(
+                lambda: MeshServer(
                     mesh=self,
                     configuration=self._quic_config(False),
                     create_protocol=partial(_Connection, mesh=self, is_client=False),
@@ -426,7 +380,9 @@ class MeshTransport:
             raise TransportError(f"cannot resolve {host}: {e}") from None
         family, _, _, _, sockaddr = infos[0]
         local = ("::", 0) if family == socket.AF_INET6 else ("0.0.0.0", 0)
-        quic = QuicConnection(configuration=self._quic_config(True, is_loopback_host(str(sockaddr[0]))))
+        quic = QuicConnection(
+            configuration=self._quic_config(True, is_loopback_host(str(sockaddr[0])), hint=mode is Mode.MEMBER)
+        )
         try:
             udp, protocol = await loop.create_datagram_endpoint(
                 lambda: _Connection(
@@ -462,16 +418,18 @@ class MeshTransport:
     def _count(self, key: str) -> None:
         self.stats[key] = self.stats.get(key, 0) + 1
 
+    def _unproven(self) -> list[_Connection]:
+        """Server-side connections whose peer has not proven membership yet (pending handshakes)."""
+        return [c for c in self._conns if not c.is_client and not c.proven and not c.closing]
+
     def _pending_handshakes(self) -> int:
-        return sum(1 for c in self._conns if not c.admitted and not c.closing and not c.is_client)
+        return len(self._unproven())
 
     def _admission_capacity(self) -> tuple[ErrorCode, str] | None:
         if self._closing:
             return (ErrorCode.SHUTDOWN, "node shutting down")
         if len(self._conns) > self.config.max_connections:
             return (ErrorCode.TOO_MANY_CONNECTIONS, "too many connections")
-        if self._pending_handshakes() > self.config.max_pending_handshakes:
-            return (ErrorCode.TOO_MANY_CONNECTIONS, "too many pending handshakes")
         return None
 
     def _admitted(self, conn: _Connection, ev: PeerAdmitted) -> None:

@@ -690,6 +690,7 @@ class MembershipService:
         joiner_id = node_id_from_public_key(joiner_pub)
         try:
             req = parse_join_request(request)
+            self._ledger.check_proof(req, joiner_pub, creds.mesh_id)  # first: tell a stranger nothing
         except InviteError as e:
             raise JoinRefused(str(e)) from None
         if core.is_banned(joiner_id):
