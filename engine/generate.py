@@ -4,7 +4,8 @@
 params or a prompt that does not fit the context) and returns an iterator of ``TokenEvent``: one per
 generated token, the last one carrying ``finish_reason``:
 
-- ``"stop"``: an eos id was generated (unless ``ignore_eos``) or a stop string appeared. The eos token's
+- ``"stop"``: an eos id was generated (unless ``ignore_eos``), a stop string appeared, or the output
+  completed ``params.grammar`` (then only an end may follow; an eos id always ends a constrained output). The eos token's
   event has text ""; a stop string and anything after it are trimmed and never emitted, even partly
   (text that could still become a stop string is held back until it cannot).
 - ``"length"``: ``max_tokens`` were generated or the context is full.
@@ -109,7 +110,10 @@ class DecodeState:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], params: SamplingParams,
                  n_ctx: int | None) -> None:
         self.params = params
-        self.sampler = Sampler(params)
+        self.sampler = Sampler(params, prompt_ids)
+        self.tokenizer = tokenizer
+        self.matcher: Any = None  # engine.constraint.Matcher, built at the first step (needs the vocab size)
+        self._close_at = 0  # with a grammar: steer to the document's end once this few tokens are left
         self.detok = tokenizer.detokenizer(prompt_ids)
         self.eos_ids = tokenizer.eos_ids
         self.n_prompt = len(prompt_ids)
@@ -127,22 +131,51 @@ class DecodeState:
         lse = logsumexp(logits)
         if not math.isfinite(lse):
             raise FloatingPointError("the model produced non-finite logits (NaN or +inf)")
-        tok = self.sampler.pick(logits)
+        allowed = None
+        if self.params.grammar is not None:
+            if self.matcher is None:
+                from engine.constraint import Matcher
+
+                from engine.constraint import close_reserve
+
+                self.matcher = Matcher(self.params.grammar, self.tokenizer, int(logits.shape[0]))
+                self._close_at = close_reserve(self._budget())
+            allowed = self.matcher.allowed()
+            if self._left() <= self._close_at:
+                allowed = self.matcher.closing(allowed)
+        tok = self.sampler.pick(logits, allowed)
+        self.sampler.accept(tok)
         self.tokens.append(tok)
         logprob = float(logits[tok]) - lse
         top = tuple(top_n(logits, self.params.top_logprobs, offset=lse))
-        if tok in self.eos_ids and not self.params.ignore_eos:
+        grammar_done = False
+        if self.matcher is not None:
+            if not self.matcher.accept(tok):
+                raise RuntimeError(f"constrained decoding failed: {self.matcher.error}")
+            grammar_done = self.matcher.stopped
+        if tok in self.eos_ids and (not self.params.ignore_eos or self.matcher is not None):
             text, stopped = self._scan(self.detok.flush(), final=True)
             return self._finish(tok, text, logprob, top, "stop")
         text, stopped = self._scan(self.detok.add(tok), final=False)
         if stopped:
             return self._finish(tok, text, logprob, top, "stop")
+        if grammar_done:
+            more, _ = self._scan(self.detok.flush(), final=True)
+            return self._finish(tok, text + more, logprob, top, "stop")
         full = len(self.tokens) >= self.params.max_tokens or (
             self.n_ctx is not None and self.n_prompt + len(self.tokens) >= self.n_ctx)
         if full:
             more, stopped = self._scan(self.detok.flush(), final=True)
             return self._finish(tok, text + more, logprob, top, "stop" if stopped else "length")
         return TokenEvent(tok, text, logprob, top)
+
+    def _budget(self) -> int:
+        """Tokens this sequence may generate in all (``max_tokens``, or less if the context is smaller)."""
+        room = self.n_ctx - self.n_prompt if self.n_ctx is not None else self.params.max_tokens
+        return max(1, min(self.params.max_tokens, room))
+
+    def _left(self) -> int:
+        return self._budget() - len(self.tokens)
 
     def cancelled(self) -> TokenEvent:
         """The terminal event for a cancelled sequence (held text is dropped: nobody is listening)."""

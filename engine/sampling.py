@@ -1,8 +1,12 @@
 """Token selection: greedy, temperature, top-k, top-p, seeded; log-probabilities with top-n alternatives.
 
-Order of operations (as transformers' logits warpers): temperature, then top-k, then top-p, then one draw.
-``temperature == 0`` is greedy (argmax, lowest id on ties). Log-probabilities are always taken from the
-raw logits (``log_softmax(logits)``), before temperature or masks change them.
+Order of operations (vLLM's): the allowed-token mask of a grammar (``pick(logits, allowed)``), then
+``logit_bias`` (added), then the penalties (``repetition_penalty`` over prompt and output tokens: a
+positive logit is divided by it, a negative one multiplied; ``frequency_penalty`` times each token's
+count in the output and ``presence_penalty`` once per token present in the output are subtracted), then
+greedy (``temperature == 0``: argmax, lowest id on ties) or temperature, min-p (keep ids whose probability
+is at least ``min_p`` times the top one's), top-k, top-p, and one draw. Log-probabilities are always taken
+from the raw logits (``log_softmax(logits)``), before any of these change them.
 
 Determinism: a ``Sampler`` owns a ``numpy.random.Generator(PCG64(seed))`` and draws exactly one uniform
 per sampled token, so the same seed and the same logits give the same tokens. Candidates are ordered by
@@ -12,6 +16,7 @@ descending probability with ties broken by the lower id, so the result never dep
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +36,16 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())
     ignore_eos: bool = False
     top_logprobs: int = 0  # alternatives reported per token (the chosen token's logprob is always there)
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off; over prompt and output tokens (vLLM, transformers)
+    frequency_penalty: float = 0.0  # 0 = off; times the token's count in the output (OpenAI, vLLM)
+    presence_penalty: float = 0.0  # 0 = off; once if the token is in the output (OpenAI, vLLM)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    grammar: str | None = None  # llguidance grammar the output must match (engine.constraint)
+
+    @property
+    def penalised(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     def validate(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -46,6 +61,16 @@ class SamplingParams:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
+        if not np.isfinite(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not np.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not np.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number")
+        for tok, bias in self.logit_bias:
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0 or not np.isfinite(bias):
+                raise ValueError(f"logit_bias entries must be (token id >= 0, finite number), got {(tok, bias)!r}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, "
                              f"got {self.top_logprobs!r}")
@@ -154,22 +179,69 @@ def _draw(weights: np.ndarray, u: float) -> int:
 
 
 class Sampler:
-    """Picks tokens for one sequence under ``params``; one instance per request."""
+    """Picks tokens for one sequence under ``params``; one instance per request.
 
-    def __init__(self, params: SamplingParams) -> None:
+    ``prompt_ids`` feed ``repetition_penalty``; call ``accept(tok)`` with every token that becomes part of
+    the output (``DecodeState`` does) so the penalties see it.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> None:
         self.params = params
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._rng = np.random.Generator(np.random.PCG64(seed))
+        self._counts: dict[int, int] = {}  # output token -> occurrences
+        self._prompt = np.unique(np.asarray(prompt_ids, dtype=np.int64)) if params.repetition_penalty != 1.0 \
+            else np.zeros(0, dtype=np.int64)
+        self._bias_ids = np.asarray([t for t, _ in params.logit_bias], dtype=np.int64)
+        self._bias = np.asarray([b for _, b in params.logit_bias], dtype=np.float32)
 
-    def pick(self, logits: np.ndarray) -> int:
-        """[V] logits -> token id. Greedy costs one argmax; sampling is O(V) (no full sort)."""
+    def accept(self, tok: int) -> None:
+        self._counts[tok] = self._counts.get(tok, 0) + 1
+
+    def adjusted(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> np.ndarray:
+        """[V] -> [V] fp32 logits after the mask, ``logit_bias`` and the penalties (a copy when changed)."""
         p = self.params
+        x = logits.astype(np.float32, copy=False)
+        v = x.shape[0]
+        if allowed is not None:
+            x = np.where(allowed[:v], x, np.float32(-np.inf))
+        if self._bias_ids.size:
+            x = np.array(x)
+            ok = self._bias_ids < v
+            x[self._bias_ids[ok]] += self._bias[ok]
+        if p.penalised and (self._counts or self._prompt.size):
+            x = np.array(x)
+            out_ids = np.fromiter(self._counts.keys(), dtype=np.int64, count=len(self._counts))
+            counts = np.fromiter(self._counts.values(), dtype=np.float32, count=len(self._counts))
+            keep = out_ids < v
+            out_ids, counts = out_ids[keep], counts[keep]
+            if p.repetition_penalty != 1.0:
+                seen = np.union1d(self._prompt[self._prompt < v], out_ids)
+                r = np.float32(p.repetition_penalty)
+                vals = x[seen]
+                x[seen] = np.where(vals > 0, vals / r, vals * r)
+            if p.frequency_penalty != 0.0:
+                x[out_ids] -= np.float32(p.frequency_penalty) * counts
+            if p.presence_penalty != 0.0:
+                x[out_ids] -= np.float32(p.presence_penalty)
+        return x
+
+    def pick(self, logits: np.ndarray, allowed: np.ndarray | None = None) -> int:
+        """[V] logits (and an optional bool [V] mask of allowed ids) -> token id. Greedy costs one argmax;
+        sampling is O(V) (no full sort). Raises ``ValueError`` if no id is left to pick."""
+        p = self.params
+        x = self.adjusted(logits, allowed)
+        if allowed is not None and not np.isfinite(x.max()):
+            raise ValueError("no token is allowed here")
         if p.temperature == 0.0:
-            return int(np.argmax(logits))
-        x = logits.astype(np.float32) / np.float32(p.temperature)
+            return int(np.argmax(x))
+        x = x / np.float32(p.temperature)
+        top = x.max()
+        if p.min_p > 0.0:
+            x = np.where(x >= top + np.float32(np.log(p.min_p)), x, np.float32(-np.inf))
         if 0 < p.top_k < x.shape[0]:
             x = np.where(x >= np.float32(_kth_largest(x, p.top_k)), x, np.float32(-np.inf))
-        w = np.exp(x - x.max())  # [V] fp32 weights, max 1
+        w = np.exp(x - top)  # [V] fp32 weights, max 1
         u = self._rng.random()
         if p.top_p < 1.0:
             keep = _nucleus(w, p.top_p)  # descending probability

@@ -269,6 +269,10 @@ class Tokenizer:
         """Ids -> text. Ids outside the vocabulary (padded model vocab) decode to nothing."""
         return str(self._hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens))
 
+    def to_json(self) -> str:
+        """The ``tokenizer.json`` document (for libraries that build their own view, e.g. llguidance)."""
+        return str(self._hf.to_str())
+
     def token_to_id(self, token: str) -> int | None:
         tid = self._hf.token_to_id(token)
         return None if tid is None else int(tid)

@@ -126,6 +126,8 @@ async def run(args: argparse.Namespace) -> None:
             raise SystemExit("daemon stopped while starting")
         await asyncio.sleep(0.01)
     assert daemon.transport is not None and daemon.quic_address is not None
+    assert api.server is not None
+    api.server.config.extra_fields = frozenset({"standin"})  # the stand-in backend's per-request knobs
     for c in args.connect or []:  # a seed: membership learns everyone else from it
         addr, _, nid = c.partition("@")
         h, _, p = addr.rpartition(":")

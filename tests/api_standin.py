@@ -141,7 +141,7 @@ async def _serve(args: argparse.Namespace) -> None:
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr),
                         wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
-    server = ApiServer(ApiConfig(node_id="standin-server"),
+    server = ApiServer(ApiConfig(node_id="standin-server", extra_fields=frozenset({"standin"})),
                        standin_backends(args.models.split(","), args.max_active, args.token_delay))
     host, port = await server.start("127.0.0.1", args.port)
     sys.stdout.write(f"PORT {port}\n")

@@ -43,7 +43,7 @@ def node(loop: LoopThread, standin: StandInProcess) -> Iterator[ApiServer]:
     """A node serving an engine-style model 'gen' (max 2 at once) and the external server's models."""
     src = StandInSource("gen", max_active=2)
     ext = OpenAIBackend(standin.url, first_byte_timeout_s=1.5, idle_timeout_s=1.0, health_interval_s=0.5)
-    server = ApiServer(ApiConfig("node-1"), [GenBackend(src), ext])
+    server = ApiServer(ApiConfig("node-1", extra_fields=frozenset({"standin"})), [GenBackend(src), ext])
     loop.run(server.start("127.0.0.1", 0))
     server.src = src  # type: ignore[attr-defined]
     yield server
@@ -194,7 +194,7 @@ def test_external_backend_down_serves_nothing(loop: LoopThread) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens here once closed
     ext = OpenAIBackend(f"http://127.0.0.1:{port}/v1", health_interval_s=0.2, health_timeout_s=0.5)
-    server = ApiServer(ApiConfig("node-2"), [ext])
+    server = ApiServer(ApiConfig("node-2", extra_fields=frozenset({"standin"})), [ext])
     loop.run(server.start("127.0.0.1", 0))
     try:
         c = _client(server)
@@ -208,7 +208,7 @@ def test_external_backend_down_serves_nothing(loop: LoopThread) -> None:
 def test_external_backend_comes_and_goes(loop: LoopThread) -> None:
     p = StandInProcess("late")
     ext = OpenAIBackend(p.url, health_interval_s=0.2, health_timeout_s=0.5, alias="renamed")
-    server = ApiServer(ApiConfig("node-3"), [ext])
+    server = ApiServer(ApiConfig("node-3", extra_fields=frozenset({"standin"})), [ext])
     loop.run(server.start("127.0.0.1", 0))
     try:
         c = _client(server)
@@ -231,7 +231,7 @@ def test_external_backend_comes_and_goes(loop: LoopThread) -> None:
 
 
 def test_api_keys(loop: LoopThread) -> None:
-    server = ApiServer(ApiConfig("node-k", api_keys=[b"secret-1", b"secret-2"]), [GenBackend(StandInSource("g"))])
+    server = ApiServer(ApiConfig("node-k", extra_fields=frozenset({"standin"}), api_keys=[b"secret-1", b"secret-2"]), [GenBackend(StandInSource("g"))])
     loop.run(server.start("127.0.0.1", 0))
     try:
         with pytest.raises(openai.AuthenticationError):
@@ -327,7 +327,7 @@ def test_external_stream_cut_without_done_is_an_error_event(loop: LoopThread) ->
         return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
     runner, port = loop.run(start())
-    server = ApiServer(ApiConfig("node-cut"), [OpenAIBackend(f"http://127.0.0.1:{port}/v1")])
+    server = ApiServer(ApiConfig("node-cut", extra_fields=frozenset({"standin"})), [OpenAIBackend(f"http://127.0.0.1:{port}/v1")])
     loop.run(server.start("127.0.0.1", 0))
     try:
         got = []

@@ -22,6 +22,7 @@ import structlog
 from meshd.api.errors import ApiError
 from meshd.api.reply import OpenAIFormatter, Reply, StopMatcher, TokenOut
 from meshd.api.schema import GenRequest
+from meshd.api.tools import HERMES, ToolStreamer
 from transport import limits
 
 log = structlog.get_logger(__name__)
@@ -123,6 +124,10 @@ class GenBackend:
     async def _body(self, run: TokenRun, fmt: OpenAIFormatter, req: GenRequest, n_prompt: int,
                     reply: Reply) -> AsyncIterator[bytes]:
         stops = StopMatcher(req.stop)
+        tools = ToolStreamer(getattr(self.source, "tool_format", HERMES), req.parallel_tool_calls) \
+            if req.tools_active else None
+        content: list[str] = []  # tool mode: the text outside tool calls
+        sent_calls = 0  # tool calls streamed so far
         toks: list[TokenOut] = []
         n_gen = 0
         finish = "stop"
@@ -145,7 +150,16 @@ class GenBackend:
                     out = out + stops.flush()
                     stopped = True
                 if out:
-                    if req.stream:
+                    if tools is not None:
+                        shown = tools.feed("".join(t.text for t in out))
+                        content.append(shown)
+                        if req.stream:
+                            if shown:
+                                yield fmt.content_chunk(shown)
+                            for c in tools.take():
+                                yield fmt.tool_chunk(sent_calls, c)
+                                sent_calls += 1
+                    elif req.stream:
                         yield fmt.token_chunk(out)
                     else:
                         toks.extend(out)
@@ -154,15 +168,34 @@ class GenBackend:
             else:
                 rest = stops.flush()
                 if rest:
-                    if req.stream:
+                    if tools is not None:
+                        content.append(tools.feed("".join(t.text for t in rest)))
+                        if req.stream and content[-1]:
+                            yield fmt.content_chunk(content[-1])
+                    elif req.stream:
                         yield fmt.token_chunk(rest)
                     else:
                         toks.extend(rest)
+            calls = []
+            if tools is not None:
+                tail = tools.finish()
+                content.append(tail)
+                if tail and req.stream:
+                    yield fmt.content_chunk(tail)
+                calls = tools.calls
+                if calls and finish == "stop":
+                    finish = "tool_calls"
+                if req.stream:
+                    for c in tools.take():
+                        yield fmt.tool_chunk(sent_calls, c)
+                        sent_calls += 1
             usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
             reply.usage = usage
             done = True
             if req.stream:
                 yield fmt.final_chunk(finish, usage if req.include_usage else None)
+            elif tools is not None:
+                yield fmt.full([], finish, usage, tool_calls=calls, content="".join(content))
             else:
                 yield fmt.full(toks, finish, usage)
         except ApiError:

@@ -20,6 +20,7 @@ import structlog
 from meshd.api.backends import BackendBusy, GenBackend, GenToken
 from meshd.api.errors import ApiError
 from meshd.api.schema import GenRequest
+from meshd.api.tools import request_grammar, tool_format_of
 
 log = structlog.get_logger(__name__)
 
@@ -79,13 +80,15 @@ class EngineSource:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.fingerprint = fingerprint
+        self.tool_format = tool_format_of(getattr(tokenizer, "chat_template_source", None))
 
     def prompt_ids(self, req: GenRequest) -> list[int]:
         from engine.tokenizer import ChatTemplateError
 
         try:
             if req.kind == "chat":
-                ids = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True)
+                tools = [t.openai() for t in req.tools] if req.tools_active else None
+                ids = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tools=tools)
             elif isinstance(req.prompt, list):
                 ids = list(req.prompt)
             else:
@@ -101,8 +104,18 @@ class EngineSource:
         n_ctx = context_length(self.model) or 4096
         max_tokens = req.max_tokens if req.max_tokens is not None else max(1, n_ctx - len(ids))
         seed = req.seed % (2**63) if req.seed is not None else None
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        if isinstance(vocab, int):
+            for tok in req.logit_bias:
+                if tok >= vocab:
+                    raise ApiError(400, f"'logit_bias' names token id {tok}; the model's vocabulary has {vocab} ids",
+                                   code="invalid_value", param="logit_bias")
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=seed,
-                              stop=tuple(req.stop), top_logprobs=req.top_logprobs if req.logprobs else 0)
+                              stop=tuple(req.stop), top_logprobs=req.top_logprobs if req.logprobs else 0,
+                              top_k=req.top_k, min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+                              frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
+                              logit_bias=tuple(sorted(req.logit_bias.items())), ignore_eos=req.ignore_eos,
+                              grammar=request_grammar(req, self.tool_format, self.tokenizer))
 
     def submit(self, prompt_ids: list[int], req: GenRequest) -> _EngineRun:
         from engine.scheduler import Busy, SchedulerClosed
@@ -110,8 +123,8 @@ class EngineSource:
         reason = self.executor.unavailable_reason() if self.executor is not None else None
         if reason:  # --remote-experts on and some routed expert has no live worker
             raise experts_unavailable(self.name, reason)
+        params = self._params(prompt_ids, req)
         try:
-            params = self._params(prompt_ids, req)
             handle = self.scheduler.submit(prompt_ids, params, loop=asyncio.get_running_loop())
         except Busy:
             raise BackendBusy() from None

@@ -1,4 +1,5 @@
-"""Limits of the HTTP API's connection layer (``meshd.api.http``): deadlines and connection caps.
+"""Limits of the HTTP API: its connection layer (``meshd.api.http``: deadlines and connection caps) and its
+request schema (structured outputs, tools, sampling extensions).
 
 The request-level limits (body size, keys, tokens) live in ``transport.limits`` with the rest of the
 wire limits; these are the ones that protect the HTTP server itself from clients that hold connections
@@ -34,3 +35,10 @@ soft limit is 1024 per process, and the node needs some for itself."""
 
 API_MAX_HEAD_LINE_BYTES = 8190
 """Longest request line or header line (aiohttp's default; an oversize head is a 400 in OpenAI's shape)."""
+
+# ----- request schema (meshd.api.schema) ---------------------------------------------------------
+API_MAX_TOOLS = 128  # functions in one request's ``tools`` (OpenAI's limit)
+API_MAX_LOGIT_BIAS = 1024  # entries in ``logit_bias``: each is a scatter into the [V] logits every step
+API_MAX_LOGIT_BIAS_VALUE = 100.0  # |bias| (OpenAI: -100..100; +-100 bans or forces a token)
+API_MAX_REPETITION_PENALTY = 10.0  # above this every seen token is effectively banned
+API_MAX_FUNCTION_NAME = 64  # characters of a function or response_format name (OpenAI: a-zA-Z0-9_-, 64)

@@ -127,6 +127,15 @@ class OpenAIFormatter:
             choice = {"index": 0, "text": text, "logprobs": self._lp(toks), "finish_reason": None}
         return sse(self._chunk(choice))
 
+    def content_chunk(self, text: str) -> bytes:
+        """A chat delta of plain content (tool mode: text outside tool calls, without logprobs)."""
+        return sse(self._chunk({"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}))
+
+    def tool_chunk(self, index: int, call: Any) -> bytes:
+        """One complete tool call as OpenAI's delta (``call`` is a ``meshd.api.tools.ToolCall``)."""
+        return sse(self._chunk({"index": 0, "delta": {"tool_calls": [call.openai(index)]}, "logprobs": None,
+                                "finish_reason": None}))
+
     def final_chunk(self, finish_reason: str, usage: dict[str, int] | None) -> bytes:
         if self.chat:
             choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
@@ -141,10 +150,17 @@ class OpenAIFormatter:
         return out + SSE_DONE
 
     # -- whole response ------------------------------------------------------------------------------
-    def full(self, toks: list[TokenOut], finish_reason: str, usage: dict[str, int]) -> bytes:
-        text = "".join(t.text for t in toks)
+    def full(self, toks: list[TokenOut], finish_reason: str, usage: dict[str, int],
+             tool_calls: list[Any] | None = None, content: str | None = None) -> bytes:
+        """The whole response. With ``tool_calls`` (``meshd.api.tools.ToolCall``), ``content`` is the text
+        outside them (None when empty, as OpenAI sends it)."""
+        text = "".join(t.text for t in toks) if content is None else content
         if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message = {"role": "assistant", "content": text or None,
+                           "tool_calls": [c.openai() for c in tool_calls]}
+            choice: dict[str, Any] = {"index": 0, "message": message,
                                       "logprobs": self._lp(toks), "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": self._lp(toks), "finish_reason": finish_reason}

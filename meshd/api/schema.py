@@ -1,8 +1,10 @@
 """Validation of ``/v1/chat/completions`` and ``/v1/completions`` bodies into ``GenRequest``.
 
 ``parse_request(kind, body_bytes)`` returns a ``GenRequest`` or raises ``ApiError(400, ...)`` naming the
-offending parameter. Unknown fields are ignored (clients send many), known ones are type-checked. The raw
-JSON object is kept so that pass-through backends (``openai:URL``, the tunnel) forward what the client sent.
+offending parameter. Nothing is silently ignored: a field this API does not implement is refused with a
+400 naming it (``param``), unless its value is null or the value that means "off" (``n: 1``,
+``store: false``, ``echo: false``, ...). docs/api.md lists the fields. The raw JSON object is kept so that
+pass-through backends (``openai:URL``, the tunnel) forward what the client sent.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from meshd.api import structured
 from meshd.api.errors import ApiError
+from meshd.api.limits import API_MAX_LOGIT_BIAS, API_MAX_LOGIT_BIAS_VALUE, API_MAX_REPETITION_PENALTY
 from transport.limits import (
     API_MAX_MESSAGES,
     API_MAX_STOP,
@@ -26,6 +30,17 @@ Kind = Literal["chat", "completion"]
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_COMPLETION_LOGPROBS = 5
 
+# Fields each endpoint implements. ``user`` is an end-user id for abuse tracking: accepted and unused.
+_COMMON = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
+    "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "user", "response_format",
+    "top_k", "min_p", "repetition_penalty", "ignore_eos", "store",
+})
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                         "parallel_tool_calls"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "best_of", "suffix"}
+MESSAGE_FIELDS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
+
 
 @dataclass
 class GenRequest:
@@ -35,7 +50,7 @@ class GenRequest:
     kind: Kind
     model: str
     raw: dict[str, Any]
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
     prompt: str | list[int] = ""
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -47,6 +62,22 @@ class GenRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     echo: bool = False
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    ignore_eos: bool = False
+    response_format: structured.ResponseFormat | None = None  # None: free text
+    tools: list[structured.Tool] = field(default_factory=list)
+    tool_choice: str | None = None  # "none", "auto", "required", or a function's name (None: no tools)
+    parallel_tool_calls: bool = True
+
+    @property
+    def tools_active(self) -> bool:
+        """Tools are offered to the model (given, and tool_choice is not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 def _bad(param: str, message: str) -> ApiError:
@@ -100,20 +131,30 @@ def _content_text(content: Any, idx: int) -> str:
     raise _bad(f"messages[{idx}].content", "message content must be a string or a list of text parts")
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise _bad("messages", "'messages' must be a non-empty array")
     if len(msgs) > API_MAX_MESSAGES:
         raise _bad("messages", f"at most {API_MAX_MESSAGES} messages")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise _bad(f"messages[{i}]", "each message must be an object")
         role = m.get("role")
         if role not in ROLES:
             raise _bad(f"messages[{i}].role", f"role must be one of {', '.join(sorted(ROLES))}")
-        out.append({"role": role, "content": _content_text(m.get("content"), i)})
+        for k, v in m.items():
+            if k not in MESSAGE_FIELDS and v is not None:
+                raise _unsupported(f"messages[{i}].{k}")
+        msg: dict[str, Any] = {"role": role, "content": _content_text(m.get("content"), i)}
+        name = m.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise _bad(f"messages[{i}].name", "'name' must be a string")
+            msg["name"] = name
+        msg.update(structured.message_tool_fields(m, i))
+        out.append(msg)
     return out
 
 
@@ -174,9 +215,14 @@ def parse_json_object(data: bytes) -> dict[str, Any]:
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-def parse_request(kind: Kind, data: bytes) -> GenRequest:
-    """Validate a request body (see module docstring)."""
+def parse_request(kind: Kind, data: bytes, extra_fields: frozenset[str] = frozenset()) -> GenRequest:
+    """Validate a request body (see module docstring). ``extra_fields`` are accepted unchecked (a test
+    backend's own knobs); backends read them from ``raw``."""
     body = parse_json_object(data)
+    known = CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS
+    for k, v in body.items():
+        if k not in known and k not in extra_fields and v is not None:
+            raise _unsupported(k)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("model", "'model' must be a non-empty string")
@@ -202,6 +248,10 @@ def parse_request(kind: Kind, data: bytes) -> GenRequest:
         req.echo = _bool(body, "echo")
         if req.echo:
             raise _bad("echo", "'echo' is not supported")
+        if body.get("best_of") not in (None, 1):
+            raise _bad("best_of", "only best_of=1 is supported")
+        if body.get("suffix") not in (None, ""):
+            raise _unsupported("suffix")
     req.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     req.top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     req.seed = _int(body, "seed", -(2**63), 2**64 - 1)
@@ -217,6 +267,55 @@ def parse_request(kind: Kind, data: bytes) -> GenRequest:
         if not isinstance(inc, bool):
             raise _bad("stream_options.include_usage", "'include_usage' must be a boolean")
         req.include_usage = inc
-    for name in ("presence_penalty", "frequency_penalty"):
-        _number(body, name, 0.0, -2.0, 2.0)
+    if _bool(body, "store"):
+        raise _bad("store", "'store' is not supported (nothing is stored); leave it out or false")
+    req.presence_penalty = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    req.frequency_penalty = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    req.repetition_penalty = _number(body, "repetition_penalty", 1.0, 0.0, API_MAX_REPETITION_PENALTY,
+                                     lo_open=True)
+    req.min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
+    top_k = _int(body, "top_k", -1, 2**31 - 1)
+    req.top_k = max(0, top_k or 0)  # -1 and 0 mean off (vLLM)
+    req.ignore_eos = _bool(body, "ignore_eos")
+    req.logit_bias = _logit_bias(body)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _bad("user", "'user' must be a string")
+    req.response_format = structured.parse_response_format(body.get("response_format"))
+    if kind == "chat":
+        req.tools = structured.parse_tools(body.get("tools"))
+        req.tool_choice = structured.parse_tool_choice(body.get("tool_choice"), req.tools)
+        req.parallel_tool_calls = body.get("parallel_tool_calls") is not False
+        if body.get("parallel_tool_calls") not in (None, True, False):
+            raise _bad("parallel_tool_calls", "'parallel_tool_calls' must be a boolean")
+        if req.tools_active and req.logprobs:
+            raise _bad("logprobs", "'logprobs' together with active 'tools' is not supported")
+        if req.tools_active and req.response_format is not None and req.tool_choice != "auto":
+            raise _bad("response_format", "'response_format' cannot be combined with tool_choice "
+                       f"'{req.tool_choice}' (the output is then a tool call)")
     return req
+
+
+def _unsupported(param: str) -> ApiError:
+    return ApiError(400, f"unsupported parameter '{param}' (see docs/api.md for what is supported)",
+                    code="unsupported_parameter", param=param)
+
+
+def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
+    lb = body.get("logit_bias")
+    if lb is None:
+        return {}
+    if not isinstance(lb, dict):
+        raise _bad("logit_bias", "'logit_bias' must be an object mapping token ids to numbers")
+    if len(lb) > API_MAX_LOGIT_BIAS:
+        raise _bad("logit_bias", f"at most {API_MAX_LOGIT_BIAS} entries in 'logit_bias'")
+    out: dict[int, float] = {}
+    for k, v in lb.items():
+        if not isinstance(k, str) or not k.isdigit() or len(k) > 12:
+            raise _bad("logit_bias", f"'logit_bias' keys must be token ids, got {k!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or abs(v) > API_MAX_LOGIT_BIAS_VALUE:
+            raise _bad("logit_bias", f"'logit_bias' values must be numbers in [-{API_MAX_LOGIT_BIAS_VALUE:g}, "
+                       f"{API_MAX_LOGIT_BIAS_VALUE:g}], got {v!r} for {k}")
+        out[int(k)] = float(v)
+    return out

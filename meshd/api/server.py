@@ -84,6 +84,7 @@ class ApiConfig:
     max_body_bytes: int = limits.API_MAX_BODY_BYTES
     head_timeout_s: float = http_limits.API_HEAD_TIMEOUT_S
     body_timeout_s: float = http_limits.API_BODY_TIMEOUT_S
+    extra_fields: frozenset[str] = frozenset()  # request fields accepted besides the API's (test backends)
 
 
 class ApiServer:
@@ -112,6 +113,7 @@ class ApiServer:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model_id:.+}", self._model)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_post("/v1/completions", self._generate)
         return app
@@ -231,6 +233,17 @@ class ApiServer:
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(self.models_payload(False))
+
+    def model_payload(self, model_id: str, local_only: bool) -> dict[str, Any]:
+        """One entry of ``/v1/models`` (the OpenAI SDK's ``models.retrieve``); 404 if nothing serves it."""
+        for m in self.models_payload(local_only)["data"]:
+            if m["id"] == model_id:
+                return m  # type: ignore[no-any-return]
+        raise ApiError(404, f"model '{model_id}' does not exist in this mesh", code="model_not_found",
+                       param="model")
+
+    async def _model(self, request: web.Request) -> web.Response:
+        return web.json_response(self.model_payload(request.match_info["model_id"], False))
 
     # -- generation --------------------------------------------------------------------------------
     async def _read_body(self, request: web.Request) -> bytes:
@@ -388,11 +401,14 @@ class ApiServer:
         """Answer one request (see module docstring)."""
         if method == "GET" and path == "/v1/models":
             return _json_reply(self.models_payload(local_only), self.config.node_id)
+        if method == "GET" and path.startswith("/v1/models/") and len(path) > len("/v1/models/"):
+            return _json_reply(self.model_payload(path[len("/v1/models/"):], local_only), self.config.node_id)
         if method != "POST" or path not in ("/v1/chat/completions", "/v1/completions"):
             raise ApiError(404, f"no route {method} {path}", code="unknown_url")
         if len(body) > self.config.max_body_bytes:
             raise ApiError(413, f"request body is larger than {self.config.max_body_bytes} bytes")
-        req = parse_request("chat" if path == "/v1/chat/completions" else "completion", body)
+        req = parse_request("chat" if path == "/v1/chat/completions" else "completion", body,
+                            self.config.extra_fields)
         model, targets = self._resolve(req, local_only)
         if model != req.model:
             req.raw = dict(req.raw, model=model)
@@ -485,18 +501,29 @@ class ApiServer:
 async def _watch_body(body: AsyncIterator[bytes], st: PeerStats, reply: Reply) -> AsyncIterator[bytes]:
     """Pass a tunnelled body through: count its SSE events (about tokens) and record their rate, and mark
     the serving node failed for routing when it fails mid-response (killed, silent, reset), so the next
-    request goes elsewhere at once instead of waiting for the dead node to time out again."""
+    request goes elsewhere at once instead of waiting for the dead node to time out again. A stream goes
+    out in whole SSE events only: if the serving node fails mid-event, the client gets the error event after
+    the last whole one, not glued to half a chunk (which the SDK reported as a JSONDecodeError)."""
     events = 0
     t0 = time.monotonic()
     buf = bytearray()
+    partial = b""
     try:
         async for chunk in body:
             if reply.stream:
                 events += chunk.count(b"data: ")
                 reply.events = max(0, events - 1)  # the last event is [DONE]
-            elif len(buf) < _USAGE_SCAN_BYTES:
+                partial += chunk
+                cut = partial.rfind(b"\n\n") + 2
+                if cut >= 2:
+                    whole, partial = partial[:cut], partial[cut:]
+                    yield whole
+                continue
+            if len(buf) < _USAGE_SCAN_BYTES:
                 buf += chunk
             yield chunk
+        if partial:
+            yield partial
         if buf:
             reply.events = _completion_tokens(bytes(buf))
     except ApiError as e:
