@@ -239,8 +239,8 @@ def report(s: Streams, windows: dict[str, list[tuple[float, float]]], echo_bytes
               f"{fmt([c[name] for c in echoes if name in c])} |")
     print(f"| **all but the compute** (echo: aioquic's send to aioquic's receive) | | {fmt(total_layer)} | "
           f"{fmt(total_echo)} |")
-    print("\n| call (aioquic; sendto), one packet of 1 KB or more | process | back to back, median us | quartiles "
-          "| in decode, median us | quartiles |")
+    print("\n| call (aioquic; sendto), one packet of 1 KB or more | process | back to back, median us "
+          "| quartiles | in decode, median us | quartiles |")
     print("|---|---|---|---|---|---|")
 
     def median_us(values: list[float]) -> float | None:
