@@ -91,14 +91,16 @@ class Streams:
                 and any(a <= e[0] <= b for a, b in windows)]
 
 
-def chain(s: Streams, start: float, with_compute: bool) -> dict[str, float] | None:
+def chain(s: Streams, start: float, with_compute: bool,
+          within: float = 0.01) -> dict[str, float] | None:
     """One request's segments from ``start`` (a dispatch, or an echo packet's ``out1``); None if a point
-    is missing (a lost packet, an event outside the recorded window). A packet is followed by its size: the
-    receiver's ``in0`` of as many bytes as the sender's ``s0`` (sendto called)."""
+    is missing (a lost packet, an event outside the recorded window, or more than ``within`` seconds after
+    the point before it: a process can wait that long for a core on a loaded machine). A packet is followed
+    by its size: the receiver's ``in0`` of as many bytes as the sender's ``s0`` (sendto called)."""
     marks: dict[tuple[str, str], float] = {}
     if with_compute:
         marks["C", "dispatch"] = start
-        first = s.next("C", start, "out1", size=0)  # the dispatch sends its request at once
+        first = s.next("C", start, "out1", size=0, within=within)  # the dispatch sends its request at once
         if first is None:
             return None
         start = first[0]
@@ -113,7 +115,7 @@ def chain(s: Streams, start: float, with_compute: bool) -> dict[str, float] | No
     route += [("C", "reply", "any")] if with_compute else []
     size = 0
     for proc, tag, how in route:
-        e = s.next(proc, t, tag, size if how == "match" else 0 if how == "nonempty" else None)
+        e = s.next(proc, t, tag, size if how == "match" else 0 if how == "nonempty" else None, within)
         if e is None:
             return None
         t, size = e[0], e[2]

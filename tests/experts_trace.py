@@ -4,8 +4,8 @@
 ``_fast_reply``, the worker's ``compute_request``, aioquic's ``QuicConnection.receive_datagram`` and
 ``datagrams_to_send``, and asyncio's datagram transport ``sendto`` (on the call and on its return). Each
 wrapper appends ``(time.perf_counter(), tag, bytes)`` to the recorder. ``perf_counter`` is CLOCK_MONOTONIC,
-one clock for every process on the machine, so a coordinator's and a worker's timestamps line up. Diagnostics only: each
-point costs about a microsecond, and ``uninstall()`` puts the originals back.
+one clock for every process on the machine, so a coordinator's and a worker's timestamps line up.
+Diagnostics only: each point costs about a microsecond, and ``uninstall()`` puts the originals back.
 """
 
 from __future__ import annotations
