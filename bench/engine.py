@@ -1,13 +1,23 @@
-"""Engine benchmark: numpy engine vs transformers (torch CPU) on a mid-size Qwen3-MoE it creates.
+"""Engine benchmark: numpy engine (fp32, bf16, GGUF Q8_0 and Q4_K_M) vs transformers (torch CPU) on a
+mid-size Qwen3-MoE it creates, plus the machine's memory read bandwidth measured in the same run.
 
-    python bench/engine.py [--threads 2] [--rounds 5] [--dir DIR] [--no-ref]
+    python bench/engine.py [--threads 2] [--rounds 5] [--dir DIR] [--no-ref] [--variants fp32,bf16,Q8_0,Q4_K_M]
 
 Checkpoint: Qwen3-MoE, hidden 768, 8 layers, 12 heads over 4 KV heads, head_dim 64, 16 experts of
-width 384 with top-4, vocab 8192, fp32 (written once into --dir, default a temp dir). Each side runs in
-its own long-lived subprocess with the same thread count (so peak RSS is its own); the parent steps
-them alternately (prefill of a 256-token prompt, then 64 greedy decode steps) for several rounds and
-keeps each side's best, so both see the same machine load. The engine also runs 1, 4 and 8 concurrent
-sequences through ``forward_batch``. Prints a Markdown table and the BLAS kernel that ran.
+width 384 with top-4, vocab 8192, fp32 (written once into --dir, default a temp dir), and from it a bf16
+safetensors copy and GGUF Q8_0 / Q4_K_M files (``engine.gguf_export``; the experts' down projections have
+rows of 384, not whole 256-blocks, so Q4_K_M stores them Q8_0 as llama.cpp falls back for such shapes).
+
+Fairness: every side runs in its own subprocess, one after the other: while one is timed no other
+benchmark process is alive (the previous one has exited), so no idle side keeps BLAS/OpenMP threads
+spinning. Every subprocess gets the same OMP/OPENBLAS/MKL thread counts and torch the same
+``set_num_threads``; both sides get the same prompt (the same 256 token ids: the checkpoint has no
+tokenizer, so ids stand in for the text) and are warmed up the same way (one untimed prefill and decode).
+Each side reports the median and range of ``--rounds`` rounds of prefill (256 tokens) and decode (64
+greedy steps). The bandwidth probe (its own subprocess, same threads) reads a 1 GiB buffer, far larger
+than the caches, with one reader thread per core, and keeps the best of five passes. The bandwidth row
+divides the weight bytes one decoded token reads (every non-expert matrix, top-k of the E experts of each
+sparse layer, one embedding row) by that bandwidth: the decode speed memory allows.
 """
 
 from __future__ import annotations
@@ -176,66 +186,138 @@ class _TorchSide:
                 "transformers": self.transformers.__version__, "torch_threads": self.torch.get_num_threads()}
 
 
-def _serve(kind: str, path: Path, threads: int) -> None:
-    """Worker loop: one command per stdin line (prefill | decode | batch B | info) -> one JSON line."""
-    # Replies go over the original stdout; anything else printing (logs, progress bars) goes to stderr.
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    side = _EngineSide(path, threads) if kind == "engine" else _TorchSide(path, threads)
-    out.write("{}\n")
-    out.flush()
-    for line in sys.stdin:
-        cmd, *arg = line.split()
-        if cmd == "info":
-            res: object = side.info()
-        elif cmd == "batch":
-            res = side.batch(int(arg[0]))  # type: ignore[union-attr]
+
+def _bandwidth(threads: int) -> dict:
+    """Memory read bandwidth: ``threads`` readers over a 1 GiB buffer, best of five passes (GB/s)."""
+    import threading
+
+    import numpy as np
+
+    buf = np.ones(1 << 28, dtype=np.float32)  # 1 GiB, written once so every page is resident
+    parts = np.array_split(buf, threads)
+    best = 0.0
+    for _ in range(5):
+        barrier = threading.Barrier(threads + 1)
+
+        def read(a: np.ndarray) -> None:
+            barrier.wait()
+            a.sum(dtype=np.float32)
+
+        ts = [threading.Thread(target=read, args=(p,)) for p in parts]
+        for t in ts:
+            t.start()
+        barrier.wait()
+        t0 = time.perf_counter()
+        for t in ts:
+            t.join()
+        best = max(best, buf.nbytes / (time.perf_counter() - t0) / 1e9)
+    return {"read_gb_s": best}
+
+
+def _active_bytes(model) -> int:
+    """Weight bytes one decode step reads: non-expert matrices, top-k experts per sparse layer, one embedding row."""
+    import numpy as np
+
+    total = 0
+    cfg = model.config
+    for lay in model.layers:
+        for name in ("q", "k", "v", "o", "gate", "up", "down", "router", "attn_norm", "mlp_norm", "q_norm", "k_norm"):
+            w = getattr(lay, name, None)
+            if w is not None:
+                total += int(w.nbytes)
+        if lay.sparse:
+            per = sum(int(w.nbytes) for w in lay.experts[0])
+            total += per * cfg.top_k
+        if lay.shared is not None:
+            total += sum(int(w.nbytes) for w in lay.shared)
+    total += int(model.lm_head.nbytes) + int(np.asarray(model.norm).nbytes)
+    total += int(model._embed.nbytes) // cfg.vocab_size
+    return total
+
+
+def _run_side(kind: str, path: Path, threads: int, rounds: int) -> dict:
+    """Inside a worker process: warm up, time ``rounds`` prefill and decode rounds, report."""
+    if kind == "bandwidth":
+        return _bandwidth(threads)
+    side = _TorchSide(path, threads) if kind == "torch" else _EngineSide(path, threads)
+    side.prefill()  # warm-up, untimed, the same on every side
+    side.decode()
+    out: dict = {"prefill": [], "decode": []}
+    for _ in range(rounds):
+        out["prefill"].append(side.prefill())
+        out["decode"].append(side.decode())
+    if kind == "engine-fp32":
+        for b in (1, 4, 8):
+            out[f"batch{b}"] = [side.batch(b) for _ in range(max(1, rounds // 2))]
+    out["info"] = side.info()
+    if kind != "torch":
+        out["info"]["active_bytes"] = _active_bytes(side.model)
+        out["info"]["file_bytes"] = sum(Path(f).stat().st_size for f in
+                                        ([path] if path.is_file() else path.glob("*.safetensors")))
+    return out
+
+
+def _spawn(kind: str, path: Path, threads: int, rounds: int) -> dict:
+    """Run one side in a fresh subprocess and wait for it to exit (nothing else of ours is alive meanwhile)."""
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[var] = str(threads)
+    cmd = [sys.executable, __file__, "--worker", kind, "--dir", str(path), "--threads", str(threads),
+           "--rounds", str(rounds)]
+    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, check=False)
+    if p.returncode != 0 or not p.stdout.strip():
+        raise RuntimeError(f"benchmark side {kind} failed (exit {p.returncode})")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def _variants(path: Path, wanted: list[str]) -> dict[str, Path]:
+    """The checkpoint in each stored form: fp32 dir, bf16 dir, GGUF files (created once)."""
+    out: dict[str, Path] = {}
+    for v in wanted:
+        if v == "fp32":
+            out[v] = path
+        elif v == "bf16":
+            d = path / "bf16"
+            if not (d / "config.json").exists():
+                import torch
+                import transformers
+
+                m = transformers.Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
+                m.to(torch.bfloat16).save_pretrained(d)
+            out[v] = d
         else:
-            res = getattr(side, cmd)()
-        out.write(json.dumps(res) + "\n")
-        out.flush()
+            f = path / f"model-{v}.gguf"
+            if not f.exists():
+                sys.path.insert(0, str(ROOT))
+                from engine.gguf_export import export_gguf
+
+                export_gguf(path, f, v)
+            out[v] = f
+    return out
 
 
-class _Worker:
-    def __init__(self, kind: str, path: Path, threads: int) -> None:
-        env = dict(os.environ)
-        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-            env[var] = str(threads)
-        cmd = [sys.executable, __file__, "--worker", kind, "--dir", str(path), "--threads", str(threads)]
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True)
-        self._read()  # ready
+def _med(xs: list[float]) -> float:
+    import statistics
 
-    def _read(self) -> object:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("benchmark worker died")
-        return json.loads(line)
-
-    def ask(self, cmd: str) -> object:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(cmd + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+    return statistics.median(xs)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dir", type=Path, default=None, help="checkpoint dir (created if empty)")
+    ap.add_argument("--threads", type=int, default=2, help="BLAS/OpenMP/torch threads of every side (default 2)")
+    ap.add_argument("--dir", type=Path, default=None, help="checkpoint dir (created if empty; default a temp dir)")
     ap.add_argument("--no-ref", action="store_true", help="skip transformers")
-    ap.add_argument("--rounds", type=int, default=5, help="alternating engine/transformers rounds; best kept")
-    ap.add_argument("--worker", choices=["engine", "torch"], help=argparse.SUPPRESS)
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per side; median and range reported (default 5)")
+    ap.add_argument("--variants", default="fp32,bf16,Q8_0,Q4_K_M",
+                    help="engine weight forms to run (default fp32,bf16,Q8_0,Q4_K_M)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        _serve(args.worker, args.dir, args.threads)
+        out = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)
+        sys.stdout = sys.stderr
+        out.write(json.dumps(_run_side(args.worker, args.dir, args.threads, args.rounds)) + "\n")
+        out.flush()
         return
     tmp = None
     path = args.dir
@@ -244,56 +326,58 @@ def main() -> None:
         path = Path(tmp.name)
     if not (path / "config.json").exists():
         create(path)
+    variants = _variants(path, [v for v in args.variants.split(",") if v])
     load0 = os.getloadavg()[0]
-    # Both sides stay loaded and are stepped alternately, so each sees the same machine load
-    # (this machine is shared); the best of the rounds is kept for each.
-    ew = _Worker("engine", path, args.threads)
-    tw = None if args.no_ref else _Worker("torch", path, args.threads)
-    times: dict[str, list[float]] = {}
-    for _ in range(max(1, args.rounds)):
-        for step in ("prefill", "decode"):
-            for name, w in (("engine", ew), ("torch", tw)):
-                if w is not None:
-                    t = float(w.ask(step))  # type: ignore[arg-type]
-                    times.setdefault(f"{name}_{step}", []).append(t)
-        for b in (1, 4, 8):
-            t = float(ew.ask(f"batch {b}"))  # type: ignore[arg-type]
-            times.setdefault(f"engine_batch{b}", []).append(t)
-    eng = dict(ew.ask("info"))  # type: ignore[arg-type]
-    eng["prefill_tok_s"] = PROMPT_LEN / min(times["engine_prefill"])
-    eng["decode_tok_s"] = DECODE_LEN / min(times["engine_decode"])
-    eng["batch_tok_s"] = {b: b * BATCH_STEPS / min(times[f"engine_batch{b}"]) for b in (1, 4, 8)}
-    ref = None
-    if tw is not None:
-        ref = dict(tw.ask("info"))  # type: ignore[arg-type]
-        ref["prefill_tok_s"] = PROMPT_LEN / min(times["torch_prefill"])
-        ref["decode_tok_s"] = DECODE_LEN / min(times["torch_decode"])
-        tw.close()
-    ew.close()
-    rounds = max(1, args.rounds)
-    w_mb = eng["weight_bytes"] / 2**20
+    res: dict[str, dict] = {"bandwidth": _spawn("bandwidth", path, args.threads, 1)}
+    if not args.no_ref:
+        res["torch"] = _spawn("torch", path, args.threads, args.rounds)
+    for v, p in variants.items():
+        res[v] = _spawn(f"engine-{v}", p, args.threads, args.rounds)
+    bw = res["bandwidth"]["read_gb_s"]
+
+    def rate(r: dict, key: str, n: int) -> tuple[float, float, float]:
+        xs = [n / t for t in r[key]]
+        return _med(xs), min(xs), max(xs)
+
+    info0 = next(iter(res[v]["info"] for v in variants)) if variants else {}
     lines = [
-        f"rounds={rounds} alternating (best of each kept)"
-        f" load average {load0:.1f} -> {os.getloadavg()[0]:.1f}",
-        f"threads={args.threads} BLAS kernel={eng['blas']}"
-        f" OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')} numpy={eng['numpy']}"
-        + (f" torch={ref['torch']} transformers={ref['transformers']}" if ref else ""),
+        f"sides run one after another in their own subprocesses (none alive while another is timed);"
+        f" rounds={args.rounds}, median [min-max]; load average {load0:.1f} -> {os.getloadavg()[0]:.1f}",
+        f"threads={args.threads} BLAS kernel={info0.get('blas', '?')} numpy={info0.get('numpy', '?')}"
+        + (f" torch={res['torch']['info']['torch']} transformers={res['torch']['info']['transformers']}"
+           if "torch" in res else "") + f"; memory read bandwidth {bw:.1f} GB/s",
         "",
-        "| metric | numpy engine | transformers | ratio |",
-        "| --- | --- | --- | --- |",
+        "| weights | prefill tok/s | vs transformers | decode tok/s | vs transformers | vs our fp32 |"
+        " bandwidth limit tok/s | of limit | peak RSS / file |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for key, label in (("prefill_tok_s", f"prefill tok/s ({PROMPT_LEN}-token prompt)"),
-                       ("decode_tok_s", f"decode tok/s ({DECODE_LEN} tokens)")):
-        r = f"{ref[key]:.1f}" if ref else "-"
-        ratio = f"{eng[key] / ref[key]:.2f}x" if ref else "-"
-        lines.append(f"| {label} | {eng[key]:.1f} | {r} | {ratio} |")
-    for b, v in eng["batch_tok_s"].items():
-        lines.append(f"| decode tok/s, {b} concurrent (forward_batch, ctx {BATCH_CTX}) | {v:.1f} | | |")
-    lines.append(f"| peak RSS MB (weights {w_mb:.0f} MB) | {eng['peak_rss_mb']:.0f} "
-                 f"({eng['peak_rss_mb'] / w_mb:.2f}x) | {ref['peak_rss_mb']:.0f} |  |" if ref else
-                 f"| peak RSS MB (weights {w_mb:.0f} MB) | {eng['peak_rss_mb']:.0f} "
-                 f"({eng['peak_rss_mb'] / w_mb:.2f}x) | - | |")
-    lines.append(f"| load s / cold first prefill s | {eng['load_s']:.3f} / {eng['cold_prefill_s']:.2f} | | |")
+    ref = res.get("torch")
+    fp32 = res.get("fp32")
+    if ref is not None:
+        pm, pl, ph = rate(ref, "prefill", PROMPT_LEN)
+        dm, dl, dh = rate(ref, "decode", DECODE_LEN)
+        lines.append(f"| transformers fp32 | {pm:.0f} [{pl:.0f}-{ph:.0f}] | 1.00x | {dm:.1f} [{dl:.1f}-{dh:.1f}] |"
+                     f" 1.00x | | | | {ref['info']['peak_rss_mb']:.0f} MB |")
+    for v in variants:
+        r = res[v]
+        pm, pl, ph = rate(r, "prefill", PROMPT_LEN)
+        dm, dl, dh = rate(r, "decode", DECODE_LEN)
+        vs_ref_p = f"{pm / rate(ref, 'prefill', PROMPT_LEN)[0]:.2f}x" if ref else "-"
+        vs_ref_d = f"{dm / rate(ref, 'decode', DECODE_LEN)[0]:.2f}x" if ref else "-"
+        vs_fp32 = f"{dm / rate(fp32, 'decode', DECODE_LEN)[0]:.2f}x" if fp32 else "-"
+        limit = bw * 1e9 / r["info"]["active_bytes"]
+        rss = r["info"]["peak_rss_mb"] - r["info"]["rss_before_load_mb"]
+        fmb = r["info"]["file_bytes"] / 2**20
+        lines.append(f"| {v} ({fmb:.0f} MiB) | {pm:.0f} [{pl:.0f}-{ph:.0f}] | {vs_ref_p} | {dm:.1f} [{dl:.1f}-{dh:.1f}]"
+                     f" | {vs_ref_d} | {vs_fp32} | {limit:.0f} ({r['info']['active_bytes'] / 2**20:.0f} MiB/token)"
+                     f" | {dm / limit:.2f} | {rss:.0f} MiB ({rss / fmb:.2f}x) |")
+    if fp32 is not None:
+        for b in (1, 4, 8):
+            m, lo, hi = rate(fp32, f"batch{b}", b * BATCH_STEPS)
+            lines.append(f"| fp32, {b} concurrent (forward_batch, ctx {BATCH_CTX}) | | | {m:.1f} [{lo:.1f}-{hi:.1f}]"
+                         f" | | | | | |")
+    lines.append("")
+    lines.append("peak RSS / file: VmHWM of the engine process minus its RSS before loading, over the files' size")
     sys.stdout.write("\n".join(lines) + "\n")
     if tmp is not None:
         tmp.cleanup()

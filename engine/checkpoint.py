@@ -49,9 +49,10 @@ class TensorRef:
 
     key: str
     file: Path
-    dtype: str  # safetensors dtype name: "F32" | "F16" | "BF16"
+    dtype: str  # "F32" | "F16" | "BF16" (safetensors, GGUF) | "Q8_0" | "Q4_0" | "Q4_K" | "Q5_K" | "Q6_K" (GGUF)
     shape: tuple[int, ...]
-    data: np.ndarray  # read-only view over the file's mmap, storage dtype (bf16 as uint16)
+    data: np.ndarray  # read-only view over the file's mmap, storage dtype (bf16 as uint16, GGUF blocks as
+    #                   uint8 [..., row bytes])
 
     @property
     def nbytes(self) -> int:
@@ -67,6 +68,11 @@ def to_f32(data: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "BF16":
         # bf16 is the top half of an fp32: shift the 16 bits up and reinterpret.
         return (data.astype(np.uint32) << 16).view(np.float32)
+    from .quant import BLOCKS, QUANTIZED, dequantize
+
+    if dtype in QUANTIZED:  # GGUF blocks: [..., row bytes] uint8
+        bs, ts = BLOCKS[dtype]
+        return dequantize(data, dtype, (*data.shape[:-1], data.shape[-1] // ts * bs))
     raise CheckpointError(f"unsupported dtype {dtype}")
 
 

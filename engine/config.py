@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "llama", "qwen3")
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "llama", "qwen3", "qwen2")
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 # Per-family defaults for fields a Hub config may leave out (the transformers config classes' defaults).
@@ -27,6 +27,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "olmoe": {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "norm_topk_prob": False, "attention_bias": False},
     "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "attention_bias": False, "mlp_bias": False},
     "qwen3": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "attention_bias": False},
+    "qwen2": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0},
 }
 
 
@@ -182,7 +183,7 @@ class ModelConfig:
                 raise ConfigError(f"mlp_only_layers must be a list of layer indices, got {mo!r}")
             mlp_only = tuple(mo)
 
-        if mt in ("qwen3_moe", "qwen2_moe", "qwen3") and raw.get("use_sliding_window"):
+        if mt in ("qwen3_moe", "qwen2_moe", "qwen3", "qwen2") and raw.get("use_sliding_window"):
             raise ConfigError("use_sliding_window=true is not supported")
         window = None
         if mt == "mixtral" and raw.get("sliding_window") is not None:
@@ -194,6 +195,8 @@ class ModelConfig:
             o_bias = False
         elif mt == "mixtral":
             qkv_bias = o_bias = False
+        elif mt == "qwen2":  # q/k/v always carry a bias, o never
+            qkv_bias, o_bias = True, False
         else:
             qkv_bias = o_bias = bool(get("attention_bias", False))
         clip = raw.get("clip_qkv") if mt == "olmoe" else None

@@ -3,7 +3,7 @@ Mixtral, OLMoE), over memory-mapped weights.
 
 Usage::
 
-    model = Model.load(path)                  # config.json + safetensors, weights mmap'd
+    model = Model.load(path)                  # config.json + safetensors, or a .gguf; weights mmap'd
     cache = model.new_cache()
     logits = model.forward(prompt_ids, cache) # [T, V] fp32, appends T positions to the cache
     logits = model.forward([next_id], cache)  # one decode step
@@ -29,8 +29,10 @@ import structlog
 from . import families
 from .checkpoint import Checkpoint, CheckpointError, ProgressFn, TensorRef, load_checkpoint, to_f32
 from .config import ModelConfig
+from .gguf_file import PermutedRows, is_gguf, load_gguf, unpermute_index
 from .moe import ExpertExecutor, ForwardSteps, RoutedCall, drive, expert_ffn, local_executor, route, silu
 from .ops import RopeTable, apply_rope, attention, rmsnorm
+from .quant import Packed, packed
 
 log = structlog.get_logger(__name__)
 
@@ -39,18 +41,6 @@ WARM_MAX_BYTES = 8 << 20  # ``Model.warm`` reads at most this per layer (~0.6 ms
 
 
 _PAGE = 4096
-
-
-def _available_bytes() -> int:
-    """MemAvailable from /proc/meminfo (0 if unknown, which keeps narrow experts narrow)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 class KVCache:
@@ -92,7 +82,8 @@ class KVCache:
 
 @dataclass(slots=True)
 class Layer:
-    """Weights of one decoder layer (fp32 arrays, views of the mmap where storage is fp32)."""
+    """Weights of one decoder layer. Matrices are ``engine.quant`` weights (an fp32 array, or a ``Packed``
+    view in the stored type; ``x @ w.T`` works for both), vectors fp32 arrays."""
 
     attn_norm: np.ndarray
     mlp_norm: np.ndarray
@@ -115,11 +106,8 @@ class Layer:
     down_bias: np.ndarray | None = None
     # sparse layers
     router: np.ndarray | None = None
-    experts: list[tuple[TensorRef, TensorRef, TensorRef] | tuple[np.ndarray, np.ndarray, np.ndarray]] = field(
-        default_factory=list
-    )
-    experts_f32: bool = True
-    expert_dtypes: tuple[str, str, str] = ("F32", "F32", "F32")  # storage dtypes of the fused layout
+    experts: list[tuple[np.ndarray | Packed, np.ndarray | Packed, np.ndarray | Packed]] = field(default_factory=list)
+    expert_dtypes: tuple[str, str, str] = ("F32", "F32", "F32")  # stored types of the routed experts
     shared: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     shared_expert_gate: np.ndarray | None = None
 
@@ -128,11 +116,17 @@ class Layer:
         return self.router is not None
 
 
+def _widened(w: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return tuple(a.widen() if isinstance(a, Packed) else a for a in w)  # type: ignore[return-value]
+
+
 class _Loader:
     """Takes tensors out of a checkpoint by explicit key, checking shape, and tracks what was used."""
 
-    def __init__(self, ckpt: Checkpoint, progress: ProgressFn | None, prefetch: bool) -> None:
+    def __init__(self, ckpt: Checkpoint, progress: ProgressFn | None, prefetch: bool,
+                 permuted: dict[str, int] | None = None) -> None:
         self.ckpt = ckpt
+        self.permuted = permuted or {}
         self.used: set[str] = set()
         self.progress = progress
         self.prefetch = prefetch
@@ -163,8 +157,19 @@ class _Loader:
         t = self.ref(spec)
         return to_f32(t.data, t.dtype)
 
+    def weight(self, spec: families.Spec) -> np.ndarray | Packed | PermutedRows:
+        """A matrix in its stored type (``engine.quant.packed``), a vector widened to fp32. The one place a
+        tensor becomes a weight, for every family and file format."""
+        t = self.ref(spec)
+        heads = self.permuted.get(t.key.replace(".bias", ".weight"))
+        if len(t.shape) != 2:
+            v = to_f32(t.data, t.dtype)
+            return v if heads is None else v[unpermute_index(v.shape[0], heads)]
+        w = packed(t.data, t.dtype, t.shape)
+        return w if heads is None else PermutedRows(w, unpermute_index(t.shape[0], heads))
+
     def group(self, specs: dict[str, families.Spec]) -> dict[str, np.ndarray]:
-        return {role: self.f32(spec) for role, spec in specs.items()}
+        return {role: self.weight(spec) for role, spec in specs.items()}  # type: ignore[misc]
 
     def check_unexpected(self, tied: bool) -> None:
         for key in self.ckpt:
@@ -181,10 +186,11 @@ class Model:
     """A loaded model: config, fp32 weight views, and the forward pass."""
 
     def __init__(self, config: ModelConfig, layers: list[Layer], embed: TensorRef, norm: np.ndarray,
-                 lm_head: np.ndarray, checkpoint: Checkpoint | None = None, path: Path | None = None) -> None:
+                 lm_head: np.ndarray | Packed, checkpoint: Checkpoint | None = None, path: Path | None = None) -> None:
         self.config = config
         self.layers = layers
         self._embed = embed
+        self._embed_w = packed(embed.data, embed.dtype, embed.shape)
         self.norm = norm
         self.lm_head = lm_head  # [V, D]
         self.checkpoint = checkpoint
@@ -197,28 +203,32 @@ class Model:
     @classmethod
     def load(cls, path: str | os.PathLike[str], progress: ProgressFn | None = None,
              widen_experts: bool | None = None, prefetch: bool | None = None) -> Model:
-        """Load ``config.json`` and the safetensors weights of a checkpoint directory.
+        """Load ``config.json`` and the safetensors weights of a checkpoint directory, or a GGUF file (or the
+        first file of a split set; ``engine.gguf_file``).
 
-        fp32 tensors stay zero-copy views of the file mapping; fp16/bf16 tensors are widened to fp32 here.
-        Routed experts stored in fp16/bf16 are widened here too if ``widen_experts`` (default: when the
-        whole model in fp32 takes at most half of the available memory), else on every use (slower, but
-        the resident size stays the checkpoint's). Results are identical either way. Raises
+        Every matrix stays in its stored type as a zero-copy view of the file mapping (fp32 as the array,
+        fp16/bf16/quantized as ``engine.quant.Packed``, multiplied tile by tile); only vectors (norms,
+        biases) are widened. ``widen_experts`` widens the routed experts to fp32 here instead (more memory,
+        same results). Raises
         ``ConfigError`` or ``CheckpointError`` (message names the file and tensor key).
         ``progress(done_bytes, total_bytes)`` is called as tensors are taken. ``prefetch`` (default: when
         a progress callback is given) reads every page of the weights during the load, so the progress
         reflects the disk and the first forward pass does not stall on page faults.
         """
         p = Path(path)
-        cfg = ModelConfig.load(p)
-        ckpt = load_checkpoint(p)
-        if widen_experts is None:
-            f32_bytes = sum(t.nbytes * 4 // t.data.itemsize for t in ckpt.values())
-            widen_experts = f32_bytes <= _available_bytes() // 2
-        ld = _Loader(ckpt, progress, progress is not None if prefetch is None else prefetch)
+        permuted: dict[str, int] = {}
+        if is_gguf(p):
+            src = load_gguf(p)
+            cfg, ckpt, permuted = src.config, src.checkpoint, src.permuted
+        else:
+            cfg = ModelConfig.load(p)
+            ckpt = load_checkpoint(p)
+        widen_experts = bool(widen_experts)
+        ld = _Loader(ckpt, progress, progress is not None if prefetch is None else prefetch, permuted)
         g = families.global_tensors(cfg)
         embed = ld.ref(g["embed"])
         norm = ld.f32(g["norm"])
-        lm_head = ld.f32(g["lm_head"]) if "lm_head" in g else to_f32(embed.data, embed.dtype)
+        lm_head = ld.weight(g["lm_head"]) if "lm_head" in g else packed(embed.data, embed.dtype, embed.shape)
         layers = [cls._load_layer(cfg, ld, i, widen_experts) for i in range(cfg.num_layers)]
         ld.check_unexpected(cfg.tie_word_embeddings)
         log.info("model_loaded", path=str(p), model_type=cfg.model_type, layers=cfg.num_layers,
@@ -234,31 +244,22 @@ class Model:
             return layer
         fused = families.fused_expert_tensors(cfg, i)
         if fused["gate_up"][0] in ld.ckpt:
-            layer.router = ld.f32(fused["router"])
+            layer.router = ld.weight(fused["router"])
             gu, dn = ld.ref(fused["gate_up"]), ld.ref(fused["down"])
-            inter = cfg.moe_intermediate_size
-            layer.experts_f32 = (gu.dtype == "F32" and dn.dtype == "F32") or widen_experts
+            inter, d = cfg.moe_intermediate_size, cfg.hidden_size
             for e in range(cfg.num_experts):
-                w = (gu.data[e, :inter], gu.data[e, inter:], dn.data[e])
-                if widen_experts:
-                    w = (to_f32(w[0], gu.dtype), to_f32(w[1], gu.dtype), to_f32(w[2], dn.dtype))
-                layer.experts.append(w)
+                w = (packed(gu.data[e, :inter], gu.dtype, (inter, d)), packed(gu.data[e, inter:], gu.dtype, (inter, d)),
+                     packed(dn.data[e], dn.dtype, (d, inter)))
+                layer.experts.append(_widened(w) if widen_experts else w)
             layer.expert_dtypes = (gu.dtype, gu.dtype, dn.dtype)
         else:
-            layer.router = ld.f32(families.router_tensor(cfg, i))
-            dtypes: set[str] = set()
+            layer.router = ld.weight(families.router_tensor(cfg, i))
             for e in range(cfg.num_experts):
                 sp = families.expert_tensors(cfg, i, e)
-                refs = (ld.ref(sp["gate"]), ld.ref(sp["up"]), ld.ref(sp["down"]))
-                dtypes.update(r.dtype for r in refs)
-                layer.experts.append(refs)
-            layer.experts_f32 = dtypes == {"F32"} or widen_experts
-            if layer.experts_f32:
-                refs = layer.experts
-                layer.experts = [
-                    (to_f32(g.data, g.dtype), to_f32(u.data, u.dtype), to_f32(d.data, d.dtype))
-                    for g, u, d in refs  # type: ignore[union-attr]
-                ]
+                w = (ld.weight(sp["gate"]), ld.weight(sp["up"]), ld.weight(sp["down"]))
+                layer.experts.append(_widened(w) if widen_experts else w)  # type: ignore[arg-type]
+                layer.expert_dtypes = (ld.ckpt[sp["gate"][0]].dtype, ld.ckpt[sp["up"][0]].dtype,
+                                       ld.ckpt[sp["down"][0]].dtype)
         shared = ld.group(families.shared_expert_tensors(cfg, i))
         if shared:
             layer.shared = (shared["shared_gate"], shared["shared_up"], shared["shared_down"])
@@ -271,18 +272,12 @@ class Model:
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity)
 
     def expert_weights(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(gate [I, D], up [I, D], down [D, I]) of one routed expert, fp32;
-        widened here if stored narrower and not widened at load."""
+        """(gate [I, D], up [I, D], down [D, I]) of one routed expert, as ``engine.quant`` weights (fp32
+        arrays or ``Packed`` in the stored type; ``expert_ffn`` takes either)."""
         lay = self.layers[layer]
         if not lay.sparse:
             raise ValueError(f"layer {layer} has no routed experts")
-        w = lay.experts[expert]
-        if lay.experts_f32:
-            return w  # type: ignore[return-value]
-        if isinstance(w[0], TensorRef):
-            return tuple(to_f32(r.data, r.dtype) for r in w)  # type: ignore[return-value,union-attr]
-        out = tuple(to_f32(a, dt) for a, dt in zip(w, lay.expert_dtypes))  # type: ignore[arg-type]
-        return out  # type: ignore[return-value]
+        return lay.experts[expert]  # type: ignore[return-value]
 
     @property
     def local_executor(self) -> ExpertExecutor:
@@ -309,7 +304,7 @@ class Model:
         lay = self.layers[i]
         covered = 0
         for a in (lay.attn_norm, lay.q, lay.k, lay.v, lay.o, lay.mlp_norm, lay.router):
-            if a is None or a.size == 0 or not a.flags.c_contiguous or a.dtype != F32:
+            if not isinstance(a, np.ndarray) or a.size == 0 or not a.flags.c_contiguous or a.dtype != F32:
                 continue
             n = min(a.size, (WARM_MAX_BYTES - covered) // 4)  # a big matrix: its first rows
             if n == 0:  # the budget is spent
@@ -320,7 +315,8 @@ class Model:
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """[T] -> [T, D] fp32 (a copy of the rows)."""
-        return to_f32(self._embed.data[ids], self._embed.dtype)
+        w = self._embed_w
+        return w.take(ids) if isinstance(w, Packed) else w[ids]
 
     def _check_ids(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         arr = np.asarray(ids)

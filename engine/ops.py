@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from transport.limits import ATTENTION_QUERY_BLOCK
+from engine.limits import ATTENTION_QUERY_BLOCK
 
 from .config import RopeConfig
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from transport.limits import MAX_TOP_LOGPROBS
+from engine.limits import MAX_TOP_LOGPROBS
 
 
 @dataclass(frozen=True, slots=True)

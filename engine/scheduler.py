@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from transport.limits import MAX_ACTIVE_SEQUENCES, PREFILL_CHUNK_TOKENS
+from engine.limits import MAX_ACTIVE_SEQUENCES, PREFILL_CHUNK_TOKENS
 
 from engine.generate import (DecodeState, GenerationStats, TokenEvent, check_request, context_length,
                              forward_last)

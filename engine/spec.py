@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from transport.limits import MAX_MODEL_SPEC_CHARS
+from engine.limits import MAX_MODEL_SPEC_CHARS
 
 MAX_SPEC_CHARS = MAX_MODEL_SPEC_CHARS
 # Served names: what OpenAI clients put in "model". No leading '/', '.', '~' so a path is never a name.
@@ -70,13 +70,16 @@ def parse_model_spec(text: str) -> ModelSpec:
         return ModelSpec("openai", name, url=url, explicit_name=name is not None)
     path = Path(body).expanduser()
     default = path.resolve().name if str(path) not in ("", ".") else Path.cwd().name
+    if default.endswith(".gguf"):  # served name of a GGUF: its file name without the split suffix and .gguf
+        default = re.sub(r"-\d{5}-of-\d{5}$", "", default[: -len(".gguf")])
     return ModelSpec("path", name or default or "model", path=path, explicit_name=name is not None)
 
 
 def resolve_checkpoint(spec: ModelSpec, state_dir: str | Path) -> Path:
-    """The checkpoint directory for a ``path`` or ``tiny`` spec (creating tiny under ``state_dir``).
+    """The checkpoint directory (or ``.gguf`` file) for a ``path`` or ``tiny`` spec (creating tiny under
+    ``state_dir``).
 
-    Raises ``ValueError`` if the path is not a directory or the spec is ``openai:``.
+    Raises ``ValueError`` if the path is neither a directory nor a ``.gguf`` file, or the spec is ``openai:``.
     """
     if spec.kind == "tiny":
         from engine.tiny import ensure_tiny
@@ -86,6 +89,9 @@ def resolve_checkpoint(spec: ModelSpec, state_dir: str | Path) -> Path:
         raise ValueError("an openai: model is served by its own server, not loaded in this process")
     if not spec.path.exists():
         raise ValueError(f"model path {spec.path} does not exist")
+    if spec.path.is_file() and spec.path.suffix == ".gguf":
+        return spec.path
     if not spec.path.is_dir():
-        raise ValueError(f"model path {spec.path} is not a directory (expected a checkpoint directory)")
+        raise ValueError(f"model path {spec.path} is not a directory or a .gguf file (expected a checkpoint "
+                         f"directory or a GGUF)")
     return spec.path

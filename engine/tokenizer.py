@@ -206,8 +206,19 @@ class Tokenizer:
 
     @classmethod
     def load(cls, directory: str | Path) -> Tokenizer:
-        """Load from a checkpoint dir. Raises ``TokenizerError`` naming the missing or bad file."""
+        """Load from a checkpoint dir (or a ``.gguf`` file: its metadata). Raises ``TokenizerError`` naming
+        the missing or bad file."""
         d = Path(directory)
+        if d.suffix == ".gguf" and d.is_file():
+            from .checkpoint import CheckpointError
+            from .gguf_file import _reader, read_metadata
+            from .gguf_tokenizer import tokenizer_from_gguf
+
+            try:
+                meta = read_metadata(_reader(d))
+                return tokenizer_from_gguf(meta)
+            except (CheckpointError, TokenizerError) as e:
+                raise TokenizerError(f"{d}: {e}" if str(d) not in str(e) else str(e)) from None
         tok_path = d / "tokenizer.json"
         if not tok_path.is_file():
             raise TokenizerError(f"{tok_path}: missing (a checkpoint needs tokenizer.json)")

@@ -2,12 +2,14 @@
 
 Each command module exposes ``run(args: argparse.Namespace) -> int``. Errors derived from
 ``meshd.errors.MeshdError`` become one line on stderr with their exit code; argparse usage errors exit 2.
+A closed standard output (``meshd generate ... | head``) ends the command quietly with exit 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -40,10 +42,10 @@ def _add_networking(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", metavar="HOST:PORT", help="QUIC (UDP) address (default 0.0.0.0:9336)")
     p.add_argument("--api", metavar="HOST:PORT", help="OpenAI API address (default 127.0.0.1:9337)")
     join = p.add_mutually_exclusive_group()
-    join.add_argument("--join", metavar="TOKEN", help="invite token to join a mesh (also $MESHD_JOIN; "
-                      "default: none)")
-    join.add_argument("--join-file", metavar="FILE", help="file holding an invite token "
-                      "(also $MESHD_JOIN_FILE; default: none)")
+    join.add_argument("--join", metavar="TOKEN", help="invite token to join a mesh, or - to read it from "
+                      "standard input (a token here is visible in ps) (also $MESHD_JOIN; default: none)")
+    join.add_argument("--join-file", metavar="FILE", help="file holding an invite token, not readable by "
+                      "group or others (also $MESHD_JOIN_FILE; default: none)")
     p.add_argument("--mesh-name", metavar="NAME", help="name of the mesh this node creates if it has none "
                    "(default: none)")
     p.add_argument("--no-mdns", action="store_true", default=None, help="do not announce or browse mDNS (default: mDNS on)")
@@ -60,10 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run a node that serves models and/or expert shards")
     _add_networking(p)
-    p.add_argument("--model", action="append", metavar="SPEC", help="model to serve: PATH, tiny, or "
-                   "openai:URL, optionally NAME=SPEC (repeatable; default: none)")
+    p.add_argument("--model", action="append", metavar="SPEC", help="model to serve: PATH (checkpoint "
+                   "directory or .gguf), tiny, or openai:URL, optionally NAME=SPEC (repeatable; default: none)")
     p.add_argument("--experts", action="append", metavar="SPEC", help="expert shards to hold for other "
-                   "nodes: PATH[@LAYERS/EXPERTS] (repeatable; default: none)")
+                   "nodes: PATH[@LAYERS/EXPERTS], PATH a checkpoint directory or .gguf (repeatable; default: none)")
     p.add_argument("--remote-experts", choices=["off", "on", "prefer"], help="hand routed experts to "
                    "workers (default off)")
     # Parsed and checked (positive, message <= layer) in meshd.config with the config file's values.
@@ -90,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("join", help="make the running daemon join a mesh")
     _add_state_dir(p)
     p.add_argument("token", metavar="TOKEN", help="invite token (meshd1...) printed by `meshd invite` on the "
-                   "admin node (required)")
+                   "admin node, or - to read it from standard input, which keeps it out of ps (required)")
 
     p = sub.add_parser("status", help="show this node, its mesh, peers and models")
     _add_state_dir(p)
@@ -102,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(required)")
 
     p = sub.add_parser("generate", help="generate text with a model in this process")
-    p.add_argument("--model", required=True, metavar="SPEC", help="model to run: PATH or tiny (required)")
+    p.add_argument("--model", required=True, metavar="SPEC",
+                   help="model to run: PATH (checkpoint directory or .gguf) or tiny (required)")
     p.add_argument("--prompt", required=True, metavar="TEXT", help="prompt text, used as is (required)")
     p.add_argument("--max-tokens", type=int, default=64, metavar="N", help="tokens to generate at most "
                    "(default 64)")
@@ -154,6 +157,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"meshd: {e}\n")
         return e.exit_code
     except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:  # `meshd generate ... | head -c 100`: the reader has what it wanted
+        # Point stdout at /dev/null so the interpreter's final flush cannot raise (and print) again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
         return 0
 
 

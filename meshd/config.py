@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import re
 import sys
 import tomllib
@@ -24,7 +25,7 @@ from meshd.errors import UsageError
 from meshd.state import resolve_state_dir
 from transport.config import is_loopback_host
 from transport.credentials import MAX_MESH_NAME_CHARS
-from transport.limits import EXPERT_MAX_POLL_S, EXPERT_POLL_S
+from engine.limits import EXPERT_MAX_POLL_S, EXPERT_POLL_S
 
 DEFAULT_LISTEN = "0.0.0.0:9336"
 DEFAULT_API = "127.0.0.1:9337"
@@ -133,6 +134,7 @@ class DaemonConfig:
             return None
         try:
             with open(self.join_file, "rb") as f:
+                refuse_shared_file(os.fstat(f.fileno()).st_mode, self.join_file, "join file")
                 raw = f.read(MAX_JOIN_FILE_BYTES + 1)
         except OSError as e:
             raise UsageError(f"join file {self.join_file}: {e.strerror}") from e
@@ -143,6 +145,22 @@ class DaemonConfig:
         except UnicodeDecodeError:
             raise UsageError(f"join file {self.join_file} does not hold a meshd token") from None
         return _check_token(token, f"join file {self.join_file}")
+
+
+def refuse_shared_file(mode: int, path: Path, what: str) -> None:
+    """Refuse a secret file that group or others may read (as ``identity.key`` is). Raises ``UsageError``."""
+    if mode & 0o077:
+        raise UsageError(f"{what} {path} is readable by group or others (mode {mode & 0o7777:04o}); "
+                         f"run: chmod 600 {path}")
+
+
+def read_token_stdin(where: str) -> str:
+    """The invite token from standard input (``--join -``, ``meshd join -``): its first line."""
+    if sys.stdin is None or sys.stdin.isatty():
+        sys.stderr.write("paste the invite token and press Enter: ")
+        sys.stderr.flush()
+    line = sys.stdin.readline(MAX_JOIN_FILE_BYTES + 1) if sys.stdin is not None else ""
+    return _check_token(line, f"{where} (standard input)")
 
 
 def _check_token(token: str, where: str) -> str:
@@ -344,6 +362,8 @@ def load_config(args: argparse.Namespace, env: Mapping[str, str], role: str) -> 
         join_token = args.join
         join_file = Path(args.join_file).expanduser() if args.join_file is not None else None
         join_source = "--join" if join_token is not None else "--join-file"
+        if join_token == "-":  # the safe way to pass a token by hand: not in /proc/PID/cmdline
+            join_token = read_token_stdin("--join -")
     elif "join" in file or "join-file" in file:
         if "join" in file and "join-file" in file:
             raise UsageError(f"{where}: give 'join' or 'join-file', not both")
@@ -369,6 +389,8 @@ def load_config(args: argparse.Namespace, env: Mapping[str, str], role: str) -> 
     api_key_file, key_source = pick_path("api-key-file")
     if api_key_file is not None and not api_key_file.is_file():
         raise UsageError(f"{key_source}: {api_key_file} is not a readable file")
+    if api_key_file is not None:
+        refuse_shared_file(api_key_file.stat().st_mode, api_key_file, f"{key_source}: API key file")
     if api_key_file is None and not is_loopback(api.host):
         raise UsageError(
             f"refusing to serve the API on non-loopback address {api} without an API key "

@@ -38,7 +38,7 @@ from engine.experts.tensors import TensorFileError
 from engine.experts.worker import ExpertWorker, ReplyHook
 from engine.moe import ExpertWeightsFn
 from meshd.errors import UsageError
-from transport import limits
+from engine import limits
 
 log = structlog.get_logger(__name__)
 

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import structlog
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -42,6 +43,8 @@ MEMBER_CERT_FILE = "member-cert.json"
 RUN_FILE = "run.json"
 CONTROL_SOCKET = "control.sock"
 LOCK_FILE = "daemon.lock"
+
+log = structlog.get_logger(__name__)
 
 MAX_KEY_FILE_BYTES = 4096
 """A PEM Ed25519 key is 119 bytes; anything far larger is not a key file."""
@@ -140,6 +143,7 @@ def _read_secret(path: Path, what: str) -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise StateError(f"{what} {path} is not a regular file")
+        _refuse_foreign(st, path, what)
         if st.st_mode & 0o077:
             raise StateError(
                 f"{what} {path} is readable by group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
@@ -150,6 +154,14 @@ def _read_secret(path: Path, what: str) -> bytes:
         return os.read(fd, MAX_KEY_FILE_BYTES + 1)
     finally:
         os.close(fd)
+
+
+def _refuse_foreign(st: os.stat_result, path: Path, what: str) -> None:
+    """Refuse a state file or directory that another user owns: they could replace or read it."""
+    me = os.geteuid()
+    if st.st_uid != me:
+        raise StateError(f"{what} {path} is owned by uid {st.st_uid}, not by this user (uid {me}); "
+                         f"run meshd as its owner, or fix it: chown {me} {path}")
 
 
 def _decode_private_key(data: bytes, path: Path, what: str) -> NodeIdentity:
@@ -199,13 +211,62 @@ class StateDir:
         return fd
 
     def ensure(self) -> None:
-        """Create the directory (mode 0700) if needed. Raises ``StateError`` if that fails."""
+        """Create the directory (mode 0700) if needed, or make an existing one 0700 (logged); see
+        ``check``. Raises ``StateError`` if that fails or the directory is unsafe."""
         try:
             self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:
             raise StateError(f"state directory {self.path}: {e.strerror}") from e
-        if not self.path.is_dir():
+        st = self._check_dir()
+        if st is not None and stat.S_IMODE(st.st_mode) & 0o077:
+            try:
+                os.chmod(self.path, 0o700)
+            except OSError as e:
+                raise StateError(f"state directory {self.path} is open to group or others (mode "
+                                 f"{stat.S_IMODE(st.st_mode):04o}) and cannot be made 0700: {e.strerror}") from e
+            log.warning("state_dir_permissions_fixed", path=str(self.path),
+                        old_mode=f"{stat.S_IMODE(st.st_mode):04o}", new_mode="0700")
+
+    def _check_dir(self) -> os.stat_result | None:
+        """The directory's stat, None if it does not exist. Raises ``StateError`` if it is not a directory
+        or another user owns it."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StateError(f"state directory {self.path}: {e.strerror}") from e
+        if not stat.S_ISDIR(st.st_mode):
             raise StateError(f"state directory {self.path} is not a directory")
+        _refuse_foreign(st, self.path, "state directory")
+        return st
+
+    def check(self) -> None:
+        """Refuse an unsafe state dir before anything is written to it: a directory or a state file owned
+        by another user, or mesh credentials without the ``identity.key`` they were issued to (a new key
+        would not match them). A group/other-readable directory is fixed later by ``ensure``, not refused.
+        Raises ``StateError``."""
+        if self._check_dir() is None:
+            return
+        for name in (IDENTITY_FILE, ADMIN_KEY_FILE, GENESIS_FILE, MEMBER_CERT_FILE, RUN_FILE):
+            try:
+                st = os.lstat(self.path / name)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise StateError(f"{self.path / name}: {e.strerror}") from e
+            _refuse_foreign(st, self.path / name, "state file")
+        self._refuse_orphan_credentials()
+
+    def _refuse_orphan_credentials(self) -> None:
+        if self.identity_path.exists() or self.identity_path.is_symlink():
+            return
+        present = [n for n in (GENESIS_FILE, MEMBER_CERT_FILE, ADMIN_KEY_FILE) if (self.path / n).exists()]
+        if present:
+            raise StateError(
+                f"{self.identity_path} is missing but {', '.join(present)} are present: they belong to the "
+                f"lost node key. Restore identity.key from a backup, or move {', '.join(present)} away to "
+                "start this node afresh (it will need a new invite)")
 
     # --- node identity -------------------------------------------------------------------------
 
@@ -222,6 +283,7 @@ class StateDir:
         existing = self.load_identity()
         if existing is not None:
             return existing, False
+        self._refuse_orphan_credentials()
         identity = NodeIdentity.generate()
         try:
             created = create_exclusive(self.identity_path, _encode_private_key(identity))

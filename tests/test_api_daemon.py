@@ -55,6 +55,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Node, Node,
     ext = StandInProcess("ext-model")
     keyfile = tmp / "keys"
     keyfile.write_text("# comment\nkey-one\nkey-two\n")
+    keyfile.chmod(0o600)  # a key file others can read is refused
     a = start_node(tmp / "a", "--model", f"openai:{ext.url}", "--model", f"alias=openai:{ext.url}",
                    "--model", "tiny")
     make_member(tmp / "a", tmp / "b")

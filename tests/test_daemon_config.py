@@ -118,6 +118,7 @@ def test_state_dir_order_flag_file_env(tmp_path: Path) -> None:
 def test_join_sources(tmp_path: Path) -> None:
     token_file = tmp_path / "join.token"
     token_file.write_text("meshd1fromfile\n")
+    token_file.chmod(0o600)  # a join file others can read is refused
     assert _load([], {**ENV, "MESHD_JOIN": "meshd1env"}).join_token == "meshd1env"
     cfg = _load([], {**ENV, "MESHD_JOIN_FILE": str(token_file)})
     assert cfg.join_token is None and cfg.read_join_token() == "meshd1fromfile"
@@ -151,6 +152,7 @@ def test_bad_values_raise_usage_error(argv: list[str], env: dict[str, str], matc
 def test_non_loopback_api_with_key_file_is_allowed(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("sk-test\n")
+    keys.chmod(0o600)
     cfg = _load(["--api", "0.0.0.0:9337", "--api-key-file", str(keys)])
     assert cfg.api == HostPort("0.0.0.0", 9337) and cfg.api_key_file == keys
 

@@ -12,6 +12,7 @@ import pytest
 
 from engine import families
 from engine.checkpoint import CheckpointError, load_checkpoint, to_f32
+from engine.quant import Packed
 from engine.config import SUPPORTED_MODEL_TYPES, ConfigError, ModelConfig
 from engine.model import Model
 from engine.moe import ForwardSteps, drive, local_executor
@@ -415,7 +416,10 @@ def test_half_storage_matches_rounded_fp32(tmp_path: Path, dtype: str) -> None:
     # Experts widened at load or on every use: the same bytes.
     lazy = Model.load(tmp_path / "h", widen_experts=False)
     eager = Model.load(tmp_path / "h", widen_experts=True)
-    assert not lazy.layers[0].experts_f32 and eager.layers[0].experts_f32
+    # kept in the stored type unless widened at load
+    assert isinstance(lazy.layers[0].experts[0][0], Packed) and isinstance(eager.layers[0].experts[0][0], np.ndarray)
+    assert isinstance(lazy.layers[0].q, Packed) and lazy.layers[0].q.data.dtype == np.uint16 if dtype == "BF16" \
+        else isinstance(lazy.layers[0].q, Packed)
     assert lazy.forward(ids, lazy.new_cache()).tobytes() == eager.forward(ids, eager.new_cache()).tobytes()
 
 
@@ -485,9 +489,13 @@ def test_fused_expert_layout_matches_per_expert(tmp_path: Path, dtype: str) -> N
     for widen in (False, True):
         m = Model.load(tmp_path / "fused", widen_experts=widen)
         np.testing.assert_allclose(m.forward(ids, m.new_cache()), want, rtol=1e-5, atol=1e-5)
-        g, u, d = m.expert_weights(2, 3)
-        np.testing.assert_array_equal(g, per.expert_weights(2, 3)[0])
-        np.testing.assert_array_equal(d, per.expert_weights(2, 3)[2])
+        g, u, d = (_f32(w) for w in m.expert_weights(2, 3))
+        np.testing.assert_array_equal(g, _f32(per.expert_weights(2, 3)[0]))
+        np.testing.assert_array_equal(d, _f32(per.expert_weights(2, 3)[2]))
+
+
+def _f32(w: object) -> np.ndarray:
+    return w.widen() if isinstance(w, Packed) else w  # type: ignore[return-value]
 
 
 def test_last_only(tiny: Path) -> None:

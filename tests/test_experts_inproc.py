@@ -387,7 +387,7 @@ def test_worker_answers_typed_errors(tmp_path: Path, lt: LoopThread) -> None:
 
 def test_layers_split_by_size_limits_and_window_stay_exact(tmp_path: Path, lt: LoopThread,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    from transport import limits
+    from engine import limits
 
     monkeypatch.setattr(limits, "EXPERT_WINDOW_BYTES", 2048)  # forces one request in flight per worker
     fx = Fixture(make_moe_checkpoint(tmp_path / "m", experts=8), "qwen3_moe")
@@ -525,7 +525,7 @@ def test_a_request_too_big_for_one_write_takes_the_general_path(tmp_path: Path, 
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The fast path sends a request as one frame; one larger than a send slice goes the general way (in
     slices) and the link stays in use."""
-    from transport import limits
+    from engine import limits
 
     monkeypatch.setattr(limits, "EXPERT_SEND_CHUNK_BYTES", 2048)
     fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")

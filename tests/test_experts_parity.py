@@ -1,7 +1,7 @@
 """The parity gate over real QUIC on loopback with real worker processes.
 
 Local engine vs the remote executor with 1, 2 and 3 workers, for Qwen3-MoE and Mixtral checkpoints the
-test writes: teacher-forced prefill logits for every prompt prefix of length 1..8 and greedy decode
+test writes (safetensors fp32/bf16, and GGUF Q8_0 and Q4_K_M): teacher-forced prefill logits for every prompt prefix of length 1..8 and greedy decode
 logits, every position equal byte for byte, same greedy tokens. A worker perturbing one output by 1e-6
 must make the gate fail (negative control).
 """
@@ -62,6 +62,16 @@ class Setup:
                                                          top_k=2, hidden=32, inter=16, dense_layers=(1,), seed=1,
                                                          dtype="BF16"),
         }
+        # GGUF checkpoints, quantized: workers hold the blocks as stored and run the same tiled kernels
+        from engine.gguf_export import export_gguf
+
+        q8 = make_moe_checkpoint(tmp / "q8src", family="mixtral", layers=2, experts=4, hidden=64, inter=32, seed=4)
+        self.ckpts["gguf-mixtral-Q8_0"] = tmp / "mx-q8.gguf"
+        export_gguf(q8, self.ckpts["gguf-mixtral-Q8_0"], "Q8_0")
+        qk = make_moe_checkpoint(tmp / "qksrc", family="qwen3_moe", layers=2, experts=4, hidden=256, inter=256,
+                                 seed=5)
+        self.ckpts["gguf-qwen3_moe-Q4_K_M"] = tmp / "q3-q4km.gguf"
+        export_gguf(qk, self.ckpts["gguf-qwen3_moe-Q4_K_M"], "Q4_K_M")
         specs = [str(p) for p in self.ckpts.values()]
         self.workers: list[WorkerProc] = [spawn_worker(self.mesh, tmp, specs) for _ in range(3)]
         self.models = {k: Model.load(p) for k, p in self.ckpts.items()}

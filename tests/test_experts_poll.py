@@ -23,7 +23,8 @@ from engine.experts.coordinator import CoordinatorConfig, RemoteExecutor
 from engine.experts.planning import FastCall
 from engine.experts.worker import ExpertWorker, _Session
 from engine.moe import local_executor
-from transport import limits, poll
+from engine import limits
+from transport import poll
 
 
 def _record(lt: LoopThread) -> list[tuple[str, object, float]]:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transport import limits
+from engine import limits
 
 from engine.experts import rpc
 

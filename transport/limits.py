@@ -94,37 +94,3 @@ OPENAI_BACKEND_IDLE_TIMEOUT_S = 120.0  # silence between streamed chunks from an
 OPENAI_BACKEND_HEALTH_INTERVAL_S = 5.0  # re-discovery of an external server's models (URL/models)
 OPENAI_BACKEND_HEALTH_TIMEOUT_S = 3.0  # one health probe
 OPENAI_BACKEND_MAX_MODELS = 256  # models accepted from one external server's /models
-
-# --- engine (issue 4) -------------------------------------------------------------------------
-# model forward pass (engine-model)
-# queries per attention score matrix: bounds it to H*256*L*4 bytes (48 MB at H=12 heads, L=4096)
-ATTENTION_QUERY_BLOCK = 256
-# generation / scheduling (engine-gen)
-MAX_ACTIVE_SEQUENCES = 8  # sequences a Scheduler runs at once per model: each holds a KV cache; more waits as 429
-MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's cap); bounds per-token work and response size
-PREFILL_CHUNK_TOKENS = 512  # prompt tokens per scheduler step: bounds how long a new prompt stalls running streams
-MAX_MODEL_SPEC_CHARS = 4096  # a --model SPEC (path or URL) longer than this is a mistake
-
-# --- expert RPC (issue 6) ---------------------------------------------------------------------
-EXPERT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # one expert request/reply; a 4096-token prefill slice at
-#   D=4096 fp32 is 64 MiB of rows; bigger layers are split by work item, so 256 MiB is never reached by a
-#   well-behaved coordinator and bounds what a peer can make us buffer
-EXPERT_MAX_ROWS = 65536  # hidden rows in one request: more than any prefill chunk the engine runs
-EXPERT_MAX_PAIRS = 65536 * 16  # (row, expert) pairs in one request: rows x the largest top-k we know (8) x2
-EXPERT_MAX_TOP_K = 64  # slots per token a worker may be asked to combine: published MoEs route to <= 8
-EXPERT_MAX_DIM = 65536  # hidden size: the largest published MoE (DeepSeek-V3, 7168) with headroom
-EXPERT_MAX_ERROR_TEXT_BYTES = 1024  # an error's human text: one line naming what failed
-EXPERT_MAX_SHARD_RANGES = 1024  # (layer, expert) rectangles a worker advertises in its hello
-EXPERT_MAX_ECHO_BYTES = 1024 * 1024  # echo payload used to measure round trips; 4 KB is the norm
-EXPERT_SEND_CHUNK_BYTES = 1024 * 1024  # a message is written to the stream in slices of this size, so a
-#   transport frame limit below the message size never matters and other streams interleave
-EXPERT_WINDOW_BYTES = 4 * 1024 * 1024  # request bytes in flight to one worker within a layer: half the
-#   transport's unread-bytes limit per stream (STREAM_RECV_QUEUE_BYTES), which a worker busy computing
-#   would otherwise overrun when a big layer is split into several requests
-EXPERT_MAX_ADVERTISED_RANGES = 128  # shard rectangles put into our gossip record (the membership record's
-#   own cap on expert entries); discovery only: the hello tells the coordinator exactly what is held
-EXPERT_MAX_INFLIGHT_PER_WORKER = 64  # outstanding requests on one worker link (engine threads x layers)
-EXPERT_POLL_S = 0.002  # default time a coordinator polls for a layer's replies, and a worker for the next
-#   request, instead of sleeping (transport.poll; --experts-poll): a decode layer's wait is ~0.5-2 ms, and
-#   for waits much longer than this the ~0.1 ms a wake-up costs no longer matters
-EXPERT_MAX_POLL_S = 0.1  # the most --experts-poll takes: a poll keeps a core busy for its whole length

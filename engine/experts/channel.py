@@ -16,7 +16,7 @@ import socket
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol, TypeVar
 
-from transport import limits
+from engine import limits
 
 T = TypeVar("T")
 

@@ -59,7 +59,8 @@ from engine.experts.ownership import OwnershipMap, WorkerInfo, build_map
 from engine.experts.passes import LoopPasses
 from engine.experts.planning import FastCall, FastSend
 from engine.moe import ExpertWeightsFn, Routing, WorkItem, combine, slot_positions, weighted_sum
-from transport import limits, poll
+from engine import limits
+from transport import poll
 
 # The link's names are re-exported: callers import everything the coordinator API uses from here.
 __all__ = ["LATENCY_BUCKETS_S", "MODES", "CoordinatorConfig", "CoordinatorStats", "ExpertsUnavailable",

@@ -1,8 +1,9 @@
 """Model fingerprint: which checkpoint a worker holds, so a different one is refused by name.
 
 ``fingerprint = SHA-256(b"meshd/experts-fp/v1\\0" || canonical config.json || manifest)`` where the
-manifest lists, for every routed expert tensor of every sparse layer in name order, its name, dtype,
-shape and the SHA-256 of its bytes. Hashing reads the files with ``pread`` (no mapping, so it leaves no
+manifest lists, for every routed expert tensor of every sparse layer in name order, its name, dtype
+(the stored type: a Q4_K and a Q8_0 file of the same model differ), shape and the SHA-256 of its bytes. A
+GGUF's "config.json" is its metadata as the engine reads it (``engine.gguf_file``). Hashing reads the files with ``pread`` (no mapping, so it leaves no
 resident pages behind) and the result is cached next to the checkpoint in
 ``.meshd-experts-fingerprint.json``, keyed by each file's size and mtime; a stale or unreadable cache is
 recomputed, an unwritable directory just means no cache.
@@ -21,6 +22,7 @@ import structlog
 
 from engine.experts.layout import MoeLayout, layout_from_config, read_config
 from engine.experts.tensors import TensorFileError, TensorInfo, index_checkpoint
+from engine.gguf_file import is_gguf, split_files
 
 log = structlog.get_logger(__name__)
 
@@ -66,7 +68,10 @@ def _hash_range(t: TensorInfo) -> str:
 
 
 def _stat_key(path: Path) -> list[list[Any]]:
-    files = [path / "config.json", *sorted(path.glob("*.safetensors"))]
+    if is_gguf(path):
+        files = split_files(path)
+    else:
+        files = [path / "config.json", *sorted(path.glob("*.safetensors"))]
     key = []
     for f in files:
         st = f.stat()
@@ -87,7 +92,7 @@ def compute_fingerprint(path: Path) -> bytes:
 
 
 def _cache_files(path: Path, cache_dir: Path | None) -> list[Path]:
-    files = [path / CACHE_NAME]
+    files = [path.with_name(f"{path.name}{CACHE_NAME}") if is_gguf(path) else path / CACHE_NAME]
     if cache_dir is not None:
         tag = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
         files.append(cache_dir / f"experts-fp-{tag}.json")

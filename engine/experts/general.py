@@ -28,7 +28,7 @@ from engine.experts import planning, rpc
 from engine.experts.link import ExpertsUnavailable, WorkerFailed
 from engine.experts.ownership import OwnershipMap
 from engine.moe import WorkItem, expert_ffn
-from transport import limits
+from engine import limits
 
 log = structlog.get_logger(__name__)
 

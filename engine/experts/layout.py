@@ -68,7 +68,17 @@ def layout_from_config(cfg: dict[str, Any]) -> MoeLayout:
 
 
 def read_config(path: Path) -> dict[str, Any]:
-    """``path/config.json`` as a dict; raises :class:`LayoutError` with a readable reason."""
+    """``path/config.json`` as a dict (for a ``.gguf``: its metadata as such a dict); raises
+    :class:`LayoutError` with a readable reason."""
+    from engine.gguf_file import is_gguf, load_gguf
+
+    if is_gguf(path):
+        from engine.checkpoint import CheckpointError
+
+        try:
+            return load_gguf(path).hf_config
+        except CheckpointError as e:
+            raise LayoutError(str(e)) from None
     try:
         cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except FileNotFoundError:

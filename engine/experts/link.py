@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from engine.experts import rpc
 from engine.experts.channel import ByteChannel
 from engine.experts.layout import MoeLayout
-from transport import limits
+from engine import limits
 
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 

@@ -12,7 +12,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from transport import limits
+from engine import limits
 
 MAGIC = b"MX"
 PROTOCOL_MIN = 1

@@ -20,7 +20,7 @@ import numpy as np
 from engine.experts import rpc
 from engine.experts.link import WorkerLink
 from engine.moe import Routing, WorkItem
-from transport import limits
+from engine import limits
 from transport.poll import Poller
 
 

@@ -92,7 +92,7 @@ from engine.experts.messages import (  # the message types are part of this modu
     _raw_mask,
     _slot_pairs,
 )
-from transport import limits
+from engine import limits
 
 __all__ = [
     "CRC_BYTES",

@@ -16,10 +16,11 @@ import numpy as np
 
 from engine.experts.layout import LayoutError, MoeLayout, layout_from_config, read_config
 from engine.experts.rpc import ShardRange
-from engine.experts.tensors import RangeMaps, TensorFileError, TensorInfo, as_f32, index_checkpoint
+from engine.experts.tensors import RangeMaps, TensorFileError, TensorInfo, index_checkpoint
+from engine.gguf_file import is_gguf
+from engine.quant import SUPPORTED_TYPES, QuantTypeError, packed, row_bytes
 
 _RANGES = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
-_SUPPORTED = ("F32", "BF16", "F16")
 
 
 class ShardError(Exception):
@@ -79,7 +80,8 @@ def _rectangles(layers: list[int], experts: list[int]) -> tuple[ShardRange, ...]
 
 @dataclass(eq=False)
 class ExpertShard:
-    """Held routed experts of one checkpoint, memory-mapped. ``weights(layer, expert)`` -> fp32 triple."""
+    """Held routed experts of one checkpoint, memory-mapped. ``weights(layer, expert)`` -> the triple in its
+    stored type (``engine.quant`` weights, as the local engine holds them)."""
 
     path: Path
     layout: MoeLayout
@@ -106,16 +108,14 @@ class ExpertShard:
         return (layer, expert) in self._held
 
     def weights(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(gate [I, D], up [I, D], down [D, I]) as fp32; raises ``KeyError`` if not held."""
+        """(gate [I, D], up [I, D], down [D, I]) in the stored type, as ``Model.expert_weights`` gives them
+        (so ``expert_ffn`` runs the same kernels here and locally); raises ``KeyError`` if not held."""
         views = self._f32.get((layer, expert))
         if views is not None:
             return views
-        g, u, d = self.tensors[(layer, expert)]
-        triple = (as_f32(self.maps.array(g), g.dtype), as_f32(self.maps.array(u), u.dtype),
-                  as_f32(self.maps.array(d), d.dtype))
-        if g.dtype == u.dtype == d.dtype == "F32":
-            self._f32[(layer, expert)] = triple  # views of the mapping: kept, they cost no memory
-        return triple
+        triple = tuple(packed(self.maps.array(t), t.dtype, t.shape) for t in self.tensors[(layer, expert)])
+        self._f32[(layer, expert)] = triple  # type: ignore[assignment]  # views of the mapping: no memory
+        return triple  # type: ignore[return-value]
 
     def close(self) -> None:
         self._f32.clear()
@@ -127,12 +127,13 @@ def _check(path: Path, t: TensorInfo | None, name: str, shape: tuple[int, ...]) 
         raise ShardError(f"--experts {path}: missing expert tensor {name}")
     if t.shape != shape:
         raise ShardError(f"--experts {path}: expert tensor {name} has shape {list(t.shape)}, expected {list(shape)}")
-    if t.dtype not in _SUPPORTED:
+    if t.dtype not in SUPPORTED_TYPES:
         raise ShardError(f"--experts {path}: expert tensor {name} has unsupported dtype {t.dtype}")
-    count = 1
-    for v in shape:
-        count *= v
-    if t.nbytes != (4 if t.dtype == "F32" else 2) * count:
+    try:
+        need = row_bytes(t.dtype, shape[-1]) * int(np.prod(shape[:-1]))
+    except QuantTypeError as e:
+        raise ShardError(f"--experts {path}: expert tensor {name}: {e}") from None
+    if t.nbytes != need:
         raise ShardError(f"--experts {path}: expert tensor {name} has {t.nbytes} bytes for shape {list(shape)}")
     return t
 
@@ -169,8 +170,8 @@ def load_shard(spec: ShardSpec | str) -> ExpertShard:
     if isinstance(spec, str):
         spec = parse_spec(spec)
     path = spec.path.expanduser()
-    if not path.is_dir():
-        raise ShardError(f"--experts: {path} is not a checkpoint directory")
+    if not path.is_dir() and not is_gguf(path):
+        raise ShardError(f"--experts: {path} is not a checkpoint directory or a .gguf file")
     try:
         layout = layout_from_config(read_config(path))
         index = index_checkpoint(path)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.quant import QUANTIZED, row_bytes
+
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit for the JSON header
 _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 
@@ -76,7 +78,19 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
 
 
 def index_checkpoint(path: Path) -> dict[str, TensorInfo]:
-    """Every tensor of every ``*.safetensors`` file in ``path`` (headers only)."""
+    """Every tensor of every ``*.safetensors`` file in ``path`` (headers only), or of a GGUF (by the
+    engine's Hugging Face key names)."""
+    from engine.gguf_file import is_gguf, load_gguf
+
+    if is_gguf(path):
+        from engine.checkpoint import CheckpointError
+
+        try:
+            src = load_gguf(path)
+        except CheckpointError as e:
+            raise TensorFileError(str(e)) from None
+        return {k: TensorInfo(k, f, src.checkpoint[k].dtype, src.checkpoint[k].shape, b, e)
+                for k, (f, b, e) in src.offsets.items()}
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise TensorFileError(f"{path} has no *.safetensors files")
@@ -126,14 +140,18 @@ class RangeMaps:
                 raise TensorFileError(f"cannot map {file}: {e.strerror}") from None
 
     def array(self, t: TensorInfo) -> np.ndarray:
-        """The tensor's storage as a read-only numpy array of its shape (no copy, no page touched)."""
+        """The tensor's storage as a read-only numpy array of its shape (no copy, no page touched); GGUF
+        blocks as uint8 [..., row bytes]."""
         dt = _DTYPES.get(t.dtype)
+        shape = t.shape
+        if dt is None and t.dtype in QUANTIZED:
+            dt, shape = np.dtype(np.uint8), (*t.shape[:-1], row_bytes(t.dtype, t.shape[-1]))
         if dt is None:
             raise TensorFileError(f"tensor {t.name} has unsupported dtype {t.dtype}")
         for file, start, end, m in self._maps:
             if file == t.file and start <= t.begin and t.end <= end:
                 count = t.nbytes // dt.itemsize
-                return np.frombuffer(m, dtype=dt, count=count, offset=t.begin - start).reshape(t.shape)
+                return np.frombuffer(m, dtype=dt, count=count, offset=t.begin - start).reshape(shape)
         raise KeyError(t.name)
 
     def close(self) -> None:

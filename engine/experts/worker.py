@@ -28,7 +28,8 @@ from engine.experts import rpc
 from engine.experts.channel import ByteChannel
 from engine.experts.shard import ExpertShard
 from engine.moe import ExpertWeightsFn, expert_ffn, weighted_sum
-from transport import limits, poll
+from engine import limits
+from transport import poll
 
 log = structlog.get_logger(__name__)
 

@@ -136,8 +136,16 @@ class EngineBackend(GenBackend):
             await asyncio.to_thread(src.close)
 
 
+_GGUF_HEADER_BYTES = 32 << 20  # a GGUF's metadata and tensor table (names, types, shapes) sit in front
+
+
 def _fingerprint(path: Path) -> str:
     h = hashlib.sha256()
+    if path.is_file():  # a GGUF: its header covers config, tokenizer and every tensor's quantization type
+        with open(path, "rb") as f:
+            h.update(f.read(_GGUF_HEADER_BYTES))
+        h.update(str(path.stat().st_size).encode())
+        return h.hexdigest()[:16]
     for name in ("config.json", "tokenizer.json"):
         p = path / name
         if p.is_file():

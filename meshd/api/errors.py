@@ -1,4 +1,4 @@
-"""OpenAI-shaped API errors: ``{"error": {"message", "type", "code"}}`` with the SPEC's status codes."""
+"""OpenAI-shaped API errors: ``{"error": {"message", "type", "param", "code"}}`` with the SPEC's status codes."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 # status -> (OpenAI error type, default code)
 _DEFAULTS: dict[int, tuple[str, str]] = {
     400: ("invalid_request_error", "invalid_request"),
+    408: ("invalid_request_error", "request_timeout"),
     401: ("authentication_error", "invalid_api_key"),
     404: ("invalid_request_error", "model_not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
@@ -43,9 +44,8 @@ class ApiError(Exception):
         self.retry_after_s = retry_after_s
 
     def payload(self) -> dict[str, Any]:
-        err: dict[str, Any] = {"message": self.message, "type": self.type, "code": self.code}
-        if self.param is not None:
-            err["param"] = self.param
+        # OpenAI's shape: "param" is always present, null when no single field is at fault.
+        err: dict[str, Any] = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
         return {"error": err}
 
     def body(self) -> bytes:
@@ -70,9 +70,11 @@ class ApiError(Exception):
         message = err.get("message")
         code = err.get("code")
         type_ = err.get("type")
+        param = err.get("param")
         return cls(
             status,
             message if isinstance(message, str) else f"upstream answered {status}",
             code=code if isinstance(code, str) else None,
             type_=type_ if isinstance(type_, str) else None,
+            param=param if isinstance(param, str) else None,
         )

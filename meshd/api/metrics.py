@@ -46,6 +46,9 @@ class ApiMetrics:
                               ["status", "code"], registry=r)
         self.retries = Counter("meshd_route_retries", "Requests retried on another node before the first byte",
                                registry=r)
+        self.connections_closed = Counter(
+            "meshd_api_connections_closed", "Connections the API closed itself, by reason (head_timeout, "
+            "body_timeout, evicted, refused, bad_http)", ["reason"], registry=r)
         self._tunnel_in = self.tunnel_bytes.labels("in")
         self._tunnel_out = self.tunnel_bytes.labels("out")
         if peer_states is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -148,13 +149,29 @@ def _stop(body: dict[str, Any]) -> list[str]:
 
 
 def parse_json_object(data: bytes) -> dict[str, Any]:
+    """A JSON object of valid Unicode, or ``ApiError(400, code="invalid_json")``: not JSON, not an object,
+    nested deeper than the parser's recursion limit, or holding a lone UTF-16 surrogate escape
+    (``"\\ud800"``, which JSON allows but no UTF-8 text can hold)."""
     try:
         body = json.loads(data)
     except (ValueError, UnicodeDecodeError):
         raise ApiError(400, "request body is not valid JSON", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(data):  # paired escapes (emoji) decode to one code point and pass
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, "request body holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not "
+                           "valid Unicode", code="invalid_json") from None
+        except RecursionError:
+            raise ApiError(400, "request body is nested too deeply", code="invalid_json") from None
     return body
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def parse_request(kind: Kind, data: bytes) -> GenRequest:

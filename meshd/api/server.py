@@ -12,9 +12,11 @@ that answers (retrying the next on 429/5xx/unreachable before the first byte; th
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
+import socket
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -24,28 +26,34 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from meshd.api import limits as http_limits
 from meshd.api.backends import Backend
 from meshd.api.directory import NODE_INFO_PATH, MeshView, StaticView
 from meshd.api.errors import ApiError
+from meshd.api.http import ConnectionGuard, bind_tcp, protocol_factory
 from meshd.api.metrics import CONTENT_TYPE, ApiMetrics
 from meshd.api.reply import Reply
 from meshd.api.router import NodeInfo, PeerStats, RouteTable, Target, choose_auto, plan, routable_models
 from meshd.api.schema import GenRequest, parse_request
 from meshd.api.tunnel import TunnelClient
-from meshd.config import is_loopback
-from meshd.errors import UsageError
+from meshd.config import is_loopback, refuse_shared_file
+from meshd.errors import RuntimeFailure, UsageError
 from transport import limits
 
 log = structlog.get_logger(__name__)
 
 _RETRYABLE = {429, 500, 502, 503, 504}
+CLIENT_DISCONNECTED = 499
+"""The ``code`` label of a request whose client hung up before its answer was complete (nginx's 499)."""
 
 
 def load_api_keys(path: str | Path) -> list[bytes]:
     """Read bearer keys, one per line (blank lines and ``#`` comments ignored). Raises ``UsageError``."""
     p = Path(path)
     try:
-        if p.stat().st_size > limits.API_MAX_KEY_FILE_BYTES:
+        st = p.stat()
+        refuse_shared_file(st.st_mode, p, "API key file")
+        if st.st_size > limits.API_MAX_KEY_FILE_BYTES:
             raise UsageError(f"API key file {p} is larger than {limits.API_MAX_KEY_FILE_BYTES} bytes")
         text = p.read_text(encoding="utf-8")
     except OSError as e:
@@ -74,6 +82,8 @@ class ApiConfig:
     role: str = "serve"  # "client" serves nothing and is never routed to
     api_keys: list[bytes] = field(default_factory=list)
     max_body_bytes: int = limits.API_MAX_BODY_BYTES
+    head_timeout_s: float = http_limits.API_HEAD_TIMEOUT_S
+    body_timeout_s: float = http_limits.API_BODY_TIMEOUT_S
 
 
 class ApiServer:
@@ -86,6 +96,8 @@ class ApiServer:
         self.metrics = metrics or ApiMetrics(self.mesh.peer_states)
         self.routes = RouteTable()
         self._runner: web.AppRunner | None = None
+        self._listeners: list[asyncio.AbstractServer] = []
+        self.guard = ConnectionGuard()
         self.address: tuple[str, int] | None = None
         self.in_flight = 0
         self._seen: dict[str, float] = {}  # model -> when it was last routable (503 instead of 404 for a while)
@@ -101,27 +113,31 @@ class ApiServer:
         app.router.add_post("/v1/completions", self._generate)
         return app
 
-    async def start(self, host: str, port: int) -> tuple[str, int]:
-        """Start backends and listen; returns the bound address. Raises ``UsageError`` on bind failure."""
+    async def start(self, host: str, port: int, *, socks: Sequence[socket.socket] | None = None) -> tuple[str, int]:
+        """Start backends and listen on ``host:port``, or on ``socks`` already bound (``bind_api``);
+        returns the bound address. Raises ``RuntimeFailure`` if the address cannot be bound."""
+        if socks is None:
+            socks = bind_api(host, port)
         for b in self.backends:
             await b.start()
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, reuse_address=True)
-        try:
-            await site.start()
-        except OSError as e:
-            await self.stop()
-            raise UsageError(f"cannot listen on API address {host}:{port}: {e.strerror}") from None
-        server = site._server  # noqa: SLF001 - aiohttp exposes the bound port only here
-        sock = server.sockets[0] if server is not None and server.sockets else None  # type: ignore[union-attr]
-        bound = sock.getsockname()[:2] if sock is not None else (host, port)
+        assert self._runner.server is not None
+        factory = protocol_factory(self._runner.server, self.guard, self._connection_closed,
+                                   head_timeout_s=self.config.head_timeout_s)
+        loop = asyncio.get_running_loop()
+        for sock in socks:
+            self._listeners.append(await loop.create_server(factory, sock=sock))
+        bound = socks[0].getsockname()[:2]
         self.address = (str(bound[0]), int(bound[1]))
         log.info("api_listening", host=self.address[0], port=self.address[1], role=self.config.role,
                  keys=len(self.config.api_keys) > 0)
         return self.address
 
     async def stop(self) -> None:
+        for listener in self._listeners:
+            listener.close()
+        self._listeners.clear()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -165,18 +181,28 @@ class ApiServer:
             return self._error_response(ApiError(500, "internal error"), request.path)
 
     def _check_key(self, request: web.Request) -> None:
+        """Runs as soon as the head is parsed, before any body byte is read; a 401 closes the connection."""
         auth = request.headers.get("Authorization", "")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip() or \
-                not key_matches(token.strip().encode(), self.config.api_keys):
+        try:
+            presented = token.strip().encode("ascii")  # keys are ASCII; other bytes cannot match
+        except UnicodeEncodeError:
+            presented = b""
+        if scheme.lower() != "bearer" or not presented or not key_matches(presented, self.config.api_keys):
             raise ApiError(401, "missing or invalid API key (use 'Authorization: Bearer KEY')")
+
+    def _connection_closed(self, reason: str) -> None:
+        self.metrics.connections_closed.labels(reason).inc()
 
     def _error_response(self, e: ApiError, path: str) -> web.Response:
         self.metrics.errors.labels(str(e.status), e.code).inc()
         headers = e.headers()
         headers["x-meshd-node"] = self.config.node_id
         headers["x-meshd-route"] = "none"
-        return web.Response(status=e.status, body=e.body(), headers=headers)
+        resp = web.Response(status=e.status, body=e.body(), headers=headers)
+        if e.status in (401, 408, 413):  # the rest of the body is not worth reading (or waiting for)
+            resp.force_close()
+        return resp
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "node_id": self.config.node_id, "role": self.config.role,
@@ -203,14 +229,21 @@ class ApiServer:
 
     # -- generation --------------------------------------------------------------------------------
     async def _read_body(self, request: web.Request) -> bytes:
+        """The body, within ``max_body_bytes`` (413) and ``body_timeout_s`` from the end of the head (408)."""
         limit = self.config.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise ApiError(413, f"request body is larger than {limit} bytes")
         buf = bytearray()
-        async for chunk in request.content.iter_any():
-            buf += chunk
-            if len(buf) > limit:
-                raise ApiError(413, f"request body is larger than {limit} bytes")
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):
+                async for chunk in request.content.iter_any():
+                    buf += chunk
+                    if len(buf) > limit:
+                        raise ApiError(413, f"request body is larger than {limit} bytes")
+        except TimeoutError:
+            self._connection_closed("body_timeout")
+            raise ApiError(408, f"request body not received within {self.config.body_timeout_s:g} s",
+                           code="request_timeout", type_="invalid_request_error") from None
         return bytes(buf)
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
@@ -229,6 +262,10 @@ class ApiServer:
             return resp
         except ApiError as e:
             code = e.status
+            raise
+        except asyncio.CancelledError:  # aiohttp cancels the handler when the client hangs up
+            code = CLIENT_DISCONNECTED
+            log.info("client_disconnected", path=request.path, route=route)
             raise
         finally:
             self.in_flight -= 1
@@ -279,7 +316,7 @@ class ApiServer:
             await resp.write_eof()
         except (ConnectionResetError, ConnectionError):
             log.info("client_disconnected", path=request.path, route=reply.route)
-            status = 499
+            status = CLIENT_DISCONNECTED
         finally:
             await reply.aclose()  # cancels the generation (locally or on the serving node) if unfinished
         return resp, status
@@ -436,6 +473,16 @@ def _json_reply(payload: dict[str, Any], node_id: str) -> Reply:
         yield data
 
     return Reply(200, {"Content-Type": "application/json"}, body(), stream=False, node_id=node_id)
+
+
+def bind_api(host: str, port: int) -> list[socket.socket]:
+    """Bind the API's listening sockets (before anything else starts, so that a taken port creates
+    nothing). Raises ``RuntimeFailure`` (exit 1) with one readable line."""
+    try:
+        return bind_tcp(host, port)
+    except OSError as e:
+        reason = e.strerror or str(e)
+        raise RuntimeFailure(f"cannot listen on API address {host}:{port} (TCP): {reason}") from None
 
 
 def ensure_safe_bind(host: str, has_keys: bool) -> None:

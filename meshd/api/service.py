@@ -158,7 +158,9 @@ class ApiService:
             self.transport.on_peer_up.append(self._peer_up)
         if daemon is not None:
             register_collectors(daemon, self.server.metrics.registry)
-        self.address = await self.server.start(self.host, self.port)
+        # serve.run binds the API before it creates anything (a taken port must leave no mesh behind)
+        socks = getattr(daemon, "api_sockets", None) if daemon is not None else None
+        self.address = await self.server.start(self.host, self.port, socks=socks)
         await self.directory.start()
         if daemon is not None:
             daemon.set_api_address(*self.address)

@@ -6,15 +6,17 @@ import argparse
 import asyncio
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from types import FrameType
 
 import structlog
 
+from meshd.api.server import bind_api, load_api_keys
 from meshd.config import DaemonConfig, load_config
 from meshd.daemon import Daemon
-from meshd.errors import UsageError
+from meshd.errors import RuntimeFailure, UsageError
 from meshd.log import setup_logging
 from meshd.state import StateDir
 from meshd.wiring import build_services
@@ -55,15 +57,42 @@ def _check_specs(config: DaemonConfig) -> None:
             raise UsageError(f"--experts {text}: {path} is not a checkpoint directory")
 
 
+def _probe_udp(config: DaemonConfig) -> None:
+    """Fail (exit 1) now if the QUIC address is taken, before anything is created. The transport binds
+    it again moments later; a port taken in between still fails there, with the same message."""
+    host, port = config.listen.host, config.listen.port
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM, flags=socket.AI_PASSIVE)
+        with socket.socket(infos[0][0], socket.SOCK_DGRAM) as s:
+            s.bind(infos[0][4])
+    except OSError as e:
+        raise RuntimeFailure(f"cannot listen on {config.listen} (UDP): {e.strerror or e}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stop_during_startup)
     config = load_config(args, os.environ, role=args.command)
     setup_logging(config.log_format, config.log_level)
     for note in config.notes:
         log.info("config_note", note=note)
+    if getattr(args, "join", None) not in (None, "-"):
+        log.warning("join_token_on_command_line", hint="any local user can read it in ps while meshd runs; "
+                    "use --join - (standard input), --join-file FILE (mode 0600) or MESHD_JOIN_FILE")
     _check_specs(config)  # a mistyped --model/--experts is exit 2 before any state is written
+    if config.api_key_file is not None:
+        load_api_keys(config.api_key_file)  # an unsafe or empty key file: exit 2 before anything is written
     state = StateDir(config.state_dir)
-    state.lock()  # held for the life of the process: one daemon per state dir
+    state.check()  # an unsafe state dir or files: exit 1 before anything is written
+    existed = state.path.is_dir()
+    if existed:
+        state.lock()  # "another meshd is running" is the better message than its ports being taken
+    # Bind first: a taken port must not leave a new key, a founded mesh or a loaded model behind.
+    _probe_udp(config)
+    api_sockets = bind_api(config.api.host, config.api.port)
+    if not existed:
+        state.lock()  # held for the life of the process: one daemon per state dir
     if config.has_join and not state.has_credentials():
         # Fail now (exit 2) on a missing/empty join file rather than found a stray mesh; the
         # membership service re-reads it on every attempt.
@@ -86,4 +115,5 @@ def run(args: argparse.Namespace) -> int:
                 state_dir=str(state.path),
             )
     daemon = Daemon(config, state, identity, creds, services=build_services(config))
+    daemon.api_sockets = api_sockets  # type: ignore[attr-defined]  # the API service listens on these
     return asyncio.run(daemon.run())

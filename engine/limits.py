@@ -1,0 +1,56 @@
+"""Every buffer, queue, cache and size bound of the engine (model, generation, expert RPC), with units
+and the reason for its value.
+
+The engine's own limits live here (not in ``transport/limits.py``), so ``engine/`` imports no other
+package for a constant. Sections per subsystem; add, do not scatter.
+"""
+
+from __future__ import annotations
+
+# --- engine (issue 4) -------------------------------------------------------------------------
+# model forward pass (engine-model)
+# queries per attention score matrix: bounds it to H*256*L*4 bytes (48 MB at H=12 heads, L=4096)
+ATTENTION_QUERY_BLOCK = 256
+# weights dequantized per tile in a matmul over packed (bf16/f16/GGUF-quantized) weights: 64 Ki weights are a
+# 256 KiB fp32 tile, which stays in a core's L2 (1 MiB here) while the BLAS product reads it
+MATMUL_TILE_WEIGHTS = 64 * 1024
+# weights per tile when more than KERNEL_MAX_ROWS activation rows (prefill) share it: 1 Mi weights are a 4 MiB
+# transient fp32 tile (one per product in flight; small next to any real model's weights); dequantizing costs
+# ~1/T of the GEMM then, and BLAS gets ~1,000-row GEMMs instead of ~100-row ones
+MATMUL_PREFILL_TILE_WEIGHTS = 1024 * 1024
+# activation rows up to which a product over K-quant/Q4_0 weights uses the compiled kernel (engine.kernels, if
+# numba is installed) instead of the numpy tiles: the kernel re-reads the weights per row, the tiles once per tile
+KERNEL_MAX_ROWS = 4
+# GGUF reading (engine/gguf_file.py)
+GGUF_MAX_SPLITS = 256  # files of one split GGUF set (-00001-of-0000N.gguf); published sets use < 100
+GGUF_MAX_VOCAB = 1 << 20  # tokens in tokenizer.ggml.tokens; the largest published vocabularies are ~260 Ki
+# generation / scheduling (engine-gen)
+MAX_ACTIVE_SEQUENCES = 8  # sequences a Scheduler runs at once per model: each holds a KV cache; more waits as 429
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's cap); bounds per-token work and response size
+PREFILL_CHUNK_TOKENS = 512  # prompt tokens per scheduler step: bounds how long a new prompt stalls running streams
+MAX_MODEL_SPEC_CHARS = 4096  # a --model SPEC (path or URL) longer than this is a mistake
+
+# --- expert RPC (issue 6) ---------------------------------------------------------------------
+EXPERT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # one expert request/reply; a 4096-token prefill slice at
+#   D=4096 fp32 is 64 MiB of rows; bigger layers are split by work item, so 256 MiB is never reached by a
+#   well-behaved coordinator and bounds what a peer can make us buffer
+EXPERT_MAX_ROWS = 65536  # hidden rows in one request: more than any prefill chunk the engine runs
+EXPERT_MAX_PAIRS = 65536 * 16  # (row, expert) pairs in one request: rows x the largest top-k we know (8) x2
+EXPERT_MAX_TOP_K = 64  # slots per token a worker may be asked to combine: published MoEs route to <= 8
+EXPERT_MAX_DIM = 65536  # hidden size: the largest published MoE (DeepSeek-V3, 7168) with headroom
+EXPERT_MAX_ERROR_TEXT_BYTES = 1024  # an error's human text: one line naming what failed
+EXPERT_MAX_SHARD_RANGES = 1024  # (layer, expert) rectangles a worker advertises in its hello
+EXPERT_MAX_ECHO_BYTES = 1024 * 1024  # echo payload used to measure round trips; 4 KB is the norm
+EXPERT_SEND_CHUNK_BYTES = 1024 * 1024  # a message is written to the stream in slices of this size, so a
+#   transport frame limit below the message size never matters and other streams interleave
+EXPERT_WINDOW_BYTES = 4 * 1024 * 1024  # request bytes in flight to one worker within a layer: half the
+#   transport's unread-bytes limit per stream (transport.limits.STREAM_RECV_QUEUE_BYTES, 8 MiB; a test keeps
+#   the two in step), which a worker busy computing
+#   would otherwise overrun when a big layer is split into several requests
+EXPERT_MAX_ADVERTISED_RANGES = 128  # shard rectangles put into our gossip record (the membership record's
+#   own cap on expert entries); discovery only: the hello tells the coordinator exactly what is held
+EXPERT_MAX_INFLIGHT_PER_WORKER = 64  # outstanding requests on one worker link (engine threads x layers)
+EXPERT_POLL_S = 0.002  # default time a coordinator polls for a layer's replies, and a worker for the next
+#   request, instead of sleeping (transport.poll; --experts-poll): a decode layer's wait is ~0.5-2 ms, and
+#   for waits much longer than this the ~0.1 ms a wake-up costs no longer matters
+EXPERT_MAX_POLL_S = 0.1  # the most --experts-poll takes: a poll keeps a core busy for its whole length
