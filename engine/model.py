@@ -50,8 +50,10 @@ class KVCache:
     when it completes, so a failed step leaves the cache as it was.
     """
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int = 256) -> None:
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int = 256,
+                 first_layer: int = 0) -> None:
         self.length = 0
+        self.first_layer = first_layer  # a pipeline stage's cache holds layers first_layer.. only
         self._shape = (kv_heads, head_dim)
         self.k = [np.zeros((kv_heads, capacity, head_dim), dtype=F32) for _ in range(num_layers)]
         self.v = [np.zeros((kv_heads, capacity, head_dim), dtype=F32) for _ in range(num_layers)]
@@ -186,13 +188,15 @@ class Model:
     """A loaded model: config, fp32 weight views, and the forward pass."""
 
     def __init__(self, config: ModelConfig, layers: list[Layer], embed: TensorRef, norm: np.ndarray,
-                 lm_head: np.ndarray | Packed, checkpoint: Checkpoint | None = None, path: Path | None = None) -> None:
+                 lm_head: np.ndarray | Packed | None, checkpoint: Checkpoint | None = None,
+                 path: Path | None = None, first_layer: int = 0) -> None:
         self.config = config
-        self.layers = layers
+        self.layers = layers  # layers first_layer.. (all of them unless a pipeline stage)
+        self.first_layer = first_layer
         self._embed = embed
         self._embed_w = packed(embed.data, embed.dtype, embed.shape)
         self.norm = norm
-        self.lm_head = lm_head  # [V, D]
+        self.lm_head = lm_head  # [V, D]; None on a pipeline stage that does not hold the last layer
         self.checkpoint = checkpoint
         self.path = path
         self.rope = RopeTable(config.rope, config.head_dim)
@@ -202,7 +206,8 @@ class Model:
     # ----- loading -----------------------------------------------------------------------------------
     @classmethod
     def load(cls, path: str | os.PathLike[str], progress: ProgressFn | None = None,
-             widen_experts: bool | None = None, prefetch: bool | None = None) -> Model:
+             widen_experts: bool | None = None, prefetch: bool | None = None,
+             layers: tuple[int, int] | None = None) -> Model:
         """Load ``config.json`` and the safetensors weights of a checkpoint directory, or a GGUF file (or the
         first file of a split set; ``engine.gguf_file``).
 
@@ -214,6 +219,9 @@ class Model:
         ``progress(done_bytes, total_bytes)`` is called as tensors are taken. ``prefetch`` (default: when
         a progress callback is given) reads every page of the weights during the load, so the progress
         reflects the disk and the first forward pass does not stall on page faults.
+
+        ``layers=(first, last)`` loads only those decoder layers (a pipeline stage): the other layers'
+        pages are never touched, and the final norm and output head are taken only with the last layer.
         """
         p = Path(path)
         permuted: dict[str, int] = {}
@@ -223,17 +231,24 @@ class Model:
         else:
             cfg = ModelConfig.load(p)
             ckpt = load_checkpoint(p)
+        first, last = layers if layers is not None else (0, cfg.num_layers - 1)
+        if not 0 <= first <= last < cfg.num_layers:
+            raise ValueError(f"layers {first}-{last} outside the model's 0-{cfg.num_layers - 1}")
         widen_experts = bool(widen_experts)
         ld = _Loader(ckpt, progress, progress is not None if prefetch is None else prefetch, permuted)
         g = families.global_tensors(cfg)
-        embed = ld.ref(g["embed"])
-        norm = ld.f32(g["norm"])
-        lm_head = ld.weight(g["lm_head"]) if "lm_head" in g else packed(embed.data, embed.dtype, embed.shape)
-        layers = [cls._load_layer(cfg, ld, i, widen_experts) for i in range(cfg.num_layers)]
-        ld.check_unexpected(cfg.tie_word_embeddings)
+        embed = ld.ref(g["embed"]) if first == 0 else ckpt[g["embed"][0]]
+        head = last == cfg.num_layers - 1
+        norm = ld.f32(g["norm"]) if head else np.zeros(0, dtype=F32)
+        lm_head = None
+        if head:
+            lm_head = ld.weight(g["lm_head"]) if "lm_head" in g else packed(embed.data, embed.dtype, embed.shape)
+        loaded = [cls._load_layer(cfg, ld, i, widen_experts) for i in range(first, last + 1)]
+        if layers is None:
+            ld.check_unexpected(cfg.tie_word_embeddings)
         log.info("model_loaded", path=str(p), model_type=cfg.model_type, layers=cfg.num_layers,
-                 weight_bytes=ckpt.nbytes, files=len(ckpt.files))
-        return cls(cfg, layers, embed, norm, lm_head, ckpt, p)
+                 first_layer=first, last_layer=last, weight_bytes=ckpt.nbytes, files=len(ckpt.files))
+        return cls(cfg, loaded, embed, norm, lm_head, ckpt, p, first_layer=first)
 
     @staticmethod
     def _load_layer(cfg: ModelConfig, ld: _Loader, i: int, widen_experts: bool) -> Layer:
@@ -269,12 +284,29 @@ class Model:
     # ----- API ---------------------------------------------------------------------------------------
     def new_cache(self, capacity: int = 256) -> KVCache:
         c = self.config
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity)
+        return KVCache(len(self.layers), c.num_kv_heads, c.head_dim, capacity, self.first_layer)
+
+    def part(self, first: int, last: int) -> Model:
+        """A view holding layers first..last of this model (same weight arrays, nothing copied); it has
+        the output head only if ``last`` is the model's last layer. ``first > last``: no layers."""
+        lo, hi = first - self.first_layer, last - self.first_layer + 1
+        if first <= last and not (0 <= lo and hi <= len(self.layers)):
+            held = f"{self.first_layer}-{self.last_layer}"
+            raise ValueError(f"layers {first}-{last} are not all held here ({held})")
+        head = last == self.config.num_layers - 1
+        return Model(self.config, self.layers[lo:hi] if first <= last else [], self._embed, self.norm,
+                     self.lm_head if head else None, self.checkpoint, self.path, first_layer=max(0, first))
+
+    @property
+    def last_layer(self) -> int:
+        return self.first_layer + len(self.layers) - 1
 
     def expert_weights(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(gate [I, D], up [I, D], down [D, I]) of one routed expert, as ``engine.quant`` weights (fp32
         arrays or ``Packed`` in the stored type; ``expert_ffn`` takes either)."""
-        lay = self.layers[layer]
+        if not self.first_layer <= layer <= self.last_layer:
+            raise ValueError(f"layer {layer} is not held here ({self.first_layer}-{self.last_layer})")
+        lay = self.layers[layer - self.first_layer]
         if not lay.sparse:
             raise ValueError(f"layer {layer} has no routed experts")
         return lay.experts[expert]  # type: ignore[return-value]
@@ -286,7 +318,7 @@ class Model:
 
     @property
     def sparse_layers(self) -> list[int]:
-        return [i for i, lay in enumerate(self.layers) if lay.sparse]
+        return [self.first_layer + i for i, lay in enumerate(self.layers) if lay.sparse]
 
     def warm(self, i: int) -> int:
         """Read layer ``i``'s attention weights into the CPU caches, in the order the pass uses them, up to
@@ -299,9 +331,9 @@ class Model:
         norms are a few KB and left out. One load per 64-byte cache line (a strided integer max: no
         arithmetic on the values, no copy). Read-only, so the results do not change.
         """
-        if not 0 <= i < len(self.layers):
+        if not self.first_layer <= i <= self.last_layer:
             return 0
-        lay = self.layers[i]
+        lay = self.layers[i - self.first_layer]
         covered = 0
         for a in (lay.attn_norm, lay.q, lay.k, lay.v, lay.o, lay.mlp_norm, lay.router):
             if not isinstance(a, np.ndarray) or a.size == 0 or not a.flags.c_contiguous or a.dtype != F32:
@@ -346,20 +378,30 @@ class Model:
         return self._forward_steps(arr, cache, t, past, last_only)
 
     def _forward_steps(self, arr: np.ndarray, cache: KVCache, t: int, past: int, last_only: bool) -> ForwardSteps:
-        cos, sin = self.rope.span(past, past + t)
         x = self.embed(arr)  # [T, D]
+        x = yield from self.span_steps(x, cache, past)
+        cache.length = past + t
+        return self._logits(x[-1:] if last_only else x)
+
+    def span_steps(self, x: np.ndarray, cache: KVCache,
+                   past: int) -> Generator[RoutedCall, np.ndarray, np.ndarray]:
+        """The layers held here on hidden states x [T, D] at positions past..past+T-1 -> [T, D]; writes those
+        positions into ``cache`` (room reserved by the caller) but leaves ``cache.length`` to the caller.
+        The whole model runs exactly this over all its layers; a pipeline stage runs it over its range."""
+        t = x.shape[0]
+        cos, sin = self.rope.span(past, past + t)
         window = self.config.sliding_window
-        for i, layer in enumerate(self.layers):
+        for j, layer in enumerate(self.layers):
+            i = self.first_layer + j
             h = rmsnorm(x, layer.attn_norm, self.config.rms_norm_eps)
             q, k, v = self._qkv(layer, h, cos, sin)
-            kc, vc = cache.k[i], cache.v[i]
+            kc, vc = cache.k[i - cache.first_layer], cache.v[i - cache.first_layer]
             kc[:, past : past + t] = k.transpose(1, 0, 2)
             vc[:, past : past + t] = v.transpose(1, 0, 2)
             att = attention(q, kc[:, : past + t], vc[:, : past + t], past, self.scale, window)
             x = x + self._out(layer, att)
             x += yield from self._mlp(i, layer, rmsnorm(x, layer.mlp_norm, self.config.rms_norm_eps))
-        cache.length = past + t
-        return self._logits(x[-1:] if last_only else x)
+        return x
 
     def forward_batch(self, ids: Sequence[int] | np.ndarray, caches: Sequence[KVCache],
                       executor: ExpertExecutor | None = None) -> np.ndarray:
@@ -382,26 +424,34 @@ class Model:
         return self._forward_batch_steps(arr, list(caches))
 
     def _forward_batch_steps(self, arr: np.ndarray, caches: list[KVCache]) -> ForwardSteps:
-        b = arr.shape[0]
         pos = np.array([c.length for c in caches], dtype=np.int64)
-        cos, sin = self.rope.gather(pos)
         x = self.embed(arr)  # [B, D]
+        x = yield from self.span_batch_steps(x, caches, pos)
+        for c in caches:
+            c.length += 1
+        return self._logits(x)
+
+    def span_batch_steps(self, x: np.ndarray, caches: Sequence[KVCache],
+                         pos: np.ndarray) -> Generator[RoutedCall, np.ndarray, np.ndarray]:
+        """One decode step of B sequences through the layers held here: x [B, D], sequence s at position
+        pos[s] -> [B, D]; writes each position into its cache, leaves ``length`` to the caller."""
+        b = x.shape[0]
+        cos, sin = self.rope.gather(pos)
         window = self.config.sliding_window
-        for i, layer in enumerate(self.layers):
+        for j, layer in enumerate(self.layers):
+            i = self.first_layer + j
             h = rmsnorm(x, layer.attn_norm, self.config.rms_norm_eps)
             q, k, v = self._qkv(layer, h, cos, sin)  # [B, heads, hd]
             att = np.empty((b, q.shape[1] * q.shape[2]), dtype=F32)
             for s, c in enumerate(caches):
                 p = int(pos[s])
-                kc, vc = c.k[i], c.v[i]
+                kc, vc = c.k[i - c.first_layer], c.v[i - c.first_layer]
                 kc[:, p] = k[s]
                 vc[:, p] = v[s]
                 att[s] = attention(q[s : s + 1], kc[:, : p + 1], vc[:, : p + 1], p, self.scale, window)[0]
             x = x + self._out(layer, att)
             x += yield from self._mlp(i, layer, rmsnorm(x, layer.mlp_norm, self.config.rms_norm_eps))
-        for c in caches:
-            c.length += 1
-        return self._logits(x)
+        return x
 
     # ----- pieces ------------------------------------------------------------------------------------
     def _qkv(self, layer: Layer, h: np.ndarray, cos: np.ndarray,
@@ -456,5 +506,11 @@ class Model:
         return out
 
     def _logits(self, x: np.ndarray) -> np.ndarray:
+        if self.lm_head is None:
+            raise ValueError("this pipeline stage does not hold the output head")
         x = rmsnorm(x, self.norm, self.config.rms_norm_eps)
         return x @ self.lm_head.T  # [T, V]
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """Final norm and output head: hidden [T, D] -> logits [T, V] fp32 (the last stage's job)."""
+        return self._logits(x)

@@ -278,7 +278,14 @@ class Scheduler:
             if s.cache is None:
                 s.cache = self.model.new_cache()
             end = min(s.prefilled + self.prefill_chunk, len(s.prompt_ids))
-            logits = forward_last(self.model, s.prompt_ids[s.prefilled:end], s.cache, self.executor)
+            chunk = s.prompt_ids[s.prefilled:end]
+            nowait = getattr(self.model, "prefill_nowait", None)  # a pipelined model: stages overlap chunks
+            if end < len(s.prompt_ids) and nowait is not None:
+                nowait(chunk, s.cache, self.executor)  # no logits needed: the next chunk may start now
+                s.prefilled = end
+                st.prefill_s += time.perf_counter() - t0
+                return
+            logits = forward_last(self.model, chunk, s.cache, self.executor)
             s.prefilled = end
             st.prefill_s += time.perf_counter() - t0
             if end < len(s.prompt_ids):

@@ -78,6 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts-poll", metavar="SECONDS", help="expert workers: poll this long for a reply, "
                    "or a worker for the next request, instead of sleeping, where a core is free (0 to 0.1, "
                    "default 0.002; 0 turns it off)")
+    p.add_argument("--stage", action="append", metavar="PATH[@FIRST-LAST]", help="hold layers of a "
+                   "checkpoint as a pipeline stage: any range the planner assigns, or exactly FIRST-LAST "
+                   "(repeatable; default none)")
+    p.add_argument("--pipeline", choices=["off", "on", "prefer"], help="split each served model's layers "
+                   "over stage nodes with the same checkpoint: on requires a plan that fits (else 503), "
+                   "prefer falls back to local (default off)")
+    p.add_argument("--pipeline-memory", metavar="MB", help="memory this node offers for pipeline layers, "
+                   "as a stage and as the serving node (default 0: the machine's available memory)")
 
     p = sub.add_parser("client", help="run a headless node: joins, serves nothing, exposes the API")
     _add_networking(p)

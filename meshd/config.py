@@ -108,6 +108,9 @@ class DaemonConfig:
     experts_message_timeout_s: float = DEFAULT_EXPERTS_MESSAGE_TIMEOUT_S  # one expert request until its reply
     experts_layer_timeout_s: float = DEFAULT_EXPERTS_LAYER_TIMEOUT_S  # one sparse layer, retries included
     experts_poll_s: float = EXPERT_POLL_S  # polling for expert replies / the next request (0: off)
+    stages: tuple[str, ...] = ()  # --stage PATH[@FIRST-LAST]: layers offered as a pipeline stage
+    pipeline: str = "off"  # --pipeline off|on|prefer: split served models' layers over stage nodes
+    pipeline_memory_mb: float = 0.0  # memory offered for pipeline layers (0: what the machine has free)
     join_token: str | None = field(default=None, repr=False)  # a secret: never logged
     join_file: Path | None = None
     mesh_name: str = DEFAULT_MESH_NAME
@@ -186,6 +189,9 @@ _FILE_KEYS: dict[str, tuple[type, ...]] = {
     "experts-message-timeout": _NUMBER,
     "experts-layer-timeout": _NUMBER,
     "experts-poll": _NUMBER,
+    "stage": (str, list),
+    "pipeline": (str,),
+    "pipeline-memory": _NUMBER,
     "join": (str,),
     "join-file": (str,),
     "mesh-name": (str,),
@@ -195,7 +201,7 @@ _FILE_KEYS: dict[str, tuple[type, ...]] = {
     "log-level": (str,),
 }
 _SERVE_ONLY = ("model", "experts", "remote-experts", "experts-connect-timeout", "experts-message-timeout",
-               "experts-layer-timeout", "experts-poll")
+               "experts-layer-timeout", "experts-poll", "stage", "pipeline", "pipeline-memory")
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
@@ -336,6 +342,22 @@ def load_config(args: argparse.Namespace, env: Mapping[str, str], role: str) -> 
         if not spec.strip():
             raise UsageError(f"--{what}: empty SPEC")
 
+    stages = _as_list(pick("stage")[0])
+    for spec in stages:
+        if not spec.strip():
+            raise UsageError("--stage: empty SPEC")
+    pipeline, source = pick("pipeline")
+    pipeline = pipeline if pipeline is not None else "off"
+    if pipeline not in REMOTE_EXPERTS:
+        raise UsageError(f"{source}: must be one of off, on, prefer, got {pipeline!r}")
+    pipeline_mem, source = pick("pipeline-memory")
+    try:
+        pipeline_memory_mb = float(pipeline_mem) if pipeline_mem is not None else 0.0
+    except ValueError:
+        raise UsageError(f"{source}: must be a number of MB, got {pipeline_mem!r}") from None
+    if not 0 <= pipeline_memory_mb < 1e12:  # also refuses nan and inf
+        raise UsageError(f"{source}: must be 0 or more MB, got {pipeline_mem}")
+
     remote_experts, source = pick("remote-experts")
     remote_experts = remote_experts if remote_experts is not None else "off"
     if remote_experts not in REMOTE_EXPERTS:
@@ -421,6 +443,9 @@ def load_config(args: argparse.Namespace, env: Mapping[str, str], role: str) -> 
         experts_message_timeout_s=message_s,
         experts_layer_timeout_s=layer_s,
         experts_poll_s=poll_s,
+        stages=stages if role == "serve" else (),
+        pipeline=pipeline if role == "serve" else "off",
+        pipeline_memory_mb=pipeline_memory_mb,
         join_token=join_token,
         join_file=join_file,
         mesh_name=mesh_name,

@@ -24,6 +24,10 @@ def build_services(config: DaemonConfig) -> list[Service]:
         from meshd.experts_service import ExpertsService  # numpy and the engine only when needed
 
         services.append(ExpertsService.from_config(config))  # before models: they ask it for executors
+    if config.role == "serve" and (config.stages or config.pipeline != "off"):
+        from meshd.pipeline_service import PipelineService  # layer pipelines (issue 16)
+
+        services.append(PipelineService.from_config(config))  # before the API: it asks for pipelined backends
     # OpenAI API (issue 5): it calls daemon.set_api_address(host, port) once bound
     services.append(ApiService(config))
     return services

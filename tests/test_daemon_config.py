@@ -220,7 +220,9 @@ def test_bad_config_process_exits_2_with_one_line(tmp_path: Path, content: str, 
 
 
 @pytest.mark.parametrize("flags", [["--model", "/nonexistent/ckpt"], ["--model", "openai:notaurl"],
-                                   ["--experts", "/nonexistent/ckpt@0-1/0-3"]])
+                                   ["--experts", "/nonexistent/ckpt@0-1/0-3"], ["--stage", "/nonexistent/ckpt"],
+                                   ["--stage", "tiny@3-1"],
+                                   ["--pipeline-memory", "-1"], ["--pipeline-memory", "nan"]])
 def test_bad_model_or_experts_spec_is_exit_2_before_any_state_is_written(tmp_path: Path, flags: list[str]) -> None:
     state = tmp_path / "s"
     out = subprocess.run(meshd_cmd("serve", "--state-dir", str(state), "--no-mdns", "--listen", "127.0.0.1:0",
@@ -229,3 +231,17 @@ def test_bad_model_or_experts_spec_is_exit_2_before_any_state_is_written(tmp_pat
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert out.stderr.startswith("meshd: --")
     assert not (state / "genesis.json").exists() and not (state / "identity.key").exists()
+
+
+def test_pipeline_flags_and_file_keys(tmp_path: Path) -> None:
+    cfg = _load([])
+    assert cfg.stages == () and cfg.pipeline == "off" and cfg.pipeline_memory_mb == 0
+    conf = tmp_path / "meshd.toml"
+    conf.write_text('stage = ["/m@0-3", "tiny"]\npipeline = "prefer"\npipeline-memory = 512.5\n')
+    cfg = _load(["--config", str(conf)])
+    assert cfg.stages == ("/m@0-3", "tiny") and cfg.pipeline == "prefer" and cfg.pipeline_memory_mb == 512.5
+    cfg = _load(["--config", str(conf), "--pipeline", "on", "--stage", "/x", "--pipeline-memory", "64"])
+    assert cfg.stages == ("/x",) and cfg.pipeline == "on" and cfg.pipeline_memory_mb == 64
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
+    for flag, default in (("--stage", "default none"), ("--pipeline ", "default off"), ("--pipeline-memory", "default 0")):
+        assert flag in help_text and default in " ".join(help_text.split()), flag

@@ -28,7 +28,7 @@ HS_TYPES = [FrameType.HELLO, FrameType.AUTH, FrameType.ACCEPT, FrameType.JOIN_RE
 
 def test_enums_are_append_only() -> None:
     assert {t.name: t.value for t in StreamType} == {
-        "HANDSHAKE": 0, "GOSSIP": 1, "RPC": 2, "HTTP_TUNNEL": 3, "EXPERT": 4, "JOIN": 5,
+        "HANDSHAKE": 0, "GOSSIP": 1, "RPC": 2, "HTTP_TUNNEL": 3, "EXPERT": 4, "JOIN": 5, "PIPELINE": 6,
     }
     assert {t.name: t.value for t in FrameType} == {
         "DATA": 0, "ERROR": 1, "HELLO": 2, "AUTH": 3, "ACCEPT": 4, "JOIN_REQUEST": 5, "JOIN_REPLY": 6,
@@ -77,7 +77,7 @@ def _header(magic: bytes = b"md", version: int = 1, ftype: int = 0, flags: int =
     [
         (b"xx" + b"\x02\x01", ErrorCode.PROTOCOL_ERROR, "preamble magic"),
         (b"x", ErrorCode.PROTOCOL_ERROR, "preamble magic"),  # rejected before the preamble is complete
-        (b"ms\x06\x01", ErrorCode.UNKNOWN_STREAM_TYPE, "unknown stream type 6"),
+        (b"ms\x20\x01", ErrorCode.UNKNOWN_STREAM_TYPE, "unknown stream type 32"),
         (b"ms\xff\x01", ErrorCode.UNKNOWN_STREAM_TYPE, "unknown stream type 255"),
         (b"ms\x02\x00", ErrorCode.UNSUPPORTED_VERSION, "protocol version 0"),
         (b"ms\x02\x02", ErrorCode.UNSUPPORTED_VERSION, "protocol version 2"),

@@ -18,6 +18,7 @@ MAX_GOSSIP_FRAME_BYTES = 1024 * 1024  # a batch of signed membership records
 MAX_RPC_FRAME_BYTES = 4 * 1024 * 1024  # generic request/response messages
 MAX_HTTP_TUNNEL_FRAME_BYTES = 1024 * 1024  # one chunk of a tunnelled HTTP body; bodies are chunked
 MAX_EXPERT_FRAME_BYTES = 16 * 1024 * 1024  # activations of a prefill batch (e.g. 512 x 4096 x fp32 = 8 MiB)
+MAX_PIPELINE_FRAME_BYTES = 2 * 1024 * 1024  # a slice of a stage frame (the stage protocol writes 1 MiB slices)
 MAX_REFUSAL_REASON_BYTES = 200  # refusal/close reasons are one short line
 # Per-connection and per-transport caps.
 MAX_CONNECTIONS = 256  # simultaneous QUIC connections (admitted or handshaking) per transport

@@ -22,6 +22,7 @@ class StreamType(IntEnum):
     HTTP_TUNNEL = 3
     EXPERT = 4
     JOIN = 5
+    PIPELINE = 6  # layer-pipeline stage protocol (engine.pipeline.wire)
 
 
 HANDSHAKE_STREAM_TYPES = frozenset({StreamType.HANDSHAKE, StreamType.JOIN})
@@ -34,6 +35,7 @@ MAX_FRAME_BYTES: dict[StreamType, int] = {
     StreamType.HTTP_TUNNEL: limits.MAX_HTTP_TUNNEL_FRAME_BYTES,
     StreamType.EXPERT: limits.MAX_EXPERT_FRAME_BYTES,
     StreamType.JOIN: limits.MAX_JOIN_FRAME_BYTES,
+    StreamType.PIPELINE: limits.MAX_PIPELINE_FRAME_BYTES,
 }
 """Largest frame payload accepted on each stream type, in bytes."""
 

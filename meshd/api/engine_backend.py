@@ -47,11 +47,15 @@ class _EngineRun:
 
     async def __aiter__(self) -> AsyncIterator[GenToken]:
         from engine.experts.coordinator import ExpertsUnavailable
+        from engine.pipeline.client import PipelineUnavailable
 
         async for ev in self.handle:
             if ev.finish_reason == "error":
                 if isinstance(ev.exception, ExpertsUnavailable):  # workers went away mid-generation
                     raise experts_unavailable(self.name, str(ev.exception))
+                if isinstance(ev.exception, PipelineUnavailable):  # stages went away, none left to re-plan on
+                    raise ApiError(503, f"model '{self.name}' cannot be served now: {ev.exception}",
+                                   code="pipeline_unavailable", retry_after_s=5)
                 raise RuntimeError(ev.error or "engine error")
             if ev.token_id is None:
                 if ev.finish_reason == "cancelled":
@@ -125,6 +129,21 @@ class EngineSource:
 
     def close(self) -> None:
         self.scheduler.close()
+
+
+class PipelineSource(EngineSource):
+    """``EngineSource`` over a pipelined model: 503 naming what is missing while no plan can serve it."""
+
+    def __init__(self, *args: Any, serving: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.serving = serving
+
+    def submit(self, prompt_ids: list[int], req: GenRequest) -> _EngineRun:
+        reason = self.serving.unavailable_reason()
+        if reason:  # --pipeline on and the stage nodes cannot hold the model now
+            raise ApiError(503, f"model '{self.name}' cannot be served now: {reason}", code="pipeline_unavailable",
+                           retry_after_s=5)
+        return super().submit(prompt_ids, req)
 
 
 class EngineBackend(GenBackend):

@@ -121,13 +121,22 @@ class ApiService:
 
                     experts = experts_of(daemon)
                     remote = experts is not None and cfg.remote_experts != "off"
+                    pipeline = None
+                    if getattr(cfg, "pipeline", "off") != "off":
+                        from meshd.pipeline_service import pipeline_of
+
+                        pipeline = pipeline_of(daemon)
                     # in a thread: a big checkpoint must not stall the loop (systemd pings, control)
-                    loaded = await asyncio.to_thread(load_engine_model, spec, cfg.state_dir, remote)
+                    loaded = await asyncio.to_thread(load_engine_model, spec, cfg.state_dir,
+                                                     remote or pipeline is not None)
                     executor = None
                     if remote:
                         assert experts is not None
                         executor = await experts.executor_for(loaded.path, loaded.model.expert_weights)
-                    backends.append(engine_backend(loaded, executor=executor))
+                    if pipeline is not None:  # --pipeline on|prefer: layers over stage nodes
+                        backends.append(await pipeline.backend(loaded, executor))
+                    else:
+                        backends.append(engine_backend(loaded, executor=executor))
             self._own = list(backends)  # reported in status by this service (others report their own)
             backends.extend(provided or [])
         self._build(daemon.node_id, cfg.api.host, cfg.api.port, cfg.role, keys, backends, daemon.transport)

@@ -55,6 +55,12 @@ def _check_specs(config: DaemonConfig) -> None:
         path = getattr(shard, "path", None)
         if path is not None and str(path) != "tiny" and not Path(path).is_dir():
             raise UsageError(f"--experts {text}: {path} is not a checkpoint directory")
+    for text in config.stages if config.role == "serve" else []:
+        from meshd.pipeline_service import parse_stage_spec
+
+        stage_path, _pin = parse_stage_spec(text)
+        if stage_path != "tiny" and not Path(stage_path).is_dir():
+            raise UsageError(f"--stage {text}: {stage_path} is not a checkpoint directory")
 
 
 def _probe_udp(config: DaemonConfig) -> None:

@@ -8,6 +8,7 @@ document (``transport.credentials``) under domain ``node-record``, signed by the
      "addrs": ["host:port", ...], "role": "serve"|"client"|"worker", "proto": int, "sw": str,
      "models": [{"name", "kind", "fingerprint", "ctx"}],
      "experts": [{"model_fp", "layers": [first, last], "experts": [first, last], "capacity"}],
+     "stages": [{"model_fp", "free_kb", "pin": [first, last] | null}]  (optional, default []),
      "cap": {"cpus": int, "ram_mb": int, "in_flight": int}, "api": "host:port" | null,
      "admin": bool (holds the mesh admin key; optional, default false)}
 
@@ -84,6 +85,22 @@ class ExpertShard:
 
 
 @dataclass(frozen=True, slots=True)
+class StageOffer:
+    """``--stage``: this node offers to hold layers of a checkpoint (any range, or exactly ``pin``)."""
+
+    model_fingerprint: str
+    free_kb: int
+    pin: tuple[int, int] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model_fp": self.model_fingerprint, "free_kb": self.free_kb,
+                "pin": list(self.pin) if self.pin is not None else None}
+
+
+MAX_RECORD_STAGES = 16  # stage offers in one record: one per --stage checkpoint
+
+
+@dataclass(frozen=True, slots=True)
 class Capacity:
     cpus: int = 0
     ram_mb: int = 0
@@ -106,6 +123,7 @@ class LocalInfo:
     capacity: Capacity = field(default_factory=Capacity)
     api: str | None = None
     admin: bool = False  # holds the mesh admin key (can issue invites and bans)
+    stages: tuple[StageOffer, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +144,7 @@ class NodeRecord:
     api: str | None
     admin: bool
     encoded: bytes
+    stages: tuple[StageOffer, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """JSON view for status and other services (no certificate, no signature)."""
@@ -133,7 +152,7 @@ class NodeRecord:
                 "addrs": list(self.addrs), "role": self.role, "proto": self.proto, "sw": self.software,
                 "models": [m.to_json() for m in self.models],
                 "experts": [e.to_json() for e in self.experts], "cap": self.capacity.to_json(),
-                "api": self.api, "admin": self.admin}
+                "api": self.api, "admin": self.admin, "stages": [s.to_json() for s in self.stages]}
 
 
 def sign_record(identity: NodeIdentity, creds: MeshCredentials, info: LocalInfo, version: int,
@@ -146,6 +165,8 @@ def sign_record(identity: NodeIdentity, creds: MeshCredentials, info: LocalInfo,
         "models": [m.to_json() for m in info.models], "experts": [e.to_json() for e in info.experts],
         "cap": info.capacity.to_json(), "api": info.api, "admin": info.admin,
     }
+    if info.stages:  # optional: a record without stages stays as older nodes wrote it
+        body["stages"] = [s.to_json() for s in info.stages]
     _check_body(body)
     sig = identity.sign(RECORD_DOMAIN, canonical_json(body))
     data = canonical_json({"body": body, "sig": b64e(sig)})
@@ -211,6 +232,7 @@ def _check_body(body: dict[str, Any]) -> tuple[Any, ...]:
     cap = _obj(body.get("cap"), "cap", {"cpus", "ram_mb", "in_flight"})
     capacity = Capacity(_int(cap["cpus"], "cpus"), _int(cap["ram_mb"], "ram_mb"),
                         _int(cap["in_flight"], "in_flight"))
+    _stages(body)
     if not isinstance(body.get("admin", False), bool):
         raise RecordError("field 'admin' must be a boolean")
     if not isinstance(body.get("leaving"), bool):
@@ -220,6 +242,18 @@ def _check_body(body: dict[str, Any]) -> tuple[Any, ...]:
         _str(body.get("sw"), "sw"), models, experts, capacity, _str(body.get("api"), "api", True),
         _int(body.get("ver"), "ver"),
     )
+
+
+def _stages(body: dict[str, Any]) -> tuple[StageOffer, ...]:
+    raw = body.get("stages", [])
+    if not isinstance(raw, list) or len(raw) > MAX_RECORD_STAGES:
+        raise RecordError(f"'stages' must be a list of at most {MAX_RECORD_STAGES}")
+    out = []
+    for x in raw:
+        e = _obj(x, "stages[]", {"model_fp", "free_kb", "pin"})
+        pin = None if e["pin"] is None else _range(e["pin"], "pin")
+        out.append(StageOffer(_str(e["model_fp"], "model_fp"), _int(e["free_kb"], "free_kb"), pin))
+    return tuple(out)
 
 
 def _open(data: bytes, limit: int) -> tuple[dict[str, Any], bytes]:
@@ -273,7 +307,7 @@ class RecordVerifier:
         rec = NodeRecord(node_id=cert.node_id, public_key=cert.node_pub, version=ver,
                          leaving=body["leaving"], addrs=addrs, role=role, proto=proto, software=sw,
                          models=models, experts=experts, capacity=capacity, api=api,
-                         admin=body.get("admin", False), encoded=data)
+                         admin=body.get("admin", False), encoded=data, stages=_stages(body))
         self._cache[key] = rec
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)

@@ -155,6 +155,10 @@ class MembershipService:
     def set_local_experts(self, experts: list[ExpertShard]) -> None:
         self._update(experts=tuple(experts))
 
+    def set_local_stages(self, stages: list[Any]) -> None:
+        """Advertise this node's pipeline stage offers (``records.StageOffer``)."""
+        self._update(stages=tuple(stages))
+
     def set_load(self, in_flight: int) -> None:
         """Advertise requests in flight; re-signed at most every ``LOAD_REPUBLISH_S`` seconds."""
         self._load_pending = max(0, int(in_flight))

@@ -1,0 +1,406 @@
+"""Pipeline benchmark: one model split over 2 and 3 stage processes against the same model on one node.
+
+    python bench/pipeline.py [--dir DIR] [--rounds 3] [--prompt 256] [--decode 64] [--concurrency 8] [--threads 1]
+
+Checkpoint: the engine benchmark's mid-size Qwen3-MoE (hidden 768, 8 layers, 16 experts of width 384,
+top-4, vocab 8192, fp32; ``bench/experts.py``'s numpy writer) with the tiny model's tokenizer, in --dir
+(default: a temp dir). Every node is a real ``meshd serve`` process on loopback (--no-mdns, port 0), each
+with --threads BLAS threads:
+
+- local: ``--model m=PATH`` alone in its own mesh;
+- 2 stages: ``--model m=PATH --pipeline on`` (layers 0-3) + a stage ``--stage PATH@4-7``;
+- 3 stages: the serving node (0-2) + ``--stage PATH@3-5`` + ``--stage PATH@6-7``.
+
+All requests go through the OpenAI API (completions with token-id prompts, greedy), so both sides pay the
+same HTTP costs. Per round, setups take turns (the others idle): prefill tok/s (a --prompt-token prompt,
+max_tokens 1), decode tok/s of one stream (--decode tokens after the first, from SSE arrival times), and
+aggregate decode tok/s of --concurrency concurrent streams. The per-hop overhead is (a stage's round trip
+as the serving node sees it) - (the stage's own compute), per decode step, from the serving node's status
+counters over the single-stream decode, set against the QUIC smoothed round trip to that stage (membership
+status). Peak RSS (VmHWM) of every stage process against the bytes of the weights it holds. Recovery: a
+stream of 200 tokens on the 2-stage setup, the stage killed with SIGKILL after 20 tokens; the longest gap
+between two tokens is the recovery time (the serving node then runs all layers itself). Every pipelined
+reply is checked equal to the local one. Medians over rounds with [min, max]. Prints a Markdown table
+and a JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import itertools
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+class Node:
+    def __init__(self, state: Path, args: list[str], threads: int) -> None:
+        state.mkdir(parents=True, exist_ok=True)
+        env = {
+            **os.environ,
+            "OPENBLAS_NUM_THREADS": str(threads),
+            "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+        }
+        self.state = state
+        self.err = open(state.parent / f"{state.name}.stderr", "wb")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "meshd",
+                "serve",
+                "--state-dir",
+                str(state),
+                "--no-mdns",
+                "--listen",
+                "127.0.0.1:0",
+                "--api",
+                "127.0.0.1:0",
+                "--log-level",
+                "warning",
+                *args,
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=self.err,
+        )
+        deadline = time.monotonic() + 120
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"meshd exited: {(state.parent / f'{state.name}.stderr').read_text()[-2000:]}"
+                )
+            try:
+                self.run = json.loads((state / "run.json").read_text())
+                break
+            except (OSError, ValueError):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("meshd did not start") from None
+                time.sleep(0.05)
+
+    def status(self) -> dict[str, Any]:
+        out = subprocess.run(
+            [sys.executable, "-m", "meshd", "status", "--json", "--state-dir", str(self.state)],
+            capture_output=True,
+            timeout=30,
+            check=True,
+        )
+        return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+    def invite(self) -> str:
+        return subprocess.run(
+            [sys.executable, "-m", "meshd", "invite", "--uses", "4", "--state-dir", str(self.state)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout.strip()
+
+    def peak_mb(self) -> float:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+        return 0.0
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.err.close()
+
+
+def _request(api: str, body: dict[str, Any]) -> tuple[list[float], list[int], dict[str, Any] | None]:
+    """(arrival times, token counts per event, final reply or None when streamed)."""
+    host, _, port = api.rpartition(":")
+    c = http.client.HTTPConnection(host, int(port), timeout=300)
+    try:
+        c.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+        r = c.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {r.read()[:500]!r}")
+        if not body.get("stream"):
+            return [time.perf_counter()], [], json.loads(r.read())
+        times, texts = [], []
+        while line := r.readline():
+            line = line.strip()
+            if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                ev = json.loads(line[5:])
+                if "error" in ev:
+                    raise RuntimeError(f"stream error: {ev}")
+                times.append(time.perf_counter())
+                texts.append(ev["choices"][0].get("text", ""))
+        return times, texts, None  # type: ignore[return-value]
+    finally:
+        c.close()
+
+
+def prefill_tps(api: str, prompt: list[int]) -> float:
+    t0 = time.perf_counter()
+    _request(api, {"model": "m", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+    return len(prompt) / (time.perf_counter() - t0)
+
+
+def decode_tps(api: str, prompt: list[int], n: int) -> tuple[float, str]:
+    times, texts, _ = _request(
+        api, {"model": "m", "prompt": prompt, "max_tokens": n + 1, "temperature": 0, "stream": True}
+    )
+    return (len(times) - 1) / (times[-1] - times[0]), "".join(texts)  # type: ignore[arg-type]
+
+
+def concurrent_tps(api: str, prompts: list[list[int]], n: int) -> float:
+    counts = [0] * len(prompts)
+
+    def one(i: int) -> None:
+        times, _, _ = _request(
+            api, {"model": "m", "prompt": prompts[i], "max_tokens": n, "temperature": 0, "stream": True}
+        )
+        counts[i] = len(times)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(counts) / (time.perf_counter() - t0)
+
+
+def _stage_sums(srv: Node) -> dict[str, tuple[int, float, float]]:
+    """node id -> (calls, latency sum s, compute sum s) over the serving node's current run."""
+    st = srv.status()["services"]["pipeline"]["pipeline"]["models"]["m"]
+    out = {}
+    for lk in st["runs"][st["run"]]["stages"]:
+        n = lk["calls"]
+        out[lk["node_id"]] = (n, lk["latency_ms_avg"] * n / 1e3, lk["compute_ms_avg"] * n / 1e3)
+    return out
+
+
+def _rtt_ms(srv: Node, node_id: str) -> float | None:
+    st = srv.status()["services"]["pipeline"]["pipeline"]["models"]["m"]
+    for lk in st["runs"][st["run"]]["stages"]:
+        if lk["node_id"] == node_id:
+            return lk.get("rtt_ms")  # type: ignore[no-any-return]
+    return None
+
+
+def _med(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.2f} [{min(xs):.2f}, {max(xs):.2f}]"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", type=Path, default=None, help="checkpoint and state dirs (default: a temp dir)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
+    ap.add_argument("--prompt", type=int, default=256, help="prefill prompt tokens (default 256)")
+    ap.add_argument("--decode", type=int, default=64, help="decode tokens per stream (default 64)")
+    ap.add_argument("--concurrency", type=int, default=8, help="concurrent streams (default 8)")
+    ap.add_argument("--threads", type=int, default=1, help="BLAS threads per process (default 1)")
+    args = ap.parse_args()
+
+    import random
+
+    from experts import CONFIG, create
+
+    from engine.model import Model
+    from engine.pipeline.layout import fingerprint, need_of
+    from engine.tiny import create_tiny
+
+    base = args.dir or Path(tempfile.mkdtemp(prefix="pipeline-bench-"))
+    ck = create(base / "mid")
+    if not (ck / "tokenizer.json").exists():
+        tiny = create_tiny(base / "tiny")
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tiny / name, ck / name)
+    need = need_of(Model.load(ck, prefetch=False), fingerprint(ck))
+    total = sum(need.layer_bytes) + need.head_bytes + need.token_bytes // 4 * CONFIG["vocab_size"] * 4
+    share = {
+        "4-7": sum(need.layer_bytes[4:8]) + need.head_bytes,
+        "3-5": sum(need.layer_bytes[3:6]),
+        "6-7": sum(need.layer_bytes[6:8]) + need.head_bytes,
+    }
+    r = random.Random(0)
+    vocab = min(CONFIG["vocab_size"], 1000)
+    prompt = [r.randrange(vocab) for _ in range(args.prompt)]
+    short = [[r.randrange(vocab) for _ in range(16)] for _ in range(args.concurrency)]
+
+    nodes: list[Node] = []
+    try:
+        states = base / f"nodes-{os.getpid()}"
+        idle = Node(
+            states / "idle", ["--stage", "tiny"], args.threads
+        )  # a stage never planned: the process alone
+        nodes.append(idle)
+        local = Node(states / "local", ["--model", f"m={ck}"], args.threads)
+        nodes.append(local)
+        s2 = Node(states / "s2", ["--model", f"m={ck}", "--pipeline", "on"], args.threads)
+        nodes.append(s2)
+        st2 = Node(states / "st2", ["--stage", f"{ck}@4-7", "--join", s2.invite()], args.threads)
+        nodes.append(st2)
+        s3 = Node(states / "s3", ["--model", f"m={ck}", "--pipeline", "on"], args.threads)
+        nodes.append(s3)
+        tok3 = s3.invite()
+        st3a = Node(states / "st3a", ["--stage", f"{ck}@3-5", "--join", tok3], args.threads)
+        st3b = Node(states / "st3b", ["--stage", f"{ck}@6-7", "--join", tok3], args.threads)
+        nodes += [st3a, st3b]
+        for srv, want in ((s2, 2), (s3, 3)):
+            deadline = time.monotonic() + 120
+            while True:
+                plan = srv.status()["services"]["pipeline"]["pipeline"]["models"]["m"].get("plan")
+                if plan and len(plan) == want:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no {want}-stage plan: {plan}")
+                time.sleep(0.5)
+        setups = {"local": local, "2 stages": s2, "3 stages": s3}
+        for srv in setups.values():  # warm-up: page in the weights, the same for every side
+            prefill_tps(srv.run["api"], prompt)
+            decode_tps(srv.run["api"], short[0], 8)
+        res: dict[str, dict[str, list[float]]] = {
+            k: {"prefill": [], "decode1": [], "decodeN": [], "hop_ms": [], "rtt_ms": []} for k in setups
+        }
+        errors: list[str] = []
+        mismatches: list[str] = []
+        for rnd in range(args.rounds):
+            ref_text = None
+            for name, srv in setups.items():
+                try:
+                    api = srv.run["api"]
+                    res[name]["prefill"].append(prefill_tps(api, prompt))
+                    before = _stage_sums(srv) if name != "local" else {}
+                    tps, text = decode_tps(api, short[0], args.decode)
+                    res[name]["decode1"].append(tps)
+                    if name == "local":
+                        ref_text = text
+                    elif text != ref_text:
+                        mismatches.append(f"round {rnd + 1} {name}")
+                    if before:
+                        after = _stage_sums(srv)
+                        for node, (n1, l1, c1) in after.items():
+                            n0, l0, c0 = before.get(node, (0, 0.0, 0.0))
+                            if n1 > n0:
+                                res[name]["hop_ms"].append(((l1 - l0) - (c1 - c0)) / (n1 - n0) * 1e3)
+                            rtt = _rtt_ms(srv, node)
+                            if rtt is not None:
+                                res[name]["rtt_ms"].append(rtt)
+                    res[name]["decodeN"].append(concurrent_tps(api, short, args.decode))
+                except RuntimeError as e:  # a stream error: counted, the run goes on
+                    errors.append(f"round {rnd + 1} {name}: {e}")
+            print(f"round {rnd + 1}/{args.rounds} done", file=sys.stderr)
+        rss = {
+            "2 stages: stage 4-7": (st2.peak_mb(), share["4-7"]),
+            "3 stages: stage 3-5": (st3a.peak_mb(), share["3-5"]),
+            "3 stages: stage 6-7": (st3b.peak_mb(), share["6-7"]),
+            "local (all layers)": (local.peak_mb(), total),
+        }
+        idle_mb = idle.peak_mb()
+        recoveries = {
+            name: srv.status()["services"]["pipeline"]["pipeline"]["models"]["m"]["recoveries"]
+            for name, srv in setups.items()
+            if name != "local"
+        }
+        # recovery: kill the 2-stage setup's stage mid-stream; the serving node re-plans (alone) and replays
+        times: list[float] = []
+
+        def watch() -> None:
+            nonlocal times
+            t, _, _ = _request(
+                s2.run["api"],
+                {"model": "m", "prompt": short[1], "max_tokens": 200, "temperature": 0, "stream": True},
+            )
+            times = t
+
+        th = threading.Thread(target=watch)
+        th.start()
+        time.sleep(0.1)
+        while True:  # kill after ~20 tokens: poll the stage's step counter
+            st = st2.status()["services"]["pipeline"]["pipeline"]["stages"][0]
+            if st["steps"] >= 40:
+                break
+            time.sleep(0.02)
+        st2.proc.send_signal(signal.SIGKILL)
+        th.join()
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        recovery_s = max(gaps) if gaps else float("nan")
+        last_ms = s2.status()["services"]["pipeline"]["pipeline"]["models"]["m"]["last_recovery_ms"]
+    finally:
+        for n in reversed(nodes):
+            n.stop()
+
+    def ratio(name: str, key: str) -> str:
+        xs = [a / b for a, b in zip(res[name][key], res["local"][key])]
+        return _med(xs)
+
+    print(
+        f"\nmid-size Qwen3-MoE (8 layers, fp32), {args.threads} BLAS thread(s) per process, prompt {args.prompt}, "
+        f"decode {args.decode}, {args.concurrency} concurrent, {args.rounds} rounds, median [min, max]\n"
+    )
+    print(
+        "| setup | prefill tok/s | x local | decode tok/s (1) | x local | decode tok/s (8) | x local | hop overhead ms | QUIC RTT ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in setups:
+        row = [
+            name,
+            _med(res[name]["prefill"]),
+            "1" if name == "local" else ratio(name, "prefill"),
+            _med(res[name]["decode1"]),
+            "1" if name == "local" else ratio(name, "decode1"),
+            _med(res[name]["decodeN"]),
+            "1" if name == "local" else ratio(name, "decodeN"),
+            _med(res[name]["hop_ms"]) if res[name]["hop_ms"] else "-",
+            _med(res[name]["rtt_ms"]) if res[name]["rtt_ms"] else "-",
+        ]
+        print("| " + " | ".join(row) + " |")
+    print(
+        f"\n| process | peak RSS MB | weights held MB | ratio | ratio after the idle daemon's {idle_mb:.1f} MB |"
+    )
+    print("|---|---|---|---|---|")
+    for name, (mb, b) in rss.items():
+        print(
+            f"| {name} | {mb:.1f} | {b / 2**20:.1f} | {mb / (b / 2**20):.2f} | {(mb - idle_mb) / (b / 2**20):.2f} |"
+        )
+    print(
+        f"\nrecovery (2 stages, stage SIGKILLed mid-stream): longest inter-token gap {recovery_s * 1e3:.0f} ms "
+        f"(of which re-plan {last_ms} ms); stream completed with {len(times)} tokens"
+    )
+    print(f"\nrecoveries during the rounds (a stage thought dead, replayed): {recoveries}")
+    print(f"stream errors: {errors or 'none'}; outputs differing from local: {mismatches or 'none'}")
+    print(
+        json.dumps(
+            {
+                "errors": errors,
+                "mismatches": mismatches,
+                "recoveries": recoveries,
+                "results": res,
+                "rss": {k: [v[0], v[1]] for k, v in rss.items()},
+                "idle_mb": idle_mb,
+                "recovery_s": recovery_s,
+                "replan_ms": last_ms,
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

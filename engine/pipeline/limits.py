@@ -1,0 +1,33 @@
+"""Every bound of the layer pipeline, with units and the reason for its value."""
+
+from __future__ import annotations
+
+MAX_FRAME_BYTES = 256 * 1024 * 1024  # one stage frame: a prefill chunk's activations (512 x 8192 x fp32 =
+#   16 MiB) or a chunk's logits on the last stage (512 x 152k x fp32 = 300 MiB would not fit: the serving
+#   node asks only for the last row of a prefill chunk, so logits frames are [1, V])
+MAX_SEQS_PER_FRAME = 256  # sequences in one forward frame (a decode micro-batch); the scheduler runs <= 64
+MAX_DIMS = 4  # tensor rank in a frame: activations are [T, D], logits [T, V]
+MAX_DIM = 1 << 24  # one tensor dimension: vocab sizes are <= 256k, hidden <= 64k, chunks <= 64k tokens
+MAX_ERROR_TEXT_BYTES = 1024  # an error's human text: one line naming what failed
+MAX_FINGERPRINT_BYTES = 64  # a checkpoint fingerprint: SHA-256 (32 B) with room
+MAX_LIVE_SEQUENCES = 1024  # KV caches one stage keeps at once over all runs; more are refused
+SEND_CHUNK_BYTES = 1024 * 1024  # a frame is written to the stream in slices of this size
+KEEPALIVE_S = (
+    0.2  # a stage computing a step says so this often, so a silent stage can be told from a slow one
+)
+SILENCE_S = 0.8  # no frame from a stage for this long while a step (or an OPEN) is out: the stage is dead
+#   (kill -9 is otherwise silent until QUIC's idle timeout). A recovery with no other capacity asks the
+#   silent stage once more (an OPEN, again at most this long): 2 x 0.8 s keeps "error within 2 s"
+OPEN_TIMEOUT_S = 30.0  # a stage loading its layers (mmap, page faults) before it answers READY
+SEQ_IDLE_S = 600.0  # a KV cache nobody touched for this long is freed (a serving node that went away
+#   without closing its stream); generous: a paused client stream holds its sequence
+SWEEP_S = 5.0  # how often a stage looks for idle caches
+FAILED_RETRY_S = 3.0  # a stage that failed is left out of plans this long (or until it reconnects)
+REPLAN_S = 2.0  # the serving node re-reads gossip for a better plan this often (used for new requests only)
+INLINE_ROWS = 8  # a step of at most this many rows runs on the stage's event loop (decode: ~ms), larger ones
+#   (prefill chunks) on a thread with KEEPALIVE frames meanwhile
+OPEN_SILENCE_S = 5.0  # no frame from a stage loading its layers for this long: give up on it (a loading
+#   stage sends KEEPALIVE, but its loop may starve while the load holds the GIL on a busy machine). A stage
+#   asked again after it failed gets SILENCE_S instead (the serving node is then on a client's clock)
+PLAN_GRACE_S = 5.0  # plans failing for less than this keep a working run for new requests (gossip about a
+#   stage that just rejoined flaps for a moment); a run whose stage failed is dropped at once

@@ -1,0 +1,343 @@
+"""What a stage node runs: the layers it was given and the KV caches of the sequences passing through.
+
+``StageHost(path, fingerprint, pin)``; ``await host.serve(channel, peer_id)`` answers one PIPELINE stream
+(a serving node's session; it may open several runs on it) until it ends. Per frame:
+
+- ``OPEN(run, first, last, num_layers, fp)``: refuse another checkpoint (``FINGERPRINT_MISMATCH``, naming
+  ours) or a range against our pin (``BAD_RANGE``); load exactly layers first..last (memory-mapped, other
+  layers never touched; kept while a run uses them) and answer ``READY``.
+- ``FORWARD(run, step, spans, x)``: run our layers over x (a thread; ``KEEPALIVE`` every
+  ``KEEPALIVE_S`` meanwhile), the sequences' caches keyed by (run, seq) created at start 0; a start that is
+  not the cache's length is ``POSITION_MISMATCH`` (state lost: the serving node replays). The stage
+  holding the last layer answers logits (``FLAG_LOGITS``), the others hidden states.
+- ``FREE(run, seqs)``: drop those caches (all of the run's when empty).
+
+A stream that ends or breaks frees every cache of its runs; a cache idle for ``SEQ_IDLE_S`` is freed by
+``sweep``. ``status()`` shows loaded ranges and live sequences per run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+
+from engine.moe import drive
+from engine.pipeline import limits, wire
+
+log = structlog.get_logger(__name__)
+
+ExecutorFactory = Callable[[Any], Any]  # (model part) -> expert executor, or None for local experts
+
+
+@dataclass
+class _Seq:
+    cache: Any
+    used: float
+
+
+class StageError(Exception):
+    def __init__(self, code: wire.ErrorCode, text: str) -> None:
+        super().__init__(text)
+        self.code = code
+
+
+class StageHost:
+    """See the module docstring. ``load(path, first, last)`` builds a model part (default ``Model.load``)."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        fingerprint: bytes,
+        pin: tuple[int, int] | None = None,
+        *,
+        load: Callable[[Path, int, int], Any] | None = None,
+        executor_for: Callable[[Any], Any] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.fingerprint = fingerprint
+        self.pin = pin
+        self._load = load or _load_part
+        self._executor_for = executor_for
+        self.parts: dict[tuple[int, int], Any] = {}
+        self.executors: dict[tuple[int, int], Any] = {}
+        self.runs: dict[int, tuple[int, int]] = {}  # run -> its range
+        self.seqs: dict[tuple[int, int], _Seq] = {}  # (run, seq) -> cache
+        self.steps = 0
+        self.compute_s = 0.0
+        self.loading: dict[tuple[int, int], asyncio.Future[Any]] = {}
+        self._lock = threading.Lock()  # seqs is touched by the loop (free, sweep) and compute threads
+
+    # --- state ------------------------------------------------------------------------------------
+
+    def live(self, run: int | None = None) -> int:
+        with self._lock:
+            return sum(1 for (r, _s) in self.seqs if run is None or r == run)
+
+    def free(self, run: int, seqs: tuple[int, ...] = ()) -> int:
+        """Drop caches of ``run`` (all of them when ``seqs`` is empty); -> how many."""
+        with self._lock:
+            keys = [k for k in self.seqs if k[0] == run and (not seqs or k[1] in seqs)]
+            for k in keys:
+                del self.seqs[k]
+        if not seqs:
+            self.runs.pop(run, None)
+            self._drop_unused_parts()
+        return len(keys)
+
+    def _drop_unused_parts(self) -> None:
+        """Unload ranges no run uses, except the newest one: the next plan most likely gives the same range
+        again (a re-plan after a failure, a pinned stage), and loading it anew would map the file twice."""
+        used = set(self.runs.values())
+        unused = [r for r in self.parts if r not in used]
+        keep = unused[-1:] if not used else []
+        dropped = False
+        for rng in unused:
+            if rng in keep:
+                continue
+            del self.parts[rng]
+            self.executors.pop(rng, None)
+            dropped = True
+            log.info("pipeline_stage_unloaded", first=rng[0], last=rng[1])
+        if dropped:
+            gc.collect()  # a model part is in a reference cycle (its executor); release its mapping now
+
+    def sweep(self, now: float) -> int:
+        """Free caches idle longer than ``SEQ_IDLE_S``; -> how many."""
+        with self._lock:
+            old = [k for k, s in self.seqs.items() if now - s.used > limits.SEQ_IDLE_S]
+            for k in old:
+                del self.seqs[k]
+        if old:
+            log.info("pipeline_stage_idle_freed", sequences=len(old))
+        return len(old)
+
+    def status(self) -> dict[str, Any]:
+        runs: dict[str, int] = {f"{r:016x}": 0 for r in self.runs}
+        with self._lock:
+            keys = list(self.seqs)
+        for r, _s in keys:
+            runs[f"{r:016x}"] = runs.get(f"{r:016x}", 0) + 1
+        return {
+            "path": str(self.path),
+            "fingerprint": self.fingerprint.hex()[:16],
+            "pin": list(self.pin) if self.pin else None,
+            "loaded": [list(r) for r in sorted(self.parts)],
+            "live_sequences": len(keys),
+            "runs": runs,
+            "steps": self.steps,
+            "compute_ms_avg": round(self.compute_s / self.steps * 1e3, 3) if self.steps else 0.0,
+        }
+
+    # --- the stream -------------------------------------------------------------------------------
+
+    async def serve(self, channel: Any, peer_id: str = "") -> None:
+        """Answer one stream until it ends; every run opened on it is freed then."""
+        dec = wire.FrameDecoder()
+        mine: set[int] = set()
+        try:
+            while True:
+                data = await channel.recv()
+                if data is None:
+                    break
+                try:
+                    frames = dec.feed(data)
+                except wire.RemoteProtocolError as e:
+                    log.info("pipeline_stage_protocol_error", peer=peer_id[:12], reason=e.reason)
+                    await _send(channel, wire.Error(0, wire.ErrorCode.PROTOCOL, e.reason))
+                    break
+                for f in frames:
+                    await self._handle(channel, f, mine)
+        except Exception as e:  # noqa: BLE001 - a broken stream ends the session, never the daemon
+            log.info("pipeline_stage_stream_ended", peer=peer_id[:12], error=repr(e))
+        finally:
+            freed = sum(self.free(r) for r in list(mine))
+            log.info("pipeline_stage_session_closed", peer=peer_id[:12], runs=len(mine), freed=freed)
+            with contextlib.suppress(Exception):
+                await channel.send(b"", end=True)  # our side is done too (the serving node's reader ends)
+
+    async def _handle(self, channel: Any, f: wire.Frame, mine: set[int]) -> None:
+        if isinstance(f, wire.Open):
+            task = asyncio.ensure_future(self._open(f))
+            while True:  # loading may take a while: say we are alive meanwhile
+                done, _ = await asyncio.wait({task}, timeout=limits.KEEPALIVE_S)
+                if done:
+                    break
+                await _send(channel, wire.Keepalive(0))
+            try:
+                ready = task.result()
+            except StageError as e:
+                await _send(channel, wire.Error(0, e.code, str(e)))
+                return
+            mine.add(f.run)
+            await _send(channel, ready)
+        elif isinstance(f, wire.Forward):
+            await self._forward(channel, f, mine)
+        elif isinstance(f, wire.Free):
+            if f.run in mine:
+                n = self.free(f.run, f.seqs)
+                if not f.seqs:
+                    mine.discard(f.run)
+                log.debug("pipeline_stage_freed", run=f"{f.run:016x}", sequences=n)
+        else:
+            await _send(
+                channel, wire.Error(0, wire.ErrorCode.PROTOCOL, f"a stage does not take {type(f).__name__}")
+            )
+
+    async def _open(self, f: wire.Open) -> wire.Ready:
+        if f.fingerprint != self.fingerprint:
+            raise StageError(
+                wire.ErrorCode.FINGERPRINT_MISMATCH,
+                f"this stage holds checkpoint {self.fingerprint.hex()[:16]} ({self.path.name}), "
+                f"not {f.fingerprint.hex()[:16]}",
+            )
+        if self.pin is not None and (f.first, f.last) != self.pin:
+            raise StageError(
+                wire.ErrorCode.BAD_RANGE,
+                f"this stage is pinned to layers {self.pin[0]}-{self.pin[1]}, asked for {f.first}-{f.last}",
+            )
+        rng = (f.first, f.last)
+        t0 = time.perf_counter()
+        if rng not in self.parts:
+            fut = self.loading.get(rng)
+            if fut is None:
+                fut = asyncio.ensure_future(asyncio.to_thread(self._load, self.path, f.first, f.last))
+                self.loading[rng] = fut
+            try:
+                part = await asyncio.shield(fut)
+            except Exception as e:  # noqa: BLE001 - reported to the serving node by name
+                self.loading.pop(rng, None)
+                raise StageError(
+                    wire.ErrorCode.LOAD_FAILED, f"cannot load layers {f.first}-{f.last}: {e}"
+                ) from None
+            self.loading.pop(rng, None)
+            if part.config.num_layers != f.num_layers:
+                raise StageError(
+                    wire.ErrorCode.BAD_RANGE,
+                    f"the model has {part.config.num_layers} layers, not {f.num_layers}",
+                )
+            self.parts[rng] = part
+            if self._executor_for is not None:
+                self.executors[rng] = await self._executor_for(part)
+            log.info(
+                "pipeline_stage_loaded",
+                first=f.first,
+                last=f.last,
+                load_ms=round((time.perf_counter() - t0) * 1e3, 1),
+            )
+        self.runs[f.run] = rng
+        return wire.Ready(f.run, f.first, f.last, int((time.perf_counter() - t0) * 1e3))
+
+    async def _forward(self, channel: Any, f: wire.Forward, mine: set[int]) -> None:
+        if f.run not in mine:
+            await _send(
+                channel, wire.Error(f.step, wire.ErrorCode.UNKNOWN_RUN, f"run {f.run:016x} is not open here")
+            )
+            return
+        rng = self.runs[f.run]
+        part, executor = self.parts[rng], self.executors.get(rng)
+        inline = f.x.shape[0] <= limits.INLINE_ROWS and executor is None
+        if inline:  # a decode step: a few ms; a thread hand-off would cost more than it saves
+            task: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            try:
+                task.set_result(self._compute(part, executor, f))
+            except Exception as e:  # noqa: BLE001 - reported below like a thread's failure
+                task.set_exception(e)
+        else:  # a prefill chunk (or experts delegated from this stage): a thread, KEEPALIVE meanwhile
+            task = asyncio.ensure_future(asyncio.to_thread(self._compute, part, executor, f))
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=limits.KEEPALIVE_S)
+            if done:
+                break
+            await _send(channel, wire.Keepalive(f.step))
+        try:
+            out, logits, us = task.result()
+        except StageError as e:
+            await _send(channel, wire.Error(f.step, e.code, str(e)))
+            return
+        except Exception as e:  # noqa: BLE001 - the layers failed: say why, keep serving
+            log.warning("pipeline_stage_compute_failed", error=repr(e))
+            await _send(
+                channel, wire.Error(f.step, wire.ErrorCode.COMPUTE_FAILED, f"{type(e).__name__}: {e}")
+            )
+            return
+        await _send(channel, wire.Result(f.run, f.step, us, out, logits))
+
+    def _compute(self, part: Any, executor: Any, f: wire.Forward) -> tuple[np.ndarray, bool, int]:
+        """Our layers over f.x (a worker thread). -> (hidden or logits, is logits, compute µs)."""
+        t0 = time.perf_counter()
+        now = time.monotonic()
+        with self._lock:
+            caches = self._caches(part, f, now)
+        ex = executor or part.local_executor
+        if len(f.spans) == 1:
+            s, cache = f.spans[0], caches[0]
+            cache.reserve(s.start + s.count)
+            x = drive(part.span_steps(f.x, cache, s.start), ex, part.warm)
+            cache.length = s.start + s.count
+            if f.last_only and part.lm_head is not None:
+                x = x[-1:]
+        else:
+            for c in caches:
+                c.reserve(c.length + 1)
+            pos = np.array([s.start for s in f.spans], dtype=np.int64)
+            x = drive(part.span_batch_steps(f.x, caches, pos), ex, part.warm)
+            for c in caches:
+                c.length += 1
+        logits = part.lm_head is not None
+        if logits:
+            x = part.logits(x)
+        dt = time.perf_counter() - t0
+        self.steps += 1
+        self.compute_s += dt
+        return x, logits, int(dt * 1e6)
+
+    def _caches(self, part: Any, f: wire.Forward, now: float) -> list[Any]:
+        caches = []
+        for s in f.spans:
+            entry = self.seqs.get((f.run, s.seq))
+            if entry is None:
+                if s.start != 0:
+                    raise StageError(
+                        wire.ErrorCode.POSITION_MISMATCH,
+                        f"sequence {s.seq} has no state here (asked from position {s.start})",
+                    )
+                if len(self.seqs) >= limits.MAX_LIVE_SEQUENCES:
+                    raise StageError(
+                        wire.ErrorCode.TOO_MANY_SEQUENCES, f"{len(self.seqs)} sequences live here"
+                    )
+                entry = _Seq(part.new_cache(), now)
+                self.seqs[(f.run, s.seq)] = entry
+            if entry.cache.length != s.start:
+                raise StageError(
+                    wire.ErrorCode.POSITION_MISMATCH,
+                    f"sequence {s.seq} is at position {entry.cache.length}, asked from {s.start}",
+                )
+            entry.used = now
+            caches.append(entry.cache)
+        return caches
+
+
+def _load_part(path: Path, first: int, last: int) -> Any:
+    from engine.model import Model
+
+    return Model.load(path, layers=(first, last), prefetch=False)
+
+
+async def _send(channel: Any, frame: wire.Frame) -> None:
+    data = wire.encode(frame)
+    step = limits.SEND_CHUNK_BYTES
+    send_now = getattr(channel, "send_now", None)
+    if len(data) <= step and send_now is not None and send_now(data):
+        return  # written and flushed in this call (the latency path)
+    for i in range(0, len(data), step):
+        await channel.send(data[i : i + step])

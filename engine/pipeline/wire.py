@@ -1,0 +1,366 @@
+"""The stage protocol's codec (sans-I/O): length-prefixed frames on a PIPELINE stream.
+
+Every frame, all integers little-endian::
+
+    length u32 (bytes after this field) | magic b"MP" | version u8 | kind u8 | flags u8 | reserved u8 (0)
+    | body (per kind, consumed exactly)
+
+Bodies (``run``: the plan instance, ``step``: a request id on this stream, ``seq``: a sequence)::
+
+    OPEN      run u64 | first u16 | last u16 | num_layers u16 | fp_len u8 | fingerprint
+    READY     run u64 | first u16 | last u16 | load_ms u32
+    FORWARD   run u64 | step u32 | n u16 | n x (seq u64 | start u32 | count u32) | tensor     flags: LAST_ONLY
+    RESULT    run u64 | step u32 | compute_us u32 | tensor                                 flags: LOGITS
+    FREE      run u64 | n u16 | n x seq u64            (n = 0: every sequence of the run)
+    ERROR     step u32 | code u16 | text_len u16 | utf-8 text
+    KEEPALIVE step u32                                 (a stage still computing ``step``)
+
+    tensor := dtype u8 | ndim u8 | ndim x u32 dims | raw little-endian bits (exactly prod(dims) x itemsize)
+
+A FORWARD with one sequence carries its ``count`` new positions ``start..start+count-1`` as rows; with
+several, each sequence has count 1 (one decode step of a micro-batch) and row s is sequence s. Activations
+and logits travel as raw fp32 bits, nothing lossy. ``FrameDecoder.feed`` takes bytes in any chunking and
+raises ``RemoteProtocolError(code, reason)`` for anything malformed: bad magic, unsupported version,
+reserved bits, unknown kind or flags, a length over ``MAX_FRAME_BYTES`` (checked before buffering), a body
+that is short or has bytes left over, bad tensor headers.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+from engine.pipeline import limits
+
+MAGIC = b"MP"
+PROTOCOL_MIN = 1
+PROTOCOL_MAX = 1
+VERSION = 1
+HEADER = struct.Struct("<I2sBBBB")  # length, magic, version, kind, flags, reserved
+_FIXED = HEADER.size - 4  # header bytes counted in length
+
+
+class Kind(IntEnum):
+    """APPEND ONLY: frame kinds on the wire."""
+
+    OPEN = 1
+    READY = 2
+    FORWARD = 3
+    RESULT = 4
+    FREE = 5
+    ERROR = 6
+    KEEPALIVE = 7
+
+
+class DType(IntEnum):
+    """APPEND ONLY: tensor element types on the wire."""
+
+    F32 = 1
+    F16 = 2
+
+
+class ErrorCode(IntEnum):
+    """APPEND ONLY: why a stage refused or failed a request."""
+
+    PROTOCOL = 1  # a malformed frame; the stream is closed
+    FINGERPRINT_MISMATCH = 2  # the stage holds another checkpoint
+    BAD_RANGE = 3  # layers outside the model or against the stage's pin
+    UNKNOWN_RUN = 4  # a frame for a run this stream did not open
+    POSITION_MISMATCH = 5  # a sequence's start is not its cache length (state lost: replay it)
+    TOO_MANY_SEQUENCES = 6  # MAX_LIVE_SEQUENCES reached
+    COMPUTE_FAILED = 7  # the layers raised (message says why)
+    LOAD_FAILED = 8  # the layers could not be loaded
+
+
+FLAG_LAST_ONLY = 0x01  # FORWARD: the last stage returns logits of the last row only
+FLAG_LOGITS = 0x01  # RESULT: the tensor is logits (the last stage), not hidden states
+_ALLOWED_FLAGS = {Kind.FORWARD: FLAG_LAST_ONLY, Kind.RESULT: FLAG_LOGITS}
+
+_NP = {DType.F32: np.dtype("<f4"), DType.F16: np.dtype("<f2")}
+_FROM_NP = {np.dtype("float32"): DType.F32, np.dtype("float16"): DType.F16}
+
+
+class RemoteProtocolError(Exception):
+    """The peer sent something this protocol does not allow. ``code`` is an ``ErrorCode`` value."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Open:
+    run: int
+    first: int
+    last: int
+    num_layers: int
+    fingerprint: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    run: int
+    first: int
+    last: int
+    load_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class SeqSpan:
+    seq: int
+    start: int
+    count: int
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Forward:
+    run: int
+    step: int
+    spans: tuple[SeqSpan, ...]
+    x: np.ndarray  # [rows, D]
+    last_only: bool = False
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Result:
+    run: int
+    step: int
+    compute_us: int
+    x: np.ndarray  # hidden [rows, D] or logits [rows, V]
+    logits: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    run: int
+    seqs: tuple[int, ...] = ()  # empty: the whole run
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    step: int
+    code: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Keepalive:
+    step: int
+
+
+Frame = Open | Ready | Forward | Result | Free | Error | Keepalive
+
+_U16, _U32, _U64 = struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<Q")
+
+
+def _tensor(x: np.ndarray) -> bytes:
+    dt = _FROM_NP.get(x.dtype)
+    if dt is None:
+        raise ValueError(f"cannot send {x.dtype} tensors")
+    if not 1 <= x.ndim <= limits.MAX_DIMS:
+        raise ValueError(f"cannot send a rank-{x.ndim} tensor")
+    head = struct.pack(f"<BB{x.ndim}I", dt, x.ndim, *x.shape)
+    return head + np.ascontiguousarray(x, dtype=_NP[dt]).tobytes()
+
+
+def encode(frame: Frame) -> bytes:
+    """One frame's bytes. Raises ``ValueError`` for a frame this protocol cannot carry."""
+    flags = 0
+    if isinstance(frame, Open):
+        if len(frame.fingerprint) > limits.MAX_FINGERPRINT_BYTES:
+            raise ValueError("fingerprint too long")
+        kind = Kind.OPEN
+        body = (
+            struct.pack(
+                "<QHHHB", frame.run, frame.first, frame.last, frame.num_layers, len(frame.fingerprint)
+            )
+            + frame.fingerprint
+        )
+    elif isinstance(frame, Ready):
+        kind, body = Kind.READY, struct.pack("<QHHI", frame.run, frame.first, frame.last, frame.load_ms)
+    elif isinstance(frame, Forward):
+        kind = Kind.FORWARD
+        flags = FLAG_LAST_ONLY if frame.last_only else 0
+        spans = b"".join(struct.pack("<QII", s.seq, s.start, s.count) for s in frame.spans)
+        body = struct.pack("<QIH", frame.run, frame.step, len(frame.spans)) + spans + _tensor(frame.x)
+    elif isinstance(frame, Result):
+        kind = Kind.RESULT
+        flags = FLAG_LOGITS if frame.logits else 0
+        body = struct.pack("<QII", frame.run, frame.step, frame.compute_us) + _tensor(frame.x)
+    elif isinstance(frame, Free):
+        kind = Kind.FREE
+        body = struct.pack(f"<QH{len(frame.seqs)}Q", frame.run, len(frame.seqs), *frame.seqs)
+    elif isinstance(frame, Error):
+        kind = Kind.ERROR
+        text = frame.text.encode()[: limits.MAX_ERROR_TEXT_BYTES]
+        body = struct.pack("<IHH", frame.step, frame.code, len(text)) + text
+    elif isinstance(frame, Keepalive):
+        kind, body = Kind.KEEPALIVE, _U32.pack(frame.step)
+    else:
+        raise ValueError(f"not a frame: {type(frame).__name__}")
+    length = _FIXED + len(body)
+    if length > limits.MAX_FRAME_BYTES:
+        raise ValueError(f"frame of {length} bytes over the limit {limits.MAX_FRAME_BYTES}")
+    return HEADER.pack(length, MAGIC, VERSION, kind, flags, 0) + body
+
+
+class _Reader:
+    """Reads a body exactly; any shortfall or excess is a ``RemoteProtocolError``."""
+
+    def __init__(self, data: memoryview) -> None:
+        self.data = data
+        self.pos = 0
+
+    def take(self, n: int) -> memoryview:
+        if self.pos + n > len(self.data):
+            raise RemoteProtocolError(ErrorCode.PROTOCOL, "frame body is truncated")
+        out = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def u8(self) -> int:
+        return self.take(1)[0]
+
+    def u16(self) -> int:
+        return int(_U16.unpack(self.take(2))[0])
+
+    def u32(self) -> int:
+        return int(_U32.unpack(self.take(4))[0])
+
+    def u64(self) -> int:
+        return int(_U64.unpack(self.take(8))[0])
+
+    def tensor(self) -> np.ndarray:
+        code = self.u8()
+        try:
+            dt = DType(code)
+        except ValueError:
+            raise RemoteProtocolError(ErrorCode.PROTOCOL, f"unknown dtype {code}") from None
+        ndim = self.u8()
+        if not 1 <= ndim <= limits.MAX_DIMS:
+            raise RemoteProtocolError(ErrorCode.PROTOCOL, f"tensor rank {ndim} outside 1-{limits.MAX_DIMS}")
+        dims = [self.u32() for _ in range(ndim)]
+        if any(d > limits.MAX_DIM for d in dims):
+            raise RemoteProtocolError(ErrorCode.PROTOCOL, f"tensor dimension over {limits.MAX_DIM}")
+        n = int(np.prod(dims, dtype=np.int64)) * _NP[dt].itemsize
+        raw = self.take(n)
+        arr = np.frombuffer(bytearray(raw), dtype=_NP[dt]).reshape(dims)  # writable, owns its bytes
+        return arr.astype(np.float32, copy=False) if dt is DType.F32 else arr
+
+    def done(self) -> None:
+        if self.pos != len(self.data):
+            raise RemoteProtocolError(
+                ErrorCode.PROTOCOL, f"{len(self.data) - self.pos} bytes left over in a frame"
+            )
+
+
+def decode_body(kind: int, flags: int, body: memoryview) -> Frame:
+    """One frame from its kind, flags and body. Raises ``RemoteProtocolError``."""
+    try:
+        k = Kind(kind)
+    except ValueError:
+        raise RemoteProtocolError(ErrorCode.PROTOCOL, f"unknown frame kind {kind}") from None
+    if flags & ~_ALLOWED_FLAGS.get(k, 0):
+        raise RemoteProtocolError(ErrorCode.PROTOCOL, f"unknown flags {flags:#x} on {k.name}")
+    r = _Reader(body)
+    frame: Frame
+    if k is Kind.OPEN:
+        run, first, last, n = r.u64(), r.u16(), r.u16(), r.u16()
+        fp_len = r.u8()
+        if fp_len > limits.MAX_FINGERPRINT_BYTES:
+            raise RemoteProtocolError(ErrorCode.PROTOCOL, "fingerprint too long")
+        frame = Open(run, first, last, n, bytes(r.take(fp_len)))
+        if not first <= last < n:
+            raise RemoteProtocolError(ErrorCode.PROTOCOL, f"bad layer range {first}-{last} of {n}")
+    elif k is Kind.READY:
+        frame = Ready(r.u64(), r.u16(), r.u16(), r.u32())
+    elif k is Kind.FORWARD:
+        run, step, n = r.u64(), r.u32(), r.u16()
+        if not 1 <= n <= limits.MAX_SEQS_PER_FRAME:
+            raise RemoteProtocolError(
+                ErrorCode.PROTOCOL, f"{n} sequences in a frame (1-{limits.MAX_SEQS_PER_FRAME})"
+            )
+        spans = tuple(SeqSpan(r.u64(), r.u32(), r.u32()) for _ in range(n))
+        x = r.tensor()
+        rows = sum(s.count for s in spans)
+        if x.ndim != 2 or x.shape[0] != rows or rows == 0 or (n > 1 and rows != n):
+            raise RemoteProtocolError(
+                ErrorCode.PROTOCOL, f"activations {list(x.shape)} do not match {n} sequences of {rows} rows"
+            )
+        frame = Forward(run, step, spans, x, bool(flags & FLAG_LAST_ONLY))
+    elif k is Kind.RESULT:
+        run, step, us = r.u64(), r.u32(), r.u32()
+        x = r.tensor()
+        if x.ndim != 2:
+            raise RemoteProtocolError(ErrorCode.PROTOCOL, f"result of rank {x.ndim}, expected 2")
+        frame = Result(run, step, us, x, bool(flags & FLAG_LOGITS))
+    elif k is Kind.FREE:
+        run, n = r.u64(), r.u16()
+        frame = Free(run, tuple(r.u64() for _ in range(n)))
+    elif k is Kind.ERROR:
+        step, code, n = r.u32(), r.u16(), r.u16()
+        if n > limits.MAX_ERROR_TEXT_BYTES:
+            raise RemoteProtocolError(ErrorCode.PROTOCOL, "error text too long")
+        try:
+            text = bytes(r.take(n)).decode()
+        except UnicodeDecodeError:
+            raise RemoteProtocolError(ErrorCode.PROTOCOL, "error text is not UTF-8") from None
+        frame = Error(step, code, text)
+    else:
+        frame = Keepalive(r.u32())
+    r.done()
+    return frame
+
+
+class FrameDecoder:
+    """Bytes in (any chunking), frames out. After a ``RemoteProtocolError`` the decoder is unusable."""
+
+    def __init__(self, max_frame_bytes: int = limits.MAX_FRAME_BYTES) -> None:
+        self._buf = bytearray()
+        self._max = max_frame_bytes
+        self._need: int | None = None  # body length of the frame being buffered, once its header is checked
+        self._failed = False
+
+    def feed(self, data: bytes) -> list[Frame]:
+        if self._failed:
+            raise RemoteProtocolError(ErrorCode.PROTOCOL, "decoder already failed")
+        self._buf += data
+        out: list[Frame] = []
+        try:
+            while True:
+                if self._need is None:
+                    if len(self._buf) < HEADER.size:
+                        # check what we have of the magic early: garbage need not wait for 10 bytes
+                        if len(self._buf) > 4 and bytes(self._buf[4:6]) != MAGIC[: len(self._buf) - 4]:
+                            raise RemoteProtocolError(ErrorCode.PROTOCOL, "bad frame magic")
+                        break
+                    length, magic, version, kind, flags, reserved = HEADER.unpack_from(self._buf)
+                    if magic != MAGIC:
+                        raise RemoteProtocolError(ErrorCode.PROTOCOL, "bad frame magic")
+                    if not PROTOCOL_MIN <= version <= PROTOCOL_MAX:
+                        raise RemoteProtocolError(
+                            ErrorCode.PROTOCOL, f"unsupported stage protocol version {version}"
+                        )
+                    if reserved:
+                        raise RemoteProtocolError(ErrorCode.PROTOCOL, "reserved bits set")
+                    if length < _FIXED or length > self._max:
+                        raise RemoteProtocolError(
+                            ErrorCode.PROTOCOL, f"frame length {length} outside {_FIXED}-{self._max}"
+                        )
+                    self._need = length - _FIXED
+                if len(self._buf) < HEADER.size + self._need:
+                    break
+                _, _, _, kind, flags, _ = HEADER.unpack_from(self._buf)
+                end = HEADER.size + self._need
+                body = memoryview(bytes(self._buf[HEADER.size : end]))
+                del self._buf[:end]
+                self._need = None
+                out.append(decode_body(kind, flags, body))
+        except RemoteProtocolError:
+            self._failed = True
+            raise
+        return out

@@ -1,0 +1,120 @@
+"""A stage host over a real socket pair: refusals by name, position checks, every way its state is freed."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.experts.channel import socketpair_channels
+from engine.model import Model
+from engine.pipeline import limits, wire
+from engine.pipeline.client import StageFailed, StageLink
+from engine.pipeline.layout import fingerprint
+from engine.pipeline.stage import StageHost
+from engine.tiny import create_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return create_tiny(tmp_path_factory.mktemp("tiny") / "m")
+
+
+async def _pair(host: StageHost) -> tuple[StageLink, asyncio.Task[None], object]:
+    near, far = await socketpair_channels()
+    task = asyncio.ensure_future(host.serve(far, "peer"))
+    return StageLink("stage-node-1", near, 2, 3), task, near
+
+
+def _x(model: Model, ids: list[int]) -> np.ndarray:
+    return model.embed(np.asarray(ids))
+
+
+def test_open_refuses_another_checkpoint_and_a_range_against_the_pin(tiny: Path, tmp_path: Path) -> None:
+    other = create_tiny(tmp_path / "other", seed=1)
+
+    async def main() -> None:
+        host = StageHost(tiny, fingerprint(tiny), pin=(2, 3))
+        link, task, _ = await _pair(host)
+        with pytest.raises(StageFailed, match=r"holds checkpoint [0-9a-f]{16} \(m\), not [0-9a-f]{16}") as e:
+            await link.open(1, fingerprint(other), 4)
+        assert e.value.code == wire.ErrorCode.FINGERPRINT_MISMATCH
+        link2, task2, _ = await _pair(host)
+        link2.first = 1
+        with pytest.raises(StageFailed, match="pinned to layers 2-3, asked for 1-3"):
+            await link2.open(1, fingerprint(tiny), 4)
+        for t in (task, task2):
+            await asyncio.wait_for(t, 5)
+        assert host.parts == {} and host.live() == 0
+
+    asyncio.run(main())
+
+
+def test_positions_are_checked_and_state_freed_by_free_stream_end_and_idle(tiny: Path) -> None:
+    model = Model.load(tiny)
+
+    async def main() -> None:
+        host = StageHost(tiny, fingerprint(tiny))
+        link, task, _ = await _pair(host)
+        await link.open(7, fingerprint(tiny), 4)
+        assert sorted(host.parts) == [(2, 3)]
+        span = (wire.SeqSpan(1, 0, 3),)
+        res = await link.call(wire.Forward(7, 0, span, _x(model, [1, 2, 3]), True))
+        assert res.logits and res.x.shape == (1, model.config.vocab_size)
+        with pytest.raises(StageFailed, match="at position 3, asked from 5") as e:
+            await link.call(wire.Forward(7, 0, (wire.SeqSpan(1, 5, 1),), _x(model, [4]), True))
+        assert e.value.code == wire.ErrorCode.POSITION_MISMATCH
+        with pytest.raises(StageFailed, match="no state here"):
+            await link.call(wire.Forward(7, 0, (wire.SeqSpan(2, 4, 1),), _x(model, [4]), True))
+        await link.call(wire.Forward(7, 0, (wire.SeqSpan(3, 0, 1),), _x(model, [4]), True))
+        assert host.live(7) == 2
+        link.free(7, [1])
+        for _ in range(100):
+            if host.live(7) == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert host.live(7) == 1
+        # idle: a cache nobody touched for SEQ_IDLE_S goes
+        import time
+
+        assert host.sweep(time.monotonic()) == 0
+        assert host.sweep(time.monotonic() + limits.SEQ_IDLE_S + 1) == 1
+        await link.call(wire.Forward(7, 0, (wire.SeqSpan(4, 0, 1),), _x(model, [4]), True))
+        link.close("done")  # the serving node goes away: everything of its runs is freed
+        await asyncio.wait_for(task, 5)
+        assert host.live() == 0 and host.runs == {}
+        assert sorted(host.parts) == [(2, 3)]  # kept: the next plan most likely asks for it again
+
+    asyncio.run(main())
+
+
+def test_garbage_gets_a_protocol_error_and_the_stream_closes(tiny: Path) -> None:
+    async def main() -> None:
+        host = StageHost(tiny, fingerprint(tiny))
+        near, far = await socketpair_channels()
+        task = asyncio.ensure_future(host.serve(far, "peer"))
+        await near.send(b"\x10\x00\x00\x00XXgarbage-garbage")
+        data = b""
+        while chunk := await near.recv():
+            data += chunk
+        (frame,) = wire.FrameDecoder().feed(data)
+        assert (
+            isinstance(frame, wire.Error) and frame.code == wire.ErrorCode.PROTOCOL and "magic" in frame.text
+        )
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(main())
+
+
+def test_a_silent_stage_fails_the_step_within_the_silence_limit(tiny: Path) -> None:
+    async def main() -> None:
+        near, _far = await socketpair_channels()  # nobody serves `far`: a stage that died without a word
+        link = StageLink("stage-node-1", near, 2, 3)
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(StageFailed, match="no answer"):
+            await link.open(1, b"x" * 32, 4, silence_s=limits.SILENCE_S)  # a failed stage asked again
+        assert asyncio.get_running_loop().time() - t0 < limits.SILENCE_S + 0.5
+
+    asyncio.run(main())
