@@ -9,8 +9,8 @@ and its reply pass (``tests/experts_trace.py``: our dispatch and reply match, th
 Each round records a polled 4 KB ECHO back to back (``--echo`` of them) and then a greedy decode of
 ``--decode`` tokens. Prints, for every sparse layer of the decodes, the median and quartiles of each
 segment from the coordinator's dispatch to the reply's match, and for the echoes the same segments
-without the compute; then each aioquic call's duration back to back against in decode. The trace points
-cost about a microsecond each, so the figures run a little above an untraced bench/experts.py.
+without the compute; then each aioquic call's (and sendto's) duration back to back against in decode. The
+trace points cost about a microsecond each, so the figures run a little above an untraced bench/experts.py.
 """
 
 from __future__ import annotations
@@ -36,18 +36,22 @@ Event = tuple[float, str, int]
 BIG = 1000  # bytes: a packet at least this large carries a request, a reply or an echo (not an ACK)
 
 # (segment, process, from tag, to tag); "C" is this coordinator, "W" the worker. Tags: see experts_trace.
+# A packet's hop starts when sendto is called ("s0"), not when it returns ("s1"): on a busy machine the
+# receiver has often parsed the datagram before the sender's sendto returns (the woken receiver preempts
+# the sender), and a hop from "s1" would then skip its packet and follow the next one of the same size.
+# sendto's own duration, s0 to s1, is reported with the aioquic calls instead.
 LAYER = [
     ("request built and handed to QUIC", "C", "dispatch", "out0"),
     ("aioquic packs and encrypts it", "C", "out0", "out1"),
-    ("sendto the request", "C", "out1", "sent"),
-    ("kernel, loopback, to the worker", "CW", "sent", "in0"),
+    ("asyncio hands it to sendto", "C", "out1", "s0"),
+    ("sendto, kernel, loopback, to the worker", "CW", "s0", "in0"),
     ("aioquic decrypts and parses it", "W", "in0", "in1"),
     ("meshd: frames, message, checks", "W", "in1", "c0"),
     ("expert compute", "W", "c0", "c1"),
     ("meshd: reply message and frame", "W", "c1", "out0"),
     ("aioquic packs and encrypts the reply", "W", "out0", "out1"),
-    ("sendto the reply", "W", "out1", "sent"),
-    ("kernel, loopback, to the coordinator", "WC", "sent", "in0"),
+    ("asyncio hands the reply to sendto", "W", "out1", "s0"),
+    ("sendto, kernel, loopback, to the coordinator", "WC", "s0", "in0"),
     ("aioquic decrypts and parses the reply", "C", "in0", "in1"),
     ("meshd: frames, message, reply matched", "C", "in1", "reply"),
 ]
@@ -87,14 +91,16 @@ class Streams:
                 and any(a <= e[0] <= b for a, b in windows)]
 
 
-def chain(s: Streams, start: float, with_compute: bool) -> dict[str, float] | None:
+def chain(s: Streams, start: float, with_compute: bool,
+          within: float = 0.01) -> dict[str, float] | None:
     """One request's segments from ``start`` (a dispatch, or an echo packet's ``out1``); None if a point
-    is missing (a lost packet, an event outside the recorded window). A packet is followed by its size: the
-    receiver's ``in0`` of as many bytes as the sender's ``sent``."""
+    is missing (a lost packet, an event outside the recorded window, or more than ``within`` seconds after
+    the point before it: a process can wait that long for a core on a loaded machine). A packet is followed
+    by its size: the receiver's ``in0`` of as many bytes as the sender's ``s0`` (sendto called)."""
     marks: dict[tuple[str, str], float] = {}
     if with_compute:
         marks["C", "dispatch"] = start
-        first = s.next("C", start, "out1", size=0)  # the dispatch sends its request at once
+        first = s.next("C", start, "out1", size=0, within=within)  # the dispatch sends its request at once
         if first is None:
             return None
         start = first[0]
@@ -103,13 +109,13 @@ def chain(s: Streams, start: float, with_compute: bool) -> dict[str, float] | No
         return None
     marks["C", "out0"], marks["C", "out1"] = out0, start
     t = start
-    route: list[tuple[str, str, str]] = [("C", "sent", "any"), ("W", "in0", "match"), ("W", "in1", "any")]
+    route: list[tuple[str, str, str]] = [("C", "s0", "any"), ("W", "in0", "match"), ("W", "in1", "any")]
     route += [("W", "c0", "any"), ("W", "c1", "any")] if with_compute else []
-    route += [("W", "out1", "nonempty"), ("W", "sent", "any"), ("C", "in0", "match"), ("C", "in1", "any")]
+    route += [("W", "out1", "nonempty"), ("W", "s0", "any"), ("C", "in0", "match"), ("C", "in1", "any")]
     route += [("C", "reply", "any")] if with_compute else []
     size = 0
     for proc, tag, how in route:
-        e = s.next(proc, t, tag, size if how == "match" else 0 if how == "nonempty" else None)
+        e = s.next(proc, t, tag, size if how == "match" else 0 if how == "nonempty" else None, within)
         if e is None:
             return None
         t, size = e[0], e[2]
@@ -235,8 +241,8 @@ def report(s: Streams, windows: dict[str, list[tuple[float, float]]], echo_bytes
               f"{fmt([c[name] for c in echoes if name in c])} |")
     print(f"| **all but the compute** (echo: aioquic's send to aioquic's receive) | | {fmt(total_layer)} | "
           f"{fmt(total_echo)} |")
-    print("\n| aioquic call, one packet of 1 KB or more | process | back to back, median us | quartiles "
-          "| in decode, median us | quartiles |")
+    print("\n| call (aioquic; sendto), one packet of 1 KB or more | process | back to back, median us "
+          "| quartiles | in decode, median us | quartiles |")
     print("|---|---|---|---|---|---|")
 
     def median_us(values: list[float]) -> float | None:
@@ -245,7 +251,8 @@ def report(s: Streams, windows: dict[str, list[tuple[float, float]]], echo_bytes
     rows = []
     for proc, events in (("coordinator", s.ev["C"]), ("worker", s.ev["W"])):
         for what, a, b in (("datagrams_to_send (pack, encrypt)", "out0", "out1"),
-                           ("receive_datagram (decrypt, parse)", "in0", "in1")):
+                           ("receive_datagram (decrypt, parse)", "in0", "in1"),
+                           ("sendto (until it returns)", "s0", "s1")):
             hot = call_times(events, windows["echo"], a, b)
             cold = call_times(events, windows["decode"], a, b)
             rows.append({"call": what, "process": proc, "b2b_us": median_us(hot),

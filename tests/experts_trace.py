@@ -2,10 +2,10 @@
 
 ``install(recorder)`` wraps, in this process: the coordinator's ``RemoteExecutor._fast_dispatch`` and
 ``_fast_reply``, the worker's ``compute_request``, aioquic's ``QuicConnection.receive_datagram`` and
-``datagrams_to_send``, and asyncio's datagram transport ``sendto``. Each wrapper appends
-``(time.perf_counter(), tag, bytes)`` to the recorder. ``perf_counter`` is CLOCK_MONOTONIC, one clock for
-every process on the machine, so a coordinator's and a worker's timestamps line up. Diagnostics only: each
-point costs about a microsecond, and ``uninstall()`` puts the originals back.
+``datagrams_to_send``, and asyncio's datagram transport ``sendto`` (on the call and on its return). Each
+wrapper appends ``(time.perf_counter(), tag, bytes)`` to the recorder. ``perf_counter`` is CLOCK_MONOTONIC,
+one clock for every process on the machine, so a coordinator's and a worker's timestamps line up.
+Diagnostics only: each point costs about a microsecond, and ``uninstall()`` puts the originals back.
 """
 
 from __future__ import annotations
@@ -69,8 +69,11 @@ def install(rec: Recorder) -> None:
 
     def send(original: Any) -> Any:
         def sendto(self: Any, data: Any, addr: Any = None) -> None:
+            # both ends: the receiver can have the datagram before sendto returns (the sender is often
+            # preempted by the receiver it woke), so a packet's hop is timed from the call, "s0"
+            rec("s0", len(data))
             original(self, data, addr)
-            rec("sent", len(data))
+            rec("s1", len(data))
         return sendto
 
     def compute(original: Any) -> Any:
