@@ -1,5 +1,5 @@
 """Record fields for the mesh view: load, free memory, API address and fields this version does not know
-(e.g. pipeline ``stages``) survive signing and verification; when a load change is worth a re-sign."""
+(a newer node's, say ``future``) survive signing and verification; when a load change is worth a re-sign."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from meshd.membership.records import (
     Load,
     ModelInfo,
     RecordError,
+    StageOffer,
     RecordVerifier,
     sign_record,
 )
@@ -29,15 +30,17 @@ def _mesh():  # type: ignore[no-untyped-def]
 
 def test_load_api_and_unknown_fields_round_trip() -> None:
     ident, creds, verifier = _mesh()
-    stages = [{"model_fp": "abc", "layers": [0, 11]}]
+    future = [{"model_fp": "abc", "layers": [0, 11]}]
+    offer = StageOffer("abc", 4096, (0, 11))  # the pipeline's own field is known and checked
     info = LocalInfo(addrs=("127.0.0.1:1",), models=(ModelInfo("m", "engine", "fp", 4096),),
                      capacity=Capacity(8, 32000, 3, 1234), load=Load(2, 17.5, 4), api="127.0.0.1:9337",
-                     extra=(("stages", stages),))
+                     stages=(offer,), extra=(("future", future),))
     rec = verifier.decode_record(sign_record(ident, creds, info, 7))
     assert rec.capacity == Capacity(8, 32000, 3, 1234) and rec.load == Load(2, 17.5, 4)
-    assert rec.api == "127.0.0.1:9337" and rec.extra == {"stages": stages}
+    assert rec.api == "127.0.0.1:9337" and rec.extra == {"future": future} and rec.stages == (offer,)
     view = rec.to_json()
-    assert view["stages"] == stages and view["load"] == {"queue": 2, "tok_s": 17.5, "slots": 4}
+    assert view["future"] == future and view["load"] == {"queue": 2, "tok_s": 17.5, "slots": 4}
+    assert view["stages"] == [offer.to_json()]
 
 
 def test_a_record_without_the_new_fields_still_verifies() -> None:
