@@ -14,8 +14,8 @@ from meshd.membership.records import (
     Load,
     ModelInfo,
     RecordError,
-    StageOffer,
     RecordVerifier,
+    StageOffer,
     sign_record,
 )
 from transport.credentials import canonical_json, create_mesh
