@@ -598,7 +598,7 @@ class PipelineService:
 def _collector(svc: PipelineService) -> Any:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-    from engine.pipeline.client import LATENCY_BUCKETS_S
+    from engine.latency import LATENCY_BUCKETS_S
 
     class _Collector:
         def collect(self) -> Iterable[Any]:

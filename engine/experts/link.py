@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from engine.experts import rpc
 from engine.experts.channel import ByteChannel
 from engine.experts.layout import MoeLayout
+from engine.latency import LATENCY_BUCKETS_S, empty_buckets, observe  # noqa: F401 - buckets re-exported
 from engine import limits
 
-LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 class ExpertsUnavailable(Exception):
@@ -49,7 +49,7 @@ class LinkStats:
     latency_sum_s: float = 0.0
     latency_max_s: float = 0.0
     compute_sum_s: float = 0.0  # the worker's own compute time, from its replies
-    latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
+    latency_buckets: list[int] = field(default_factory=empty_buckets)
 
     def answered(self, compute_us: int, latency_s: float) -> None:
         """One call answered: the worker's reported compute time and the round trip seen here."""
@@ -57,11 +57,7 @@ class LinkStats:
         self.compute_sum_s += compute_us / 1e6
         self.latency_sum_s += latency_s
         self.latency_max_s = max(self.latency_max_s, latency_s)
-        for i, b in enumerate(LATENCY_BUCKETS_S):
-            if latency_s <= b:
-                self.latency_buckets[i] += 1
-                return
-        self.latency_buckets[-1] += 1
+        observe(self.latency_buckets, latency_s)
 
     def as_dict(self) -> dict[str, object]:
         avg = self.latency_sum_s / self.calls if self.calls else 0.0

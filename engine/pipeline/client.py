@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import numpy as np
 import structlog
 
+from engine.latency import LATENCY_BUCKETS_S, empty_buckets, observe  # noqa: F401 - buckets re-exported
 from engine.moe import drive
 from engine.pipeline import limits, wire
 from engine.pipeline.planner import Plan
@@ -60,18 +61,14 @@ class StageStats:
     latency_s: float = 0.0
     compute_s: float = 0.0
     latency_max_s: float = 0.0
-    buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_S) + 1))
+    buckets: list[int] = field(default_factory=empty_buckets)
 
     def add(self, latency_s: float, compute_s: float) -> None:
         self.calls += 1
         self.latency_s += latency_s
         self.compute_s += compute_s
         self.latency_max_s = max(self.latency_max_s, latency_s)
-        for i, b in enumerate(LATENCY_BUCKETS_S):
-            if latency_s <= b:
-                self.buckets[i] += 1
-                return
-        self.buckets[-1] += 1
+        observe(self.buckets, latency_s)
 
     def as_dict(self) -> dict[str, Any]:
         n = self.calls or 1
@@ -84,7 +81,6 @@ class StageStats:
         }
 
 
-LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 class StageLink:
