@@ -9,6 +9,7 @@ gate opens, A's direct retry finds the path and the peer moves to it without goi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -83,7 +84,9 @@ async def _echo_stream(peer: Peer, stream: Stream) -> None:
 
 
 @asynccontextmanager
-async def trio(allow_relay: bool = True) -> AsyncIterator[Trio]:
+async def trio(allow_relay: bool = True, lanes: bool = False) -> AsyncIterator[Trio]:
+    """A, B, C; A and C connected to B. ``lanes``: every node runs a data lane, and A-B and C-B have theirs
+    up before the test starts."""
     ia, ib, ic = (NodeIdentity.generate() for _ in range(3))
     creds = create_mesh(ia, "relay-test", int(time.time()), 1, 1)
     cfg = replace(TransportConfig(), handshake_timeout_s=1.0, connect_timeout_s=1.5)
@@ -96,6 +99,8 @@ async def trio(allow_relay: bool = True) -> AsyncIterator[Trio]:
         managers.append(LaneManager(t))
         relays.append(RelayManager(t, RelayConfig(allow_relay=allow_relay or t is not b, direct_retry_s=0.5)))
         await t.listen("127.0.0.1", 0)
+        if lanes:
+            await managers[-1].listen("127.0.0.1", 0)
     c.on_rpc(StreamType.RPC, _echo_rpc)
     c.on_stream(StreamType.EXPERT, _echo_stream)
     addr_b = b._server._transport.get_extra_info("sockname")[:2]  # type: ignore[union-attr]
@@ -106,6 +111,8 @@ async def trio(allow_relay: bool = True) -> AsyncIterator[Trio]:
     gate_addr = gt.get_extra_info("sockname")[:2]
     await a.connect(addr_b, ib.node_id)
     await c.connect(addr_b, ib.node_id)
+    if lanes:
+        await wait_for(lambda: all((p := x.peer(ib.node_id)) is not None and p.path == "lane" for x in (a, c)))
     t = Trio(a, b, c, *relays, gate, gate_addr, {"a": ia.node_id, "b": ib.node_id, "c": ic.node_id})
     try:
         yield t
@@ -163,6 +170,42 @@ def test_members_without_a_direct_path_talk_through_a_relay_that_reads_nothing()
             assert await t.a.peer(c_id).request(StreamType.RPC, b"direct", 5.0) == b"c-says:direct"  # type: ignore[union-attr]
             assert t.rb.stats["relay_frames"] == before  # nothing goes through B any more
             assert downs == [] and t.ra.stats["direct_recovered"] >= 1
+
+    asyncio.run(main())
+
+
+def test_relay_legs_ride_the_data_lanes_and_survive_a_lane_dying() -> None:
+    """With lanes up A-B and C-B, the relay's two legs are lane streams (B still forwards only ciphertext);
+    when A's lane to B dies, the relayed connection over it is lost and A relays again (QUIC leg or the
+    redialled lane), and requests to C work again."""
+
+    async def main() -> None:
+        async with trio(lanes=True) as t:
+            seen: list[bytes] = []
+            t.rb.tap = seen.append
+            c_id, b_id = t.ids["c"], t.ids["b"]
+            with contextlib.suppress(TransportError):
+                await t.a.connect(t.gate_addr, c_id)  # the gate is shut: no direct path
+            await wait_for(lambda: t.a.peer(c_id) is not None)
+            peer = t.a.peer(c_id)
+            assert peer is not None and peer.path == "relay"
+            secret = b"lane-leg-secret:" + bytes(range(256)) * 8
+            assert await peer.request(StreamType.RPC, secret, 5.0) == b"c-says:" + secret
+            assert t.ra.stats.get("relayed_connections_on_lane") == 1
+            assert t.rb.stats.get("relays_opened_on_lanes") == 1
+            relayed = b"".join(seen)
+            assert len(relayed) > 2 * len(secret) and b"lane-leg-secret" not in relayed
+
+            lane = t.a.peer(b_id)._lane  # type: ignore[union-attr]
+            assert lane is not None
+            downs: list[str] = []
+            t.a.on_peer_down.append(lambda p: downs.append(p.node_id))
+            lane.close("test: lane cut")
+            await wait_for(lambda: t.ra.stats["relayed_connections"] == 2 and t.a.peer(c_id) is not None, 10.0)
+            again = t.a.peer(c_id)
+            assert again is not None and again.path == "relay"
+            assert await again.request(StreamType.RPC, b"after", 5.0) == b"c-says:after"
+            assert downs == [c_id]  # the relayed connection on the cut lane went down once, then came back
 
     asyncio.run(main())
 

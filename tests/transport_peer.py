@@ -94,7 +94,8 @@ async def main(path: str) -> int:
             return b"slept"
         if request == b"stats":
             return json.dumps(
-                {"stats": mesh.stats, "peers": [p.node_id for p in mesh.peers()]}
+                {"stats": mesh.stats, "peers": [p.node_id for p in mesh.peers()],
+                 "paths": {p.node_id: p.path for p in mesh.peers()}}
             ).encode()
         if request == b"call":
             return await peer.request(StreamType.RPC, b"echo:back", 5.0)

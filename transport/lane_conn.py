@@ -28,7 +28,7 @@ from transport.identity import NodeIdentity, node_id_from_public_key
 from transport.lane_wire import MuxKind
 from transport.stream import Stream
 from transport.stream_api import PATH_LANE, Address
-from transport.streams import LANE_STREAM_TYPES, StreamType
+from transport.streams import LANE_ACCEPTED_TYPES, StreamType
 from transport.tls import self_signed_certificate
 
 if TYPE_CHECKING:
@@ -200,7 +200,7 @@ class LaneConnection(asyncio.Protocol):
     def open_stream(self, stream_type: StreamType) -> Stream:
         if not self.open or self.closed:
             raise TransportError("lane not open")
-        if stream_type not in LANE_STREAM_TYPES:
+        if stream_type not in LANE_ACCEPTED_TYPES:
             raise TransportError(f"{stream_type.name} streams do not use the lane")
         local = sum(1 for sid in self.streams if (sid & 1) == (0 if self.is_client else 1))
         if local >= self.manager.mesh.config.max_streams_per_peer:
@@ -440,7 +440,7 @@ class LaneConnection(asyncio.Protocol):
                 frames, end = [], True
             if stream.stream_type is None and stream.decoder.stream_type is not None:
                 stream.stream_type = stream.decoder.stream_type
-                if stream.stream_type not in LANE_STREAM_TYPES:
+                if stream.stream_type not in LANE_ACCEPTED_TYPES:
                     raise RemoteProtocolError(ErrorCode.PROTOCOL_ERROR,
                                               f"{stream.stream_type.name} stream on a lane")
                 self.manager.mesh.dispatch_stream(self, stream)

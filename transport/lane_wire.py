@@ -41,7 +41,7 @@ from enum import IntEnum
 from transport import limits
 from transport.framing import ErrorCode, RemoteProtocolError
 from transport.identity import PUBLIC_KEY_BYTES, SIGNATURE_BYTES, NodeIdentity, verify_signature
-from transport.streams import LANE_STREAM_TYPES, max_frame_bytes
+from transport.streams import LANE_ACCEPTED_TYPES, max_frame_bytes
 
 LANE_MAGIC = b"mlane"
 LANE_VERSION = 1
@@ -53,7 +53,7 @@ SERVER_AUTH_BYTES = NONCE_BYTES + SIGNATURE_BYTES
 CLIENT_AUTH_BYTES = SIGNATURE_BYTES
 MUX_HEADER = struct.Struct(">BII")
 assert MUX_HEADER.size == limits.LANE_MUX_HEADER_BYTES  # noqa: S101 - module constant, not input
-MAX_CHUNK_BYTES = max(max_frame_bytes(t) for t in LANE_STREAM_TYPES) + limits.FRAME_HEADER_BYTES + \
+MAX_CHUNK_BYTES = max(max_frame_bytes(t) for t in LANE_ACCEPTED_TYPES) + limits.FRAME_HEADER_BYTES + \
     limits.STREAM_PREAMBLE_BYTES
 """Largest DATA payload: one whole frame of the largest lane stream type, with a stream preamble."""
 

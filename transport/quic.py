@@ -48,7 +48,8 @@ from transport.ratelog import RateLimitedLog, route_aioquic_logs
 from transport.server import MeshServer
 from transport.stream import Stream
 from transport.stream_api import PATH_LANE, PATH_QUIC, PATH_RELAY
-from transport.streams import HANDSHAKE_STREAM_TYPES, LANE_STREAM_TYPES, StreamType, max_frame_bytes
+from transport.streams import (HANDSHAKE_STREAM_TYPES, LANE_ACCEPTED_TYPES, LANE_STREAM_TYPES, StreamType,
+                               max_frame_bytes)
 from transport.tls import certificate_der, self_signed_certificate
 
 __all__ = [
@@ -134,14 +135,17 @@ class Peer:
             raise TransportError(f"peer {self.node_id} is not connected")
         return conn
 
-    async def open_stream(self, stream_type: StreamType) -> Stream:
-        """Open a typed stream (its preamble goes out with the first frame)."""
+    async def open_stream(self, stream_type: StreamType, lane: bool | None = None) -> Stream:
+        """Open a typed stream (its preamble goes out with the first frame). It goes over the peer's data
+        lane while one is up if ``lane`` (default: for ``LANE_STREAM_TYPES``; True is honoured for
+        ``LANE_ACCEPTED_TYPES``, False keeps it on QUIC), over QUIC otherwise."""
         if stream_type in HANDSHAKE_STREAM_TYPES:
             raise ValueError("handshake streams are opened by the transport")
-        lane = self._lane
-        if lane is not None and stream_type in LANE_STREAM_TYPES and lane.open and not lane.closed:
+        on_lane = stream_type in LANE_STREAM_TYPES if lane is None else lane and stream_type in LANE_ACCEPTED_TYPES
+        lane_conn = self._lane
+        if on_lane and lane_conn is not None and lane_conn.open and not lane_conn.closed:
             try:
-                return lane.open_stream(StreamType(stream_type))  # type: ignore[no-any-return]
+                return lane_conn.open_stream(StreamType(stream_type))  # type: ignore[no-any-return]
             except TransportError:
                 pass  # the lane just closed or is full: QUIC carries it
         return self._connection().open_stream(StreamType(stream_type))

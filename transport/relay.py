@@ -42,7 +42,7 @@ from transport.errors import TransportError
 from transport.framing import ErrorCode
 from transport.handshake import Mode
 from transport.identity import is_node_id
-from transport.stream_api import PATH_RELAY, Address
+from transport.stream_api import PATH_LANE, PATH_RELAY, Address
 from transport.streams import StreamType
 
 log = structlog.get_logger("meshd.transport")
@@ -61,6 +61,7 @@ class RelayConfig:
     direct_retry_s: float = 5.0  # while relayed, try the direct address this often
     open_timeout_s: float = 5.0  # a relay's answer plus the relayed handshake
     give_up_s: float = 60.0  # no relay found for this long: stop trying until the next failed dial
+    legs_on_lanes: bool = True  # a relay leg rides the data lane to the relay / to the target when one is up
 
 
 class _StreamDatagrams(asyncio.DatagramTransport):
@@ -199,7 +200,7 @@ class RelayManager:
             return
         assert down_peer is not None  # noqa: S101 - checked above
         try:
-            down = await down_peer.open_stream(StreamType.RELAY)
+            down = await down_peer.open_stream(StreamType.RELAY, lane=self.config.legs_on_lanes)
             await down.send(OP_INCOMING + source.node_id.encode())
         except TransportError as e:
             self.count("relay_refused")
@@ -207,7 +208,9 @@ class RelayManager:
             return
         await up.send(REPLY_OK)
         self.count("relays_opened")
-        log.info("relay_opened", source=source.node_id, target=target)
+        if up.path == PATH_LANE and down.path == PATH_LANE:
+            self.count("relays_opened_on_lanes")
+        log.info("relay_opened", source=source.node_id, target=target, legs=(up.path, down.path))
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         def forward(to: Any) -> Callable[[bytes], None]:
@@ -340,11 +343,22 @@ class RelayManager:
         return None
 
     async def connect_via(self, relay: Any, node_id: str) -> Any:
-        """A relayed, authenticated connection to ``node_id`` through ``relay``. Raises TransportError."""
+        """A relayed, authenticated connection to ``node_id`` through ``relay``: its first leg on the data
+        lane to ``relay`` when one is up (``legs_on_lanes``), and over QUIC if that attempt fails. Raises
+        TransportError."""
+        if self.config.legs_on_lanes and relay.path == PATH_LANE:
+            try:
+                return await self._connect_via(relay, node_id, True)
+            except (TransportError, TimeoutError) as e:
+                self.count("relay_lane_leg_failed")
+                log.debug("relay_lane_leg_failed", relay=relay.node_id, peer=node_id, error=str(e))
+        return await self._connect_via(relay, node_id, False)
+
+    async def _connect_via(self, relay: Any, node_id: str, lane: bool) -> Any:
         mesh = self.mesh
         if mesh.credentials is None:
             raise TransportError("this node has no mesh credentials yet")
-        stream = await relay.open_stream(StreamType.RELAY)
+        stream = await relay.open_stream(StreamType.RELAY, lane=lane)
         try:
             async with asyncio.timeout(self.config.open_timeout_s):
                 await stream.send(OP_OPEN + node_id.encode())
@@ -377,7 +391,9 @@ class RelayManager:
             stream.reset(ErrorCode.CANCELLED)
             raise
         self.count("relayed_connections")
-        log.info("relay_connected", peer=node_id, relay=relay.node_id)
+        if stream.path == PATH_LANE:
+            self.count("relayed_connections_on_lane")
+        log.info("relay_connected", peer=node_id, relay=relay.node_id, first_leg=stream.path)
         return peer
 
 

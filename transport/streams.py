@@ -44,7 +44,12 @@ MAX_FRAME_BYTES: dict[StreamType, int] = {
 
 LANE_STREAM_TYPES = frozenset(t for t in StreamType if t.name in ("EXPERT", "PIPELINE"))
 """Stream types that move bulk or latency-critical data: they use a peer's data lane when one is up
-(``transport.lane``), QUIC otherwise. Every other type always uses QUIC."""
+(``transport.lane``), QUIC otherwise. Every other type uses QUIC unless its opener asks for the lane
+(``LANE_ACCEPTED_TYPES``)."""
+
+LANE_ACCEPTED_TYPES = LANE_STREAM_TYPES | {StreamType.RELAY}
+"""Stream types a lane carries: ``LANE_STREAM_TYPES``, and RELAY streams whose opener asks for the lane
+(``Peer.open_stream(..., lane=True)``): a relay's legs (``transport.relay``) ride lanes where they are up."""
 
 
 def max_frame_bytes(stream_type: StreamType) -> int:
