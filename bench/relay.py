@@ -75,7 +75,8 @@ async def _wait_lanes(to_b: object, c_id: str) -> None:
 
     deadline = time.monotonic() + 15
     while True:
-        paths = json.loads(await to_b.request(StreamType.RPC, b"stats", 5.0)).get("paths", {})  # type: ignore[attr-defined]
+        reply = await to_b.request(StreamType.RPC, b"stats", 5.0)  # type: ignore[attr-defined]
+        paths = json.loads(reply).get("paths", {})
         if to_b.path == "lane" and paths.get(c_id) == "lane":  # type: ignore[attr-defined]
             return
         if time.monotonic() > deadline:
