@@ -28,7 +28,11 @@ the next layer's attention weights (``Model.warm``); the "1 worker, no poll" and
 the same run without each, so the figures show what each adds. Every remote step's logits are checked
 byte-equal to the local step's. The whole measurement is repeated --rounds times (a shared VM drifts by +-10%
 between runs); the table shows each figure's median over the rounds and, for the ratios, the lowest and
-highest round. The workers' own compute time per request (as they report it) is shown too. Prints a Markdown
+highest round. The workers' own compute time per request (as they report it) is shown too, beside the
+local experts' time per layer (the local executor timed in a fourth decode run), the decode ratio an ideal
+delegation would reach (local step with the local experts replaced by the round trip in decode plus the
+worker's compute: no hand-offs, dispatch or combine; 1 worker) and the per-layer overhead the 0.85x target
+leaves. Prints a Markdown
 table and a JSON line. Workers are ``tests/experts_node.py`` processes (real MeshTransport + ExpertsService).
 """
 
@@ -120,6 +124,20 @@ class EchoProbe:
         return self.inner(layer, x, work)
 
 
+class TimedLocal:
+    """The local executor, timed: seconds per routed-layer call (the experts' share of a local decode step)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.seconds: list[float] = []
+
+    def __call__(self, layer: int, x: Any, work: Any) -> Any:
+        t0 = time.perf_counter()
+        out = self.inner(layer, x, work)
+        self.seconds.append(time.perf_counter() - t0)
+        return out
+
+
 def prefill(model: Any, executor: Any, prompt: list[int]) -> float:
     """Prefill tok/s: best of 2 after a warm-up (page-in, BLAS init)."""
     model.forward(prompt[:8], model.new_cache(), executor=executor)
@@ -167,20 +185,24 @@ def measure(model: Any, ex: Any, prompt: list[int], args: Any, local_prefill: fl
     slept = [ex.echo_rtt(node, payload) for node in ex.links for _ in range(args.echo)]
     remote_prefill = prefill(model, ex, prompt)
     probe = EchoProbe(model.local_executor, ex, payload)
+    timed = TimedLocal(model.local_executor)
 
     def reset() -> None:
         for st in ex.link_stats.values():
             st.__init__()  # count the decode steps only
 
-    res = decode(model, {"local": model.local_executor, "echo": probe, "remote": ex}, prompt, args.decode,
-                 {"echo": probe.rtts.clear, "remote": reset})
+    res = decode(model, {"local": model.local_executor, "timed": timed, "echo": probe, "remote": ex}, prompt,
+                 args.decode, {"timed": timed.seconds.clear, "echo": probe.rtts.clear, "remote": reset})
     t = res["times"]
     calls = sum(st.calls for st in ex.link_stats.values())
     overhead = (statistics.median(t["remote"]) - statistics.median(t["local"])) / sparse * 1e3
     rtt_ms, rtt_decode_ms = statistics.median(rtts) * 1e3, statistics.median(probe.rtts) * 1e3
     n = len(ex.links)
+    local_step = statistics.median(t["local"]) * 1e3
     local = {"setup": "local", "prefill_tok_s": local_prefill, "decode_tok_s": len(t["local"]) / sum(t["local"]),
-             "step_ms_median": statistics.median(t["local"]) * 1e3}
+             "step_ms_median": local_step}
+    local_experts_ms = statistics.median(timed.seconds) * 1e3
+    worker_ms = sum(st.compute_sum_s for st in ex.link_stats.values()) / max(calls, 1) * 1e3
     remote = {"setup": f"{n} worker{'s' if n > 1 else ''}", "prefill_tok_s": remote_prefill,
               "prefill_vs_local": remote_prefill / local_prefill,
               "decode_tok_s": len(t["remote"]) / sum(t["remote"]),
@@ -189,7 +211,14 @@ def measure(model: Any, ex: Any, prompt: list[int], args: Any, local_prefill: fl
               "overhead_ms": overhead, "rtt_4k_ms": rtt_ms, "overhead_rtts": overhead / rtt_ms,
               "rtt_decode_ms": rtt_decode_ms, "overhead_rtts_decode": overhead / rtt_decode_ms,
               "rtt_4k_sleeping_ms": statistics.median(slept) * 1e3,
-              "worker_compute_ms": sum(st.compute_sum_s for st in ex.link_stats.values()) / max(calls, 1) * 1e3,
+              "worker_compute_ms": worker_ms,
+              "local_experts_ms": local_experts_ms,
+              # what a delegated step would take with nothing but the round trip in decode and the worker's
+              # compute in place of the local experts (no hand-offs, no dispatch or combine): an upper bound
+              "ideal_vs_local": local_step / (local_step + sparse * (rtt_decode_ms + worker_ms - local_experts_ms))
+              if n == 1 else None,
+              # the per-layer overhead the 0.85x target leaves
+              "overhead_budget_ms": (local_step / 0.85 - local_step) / sparse,
               "decode_reply_kb": sum(st.bytes_in for st in ex.link_stats.values()) / max(calls, 1) / 1024,
               "passes_on_loop": ex.stats.passes_on_loop,
               "bit_exact": res["logits"]["remote"] == res["logits"]["local"]}
@@ -203,6 +232,8 @@ def summarize(name: str, rounds: list[dict[str, Any]]) -> dict[str, Any]:
         values = [r[key] for r in rounds if key in r]
         if key == "bit_exact":
             row[key] = all(values)
+        elif any(v is None for v in values):
+            continue
         elif key != "setup":
             row[key] = statistics.median(values)
             if key in ("overhead_rtts", "overhead_rtts_decode", "decode_vs_local"):
@@ -285,8 +316,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("| setup | prefill tok/s | prefill vs local | decode tok/s | decode vs local | decode step ms "
           "| per-layer overhead ms | RTT ms back-to-back | overhead / RTT | RTT ms in decode "
           "| overhead / RTT in decode | RTT ms back-to-back, sleeping | worker compute ms/request "
-          "| decode reply KB/request | bit-exact |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| decode reply KB/request | local experts ms/layer | ideal vs local | overhead budget ms (0.85x) "
+          "| bit-exact |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         def f(key: str, fmt: str = "{:.2f}") -> str:
             if key not in row:
@@ -299,6 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{f('overhead_ms', '{:.3f}')} | {f('rtt_4k_ms', '{:.3f}')} | {f('overhead_rtts')} | "
               f"{f('rtt_decode_ms', '{:.3f}')} | {f('overhead_rtts_decode')} | "
               f"{f('rtt_4k_sleeping_ms', '{:.3f}')} | {f('worker_compute_ms', '{:.3f}')} | {f('decode_reply_kb', '{:.1f}')} | "
+              f"{f('local_experts_ms', '{:.3f}')} | {f('ideal_vs_local')} | {f('overhead_budget_ms', '{:.3f}')} | "
               f"{row.get('bit_exact', '-')} |")
     print(json.dumps({"rows": rows}))
     return 0
