@@ -2,201 +2,322 @@
 
 For a product with few rows of activations (decode: ``T <= KERNEL_MAX_ROWS``) numpy must widen every
 weight into an fp32 tile and then read the tile again; these kernels read each stored block once and
-accumulate its dot product with the activations directly, both cores splitting the weight rows. A block's
-scale is applied to the block's partial sum (``d * sum(q * x)``, as llama.cpp does), so results differ from
-the numpy path in rounding only (~1e-7 relative), and are the same on every machine that runs the same
-kernel: workers and stages use this module too, so distributed stays byte-identical to local when both
-ends have (or both lack) numba. ``MESHD_KERNELS=numpy`` turns the kernels off.
+multiply it into the activations directly. Every kernel has the same shape, which LLVM turns into
+AVX2/AVX-512 code: per block, ``acc[i] += w(i) * x[i]`` over a fixed 32 lanes (``w(i)``: the stored
+weight dequantized exactly as ``engine.quant.dequantize_blocks`` does, ``d * q`` or ``(d * sc) * q - dmin * m``),
+and one ``acc.sum()`` per output. Summation order differs from the numpy tiles (BLAS), so results differ
+by rounding (~1e-7 relative), and are the same on every machine that runs the same kernel: workers and
+stages use this module too, so distributed stays byte-identical to local when both ends have (or both lack)
+numba. ``MESHD_KERNELS=numpy`` turns the kernels off.
 
-The kernels run on the calling thread (numba's ``parallel=True`` measured 10x slower on this 2-core,
-shared VM: waking its worker threads costs more than a decode-sized product). Types: BF16, Q8_0, Q4_0,
-Q4_K, Q5_K, Q6_K; fp32 and F16 weights go to BLAS / the numpy tiles.
+Each kernel computes output rows ``r0:r1`` only, so a product is split into row chunks that the calling
+thread and ``threads() - 1`` helper threads claim one at a time (:func:`run_jobs`; the kernels release the
+GIL). Every row is computed the same way whichever thread computes it, so the thread count never changes a
+bit. Claiming rather than assigning keeps a loaded machine safe: a helper that has not been scheduled
+yet simply gets nothing, and the caller never waits for work it could do itself. IEEE halves (block scales) are read through a 65536-entry
+table (``HALF``, 256 KiB: stays in L2), exact for every pattern.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
+
+from .limits import KERNEL_CHUNK_WEIGHTS, KERNEL_MAX_THREADS, KERNEL_POOL_MIN_WEIGHTS
 
 try:  # the optional extra
     if os.environ.get("MESHD_KERNELS", "").lower() == "numpy":
         raise ImportError("disabled by MESHD_KERNELS=numpy")
     import numba
+    from llvmlite import ir
     from numba import njit
+    from numba.core import types
+    from numba.extending import intrinsic
 except ImportError:  # pragma: no cover - exercised when numba is absent
     numba = None
 
 AVAILABLE = numba is not None
 F32 = np.float32
+TYPES = ("BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+# every IEEE half bit pattern (little-endian uint16) -> its float32 value
+HALF = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(F32)
 
 if AVAILABLE:
-    _opts = dict(cache=True, fastmath=True, nogil=True)
+    _opts = dict(cache=True, fastmath=True, nogil=True, boundscheck=False, error_model="numpy")
+
+    @intrinsic
+    def _as_f32(typingctx, v):  # noqa: ANN001, ANN202 - numba intrinsic: uint32 bits -> float32, no arithmetic
+        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+            return builder.bitcast(args[0], ir.FloatType())
+
+        return types.float32(types.uint32), codegen
 
     @njit(inline="always")
-    def _half(lo: np.uint8, hi: np.uint8) -> np.float32:
-        """IEEE half (little-endian bytes) -> float32, exact."""
-        h = np.uint32(lo) | (np.uint32(hi) << np.uint32(8))
-        sign = (h >> np.uint32(15)) & np.uint32(1)
-        exp = (h >> np.uint32(10)) & np.uint32(0x1F)
-        man = h & np.uint32(0x3FF)
-        if exp == 0:
-            v = np.float32(man) * np.float32(2.0**-24)
-        elif exp == 31:
-            v = np.float32(np.inf) if man == 0 else np.float32(np.nan)
-        else:
-            v = np.float32(1.0 + man / 1024.0) * np.float32(2.0 ** (int(exp) - 15))
-        return -v if sign else v
+    def _h(tab: np.ndarray, row: np.ndarray, o: int) -> np.float32:
+        return tab[np.int64(row[o]) | (np.int64(row[o + 1]) << 8)]
 
     @njit(**_opts)
-    def _q8_0(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+    def _q8_0(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
         t, k = x.shape
-        n = w.shape[0]
-        nb = k // 32
-        for r in range(n):
+        acc = np.zeros(32, dtype=np.float32)
+        for r in range(r0, r1):
             row = w[r]
             for s in range(t):
-                acc = np.float32(0.0)
-                for b in range(nb):
+                acc[:] = 0
+                for b in range(k // 32):
                     o = b * 34
-                    d = _half(row[o], row[o + 1])
-                    p = np.float32(0.0)
+                    d = _h(tab, row, o)
+                    xb = b * 32
                     for i in range(32):
-                        p += np.float32(np.int8(row[o + 2 + i])) * x[s, b * 32 + i]
-                    acc += d * p
-                out[s, r] = acc
+                        acc[i] += (d * np.float32(np.int8(row[o + 2 + i]))) * x[s, xb + i]
+                out[s, r] = acc.sum()
 
     @njit(**_opts)
-    def _q4_0(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+    def _q4_0(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
         t, k = x.shape
-        n = w.shape[0]
-        nb = k // 32
-        for r in range(n):
+        acc = np.zeros(32, dtype=np.float32)
+        for r in range(r0, r1):
             row = w[r]
             for s in range(t):
-                acc = np.float32(0.0)
-                for b in range(nb):
+                acc[:] = 0
+                for b in range(k // 32):
                     o = b * 18
-                    d = _half(row[o], row[o + 1])
-                    p = np.float32(0.0)
+                    d = _h(tab, row, o)
+                    xb = b * 32
                     for i in range(16):
                         v = row[o + 2 + i]
-                        p += np.float32(np.int32(v & 15) - 8) * x[s, b * 32 + i]
-                        p += np.float32(np.int32(v >> 4) - 8) * x[s, b * 32 + 16 + i]
-                    acc += d * p
-                out[s, r] = acc
+                        acc[i] += (d * np.float32(np.int32(v & 15) - 8)) * x[s, xb + i]
+                        acc[16 + i] += (d * np.float32(np.int32(v >> 4) - 8)) * x[s, xb + 16 + i]
+                out[s, r] = acc.sum()
 
     @njit(inline="always")
-    def _k_scale(sc: np.ndarray, o: int, j: int) -> tuple[np.int32, np.int32]:
-        # 6-bit scale and min of sub-block j from the 12 bytes at sc[o:o+12]
+    def _k_scale(row: np.ndarray, o: int, j: int) -> tuple[np.int32, np.int32]:
+        # 6-bit scale and min of sub-block j from the 12 bytes at row[o:o+12]
         if j < 4:
-            return np.int32(sc[o + j] & 63), np.int32(sc[o + 4 + j] & 63)
-        a = sc[o + 8 + j - 4]
-        return (np.int32((a & 15) | ((sc[o + j - 4] >> 6) << 4)),
-                np.int32((a >> 4) | ((sc[o + 4 + j - 4] >> 6) << 4)))
+            return np.int32(row[o + j] & 63), np.int32(row[o + 4 + j] & 63)
+        a = row[o + 8 + j - 4]
+        return (np.int32((a & 15) | ((row[o + j - 4] >> 6) << 4)),
+                np.int32((a >> 4) | ((row[o + 4 + j - 4] >> 6) << 4)))
 
     @njit(**_opts)
-    def _q45_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, five: bool) -> None:
+    def _q45_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int,
+               five: bool) -> None:
         t, k = x.shape
-        n = w.shape[0]
-        nb = k // 256
         bsz = 176 if five else 144
         qs0 = 48 if five else 16
-        # per 32-element sub-block sums of x (for the mins)
-        xs = np.zeros((t, k // 32), dtype=np.float32)
-        for s in range(t):
-            for j in range(k // 32):
-                a = np.float32(0.0)
-                for i in range(32):
-                    a += x[s, j * 32 + i]
-                xs[s, j] = a
-        for r in range(n):
+        acc = np.zeros(32, dtype=np.float32)
+        for r in range(r0, r1):
             row = w[r]
             for s in range(t):
-                acc = np.float32(0.0)
-                for b in range(nb):
+                acc[:] = 0
+                for b in range(k // 256):
                     o = b * bsz
-                    d = _half(row[o], row[o + 1])
-                    dmin = _half(row[o + 2], row[o + 3])
-                    for c in range(4):
-                        for h in range(2):
-                            j = c * 2 + h
-                            sc, mn = _k_scale(row, o + 4, j)
-                            p = np.float32(0.0)
-                            base = b * 256 + j * 32
+                    d = _h(tab, row, o)
+                    dmin = _h(tab, row, o + 2)
+                    for j in range(8):
+                        sc, mn = _k_scale(row, o + 4, j)
+                        dl = d * np.float32(sc)
+                        ml = dmin * np.float32(mn)
+                        q0 = o + qs0 + (j // 2) * 32
+                        sh = 4 * (j % 2)
+                        xb = b * 256 + j * 32
+                        if five:
                             for i in range(32):
-                                q = np.int32((row[o + qs0 + c * 32 + i] >> (4 * h)) & 15)
-                                if five:
-                                    q |= np.int32((row[o + 16 + i] >> j) & 1) << 4
-                                p += np.float32(q) * x[s, base + i]
-                            acc += d * np.float32(sc) * p - dmin * np.float32(mn) * xs[s, base // 32]
-                out[s, r] = acc
+                                q = ((row[q0 + i] >> sh) & 15) | (((row[o + 16 + i] >> j) & 1) << 4)
+                                acc[i] += (dl * np.float32(q) - ml) * x[s, xb + i]
+                        else:
+                            for i in range(32):
+                                q = (row[q0 + i] >> sh) & 15
+                                acc[i] += (dl * np.float32(q) - ml) * x[s, xb + i]
+                out[s, r] = acc.sum()
 
     @njit(**_opts)
-    def _q6_k(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+    def _q6_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
         t, k = x.shape
-        n = w.shape[0]
-        nb = k // 256
-        for r in range(n):
+        acc = np.zeros(32, dtype=np.float32)
+        for r in range(r0, r1):
             row = w[r]
             for s in range(t):
-                acc = np.float32(0.0)
-                for b in range(nb):
+                acc[:] = 0
+                for b in range(k // 256):
                     o = b * 210
-                    d = _half(row[o + 208], row[o + 209])
-                    # element e = half*128 + q4*32 + l: lo nibble from ql, two high bits from qh
-                    for sub in range(16):
-                        sc = np.float32(np.int8(row[o + 192 + sub]))
-                        p = np.float32(0.0)
-                        for i in range(16):
-                            e = sub * 16 + i
-                            half = e // 128
-                            rem = e % 128
-                            q4 = rem // 32
-                            l = rem % 32  # noqa: E741
-                            lo = (row[o + half * 64 + (q4 % 2) * 32 + l] >> (4 * (q4 // 2))) & 15
-                            hi = (row[o + 128 + half * 32 + l] >> (2 * q4)) & 3
-                            q = np.int32(lo | (hi << 4)) - 32
-                            p += np.float32(q) * x[s, b * 256 + e]
-                        acc += d * sc * p
-                out[s, r] = acc
+                    d = _h(tab, row, o + 208)
+                    # 32-element group g: low nibbles from ql[half*64 + c*32 + l] >> 4*sh, high pairs from
+                    # qh[half*32 + l] >> 2*(g%4), with half = g//4, sh = (g%4)//2, c = g%2
+                    for g in range(8):
+                        half = g // 4
+                        lo0 = o + half * 64 + (g % 2) * 32
+                        lsh = 4 * ((g % 4) // 2)
+                        hi0 = o + 128 + half * 32
+                        hsh = 2 * (g % 4)
+                        xb = b * 256 + g * 32
+                        dla = d * np.float32(np.int8(row[o + 192 + 2 * g]))
+                        dlb = d * np.float32(np.int8(row[o + 193 + 2 * g]))
+                        for i in range(32):
+                            q = np.int32(((row[lo0 + i] >> lsh) & 15) | (((row[hi0 + i] >> hsh) & 3) << 4)) - 32
+                            acc[i] += ((dla if i < 16 else dlb) * np.float32(q)) * x[s, xb + i]
+                out[s, r] = acc.sum()
 
     @njit(**_opts)
-    def _bf16(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+    def _bf16(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
         t, k = x.shape
-        n = w.shape[0]
-        wide = np.empty(k, dtype=np.uint32)
-        for r in range(n):
+        acc = np.zeros(32, dtype=np.float32)
+        for r in range(r0, r1):
             row = w[r]
-            for i in range(k):
-                wide[i] = np.uint32(row[i]) << np.uint32(16)
-            f = wide.view(np.float32)
             for s in range(t):
-                acc = np.float32(0.0)
-                for i in range(k):
-                    acc += f[i] * x[s, i]
-                out[s, r] = acc
+                acc[:] = 0
+                for b in range(k // 32):
+                    xb = b * 32
+                    for i in range(32):
+                        acc[i] += _as_f32(np.uint32(row[xb + i]) << np.uint32(16)) * x[s, xb + i]
+                tail = np.float32(0.0)
+                for i in range(k // 32 * 32, k):
+                    tail += _as_f32(np.uint32(row[i]) << np.uint32(16)) * x[s, i]
+                out[s, r] = acc.sum() + tail
 
+    _KERNELS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q6_K": _q6_k, "BF16": _bf16}
+
+
+# (x [T, K], qtype, stored data [N, ...], out [T, N], r0, r1): rows r0:r1 of one product
+Job = tuple[np.ndarray, str, np.ndarray, np.ndarray, int, int]
+
+
+def threads() -> int:
+    """Threads that compute kernel products: ``MESHD_KERNEL_THREADS``, else the CPUs this process may use (at
+    most ``KERNEL_MAX_THREADS``: decode-sized products are too small to feed more)."""
+    env = os.environ.get("MESHD_KERNEL_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return min(int(env), KERNEL_MAX_THREADS)
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(n, KERNEL_MAX_THREADS))
+
+
+class _Pool:
+    """Helper threads that share a round of jobs with the caller; one round at a time (a lock serialises
+    callers from several threads)."""
+
+    def __init__(self, helpers: int) -> None:
+        self._round = threading.Lock()  # one round at a time
+        self._cv = threading.Condition(threading.Lock())
+        self._jobs: list[Job] = []
+        self._next = 0
+        self._busy = 0  # helpers running a claimed job
+        self._gen = 0
+        for i in range(helpers):
+            threading.Thread(target=self._helper, name=f"meshd-kernel-{i}", daemon=True).start()
+
+    def _claim(self) -> Job | None:
+        with self._cv:
+            if self._next >= len(self._jobs):
+                return None
+            job = self._jobs[self._next]
+            self._next += 1
+            return job
+
+    def _helper(self) -> None:
+        seen = 0
+        while True:
+            with self._cv:
+                while self._gen == seen:
+                    self._cv.wait()
+                seen = self._gen
+            while True:
+                with self._cv:
+                    if self._next >= len(self._jobs):
+                        break
+                    job = self._jobs[self._next]
+                    self._next += 1
+                    self._busy += 1
+                try:
+                    run(*job)
+                finally:
+                    with self._cv:
+                        self._busy -= 1
+                        self._cv.notify_all()
+
+    def run(self, jobs: list[Job]) -> None:
+        with self._round:
+            with self._cv:
+                self._jobs, self._next = jobs, 0
+                self._gen += 1
+                self._cv.notify_all()
+            while (job := self._claim()) is not None:
+                run(*job)
+            with self._cv:
+                while self._busy:
+                    self._cv.wait()
+                self._jobs = []
+
+
+_pool: _Pool | None = None
+_pool_lock = threading.Lock()
+
+
+def _get_pool() -> _Pool | None:
+    global _pool
+    if _pool is None:
+        n = threads()
+        if n < 2:
+            return None
+        with _pool_lock:
+            if _pool is None:
+                _pool = _Pool(n - 1)
+    return _pool
+
+
+def run_jobs(jobs: list[Job]) -> None:
+    """Run every job, on the caller's thread and the helpers (small rounds: on the caller's only)."""
+    total = sum(j[0].shape[1] * (j[5] - j[4]) for j in jobs)
+    pool = _get_pool() if total >= KERNEL_POOL_MIN_WEIGHTS and len(jobs) > 1 else None
+    if pool is None:
+        for job in jobs:
+            run(*job)
+    else:
+        pool.run(jobs)
+
+
+def jobs_for(x: np.ndarray, qtype: str, data: np.ndarray, out: np.ndarray) -> list[Job]:
+    """One product cut into row chunks of about ``KERNEL_CHUNK_WEIGHTS`` weights."""
+    n, k = data.shape[0], x.shape[1]
+    step = max(1, KERNEL_CHUNK_WEIGHTS // max(1, k * x.shape[0]))
+    return [(x, qtype, data, out, a, min(n, a + step)) for a in range(0, n, step)]
+
+
+def run(x: np.ndarray, qtype: str, data: np.ndarray, out: np.ndarray, r0: int, r1: int) -> None:
+    """Rows ``r0:r1`` of ``x @ W.T`` into ``out[:, r0:r1]`` (x: [T, K] fp32 C-contiguous, out: [T, N] fp32).
+    Releases the GIL while it computes."""
+    if qtype == "Q4_K":
+        _q45_k(x, data, out, HALF, r0, r1, False)
+    elif qtype == "Q5_K":
+        _q45_k(x, data, out, HALF, r0, r1, True)
+    else:
+        _KERNELS[qtype](x, data, out, HALF, r0, r1)
 
 
 def gemm(x: np.ndarray, qtype: str, data: np.ndarray) -> np.ndarray | None:
     """``x @ W.T`` for stored ``data`` of ``qtype``: [T, K] fp32 -> [T, N] fp32, or None (no kernel)."""
-    if not AVAILABLE:
+    if not AVAILABLE or qtype not in TYPES:
         return None
     x = np.ascontiguousarray(x, dtype=F32)
     out = np.empty((x.shape[0], data.shape[0]), dtype=F32)
-    if qtype == "Q8_0":
-        _q8_0(x, data, out)
-    elif qtype == "Q4_0":
-        _q4_0(x, data, out)
-    elif qtype == "Q4_K":
-        _q45_k(x, data, out, False)
-    elif qtype == "Q5_K":
-        _q45_k(x, data, out, True)
-    elif qtype == "Q6_K":
-        _q6_k(x, data, out)
-    elif qtype == "BF16":
-        _bf16(x, data, out)
-    else:
-        return None
+    run_jobs(jobs_for(x, qtype, data, out))
     return out
+
+
+def gemm_many(products: list[tuple[np.ndarray, str, np.ndarray]]) -> list[np.ndarray]:
+    """Several ``gemm`` products (x, qtype, data) in one round of the threads: the same bits as one
+    ``gemm`` each, one hand-off instead of one per product."""
+    outs: list[np.ndarray] = []
+    jobs: list[Job] = []
+    for x, qtype, data in products:
+        x = np.ascontiguousarray(x, dtype=F32)
+        out = np.empty((x.shape[0], data.shape[0]), dtype=F32)
+        outs.append(out)
+        jobs.extend(jobs_for(x, qtype, data, out))
+    run_jobs(jobs)
+    return outs

@@ -34,7 +34,7 @@ from .fp8 import Fp8Tensor, scale_key, scale_shape
 from .gguf_file import PermutedRows, is_gguf, load_gguf, unpermute_index
 from .moe import ExpertExecutor, ForwardSteps, RoutedCall, drive, expert_ffn, local_executor, route, silu
 from .ops import RopeTable, apply_rope, attention, rmsnorm
-from .quant import Packed, packed
+from .quant import Packed, matmul_many, packed
 
 log = structlog.get_logger(__name__)
 
@@ -523,9 +523,7 @@ class Model:
         """[T, D] -> q [T, H, hd], k/v [T, KV, hd] with biases, q/k norms, clipping and rope applied."""
         c = self.config
         t = h.shape[0]
-        q = h @ layer.q.T
-        k = h @ layer.k.T
-        v = h @ layer.v.T
+        q, k, v = matmul_many([(h, layer.q), (h, layer.k), (h, layer.v)])  # h @ w.T each
         if layer.q_bias is not None:
             q += layer.q_bias
             k += layer.k_bias

@@ -40,6 +40,8 @@ from typing import Protocol
 
 import numpy as np
 
+from .quant import matmul_many
+
 # One work item: (expert index, ascending row indices into x).
 WorkItem = tuple[int, np.ndarray]
 # executor(layer, x [T, D], work) -> one [len(rows), D] fp32 array per work item, in order.
@@ -55,8 +57,9 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 def expert_ffn(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
     """SwiGLU feed-forward: [n, D] -> [n, D]. The one implementation every path calls."""
-    h = silu(x @ gate.T)  # [n, I]
-    h *= x @ up.T  # [n, I]
+    g, u = matmul_many([(x, gate), (x, up)])  # [n, I] each: x @ gate.T, x @ up.T
+    h = silu(g)
+    h *= u
     return h @ down.T  # [n, D]
 
 

@@ -44,9 +44,9 @@ BLOCKS: dict[str, tuple[int, int]] = {
 QUANTIZED = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
 SUPPORTED_TYPES = tuple(BLOCKS)
 
-# Types whose compiled decode kernel measured >= 2x the numpy tiles (engine.kernels; bench in docs/engine-model.md):
-# Q4_0 2.7x, Q4_K 2.2x, Q5_K 9.2x, Q6_K 3.3x. BF16 (1.0x) and Q8_0 (1.4x) stay on the numpy path.
-KERNEL_TYPES = ("Q4_0", "Q4_K", "Q5_K", "Q6_K")
+# Types whose compiled decode kernel measured >= 2x the numpy tiles (engine.kernels; bench/kernels.py, figures in
+# docs/engine-model.md): all of them since the kernels vectorise (32-lane accumulators).
+KERNEL_TYPES = ("BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
 
 _NIBBLE_SHIFT = np.array([0, 4], dtype=np.uint8)
 _BIT_SHIFT = np.arange(8, dtype=np.uint8)
@@ -133,12 +133,20 @@ def dequantize(data: np.ndarray, qtype: str, shape: tuple[int, ...]) -> np.ndarr
     return dequantize_blocks(blocks, qtype).reshape(shape)
 
 
-def _kernel_gemm(x: np.ndarray, qtype: str, data: np.ndarray) -> np.ndarray | None:
-    """``engine.kernels.gemm``, imported on first use (numba's import costs ~0.5 s and tens of MB, paid only by
-    processes that multiply K-quant weights)."""
+def _kernels():  # noqa: ANN202
+    """``engine.kernels``, imported on first use (numba's import costs ~0.5 s and tens of MB, paid only by
+    processes that multiply packed weights)."""
     from . import kernels
 
-    return kernels.gemm(x, qtype, data)
+    return kernels
+
+
+def _kernel_gemm(x: np.ndarray, qtype: str, data: np.ndarray) -> np.ndarray | None:
+    return _kernels().gemm(x, qtype, data)
+
+
+def _uses_kernel(x: np.ndarray, w: object) -> bool:
+    return isinstance(w, Packed) and x.shape[0] <= KERNEL_MAX_ROWS and w.qtype in KERNEL_TYPES
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +218,17 @@ def matmul(x: np.ndarray, w: Weight) -> np.ndarray:
     if isinstance(w, Packed):
         return w.matmul(x)
     return x @ w.T
+
+
+def matmul_many(pairs: list[tuple[np.ndarray, Weight]]) -> list[np.ndarray]:
+    """``[matmul(x, w) for x, w in pairs]``, bit for bit, with the compiled-kernel products among them run in
+    one round of the kernel threads (``engine.kernels.gemm_many``): q/k/v of a layer, gate/up of an expert."""
+    kern = [i for i, (x, w) in enumerate(pairs) if _uses_kernel(x, w)]
+    if len(kern) < 2 or not _kernels().AVAILABLE:
+        return [matmul(x, w) for x, w in pairs]
+    done = _kernels().gemm_many([(pairs[i][0], pairs[i][1].qtype, pairs[i][1].data) for i in kern])  # type: ignore[union-attr]
+    got = dict(zip(kern, done))
+    return [got[i] if i in got else matmul(x, w) for i, (x, w) in enumerate(pairs)]
 
 
 def packed(data: np.ndarray, qtype: str, shape: tuple[int, ...]) -> Weight:
