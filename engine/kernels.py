@@ -58,10 +58,25 @@ if AVAILABLE:
     def _h(tab: np.ndarray, row: np.ndarray, o: int) -> np.float32:
         return tab[np.int64(row[o]) | (np.int64(row[o + 1]) << 8)]
 
+    @intrinsic
+    def _bits(typingctx, v, sh, mask):  # noqa: ANN001, ANN202 - numba intrinsic
+        """``(v >> sh) & mask`` of a byte, in 8 bits: numba would widen to int64, and LLVM then converts
+        64-bit lanes to float (half the lanes per instruction)."""
+        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+            i8 = ir.IntType(8)
+            shift = builder.trunc(args[1], i8) if args[1].type != i8 else args[1]
+            m = builder.trunc(args[2], i8) if args[2].type != i8 else args[2]
+            return builder.and_(builder.lshr(args[0], shift), m)
+
+        return types.uint8(types.uint8, sh, mask), codegen
+
+    # Accumulators: one lane per element position of 4 consecutive 32-blocks (or of a 256-block), so
+    # consecutive blocks update different lanes and no add waits on the one before it.
+
     @njit(**_opts)
     def _q8_0(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
         t, k = x.shape
-        acc = np.zeros(32, dtype=np.float32)
+        acc = np.zeros(128, dtype=np.float32)
         for r in range(r0, r1):
             row = w[r]
             for s in range(t):
@@ -70,14 +85,15 @@ if AVAILABLE:
                     o = b * 34
                     d = _h(tab, row, o)
                     xb = b * 32
+                    a = (b & 3) * 32
                     for i in range(32):
-                        acc[i] += (d * np.float32(np.int8(row[o + 2 + i]))) * x[s, xb + i]
+                        acc[a + i] += (d * np.float32(np.int8(row[o + 2 + i]))) * x[s, xb + i]
                 out[s, r] = acc.sum()
 
     @njit(**_opts)
     def _q4_0(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
         t, k = x.shape
-        acc = np.zeros(32, dtype=np.float32)
+        acc = np.zeros(128, dtype=np.float32)
         for r in range(r0, r1):
             row = w[r]
             for s in range(t):
@@ -86,10 +102,11 @@ if AVAILABLE:
                     o = b * 18
                     d = _h(tab, row, o)
                     xb = b * 32
+                    a = (b & 3) * 32
                     for i in range(16):
                         v = row[o + 2 + i]
-                        acc[i] += (d * np.float32(np.int32(v & 15) - 8)) * x[s, xb + i]
-                        acc[16 + i] += (d * np.float32(np.int32(v >> 4) - 8)) * x[s, xb + 16 + i]
+                        acc[a + i] += (d * (np.float32(_bits(v, 0, 15)) - np.float32(8))) * x[s, xb + i]
+                        acc[a + 16 + i] += (d * (np.float32(_bits(v, 4, 15)) - np.float32(8))) * x[s, xb + 16 + i]
                 out[s, r] = acc.sum()
 
     @njit(inline="always")
@@ -104,10 +121,12 @@ if AVAILABLE:
     @njit(**_opts)
     def _q45_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int,
                five: bool) -> None:
+        # chunk c (32 bytes of nibbles) holds sub-blocks 2c (low nibbles) and 2c+1 (high nibbles); Q5_K's
+        # fifth bit of element l of sub-block j is bit j of qh[l]
         t, k = x.shape
         bsz = 176 if five else 144
         qs0 = 48 if five else 16
-        acc = np.zeros(32, dtype=np.float32)
+        acc = np.zeros(256, dtype=np.float32)
         for r in range(r0, r1):
             row = w[r]
             for s in range(t):
@@ -116,27 +135,33 @@ if AVAILABLE:
                     o = b * bsz
                     d = _h(tab, row, o)
                     dmin = _h(tab, row, o + 2)
-                    for j in range(8):
-                        sc, mn = _k_scale(row, o + 4, j)
-                        dl = d * np.float32(sc)
-                        ml = dmin * np.float32(mn)
-                        q0 = o + qs0 + (j // 2) * 32
-                        sh = 4 * (j % 2)
-                        xb = b * 256 + j * 32
+                    for c in range(4):
+                        sc0, mn0 = _k_scale(row, o + 4, 2 * c)
+                        sc1, mn1 = _k_scale(row, o + 4, 2 * c + 1)
+                        dl0, ml0 = d * np.float32(sc0), dmin * np.float32(mn0)
+                        dl1, ml1 = d * np.float32(sc1), dmin * np.float32(mn1)
+                        q0 = o + qs0 + c * 32
+                        xb = b * 256 + c * 64
+                        a = c * 64
                         if five:
                             for i in range(32):
-                                q = ((row[q0 + i] >> sh) & 15) | (((row[o + 16 + i] >> j) & 1) << 4)
-                                acc[i] += (dl * np.float32(q) - ml) * x[s, xb + i]
+                                v = row[q0 + i]
+                                h = row[o + 16 + i]
+                                lo = np.float32(_bits(v, 0, 15)) + np.float32(16) * np.float32(_bits(h, 2 * c, 1))
+                                hi = np.float32(_bits(v, 4, 15)) + np.float32(16) * np.float32(_bits(h, 2 * c + 1, 1))
+                                acc[a + i] += (dl0 * lo - ml0) * x[s, xb + i]
+                                acc[a + 32 + i] += (dl1 * hi - ml1) * x[s, xb + 32 + i]
                         else:
                             for i in range(32):
-                                q = (row[q0 + i] >> sh) & 15
-                                acc[i] += (dl * np.float32(q) - ml) * x[s, xb + i]
+                                v = row[q0 + i]
+                                acc[a + i] += (dl0 * np.float32(_bits(v, 0, 15)) - ml0) * x[s, xb + i]
+                                acc[a + 32 + i] += (dl1 * np.float32(_bits(v, 4, 15)) - ml1) * x[s, xb + 32 + i]
                 out[s, r] = acc.sum()
 
     @njit(**_opts)
     def _q6_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
         t, k = x.shape
-        acc = np.zeros(32, dtype=np.float32)
+        acc = np.zeros(256, dtype=np.float32)
         for r in range(r0, r1):
             row = w[r]
             for s in range(t):
@@ -145,7 +170,7 @@ if AVAILABLE:
                     o = b * 210
                     d = _h(tab, row, o + 208)
                     # 32-element group g: low nibbles from ql[half*64 + c*32 + l] >> 4*sh, high pairs from
-                    # qh[half*32 + l] >> 2*(g%4), with half = g//4, sh = (g%4)//2, c = g%2
+                    # qh[half*32 + l] >> 2*(g%4), with half = g//4, sh = (g%4)//2, c = g%2; q - 32
                     for g in range(8):
                         half = g // 4
                         lo0 = o + half * 64 + (g % 2) * 32
@@ -156,22 +181,24 @@ if AVAILABLE:
                         dla = d * np.float32(np.int8(row[o + 192 + 2 * g]))
                         dlb = d * np.float32(np.int8(row[o + 193 + 2 * g]))
                         for i in range(32):
-                            q = np.int32(((row[lo0 + i] >> lsh) & 15) | (((row[hi0 + i] >> hsh) & 3) << 4)) - 32
-                            acc[i] += ((dla if i < 16 else dlb) * np.float32(q)) * x[s, xb + i]
+                            q = (np.float32(_bits(row[lo0 + i], lsh, 15))
+                                 + np.float32(16) * np.float32(_bits(row[hi0 + i], hsh, 3)) - np.float32(32))
+                            acc[g * 32 + i] += ((dla if i < 16 else dlb) * q) * x[s, xb + i]
                 out[s, r] = acc.sum()
 
     @njit(**_opts)
     def _bf16(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
         t, k = x.shape
-        acc = np.zeros(32, dtype=np.float32)
+        acc = np.zeros(128, dtype=np.float32)
         for r in range(r0, r1):
             row = w[r]
             for s in range(t):
                 acc[:] = 0
                 for b in range(k // 32):
                     xb = b * 32
+                    a = (b & 3) * 32
                     for i in range(32):
-                        acc[i] += _as_f32(np.uint32(row[xb + i]) << np.uint32(16)) * x[s, xb + i]
+                        acc[a + i] += _as_f32(np.uint32(row[xb + i]) << np.uint32(16)) * x[s, xb + i]
                 tail = np.float32(0.0)
                 for i in range(k // 32 * 32, k):
                     tail += _as_f32(np.uint32(row[i]) << np.uint32(16)) * x[s, i]
