@@ -135,9 +135,17 @@ class _EngineSide:
         import numpy as np
 
         sys.path.insert(0, str(ROOT))
+        from engine import kernels
         from engine.model import Model
 
         self.np = np
+        # The runtime's fixed cost is paid before the baseline, weights and activations after it: numba (the
+        # fast extra) imported and its kernels loaded from the on-disk cache (the parent compiled them first,
+        # so no LLVM compile inflates the peak). Its size is reported on its own.
+        rss_a = _rss_mb()
+        kernels.warm()
+        self.kernels_mb = _rss_mb() - rss_a
+        self.kernel_threads = kernels.threads() if kernels.AVAILABLE else 0
         self.rss0 = _rss_mb()
         t0 = time.perf_counter()
         self.model = Model.load(path)
@@ -172,6 +180,7 @@ class _EngineSide:
 
     def info(self) -> dict:
         return {"weight_bytes": self.model.checkpoint.nbytes, "load_s": self.load_s,
+                "kernels_mb": self.kernels_mb, "kernel_threads": self.kernel_threads,
                 "cold_prefill_s": self.cold_prefill_s, "rss_before_load_mb": self.rss0,
                 "peak_rss_mb": _peak_mb(), "blas": blas_kernel(), "numpy": self.np.__version__}
 
@@ -215,30 +224,38 @@ class _TorchSide:
 
 
 def _bandwidth(threads: int) -> dict:
-    """Memory read bandwidth: ``threads`` readers over a 1 GiB buffer, best of five passes (GB/s)."""
+    """Memory read bandwidth: ``threads`` readers over a 1 GiB buffer, best of five passes (GB/s), for two
+    streaming reads that are not compute-bound (a 32-bit integer max, and BLAS ``sdot`` of the buffer with
+    itself); the larger is the machine's figure. (A float32 ``sum``, used before, is pairwise summation:
+    it measured ~24 GB/s where these read ~38 GB/s on the development VM, so it understated the limit.)"""
     import threading
 
     import numpy as np
 
     buf = np.ones(1 << 28, dtype=np.float32)  # 1 GiB, written once so every page is resident
     parts = np.array_split(buf, threads)
-    best = 0.0
-    for _ in range(5):
-        barrier = threading.Barrier(threads + 1)
+    probes = {"max_u32": lambda a: a.view(np.uint32).max(), "sdot": lambda a: np.dot(a, a)}
+    out: dict = {}
+    for name, fn in probes.items():
+        best = 0.0
+        for _ in range(5):
+            barrier = threading.Barrier(threads + 1)
 
-        def read(a: np.ndarray) -> None:
+            def read(a: np.ndarray, fn=fn) -> None:  # noqa: ANN001
+                barrier.wait()
+                fn(a)
+
+            ts = [threading.Thread(target=read, args=(p,)) for p in parts]
+            for t in ts:
+                t.start()
             barrier.wait()
-            a.sum(dtype=np.float32)
-
-        ts = [threading.Thread(target=read, args=(p,)) for p in parts]
-        for t in ts:
-            t.start()
-        barrier.wait()
-        t0 = time.perf_counter()
-        for t in ts:
-            t.join()
-        best = max(best, buf.nbytes / (time.perf_counter() - t0) / 1e9)
-    return {"read_gb_s": best}
+            t0 = time.perf_counter()
+            for t in ts:
+                t.join()
+            best = max(best, buf.nbytes / (time.perf_counter() - t0) / 1e9)
+        out[name] = best
+    out["read_gb_s"] = max(out.values())
+    return out
 
 
 def _active_bytes(model) -> int:
@@ -287,7 +304,7 @@ def _run_side(kind: str, path: Path, threads: int, rounds: int) -> dict:
 def _spawn(kind: str, path: Path, threads: int, rounds: int) -> dict:
     """Run one side in a fresh subprocess and wait for it to exit (nothing else of ours is alive meanwhile)."""
     env = dict(os.environ)
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "MESHD_KERNEL_THREADS"):
         env[var] = str(threads)
     cmd = [sys.executable, __file__, "--worker", kind, "--dir", str(path), "--threads", str(threads),
            "--rounds", str(rounds)]
@@ -331,7 +348,7 @@ def _med(xs: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2, help="BLAS/OpenMP/torch threads of every side (default 2)")
+    ap.add_argument("--threads", type=int, default=2, help="BLAS/OpenMP/torch threads and engine kernel threads (MESHD_KERNEL_THREADS) of every side (default 2)")
     ap.add_argument("--dir", type=Path, default=None, help="checkpoint dir (created if empty; default a temp dir)")
     ap.add_argument("--no-ref", action="store_true", help="skip transformers")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per side; median and range reported (default 5)")
@@ -356,6 +373,9 @@ def main() -> None:
     if not (path / "config.json").exists():
         create(path, args.arch)
     variants = _variants(path, [v for v in args.variants.split(",") if v])
+    # compile the kernels into numba's on-disk cache once, here, so no timed side pays (or peaks on) LLVM
+    subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]);"
+                    " from engine import kernels; kernels.warm()", str(ROOT)], check=False)
     load0 = os.getloadavg()[0]
     res: dict[str, dict] = {"bandwidth": _spawn("bandwidth", path, args.threads, 1)}
     if not args.no_ref:
@@ -374,7 +394,10 @@ def main() -> None:
         f" rounds={args.rounds}, median [min-max]; load average {load0:.1f} -> {os.getloadavg()[0]:.1f}",
         f"threads={args.threads} BLAS kernel={info0.get('blas', '?')} numpy={info0.get('numpy', '?')}"
         + (f" torch={res['torch']['info']['torch']} transformers={res['torch']['info']['transformers']}"
-           if "torch" in res else "") + f"; memory read bandwidth {bw:.1f} GB/s",
+           if "torch" in res else "") + f"; memory read bandwidth {bw:.1f} GB/s"
+        f" (max u32 {res['bandwidth']['max_u32']:.1f}, sdot {res['bandwidth']['sdot']:.1f})",
+        f"compiled kernels: {'numba, ' + str(info0.get('kernel_threads')) + ' threads' if info0.get('kernel_threads') else 'not installed (numpy tiles)'};"
+        f" numba runtime {info0.get('kernels_mb', 0):.0f} MiB per process (fixed, not counted in peak RSS / file)",
         "",
         "| weights | prefill tok/s | vs transformers | decode tok/s | vs transformers | vs our fp32 |"
         " bandwidth limit tok/s | of limit | peak RSS / file |",
@@ -406,7 +429,9 @@ def main() -> None:
             lines.append(f"| fp32, {b} concurrent (forward_batch, ctx {BATCH_CTX}) | | | {m:.1f} [{lo:.1f}-{hi:.1f}]"
                          f" | | | | | |")
     lines.append("")
-    lines.append("peak RSS / file: VmHWM of the engine process minus its RSS before loading, over the files' size")
+    lines.append("peak RSS / file: VmHWM of the engine process minus its RSS before loading (runtime and kernels"
+                 " already imported), over the files' size; it includes the KV cache and activations of a"
+                 " 256-token prefill (all 256 positions' logits: 8 MiB)")
     sys.stdout.write("\n".join(lines) + "\n")
     if tmp is not None:
         tmp.cleanup()

@@ -348,3 +348,18 @@ def gemm_many(products: list[tuple[np.ndarray, str, np.ndarray]]) -> list[np.nda
         jobs.extend(jobs_for(x, qtype, data, out))
     run_jobs(jobs)
     return outs
+
+
+def warm() -> None:
+    """Compile (or load from numba's on-disk cache) every kernel now, on tiny inputs: a process that wants
+    its first request not to pay the compile (seconds) or its peak memory (LLVM) calls this at start."""
+    if not AVAILABLE:
+        return
+    x = np.zeros((1, 256), dtype=F32)
+    out = np.empty((1, 1), dtype=F32)
+    from .quant import row_bytes
+
+    for qtype in TYPES:
+        data = np.zeros((1, 256) if qtype == "BF16" else (1, row_bytes(qtype, 256)),
+                        dtype=np.uint16 if qtype == "BF16" else np.uint8)
+        run(x, qtype, data, out, 0, 1)
