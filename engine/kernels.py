@@ -285,14 +285,17 @@ _pool: _Pool | None = None
 _pool_lock = threading.Lock()
 
 
+_single = False  # threads() said 1: no pool, and no need to ask again
+
+
 def _get_pool() -> _Pool | None:
-    global _pool
-    if _pool is None:
+    global _pool, _single
+    if _pool is None and not _single:
         n = threads()
-        if n < 2:
-            return None
         with _pool_lock:
-            if _pool is None:
+            if n < 2:
+                _single = True
+            elif _pool is None:
                 _pool = _Pool(n - 1)
     return _pool
 

@@ -182,11 +182,15 @@ class Packed:
         """``x @ W.T``: [T, K] fp32 -> [T, N] fp32, one cache-sized tile of rows at a time (or, for a few
         rows of a type with a compiled kernel, ``engine.kernels``: the choice depends only on T and the
         type, so every process computing the same rows makes the same choice)."""
-        n, k = self.shape
         if x.shape[0] <= KERNEL_MAX_ROWS and self.qtype in KERNEL_TYPES:
             out = _kernel_gemm(x, self.qtype, self.data)
             if out is not None:
                 return out
+        return self.tiled(x)
+
+    def tiled(self, x: np.ndarray) -> np.ndarray:
+        """``x @ W.T`` through the numpy tiles only (what a process without the compiled kernels computes)."""
+        n, k = self.shape
         # decode-sized products: small tiles that stay in L2; prefill-sized: few large tiles, so BLAS runs a
         # few big GEMMs rather than many thin ones (each call wakes its threads: measured ~5x slower prefill)
         tile = MATMUL_TILE_WEIGHTS if x.shape[0] <= KERNEL_MAX_ROWS else MATMUL_PREFILL_TILE_WEIGHTS
