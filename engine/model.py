@@ -34,7 +34,7 @@ from .fp8 import Fp8Tensor, scale_key, scale_shape
 from .gguf_file import PermutedRows, is_gguf, load_gguf, unpermute_index
 from .moe import ExpertExecutor, ForwardSteps, RoutedCall, drive, expert_ffn, local_executor, route, silu
 from .ops import RopeTable, apply_rope, attention, rmsnorm
-from .quant import Packed, matmul_many, packed
+from .quant import Packed, matmul_many, packed, warm_kernels
 
 log = structlog.get_logger(__name__)
 
@@ -286,6 +286,7 @@ class Model:
         loaded = [cls._load_layer(cfg, ld, i, widen_experts) for i in range(first, last + 1)]
         if layers is None:
             ld.check_unexpected(cfg)
+        warm_kernels(w for lay in loaded for w in (lay.q, lay.o, *(lay.experts[0] if lay.experts else ())))
         log.info("model_loaded", path=str(p), model_type=cfg.model_type, layers=cfg.num_layers,
                  first_layer=first, last_layer=last, weight_bytes=ckpt.nbytes, files=len(ckpt.files))
         return cls(cfg, loaded, embed, norm, lm_head, ckpt, p, first_layer=first)

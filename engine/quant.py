@@ -21,6 +21,7 @@ order; only the integer unpacking differs). Block layouts (``QK_K = 256``):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -222,6 +223,14 @@ def matmul(x: np.ndarray, w: Weight) -> np.ndarray:
     if isinstance(w, Packed):
         return w.matmul(x)
     return x @ w.T
+
+
+def warm_kernels(weights: Iterable[object]) -> None:
+    """If any of ``weights`` is packed in a type with a compiled kernel, load the kernels now (numba's import
+    and on-disk cache, or the one-time compile): the first request then does not stall on them, and their
+    memory is the runtime's, paid before any activation. A model without such weights never imports numba."""
+    if any(isinstance(w, Packed) and w.qtype in KERNEL_TYPES for w in weights):
+        _kernels().warm()
 
 
 def matmul_many(pairs: list[tuple[np.ndarray, Weight]]) -> list[np.ndarray]:
