@@ -248,8 +248,8 @@ class Model:
 
         Every matrix stays in its stored type as a zero-copy view of the file mapping (fp32 as the array,
         fp16/bf16/quantized as ``engine.quant.Packed``, multiplied tile by tile); only vectors (norms,
-        biases) are widened. ``widen_experts`` widens the routed experts to fp32 here instead (more memory,
-        same results). Raises
+        biases) are widened. ``widen_experts`` widens the routed experts to fp32 here instead (more memory;
+        the same bits on the numpy tiles, the same values within rounding with the compiled kernels). Raises
         ``ConfigError`` or ``CheckpointError`` (message names the file and tensor key).
         ``progress(done_bytes, total_bytes)`` is called as tensors are taken. ``prefetch`` (default: when
         a progress callback is given) reads every page of the weights during the load, so the progress
