@@ -41,6 +41,7 @@ except ImportError:  # pragma: no cover - exercised when numba is absent
 AVAILABLE = numba is not None
 F32 = np.float32
 TYPES = ("BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 # every IEEE half bit pattern (little-endian uint16) -> its float32 value
 HALF = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(F32)
 
@@ -204,6 +205,70 @@ if AVAILABLE:
                     tail += _as_f32(np.uint32(row[i]) << np.uint32(16)) * x[s, i]
                 out[s, r] = acc.sum() + tail
 
+    # Dequantization into fp32 tiles (prefill: the numpy tiles' dequantize step), with exactly the fp32
+    # operations of engine.quant.dequantize_blocks in the same order and no fastmath (no fused multiply-add),
+    # so the values are bit for bit gguf.quants.dequantize's.
+    _dq_opts = dict(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+
+    @njit(**_dq_opts)
+    def _dq_q8_0(blocks: np.ndarray, out: np.ndarray, tab: np.ndarray) -> None:
+        for n in range(blocks.shape[0]):
+            row = blocks[n]
+            d = _h(tab, row, 0)
+            for i in range(32):
+                out[n, i] = d * np.float32(np.int8(row[2 + i]))
+
+    @njit(**_dq_opts)
+    def _dq_q4_0(blocks: np.ndarray, out: np.ndarray, tab: np.ndarray) -> None:
+        for n in range(blocks.shape[0]):
+            row = blocks[n]
+            d = _h(tab, row, 0)
+            for i in range(16):
+                v = row[2 + i]
+                out[n, i] = d * (np.float32(_bits(v, 0, 15)) - np.float32(8))
+                out[n, 16 + i] = d * (np.float32(_bits(v, 4, 15)) - np.float32(8))
+
+    @njit(**_dq_opts)
+    def _dq_q45_k(blocks: np.ndarray, out: np.ndarray, tab: np.ndarray, five: bool) -> None:
+        qs0 = 48 if five else 16
+        for n in range(blocks.shape[0]):
+            row = blocks[n]
+            d = _h(tab, row, 0)
+            dmin = _h(tab, row, 2)
+            for c in range(4):
+                sc0, mn0 = _k_scale(row, 4, 2 * c)
+                sc1, mn1 = _k_scale(row, 4, 2 * c + 1)
+                dl0, ml0 = d * np.float32(sc0), dmin * np.float32(mn0)
+                dl1, ml1 = d * np.float32(sc1), dmin * np.float32(mn1)
+                for i in range(32):
+                    v = row[qs0 + c * 32 + i]
+                    lo = np.float32(_bits(v, 0, 15))
+                    hi = np.float32(_bits(v, 4, 15))
+                    if five:
+                        h = row[16 + i]
+                        lo = lo + np.float32(16) * np.float32(_bits(h, 2 * c, 1))
+                        hi = hi + np.float32(16) * np.float32(_bits(h, 2 * c + 1, 1))
+                    out[n, c * 64 + i] = dl0 * lo - ml0
+                    out[n, c * 64 + 32 + i] = dl1 * hi - ml1
+
+    @njit(**_dq_opts)
+    def _dq_q6_k(blocks: np.ndarray, out: np.ndarray, tab: np.ndarray) -> None:
+        for n in range(blocks.shape[0]):
+            row = blocks[n]
+            d = _h(tab, row, 208)
+            for g in range(8):
+                half = g // 4
+                lo0 = half * 64 + (g % 2) * 32
+                lsh = 4 * ((g % 4) // 2)
+                hi0 = 128 + half * 32
+                hsh = 2 * (g % 4)
+                dla = d * np.float32(np.int8(row[192 + 2 * g]))
+                dlb = d * np.float32(np.int8(row[193 + 2 * g]))
+                for i in range(32):
+                    q = (np.float32(_bits(row[lo0 + i], lsh, 15))
+                         + np.float32(16) * np.float32(_bits(row[hi0 + i], hsh, 3)) - np.float32(32))
+                    out[n, g * 32 + i] = (dla if i < 16 else dlb) * q
+
     _KERNELS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q6_K": _q6_k, "BF16": _bf16}
 
 
@@ -329,6 +394,26 @@ def run(x: np.ndarray, qtype: str, data: np.ndarray, out: np.ndarray, r0: int, r
         _KERNELS[qtype](x, data, out, HALF, r0, r1)
 
 
+DEQUANT_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+
+
+def dequantize_blocks(blocks: np.ndarray, qtype: str) -> np.ndarray | None:
+    """[n, bytes per block] uint8 (C-contiguous) -> [n, elements per block] fp32, bit for bit
+    ``engine.quant.dequantize_blocks``; None when there is no kernel for ``qtype``."""
+    if not AVAILABLE or qtype not in DEQUANT_TYPES:
+        return None
+    out = np.empty((blocks.shape[0], 32 if qtype in ("Q8_0", "Q4_0") else 256), dtype=F32)
+    if qtype == "Q8_0":
+        _dq_q8_0(blocks, out, HALF)
+    elif qtype == "Q4_0":
+        _dq_q4_0(blocks, out, HALF)
+    elif qtype == "Q6_K":
+        _dq_q6_k(blocks, out, HALF)
+    else:
+        _dq_q45_k(blocks, out, HALF, qtype == "Q5_K")
+    return out
+
+
 def gemm(x: np.ndarray, qtype: str, data: np.ndarray) -> np.ndarray | None:
     """``x @ W.T`` for stored ``data`` of ``qtype``: [T, K] fp32 -> [T, N] fp32, or None (no kernel)."""
     if not AVAILABLE or qtype not in TYPES:
@@ -366,3 +451,5 @@ def warm() -> None:
         data = np.zeros((1, 256) if qtype == "BF16" else (1, row_bytes(qtype, 256)),
                         dtype=np.uint16 if qtype == "BF16" else np.uint8)
         run(x, qtype, data, out, 0, 1)
+        if qtype in DEQUANT_TYPES:
+            dequantize_blocks(data.reshape(-1, BLOCK_BYTES[qtype]), qtype)
