@@ -78,6 +78,14 @@ def _rss_mb() -> float:
     return 0.0
 
 
+def _status_mb(key: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def _peak_mb() -> float:
     """VmHWM: this process image's peak RSS. (ru_maxrss would include the parent's RSS at fork time,
     which Linux carries across exec.)"""
@@ -147,6 +155,7 @@ class _EngineSide:
         self.kernels_mb = _rss_mb() - rss_a
         self.kernel_threads = kernels.threads() if kernels.AVAILABLE else 0
         self.rss0 = _rss_mb()
+        file0, anon0 = _status_mb("RssFile:"), _status_mb("RssAnon:")
         t0 = time.perf_counter()
         self.model = Model.load(path)
         self.load_s = time.perf_counter() - t0
@@ -154,6 +163,10 @@ class _EngineSide:
         t0 = time.perf_counter()
         self.model.forward(self.prompt, self.model.new_cache(512))  # faults the mapping in
         self.cold_prefill_s = time.perf_counter() - t0
+        # right after a prefill: file-backed pages (the weights' mapping) vs anonymous memory (KV cache,
+        # activations, allocator), the two parts of the peak
+        self.rss_file_mb = _status_mb("RssFile:") - file0
+        self.rss_anon_mb = _status_mb("RssAnon:") - anon0
 
     def prefill(self) -> float:
         cache = self.model.new_cache(512)
@@ -181,6 +194,7 @@ class _EngineSide:
     def info(self) -> dict:
         return {"weight_bytes": self.model.checkpoint.nbytes, "load_s": self.load_s,
                 "kernels_mb": self.kernels_mb, "kernel_threads": self.kernel_threads,
+                "rss_file_mb": self.rss_file_mb, "rss_anon_mb": self.rss_anon_mb,
                 "cold_prefill_s": self.cold_prefill_s, "rss_before_load_mb": self.rss0,
                 "peak_rss_mb": _peak_mb(), "blas": blas_kernel(), "numpy": self.np.__version__}
 
@@ -422,7 +436,8 @@ def main() -> None:
         fmb = r["info"]["file_bytes"] / 2**20
         lines.append(f"| {v} ({fmb:.0f} MiB) | {pm:.0f} [{pl:.0f}-{ph:.0f}] | {vs_ref_p} | {dm:.1f} [{dl:.1f}-{dh:.1f}]"
                      f" | {vs_ref_d} | {vs_fp32} | {limit:.0f} ({r['info']['active_bytes'] / 2**20:.0f} MiB/token)"
-                     f" | {dm / limit:.2f} | {rss:.0f} MiB ({rss / fmb:.2f}x) |")
+                     f" | {dm / limit:.2f} | {rss:.0f} MiB ({rss / fmb:.2f}x; mapped {r['info']['rss_file_mb']:.0f},"
+                     f" anon {r['info']['rss_anon_mb']:.0f}) |")
     if fp32 is not None:
         for b in (1, 4, 8):
             m, lo, hi = rate(fp32, f"batch{b}", b * BATCH_STEPS)
@@ -431,7 +446,9 @@ def main() -> None:
     lines.append("")
     lines.append("peak RSS / file: VmHWM of the engine process minus its RSS before loading (runtime and kernels"
                  " already imported), over the files' size; it includes the KV cache and activations of a"
-                 " 256-token prefill (all 256 positions' logits: 8 MiB)")
+                 " 256-token prefill (all 256 positions' logits: 8 MiB); mapped / anon: file-backed pages (the"
+                 " weights' mapping) and anonymous memory (KV cache 8 MiB, activations, allocator) grown by the"
+                 " first prefill")
     sys.stdout.write("\n".join(lines) + "\n")
     if tmp is not None:
         tmp.cleanup()
