@@ -11,7 +11,7 @@ stages use this module too, so distributed stays byte-identical to local when bo
 numba. ``MESHD_KERNELS=numpy`` turns the kernels off.
 
 Each kernel computes output rows ``r0:r1`` only, so a product is split into row chunks that the calling
-thread and ``threads() - 1`` helper threads claim one at a time (:func:`run_jobs`; the kernels release the
+thread and ``threads() - 1`` helper threads claim one at a time (:func:`run_products`; the kernels release the
 GIL). Every row is computed the same way whichever thread computes it, so the thread count never changes a
 bit. Claiming rather than assigning keeps a loaded machine safe: a helper that has not been scheduled
 yet simply gets nothing, and the caller never waits for work it could do itself. IEEE halves (block scales) are read through a 65536-entry
@@ -365,15 +365,16 @@ def _get_pool() -> _Pool | None:
     return _pool
 
 
-def run_jobs(jobs: list[Job]) -> None:
-    """Run every job, on the caller's thread and the helpers (small rounds: on the caller's only)."""
-    total = sum(j[0].shape[1] * (j[5] - j[4]) for j in jobs)
-    pool = _get_pool() if total >= KERNEL_POOL_MIN_WEIGHTS and len(jobs) > 1 else None
+def run_products(products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]]) -> None:
+    """Compute each (x, qtype, data, out) product into its ``out``: one round of the threads, each product cut
+    into row chunks, when the round is big enough to share; else each whole product on the caller's thread."""
+    total = sum(x.shape[1] * x.shape[0] * data.shape[0] for x, _, data, _ in products)
+    pool = _get_pool() if total >= KERNEL_POOL_MIN_WEIGHTS else None
     if pool is None:
-        for job in jobs:
-            run(*job)
+        for x, qtype, data, out in products:
+            run(x, qtype, data, out, 0, data.shape[0])
     else:
-        pool.run(jobs)
+        pool.run([job for x, qtype, data, out in products for job in jobs_for(x, qtype, data, out)])
 
 
 def jobs_for(x: np.ndarray, qtype: str, data: np.ndarray, out: np.ndarray) -> list[Job]:
@@ -420,22 +421,19 @@ def gemm(x: np.ndarray, qtype: str, data: np.ndarray) -> np.ndarray | None:
         return None
     x = np.ascontiguousarray(x, dtype=F32)
     out = np.empty((x.shape[0], data.shape[0]), dtype=F32)
-    run_jobs(jobs_for(x, qtype, data, out))
+    run_products([(x, qtype, data, out)])
     return out
 
 
 def gemm_many(products: list[tuple[np.ndarray, str, np.ndarray]]) -> list[np.ndarray]:
     """Several ``gemm`` products (x, qtype, data) in one round of the threads: the same bits as one
     ``gemm`` each, one hand-off instead of one per product."""
-    outs: list[np.ndarray] = []
-    jobs: list[Job] = []
+    todo = []
     for x, qtype, data in products:
         x = np.ascontiguousarray(x, dtype=F32)
-        out = np.empty((x.shape[0], data.shape[0]), dtype=F32)
-        outs.append(out)
-        jobs.extend(jobs_for(x, qtype, data, out))
-    run_jobs(jobs)
-    return outs
+        todo.append((x, qtype, data, np.empty((x.shape[0], data.shape[0]), dtype=F32)))
+    run_products(todo)
+    return [t[3] for t in todo]
 
 
 def warm() -> None:
