@@ -9,6 +9,7 @@ machine's kernel threads (``engine.kernels.threads()``), and fp32 BLAS over the 
 Median and range of ``--rounds`` timed calls, each side warmed up the same (20 calls) and timed alone (one
 process, one side at a time). The engine uses a kernel where it measures >= 2x the tiles (issue 20's rule);
 the ``kernel/tiles`` column is that ratio. Weights stay in cache here (0.3-1 MB): this is compute, not memory.
+A second table times the prefill tiles' dequantization (a 1 Mi-weight tile), numpy against compiled.
 """
 
 from __future__ import annotations
@@ -68,6 +69,17 @@ def main() -> None:
 
             print(f"| {qtype} | {n}x{k} | {g(tiles)} | {g(one)} | {g(many)} | {tiles[0] / min(one[0], many[0]):.1f}x"
                   f" | {g(fp32)} |")
+    # the prefill tiles' dequantization: numpy against the compiled one (bit for bit the same values)
+    print()
+    print("| type | numpy dequantize_blocks | compiled | compiled/numpy |")
+    print("| --- | --- | --- | --- |")
+    n, k = 1024, 1024  # one prefill tile's worth (MATMUL_PREFILL_TILE_WEIGHTS)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    for qtype in kernels.DEQUANT_TYPES:
+        blocks = quantize(w, qtype).reshape(-1, kernels.BLOCK_BYTES[qtype])
+        ref = _time(lambda: quant.dequantize_blocks(blocks, qtype), max(10, args.rounds // 10))
+        comp = _time(lambda: kernels.dequantize_blocks(blocks, qtype), max(10, args.rounds // 10))
+        print(f"| {qtype} | {n * k / ref[0] / 1e9:.2f} | {n * k / comp[0] / 1e9:.2f} | {ref[0] / comp[0]:.1f}x |")
 
 
 if __name__ == "__main__":
