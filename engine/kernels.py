@@ -345,6 +345,14 @@ _pool_lock = threading.Lock()
 _single = False  # threads() said 1: no pool, and no need to ask again
 
 
+def _forget_pool() -> None:  # a forked child has none of the parent's helper threads (and maybe a held lock)
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
 def _get_pool() -> _Pool | None:
     global _pool, _single
     if _pool is None and not _single:

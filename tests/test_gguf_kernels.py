@@ -123,3 +123,4 @@ def test_kernels_can_be_turned_off(wide_gguf: Path) -> None:
     p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "MESHD_KERNELS": "numpy"})
     assert p.stdout.strip() == "False", p.stderr
+
