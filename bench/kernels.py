@@ -4,7 +4,8 @@
 
 For every packed type, on the two product shapes of the engine benchmark's checkpoint (a 1536x768 attention-
 or expert-sized matrix, a 1024x1024 one) with one activation row (decode): the numpy tiles (``Packed.tiled``:
-dequantize 64 Ki weights into an fp32 tile, BLAS over it), the kernel on one thread, the kernel on the
+dequantize 64 Ki weights into an fp32 tile with numpy, BLAS over it; the compiled dequantization is turned off
+for this column, as on a process without numba), the kernel on one thread, the kernel on the
 machine's kernel threads (``engine.kernels.threads()``), and fp32 BLAS over the widened matrix as a yardstick.
 Median and range of ``--rounds`` timed calls, each side warmed up the same (20 calls) and timed alone (one
 process, one side at a time). The engine uses a kernel where it measures >= 2x the tiles (issue 20's rule);
@@ -39,6 +40,16 @@ def _time(fn, rounds: int) -> tuple[float, float, float]:  # noqa: ANN001
     return statistics.median(xs), min(xs), max(xs)
 
 
+def _numpy_only(fn):  # noqa: ANN001, ANN202
+    """Run ``fn`` with the tiles' compiled dequantization off: the numpy path a process without numba takes."""
+    orig = kernels.dequantize_blocks
+    kernels.dequantize_blocks = lambda blocks, qtype: None
+    try:
+        return fn()
+    finally:
+        kernels.dequantize_blocks = orig
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=200, help="timed calls per side (default 200)")
@@ -60,7 +71,7 @@ def main() -> None:
         for qtype in kernels.TYPES:
             p = quant.packed(quantize(w, qtype), qtype, (n, k))
             out = np.empty((1, n), dtype=np.float32)
-            tiles = _time(lambda: p.tiled(x), args.rounds)
+            tiles = _numpy_only(lambda: _time(lambda: p.tiled(x), args.rounds))
             one = _time(lambda: kernels.run(x, qtype, p.data, out, 0, n), args.rounds)
             many = _time(lambda: kernels.gemm(x, qtype, p.data), args.rounds)
 
