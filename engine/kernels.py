@@ -161,6 +161,9 @@ if AVAILABLE:
 
     @njit(**_opts)
     def _q6_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
+        # element half*128 + p*32 + l (p = 0..3): low nibble of ql[half*64 + (p%2)*32 + l] (high nibble for
+        # p >= 2), two high bits (qh[half*32 + l] >> 2p) & 3, scale of its 16-element sub-block
+        # half*8 + 2p + l//16; value (d * scale) * (q - 32). One pass over l reads each byte once for all four p.
         t, k = x.shape
         acc = np.zeros(256, dtype=np.float32)
         for r in range(r0, r1):
@@ -170,21 +173,34 @@ if AVAILABLE:
                 for b in range(k // 256):
                     o = b * 210
                     d = _h(tab, row, o + 208)
-                    # 32-element group g: low nibbles from ql[half*64 + c*32 + l] >> 4*sh, high pairs from
-                    # qh[half*32 + l] >> 2*(g%4), with half = g//4, sh = (g%4)//2, c = g%2; q - 32
-                    for g in range(8):
-                        half = g // 4
-                        lo0 = o + half * 64 + (g % 2) * 32
-                        lsh = 4 * ((g % 4) // 2)
-                        hi0 = o + 128 + half * 32
-                        hsh = 2 * (g % 4)
-                        xb = b * 256 + g * 32
-                        dla = d * np.float32(np.int8(row[o + 192 + 2 * g]))
-                        dlb = d * np.float32(np.int8(row[o + 193 + 2 * g]))
-                        for i in range(32):
-                            q = (np.float32(_bits(row[lo0 + i], lsh, 15))
-                                 + np.float32(16) * np.float32(_bits(row[hi0 + i], hsh, 3)) - np.float32(32))
-                            acc[g * 32 + i] += ((dla if i < 16 else dlb) * q) * x[s, xb + i]
+                    for half in range(2):
+                        ql0 = o + half * 64
+                        qh0 = o + 128 + half * 32
+                        sc0 = o + 192 + half * 8
+                        xb = b * 256 + half * 128
+                        a0 = half * 128
+                        for hh in range(2):
+                            d0 = d * np.float32(np.int8(row[sc0 + hh]))
+                            d1 = d * np.float32(np.int8(row[sc0 + 2 + hh]))
+                            d2 = d * np.float32(np.int8(row[sc0 + 4 + hh]))
+                            d3 = d * np.float32(np.int8(row[sc0 + 6 + hh]))
+                            for i in range(16):
+                                l = hh * 16 + i  # noqa: E741
+                                v0 = row[ql0 + l]
+                                v1 = row[ql0 + 32 + l]
+                                h = row[qh0 + l]
+                                q0 = (np.float32(_bits(v0, 0, 15)) + np.float32(16) * np.float32(_bits(h, 0, 3))
+                                      - np.float32(32))
+                                q1 = (np.float32(_bits(v1, 0, 15)) + np.float32(16) * np.float32(_bits(h, 2, 3))
+                                      - np.float32(32))
+                                q2 = (np.float32(_bits(v0, 4, 15)) + np.float32(16) * np.float32(_bits(h, 4, 3))
+                                      - np.float32(32))
+                                q3 = (np.float32(_bits(v1, 4, 15)) + np.float32(16) * np.float32(_bits(h, 6, 3))
+                                      - np.float32(32))
+                                acc[a0 + l] += (d0 * q0) * x[s, xb + l]
+                                acc[a0 + 32 + l] += (d1 * q1) * x[s, xb + 32 + l]
+                                acc[a0 + 64 + l] += (d2 * q2) * x[s, xb + 64 + l]
+                                acc[a0 + 96 + l] += (d3 * q3) * x[s, xb + 96 + l]
                 out[s, r] = acc.sum()
 
     @njit(**_opts)
