@@ -1,7 +1,7 @@
 """Cost of constrained decoding (a JSON schema through llguidance) against free decoding, end to end.
 
     flock /tmp/meshd-bench.lock python bench/constrained.py [--rounds 9] [--tiny-rounds 30] [--tokens 256] [--dir DIR] [--no-mid]
-        [--breakdown]
+        [--threads N] [--breakdown]
 
 Two checkpoints: the built-in ``tiny`` and bench/engine.py's mid-size Qwen3-MoE (hidden 768, 8 layers,
 16 experts top-4, vocab 8192; created with transformers into --dir, default a temp dir), which ships no
@@ -162,13 +162,18 @@ def _cpu_s(pid: int) -> float:
     return total / 1e9
 
 
-def end_to_end(name: str, spec: str, state: Path, rounds: int, n: int) -> dict[str, Any]:
+def end_to_end(name: str, spec: str, state: Path, rounds: int, n: int, threads: int | None) -> dict[str, Any]:
     """Both sides through one real daemon serving ``spec``; prints one table row per side and the ratios."""
     sys.path.insert(0, str(ROOT / "tests"))
     from api_helpers import wait_models
+    from conftest import meshd_env
     from daemon_testlib import start_node
 
-    node = start_node(state, "--model", f"bench={spec}")
+    env = meshd_env()
+    if threads is not None:
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+            env[var] = str(threads)
+    node = start_node(state, "--model", f"bench={spec}", env=env)
     try:
         url = f"http://{node.run['api']}/v1"
         model = "bench"
@@ -242,6 +247,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256, help="max_tokens of the constrained request (default 256)")
     ap.add_argument("--dir", type=Path, default=None, help="where the checkpoints go (default: a temp dir)")
     ap.add_argument("--no-mid", action="store_true", help="only tiny (the mid-size one needs torch+transformers)")
+    ap.add_argument("--threads", type=int, default=None, help="BLAS/OpenMP threads of the daemon (default: "
+                    "its own default, one per core); 1 keeps its CPU time free of threads spinning on a busy machine")
     ap.add_argument("--breakdown", action="store_true", help="also time forward passes and the sampling step "
                     "apart, in this process (default off)")
     args = ap.parse_args()
@@ -257,7 +264,7 @@ def main() -> None:
     print("| model | side | tokens/s of the whole request (range) | daemon CPU ms/token (range) | tokens |")
     print("|---|---|---|---|---|")
     for i, (name, path, rounds) in enumerate(models):
-        end_to_end(name, str(path), d / f"node{i}", rounds, args.tokens)
+        end_to_end(name, str(path), d / f"node{i}", rounds, args.tokens, args.threads)
     if args.breakdown:
         print()
         print("| model | side | forward ms/token | step ms/token (range) | total ms/token (range) | tokens |")
