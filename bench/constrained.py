@@ -226,7 +226,8 @@ def end_to_end(name: str, spec: str, state: Path, rounds: int, n: int, threads: 
             print(f"| {name} | {side} | {statistics.median(tps):.1f} ({min(tps):.1f}-{max(tps):.1f}) | "
                   f"{statistics.median(cpu):.3f} ({min(cpu):.3f}-{max(cpu):.3f}) | "
                   f"{statistics.median([k for _, _, k in runs]):.0f} |", flush=True)
-        print(f"| {name} | json | whole valid documents: {len(whole)} of {rounds} (the rest cut by max_tokens) | | |")
+        print(f"| {name} | json | whole valid documents: {len(whole)} of {rounds}; cut by max_tokens: "
+              f"{rounds - len(whole)} | | |")
         slow = [j[0] / f[0] for j, f in zip(sides["json"], sides["free"])]
         cpu_r = [j[1] / f[1] if f[1] > 0 else float("nan") for j, f in zip(sides["json"], sides["free"])]
         best = min(w for w, _, _ in sides["json"]) / min(w for w, _, _ in sides["free"])
