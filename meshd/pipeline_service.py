@@ -403,8 +403,9 @@ class PipelineService:
                 path = ensure_tiny(self._state_dir)
             try:
                 from engine.config import ModelConfig
+                from engine.gguf_file import is_gguf, load_gguf
 
-                cfg = ModelConfig.load(path)
+                cfg = load_gguf(path).config if is_gguf(path) else ModelConfig.load(path)
                 if pin is not None and pin[1] >= cfg.num_layers:
                     raise PipelineStartError(f"--stage {spec}: the model has layers 0-{cfg.num_layers - 1}")
                 fp = fingerprint(path)
