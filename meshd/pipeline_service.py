@@ -320,6 +320,7 @@ class Serving:
                             "node_id": lk.node_id,
                             "layers": [lk.first, lk.last],
                             "rtt_ms": self.svc.rtt_ms(lk.node_id),
+                            "path": getattr(lk.channel, "path", None),  # quic | lane | relay
                             **lk.stats.as_dict(),
                         }
                         for lk in r.links

@@ -39,7 +39,9 @@ def _status() -> dict:
                                         {
                                             "node_id": STAGE,
                                             "layers": [4, 7],
-                                            "rtt_ms": 0.31,
+                                            "rtt_ms": 2.5,
+                                            "path": "lane",
+                                            "path_rtt_ms_avg": 0.31,
                                             "calls": 120,
                                             "latency_ms_avg": 5.125,
                                             "compute_ms_avg": 4.5,
@@ -76,9 +78,9 @@ def test_text_status_shows_the_plan_with_per_stage_timings() -> None:
     head = next(x for x in lines if x.strip().startswith("model m:"))
     assert "run 00000000000000a1" in head and "live sequences 3" in head, head
     me = next(x for x in lines if x.strip().startswith(SERVING))
-    assert me.split() == [SERVING, "(this", "node)", "0-3", "-", "-", "-", "-", "-", "-"], me
+    assert me.split() == [SERVING, "(this", "node)", "0-3", "-", "-", "-", "-", "-", "-", "-"], me
     st = next(x for x in lines if x.strip().startswith(STAGE))
-    assert st.split() == [STAGE, "4-7+head", "0.31", "120", "5.12", "4.50", "0.62", "14.00"], st
+    assert st.split() == [STAGE, "4-7+head", "lane", "0.31", "120", "5.12", "4.50", "0.62", "14.00"], st
     assert any("refused " + "d" * 32 + ": other checkpoint" in x for x in lines)
     assert any("recoveries 1 (last 812 ms)" in x for x in lines)
     held = next(x for x in lines if x.strip().startswith("/models/m"))

@@ -62,6 +62,12 @@ class StageStats:
     compute_s: float = 0.0
     latency_max_s: float = 0.0
     buckets: list[int] = field(default_factory=empty_buckets)
+    pings: int = 0
+    ping_s: float = 0.0
+
+    def add_ping(self, rtt_s: float) -> None:
+        self.pings += 1
+        self.ping_s += rtt_s
 
     def add(self, latency_s: float, compute_s: float) -> None:
         self.calls += 1
@@ -78,6 +84,8 @@ class StageStats:
             "compute_ms_avg": round(self.compute_s / n * 1e3, 3),
             "hop_overhead_ms_avg": round((self.latency_s - self.compute_s) / n * 1e3, 3),
             "latency_ms_max": round(self.latency_max_s * 1e3, 3),
+            "pings": self.pings,
+            "path_rtt_ms_avg": round(self.ping_s / self.pings * 1e3, 3) if self.pings else None,
         }
 
 
@@ -97,6 +105,8 @@ class StageLink:
         self._pending: dict[int, asyncio.Future[wire.Frame]] = {}
         self._steps = itertools.count(1)
         self._heard = 0.0
+        self._pinged = 0.0  # loop time of the last ping sent
+        self._pings: dict[int, float] = {}  # ping id -> perf_counter when sent
         self._send_lock = (
             asyncio.Lock()
         )  # FIFO: frames of concurrent steps go out in the order they were made
@@ -161,7 +171,26 @@ class StageLink:
             raise StageFailed(self.node_id, reply.text, reply.code)
         assert isinstance(reply, wire.Result)
         self.stats.add(time.perf_counter() - t0, reply.compute_us / 1e6)
+        if (
+            not self._pending
+            and not self._pings
+            and not self._send_lock.locked()  # a frame half written: a ping must not land inside it
+            and loop.time() - self._pinged >= limits.PING_EVERY_S
+        ):
+            self._ping(loop)
         return reply
+
+    def _ping(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Measure the path's round trip now (the stage echoes a KEEPALIVE); the echo is timed in
+        ``_on_data``. Ping ids come from the step counter, so they never equal a running step's id."""
+        self._pinged = loop.time()
+        pid = next(self._steps) % 0xFFFFFFFF + 1
+        data = wire.encode(wire.Keepalive(pid))
+        self._pings[pid] = time.perf_counter()
+        if not self.channel.send_now(data):
+            self._pings.pop(pid, None)  # not written at once: this sample would time the queue, not the path
+            return
+        loop.call_later(limits.PING_TIMEOUT_S, self._pings.pop, pid, None)
 
     async def _send(self, frame: wire.Frame) -> None:
         data = wire.encode(frame)
@@ -193,6 +222,9 @@ class StageLink:
             return
         for f in frames:
             if isinstance(f, wire.Keepalive):
+                sent = self._pings.pop(f.step, None)
+                if sent is not None:
+                    self.stats.add_ping(time.perf_counter() - sent)
                 continue
             key = f.step if isinstance(f, wire.Result | wire.Error) else 0
             fut = self._pending.get(key)

@@ -182,6 +182,8 @@ class StageHost:
             await _send(channel, ready)
         elif isinstance(f, wire.Forward):
             await self._forward(channel, f, mine)
+        elif isinstance(f, wire.Keepalive):  # a ping from the serving node: echo it at once
+            await _send(channel, f)
         elif isinstance(f, wire.Free):
             if f.run in mine:
                 n = self.free(f.run, f.seqs)
