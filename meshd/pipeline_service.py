@@ -123,6 +123,7 @@ class Serving:
         self.retrying: set[str] = set()  # failed stages asked once more: a short OPEN silence limit
         self._failing_since: float | None = None  # loop time plans started failing (None: they work)
         self._lock = asyncio.Lock()
+        self.pipelined: PipelinedModel | None = None  # set by PipelineService.backend (status: decode timings)
 
     # --- RunProvider (scheduler thread) --------------------------------------------------------------
 
@@ -311,6 +312,7 @@ class Serving:
             "refused": [{"node_id": n, "reason": r} for n, r in self.refused],
             "recoveries": self.recoveries,
             "last_recovery_ms": self.last_recovery_ms,
+            "decode": self.pipelined.decode_status() if self.pipelined is not None else None,
             "runs": {
                 f"{r.id:016x}": {
                     "live_sequences": len(r.seqs),
@@ -560,6 +562,7 @@ class PipelineService:
         self.serving.append(serving)
         await serving.replan()
         model = PipelinedModel(loaded.model, serving)
+        serving.pipelined = model
         sched = Scheduler(
             model,
             loaded.tokenizer,

@@ -121,8 +121,8 @@ def test_a_silent_stage_fails_the_step_within_the_silence_limit(tiny: Path) -> N
 
 
 def test_link_measures_the_path_round_trip_with_echoed_keepalives(tiny: Path) -> None:
-    """After a step's result, with nothing else out, the serving side pings (a KEEPALIVE the stage echoes);
-    the echo's round trip is the path's, recorded beside the step latency."""
+    """Ahead of a step, with nothing else out, the serving side pings (a KEEPALIVE the stage echoes before
+    it computes); the echo's round trip is the path's, recorded beside the step latency."""
     model = Model.load(tiny)
 
     async def main() -> None:
