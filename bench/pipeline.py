@@ -173,13 +173,25 @@ def decode_tps(api: str, prompt: list[int], n: int) -> tuple[float, str]:
 
 
 def concurrent_tps(api: str, prompts: list[list[int]], n: int) -> float:
+    """Aggregate tok/s of len(prompts) concurrent streams. A 429 (the previous request's sequence not yet
+    released, so one slot short) is retried within 5 s, the wait counted in the time; other failures raise."""
     counts = [0] * len(prompts)
+    failed: list[str] = []
 
     def one(i: int) -> None:
-        times, _, _ = _request(
-            api, {"model": "m", "prompt": prompts[i], "max_tokens": n, "temperature": 0, "stream": True}
-        )
-        counts[i] = len(times)
+        deadline = time.monotonic() + 5
+        body = {"model": "m", "prompt": prompts[i], "max_tokens": n, "temperature": 0, "stream": True}
+        while True:
+            try:
+                times, _, _ = _request(api, body)
+                counts[i] = len(times)
+                return
+            except RuntimeError as e:
+                if "HTTP 429" in str(e) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                failed.append(str(e))
+                return
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
@@ -187,6 +199,8 @@ def concurrent_tps(api: str, prompts: list[list[int]], n: int) -> float:
         t.start()
     for t in threads:
         t.join()
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(prompts)} concurrent streams failed: {failed[0]}")
     return sum(counts) / (time.perf_counter() - t0)
 
 
@@ -289,6 +303,9 @@ def large_rss(
 
 
 def _med(xs: list[float]) -> str:
+    xs = [x for x in xs if x == x]  # a round that failed is nan
+    if not xs:
+        return "-"
     return f"{statistics.median(xs):.2f} [{min(xs):.2f}, {max(xs):.2f}]"
 
 
@@ -413,6 +430,9 @@ def main() -> int:
                     res[name]["decodeN"].append(concurrent_tps(api, short, args.decode))
                 except RuntimeError as e:  # a stream error: counted, the run goes on
                     errors.append(f"round {rnd + 1} {name}: {e}")
+                    for key in ("prefill", "decode1", "decodeN"):  # keep rounds aligned for the ratios
+                        if len(res[name][key]) < rnd + 1:
+                            res[name][key].append(float("nan"))
             print(f"round {rnd + 1}/{args.rounds} done", file=sys.stderr)
         rss = {
             "2 stages: stage 4-7": (st2.peak_mb(), share["4-7"]),
