@@ -35,6 +35,7 @@ import argparse
 import http.client
 import itertools
 import json
+import math
 import os
 import shutil
 import signal
@@ -303,7 +304,7 @@ def large_rss(
 
 
 def _med(xs: list[float]) -> str:
-    xs = [x for x in xs if x == x]  # a round that failed is nan
+    xs = [x for x in xs if not math.isnan(x)]  # a round that failed is nan
     if not xs:
         return "-"
     return f"{statistics.median(xs):.2f} [{min(xs):.2f}, {max(xs):.2f}]"

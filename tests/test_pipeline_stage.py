@@ -127,7 +127,7 @@ def test_link_measures_the_path_round_trip_with_echoed_keepalives(tiny: Path) ->
 
     async def main() -> None:
         host = StageHost(tiny, fingerprint(tiny))
-        link, task, near = await _pair(host)
+        link, task, _near = await _pair(host)
         await link.open(5, fingerprint(tiny), 4)
         x = _x(model, [1, 2, 3])
         await link.call(wire.Forward(5, 0, (wire.SeqSpan(1, 0, 3),), x, True))
