@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -596,46 +596,10 @@ class PipelineService:
 
     def prometheus_collectors(self) -> list[Any]:
         if self._collector is None:
-            self._collector = _collector(self)
+            from meshd.pipeline_metrics import collector
+
+            self._collector = collector(self)
         return [self._collector]
-
-
-def _collector(svc: PipelineService) -> Any:
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-
-    from engine.latency import LATENCY_BUCKETS_S
-
-    class _Collector:
-        def collect(self) -> Iterable[Any]:
-            lat = HistogramMetricFamily(
-                "meshd_pipeline_stage_latency_seconds",
-                "Round trip of one step through a pipeline stage, seen by the serving node",
-                labels=["model", "node", "layers"],
-            )
-            rec = CounterMetricFamily(
-                "meshd_pipeline_recoveries", "Re-plans after a stage failed mid-generation", labels=["model"]
-            )
-            live = GaugeMetricFamily(
-                "meshd_pipeline_live_sequences", "Sequences with state on this stage node", labels=["path"]
-            )
-            for s in svc.serving:
-                rec.add_metric([s.name], s.recoveries)
-                for run in s.runs.values():
-                    for lk in run.links:
-                        st = lk.stats
-                        acc, buckets = 0, []
-                        for b, n in zip(LATENCY_BUCKETS_S, st.buckets):
-                            acc += n
-                            buckets.append((repr(b), acc))
-                        buckets.append(("+Inf", acc + st.buckets[-1]))
-                        lat.add_metric(
-                            [s.name, lk.node_id[:12], f"{lk.first}-{lk.last}"], buckets, st.latency_s
-                        )
-            for h in svc.hosts:
-                live.add_metric([str(h.path)], h.live())
-            return [lat, rec, live]
-
-    return _Collector()
 
 
 def _find_membership(daemon: Any) -> Any:
