@@ -94,3 +94,14 @@ def test_quantized_gguf_pipeline_byte_identical(src: Path, tmp_path: Path, mix: 
     finally:
         for n in reversed(nodes):
             n.stop()
+
+
+def test_fingerprint_tells_quantizations_of_one_model_apart(src: Path, tmp_path: Path) -> None:
+    """A stage holding the Q4_K_M file is another checkpoint than the Q8_0 one (OPEN refuses it by name)."""
+    from engine.pipeline.layout import fingerprint
+
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    export_gguf(src, a, "Q8_0")
+    export_gguf(src, b, "Q4_K_M")
+    assert fingerprint(a) == fingerprint(a) and len(fingerprint(a)) == 32
+    assert fingerprint(a) != fingerprint(b)
