@@ -268,3 +268,20 @@ def test_softmax_gating_and_other_scalings_are_refused() -> None:
         feed_forward_length=128, expert_feed_forward_length=32, expert_count=8, expert_used_count=2).items()}}
     with pytest.raises(ConfigError, match="rope.scaling.type 'linear' is not supported"):
         hf_config(meta, "glm4moe")
+
+
+@pytest.mark.ref
+def test_deepseek2_stage_range_load_equals_full_load(dsv3_src: Path, tmp_path: Path) -> None:
+    """A pipeline stage loads a layer range of the file (``load(layers=)``): its layers, the joined kv_b
+    included, are the full model's bit for bit."""
+    g = tmp_path / "m.gguf"
+    export_gguf(dsv3_src, g, "Q8_0")
+    full = Model.load(g)
+    part = Model.load(g, layers=(1, 2))
+    assert isinstance(part, MlaModel) and part.first_layer == 1 and len(part.layers) == 2
+    for a, b in zip(full.layers[1:], part.layers):
+        for name in ("w_uk", "w_uv", "kv_a_norm", "q_a_norm"):
+            assert np.array_equal(a.extra[name], b.extra[name]), name
+        assert np.array_equal(a.router_bias, b.router_bias)
+        assert isinstance(b.q, quant.Packed) and np.array_equal(a.q.widen(), b.q.widen())
+    assert not np.array_equal(full.layers[1].extra["w_uk"], full.layers[2].extra["w_uk"])
