@@ -285,3 +285,27 @@ def test_deepseek2_stage_range_load_equals_full_load(dsv3_src: Path, tmp_path: P
         assert np.array_equal(a.router_bias, b.router_bias)
         assert isinstance(b.q, quant.Packed) and np.array_equal(a.q.widen(), b.q.widen())
     assert not np.array_equal(full.layers[1].extra["w_uk"], full.layers[2].extra["w_uk"])
+
+
+@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
+def test_meshd_generate_on_a_gguf_of_the_family_matches_its_safetensors(tmp_path: Path, arch: str) -> None:
+    """A real `meshd generate` process on an F32 GGUF (tokenizer and chat template from the file) prints
+    what it prints for the safetensors checkpoint the file was written from: same tokens, same logprobs."""
+    import subprocess
+    import sys
+
+    from engine.tiny import create_tiny
+
+    src = create_tiny(tmp_path / arch, arch=arch, seed=5)
+    g = tmp_path / f"{arch}.gguf"
+    export_gguf(src, g, "F32")
+    outs = []
+    for model in (src, g):
+        p = subprocess.run([sys.executable, "-m", "meshd", "generate", "--model", str(model), "--prompt",
+                            "The mesh holds", "--max-tokens", "12", "--temperature", "0.8", "--seed", "3",
+                            "--ignore-eos", "--json", "--state-dir", str(tmp_path / "st")],
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        out = json.loads(p.stdout.strip().splitlines()[-1])
+        outs.append((out["text"], out["tokens"], out["logprobs"]))
+    assert outs[0] == outs[1] and len(outs[0][1]) == 12
