@@ -10,10 +10,11 @@ as llama.cpp's ``convert_hf_to_gguf.py`` writes them (gguf-py 0.19 names; checke
   attention. Newer converters store ``kv_b_proj`` split as ``attn_k_b`` [H, c, n] (the key half,
   transposed) and ``attn_v_b`` [H, v, c], with ``key_length = kv_lora_rank + rope`` and the per-head
   dims in ``key_length_mla`` / ``value_length_mla``; older ones store ``attn_kv_b`` whole with
-  ``key_length = nope + rope``. Both load; a split pair is joined back into kv_b's layout (widened to fp32,
-  as the latent attention widens kv_b anyway). Rope pairs are interleaved (llama.cpp's NORM rope, HF's
-  ``rope_interleave``). YaRN: ``rope.scaling.yarn_log_multiplier`` is ``0.1 * mscale_all_dim``; HF's
-  ``mscale`` is not stored and is taken equal to ``mscale_all_dim`` (true of DeepSeek-V3's config).
+  ``key_length = nope + rope``. Both load: the split pair as ``self_attn.k_b_proj`` / ``v_b_proj`` keys,
+  which the latent attention takes in place of kv_b (widened per layer, as it widens kv_b). Rope pairs
+  are interleaved (llama.cpp's NORM rope, HF's ``rope_interleave``). YaRN: the file's
+  ``rope.scaling.yarn_log_multiplier`` is ``0.1 * mscale_all_dim``; HF's ``mscale`` is not stored and is
+  taken equal to ``mscale_all_dim`` (true of DeepSeek-V3's config).
 
 Both: routing from ``expert_gating_func`` (sigmoid only; DeepSeek-V2's softmax is refused),
 ``expert_group_count`` / ``expert_group_used_count``, ``expert_weights_scale``, ``expert_weights_norm``,
@@ -26,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from .checkpoint import CheckpointError, TensorRef
 from .config import ConfigError
 
 ARCHES = {"glm4moe": "glm4_moe", "deepseek2": "deepseek_v3"}
@@ -45,6 +45,8 @@ TENSOR_NAMES: dict[str, dict[str, str]] = {
         "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
         "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
         "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+        "attn_k_b.weight": "self_attn.k_b_proj.weight",  # [H, c, n]: engine.deepseek.mla_tensors
+        "attn_v_b.weight": "self_attn.v_b_proj.weight",  # [H, v, c]
         "attn_q_a.bias": "self_attn.q_a_proj.bias",
         "attn_kv_a_mqa.bias": "self_attn.kv_a_proj_with_mqa.bias",
     },
@@ -59,7 +61,6 @@ COMMON_NAMES = {
 NOT_USED = {"glm4moe": ("ffn_norm.weight", "ffn_gate_inp_shexp.weight"),
             "deepseek2": ("attn_k.weight", "attn_v.weight", "attn_q_norm.weight", "attn_k_norm.weight",
                           "attn_q.bias", "attn_k.bias", "attn_v.bias", "ffn_gate_inp_shexp.weight")}
-SPLIT_KV_B = ("attn_k_b.weight", "attn_v_b.weight")
 
 
 def hf_config(meta: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -77,8 +78,8 @@ def hf_config(meta: dict[str, Any], arch: str) -> dict[str, Any]:
 
     gating = int(get("expert_gating_func", _SIGMOID if arch == "glm4moe" else 1))
     if gating != _SIGMOID:
-        raise ConfigError(f"{arch}.expert_gating_func {gating} is not supported (only 2, sigmoid: DeepSeek-V3 "
-                          f"and GLM routing; DeepSeek-V2's softmax routing is not)")
+        raise ConfigError(f"{arch}.expert_gating_func {gating} is not supported (only 2, sigmoid: "
+                          f"DeepSeek-V3 and GLM routing; DeepSeek-V2's softmax routing is not)")
     mtp = int(get("nextn_predict_layers", 0))
     blocks = int(need("block_count"))
     heads = int(need("attention.head_count"))
@@ -130,9 +131,11 @@ def hf_config(meta: dict[str, Any], arch: str) -> dict[str, Any]:
     scaling = get("rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling != "yarn":
-            raise ConfigError(f"{arch}.rope.scaling.type {scaling!r} is not supported (supported: none, yarn)")
+            raise ConfigError(f"{arch}.rope.scaling.type {scaling!r} is not supported "
+                              f"(supported: none, yarn)")
         s: dict[str, Any] = {"rope_type": "yarn", "factor": float(need("rope.scaling.factor")),
-                             "original_max_position_embeddings": int(need("rope.scaling.original_context_length")),
+                             "original_max_position_embeddings":
+                                 int(need("rope.scaling.original_context_length")),
                              "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)),
                              "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0))}
         log_mul = float(get("rope.scaling.yarn_log_multiplier", 0.0))
@@ -151,22 +154,6 @@ def tensor_name(arch: str, rest: str) -> str | None:
     if rest in NOT_USED[arch]:
         return ""
     return TENSOR_NAMES[arch].get(rest) or COMMON_NAMES.get(rest)
-
-
-def join_kv_b(path: Any, key: str, k_b: TensorRef, v_b: TensorRef, heads: int) -> TensorRef:
-    """``attn_k_b`` [H, c, n] and ``attn_v_b`` [H, v, c] -> ``kv_b_proj.weight`` [H * (n + v), c] in fp32
-    (per head: its n key rows, then its v value rows, as transformers stores kv_b)."""
-    from .quant import dequantize
-
-    if len(k_b.shape) != 3 or len(v_b.shape) != 3 or k_b.shape[0] != heads or v_b.shape[0] != heads \
-            or k_b.shape[1] != v_b.shape[2]:
-        raise CheckpointError(f"{path}: attn_k_b {list(k_b.shape)} and attn_v_b {list(v_b.shape)} do not make "
-                              f"a kv_b of {heads} heads ([H, c, n] and [H, v, c] expected)")
-    kb = dequantize(k_b.data, k_b.dtype, k_b.shape).reshape(k_b.shape)  # [H, c, n]
-    vb = dequantize(v_b.data, v_b.dtype, v_b.shape).reshape(v_b.shape)  # [H, v, c]
-    kv = np.concatenate([kb.transpose(0, 2, 1), vb], axis=1)  # [H, n + v, c]
-    kv = np.ascontiguousarray(kv.reshape(-1, kv.shape[-1]), dtype=np.float32)
-    return TensorRef(key=key, file=k_b.file, dtype="F32", shape=tuple(kv.shape), data=kv)
 
 
 # --- writing (tests and benchmarks: engine/gguf_export.py) ----------------------------------------------
@@ -256,7 +243,8 @@ def export_tensors(cfg: Any, get: Any, split_kv_b: bool = True) -> dict[str, np.
             names["attn_k_norm.weight"] = f"{a}.k_norm.weight"
         else:
             names.update({"attn_q.weight": f"{a}.q_proj.weight", "attn_q_a.weight": f"{a}.q_a_proj.weight",
-                          "attn_q_a.bias": f"{a}.q_a_proj.bias", "attn_q_a_norm.weight": f"{a}.q_a_layernorm.weight",
+                          "attn_q_a.bias": f"{a}.q_a_proj.bias",
+                          "attn_q_a_norm.weight": f"{a}.q_a_layernorm.weight",
                           "attn_q_b.weight": f"{a}.q_b_proj.weight",
                           "attn_kv_a_mqa.weight": f"{a}.kv_a_proj_with_mqa.weight",
                           "attn_kv_a_mqa.bias": f"{a}.kv_a_proj_with_mqa.bias",
@@ -266,7 +254,8 @@ def export_tensors(cfg: Any, get: Any, split_kv_b: bool = True) -> dict[str, np.
                 pass
             elif split_kv_b:
                 kv = kv_b.reshape(cfg.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, -1)
-                out[f"{b}.attn_k_b.weight"] = np.ascontiguousarray(kv[:, : mla.qk_nope_head_dim].transpose(0, 2, 1))
+                k_b = kv[:, : mla.qk_nope_head_dim].transpose(0, 2, 1)  # [H, c, n]
+                out[f"{b}.attn_k_b.weight"] = np.ascontiguousarray(k_b)
                 out[f"{b}.attn_v_b.weight"] = np.ascontiguousarray(kv[:, mla.qk_nope_head_dim :])
             else:
                 out[f"{b}.attn_kv_b.weight"] = kv_b

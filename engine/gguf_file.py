@@ -8,10 +8,10 @@ zero-copy view of the file mapping in its stored type. Fused expert tensors (``f
 appear as per-expert keys, each a contiguous slice.
 
 Architectures: llama (mixtral when it has experts), qwen2, qwen3, qwen2moe, qwen3moe, olmoe, and glm4moe /
-deepseek2 (``engine/gguf_deepseek.py``: their metadata, tensor names, MTP layers and split kv_b); anything
-else is refused by name. New families register a translator in ``ARCHITECTURES``. llama GGUFs store the q/k rows permuted for ggml's rotary layout (``convert_hf_to_gguf``);
-the engine undoes it on the outputs of the projection (:class:`PermutedRows`), which moves values and
-changes no arithmetic.
+deepseek2 (``engine/gguf_deepseek.py``: their metadata, tensor names and MTP layers); anything else is
+refused by name. New families register a translator in ``ARCHITECTURES``. llama GGUFs store the q/k rows
+permuted for ggml's rotary layout (``convert_hf_to_gguf``); the engine undoes it on the outputs of the
+projection (:class:`PermutedRows`), which moves values and changes no arithmetic.
 
 Every problem raises :class:`~engine.checkpoint.CheckpointError` with one line naming the file and the
 tensor or type.
@@ -284,7 +284,6 @@ def load_gguf(path: str | Path) -> GGUFSource:
     expert_names = (("w1", "w3", "w2") if cfg.model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj"))
     tensors: dict[str, TensorRef] = {}
     offsets: dict[str, tuple[Path, int, int]] = {}
-    split_kv_b: dict[int, dict[str, TensorRef]] = {}  # deepseek2: layer -> attn_k_b / attn_v_b
     for f, r in zip(files, readers):
         for t in r.tensors:
             name = t.name
@@ -314,9 +313,6 @@ def load_gguf(path: str | Path) -> GGUFSource:
                 continue
             hf_name = TENSOR_NAMES.get(rest)
             if arch in gguf_deepseek.ARCHES:
-                if rest in gguf_deepseek.SPLIT_KV_B and layer < cfg.num_layers:
-                    split_kv_b.setdefault(layer, {})[rest] = _ref(f, t, name)
-                    continue
                 own = gguf_deepseek.tensor_name(arch, rest)  # None: a generic name; "": one it does not use
                 hf_name = hf_name if own is None else own
             if not hf_name:
@@ -328,12 +324,6 @@ def load_gguf(path: str | Path) -> GGUFSource:
                                 data=ref.data.reshape(1, -1))
             tensors[key] = ref
             offsets[key] = (f, begin, begin + int(t.n_bytes))
-    for layer, pair in split_kv_b.items():
-        key = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
-        if len(pair) != 2 or key in tensors:
-            raise CheckpointError(f"{first}: layer {layer} needs both attn_k_b and attn_v_b (or attn_kv_b alone)")
-        tensors[key] = gguf_deepseek.join_kv_b(first, key, pair["attn_k_b.weight"], pair["attn_v_b.weight"],
-                                               cfg.num_heads)
     permuted: dict[str, int] = {}
     if arch == "llama":
         for i in range(cfg.num_layers):

@@ -272,7 +272,7 @@ def test_softmax_gating_and_other_scalings_are_refused() -> None:
 
 @pytest.mark.ref
 def test_deepseek2_stage_range_load_equals_full_load(dsv3_src: Path, tmp_path: Path) -> None:
-    """A pipeline stage loads a layer range of the file (``load(layers=)``): its layers, the joined kv_b
+    """A pipeline stage loads a layer range of the file (``load(layers=)``): its layers, the split kv_b
     included, are the full model's bit for bit."""
     g = tmp_path / "m.gguf"
     export_gguf(dsv3_src, g, "Q8_0")
