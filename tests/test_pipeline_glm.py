@@ -148,6 +148,26 @@ def test_negative_control_a_changed_bias_is_seen(ckpt: Path, lt: LoopThread) -> 
 
 
 
+def test_stage_killed_mid_generation_recovers_byte_identical(ckpt: Path, lt: LoopThread) -> None:
+    """A stage dies after 5 tokens: the run moves to the other plan, whose new stage rebuilds its (latent)
+    cache from the sequence so far, and the output is still the local one."""
+    model, tok = Model.load(ckpt), Tokenizer.load(ckpt)
+    ids = tok.encode(PROMPT)
+    params = SamplingParams(max_tokens=14, temperature=0.8, seed=3, top_logprobs=2, ignore_eos=True)
+    ref = _run(model, tok, params, ids)
+    prov = InprocProvider(
+        lt, model, ckpt, [[("local", 0, 0), ("s1", 1, 2), ("s2", 3, 3)], [("local", 0, 1), ("s3", 2, 3)]]
+    )
+    out = []
+    for i, ev in enumerate(generate(prov.pipelined(), tok, ids, params)):
+        out.append(ev)
+        if i == 5:
+            prov.kill("s1")
+    got = ([e.token_id for e in out], [e.logprob for e in out], [e.top_logprobs for e in out],
+           "".join(e.text for e in out))
+    assert got == ref
+    assert prov.run is not None and [s.node_id for s in prov.run.plan.stages] == ["local", "s3"]
+
 @pytest.mark.parametrize("arch,pin", [("glm4_moe", "1-3"), ("deepseek_v3", "2-3")])
 def test_real_stage_process_byte_identical(tmp_path: Path, arch: str, pin: str) -> None:
     """Real daemons on loopback: a serving node (``--pipeline on``) and a stage node (``--stage PATH@pin``)
