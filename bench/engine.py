@@ -78,6 +78,14 @@ def _rss_mb() -> float:
     return 0.0
 
 
+def _status_mb(key: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def _peak_mb() -> float:
     """VmHWM: this process image's peak RSS. (ru_maxrss would include the parent's RSS at fork time,
     which Linux carries across exec.)"""
@@ -135,10 +143,19 @@ class _EngineSide:
         import numpy as np
 
         sys.path.insert(0, str(ROOT))
+        from engine import kernels
         from engine.model import Model
 
         self.np = np
+        # The runtime's fixed cost is paid before the baseline, weights and activations after it: numba (the
+        # fast extra) imported and its kernels loaded from the on-disk cache (the parent compiled them first,
+        # so no LLVM compile inflates the peak). Its size is reported on its own.
+        rss_a = _rss_mb()
+        kernels.warm()
+        self.kernels_mb = _rss_mb() - rss_a
+        self.kernel_threads = kernels.threads() if kernels.AVAILABLE else 0
         self.rss0 = _rss_mb()
+        file0, anon0 = _status_mb("RssFile:"), _status_mb("RssAnon:")
         t0 = time.perf_counter()
         self.model = Model.load(path)
         self.load_s = time.perf_counter() - t0
@@ -146,6 +163,10 @@ class _EngineSide:
         t0 = time.perf_counter()
         self.model.forward(self.prompt, self.model.new_cache(512))  # faults the mapping in
         self.cold_prefill_s = time.perf_counter() - t0
+        # right after a prefill: file-backed pages (the weights' mapping) vs anonymous memory (KV cache,
+        # activations, allocator), the two parts of the peak
+        self.rss_file_mb = _status_mb("RssFile:") - file0
+        self.rss_anon_mb = _status_mb("RssAnon:") - anon0
 
     def prefill(self) -> float:
         cache = self.model.new_cache(512)
@@ -172,6 +193,8 @@ class _EngineSide:
 
     def info(self) -> dict:
         return {"weight_bytes": self.model.checkpoint.nbytes, "load_s": self.load_s,
+                "kernels_mb": self.kernels_mb, "kernel_threads": self.kernel_threads,
+                "rss_file_mb": self.rss_file_mb, "rss_anon_mb": self.rss_anon_mb,
                 "cold_prefill_s": self.cold_prefill_s, "rss_before_load_mb": self.rss0,
                 "peak_rss_mb": _peak_mb(), "blas": blas_kernel(), "numpy": self.np.__version__}
 
@@ -215,30 +238,38 @@ class _TorchSide:
 
 
 def _bandwidth(threads: int) -> dict:
-    """Memory read bandwidth: ``threads`` readers over a 1 GiB buffer, best of five passes (GB/s)."""
+    """Memory read bandwidth: ``threads`` readers over a 1 GiB buffer, best of five passes (GB/s), for two
+    streaming reads that are not compute-bound (a 32-bit integer max, and BLAS ``sdot`` of the buffer with
+    itself); the larger is the machine's figure. (A float32 ``sum``, used before, is pairwise summation:
+    it measured ~24 GB/s where these read ~38 GB/s on the development VM, so it understated the limit.)"""
     import threading
 
     import numpy as np
 
     buf = np.ones(1 << 28, dtype=np.float32)  # 1 GiB, written once so every page is resident
     parts = np.array_split(buf, threads)
-    best = 0.0
-    for _ in range(5):
-        barrier = threading.Barrier(threads + 1)
+    probes = {"max_u32": lambda a: a.view(np.uint32).max(), "sdot": lambda a: np.dot(a, a)}
+    out: dict = {}
+    for name, fn in probes.items():
+        best = 0.0
+        for _ in range(5):
+            barrier = threading.Barrier(threads + 1)
 
-        def read(a: np.ndarray) -> None:
+            def read(a: np.ndarray, fn=fn) -> None:  # noqa: ANN001
+                barrier.wait()
+                fn(a)
+
+            ts = [threading.Thread(target=read, args=(p,)) for p in parts]
+            for t in ts:
+                t.start()
             barrier.wait()
-            a.sum(dtype=np.float32)
-
-        ts = [threading.Thread(target=read, args=(p,)) for p in parts]
-        for t in ts:
-            t.start()
-        barrier.wait()
-        t0 = time.perf_counter()
-        for t in ts:
-            t.join()
-        best = max(best, buf.nbytes / (time.perf_counter() - t0) / 1e9)
-    return {"read_gb_s": best}
+            t0 = time.perf_counter()
+            for t in ts:
+                t.join()
+            best = max(best, buf.nbytes / (time.perf_counter() - t0) / 1e9)
+        out[name] = best
+    out["read_gb_s"] = max(out.values())
+    return out
 
 
 def _active_bytes(model) -> int:
@@ -288,7 +319,7 @@ def _run_side(kind: str, path: Path, threads: int, rounds: int) -> dict:
 def _spawn(kind: str, path: Path, threads: int, rounds: int) -> dict:
     """Run one side in a fresh subprocess and wait for it to exit (nothing else of ours is alive meanwhile)."""
     env = dict(os.environ)
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "MESHD_KERNEL_THREADS"):
         env[var] = str(threads)
     cmd = [sys.executable, __file__, "--worker", kind, "--dir", str(path), "--threads", str(threads),
            "--rounds", str(rounds)]
@@ -332,7 +363,7 @@ def _med(xs: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2, help="BLAS/OpenMP/torch threads of every side (default 2)")
+    ap.add_argument("--threads", type=int, default=2, help="BLAS/OpenMP/torch threads and engine kernel threads (MESHD_KERNEL_THREADS) of every side (default 2)")
     ap.add_argument("--dir", type=Path, default=None, help="checkpoint dir (created if empty; default a temp dir)")
     ap.add_argument("--no-ref", action="store_true", help="skip transformers")
     ap.add_argument("--rounds", type=int, default=5, help="timed rounds per side; median and range reported (default 5)")
@@ -357,6 +388,9 @@ def main() -> None:
     if not (path / "config.json").exists():
         create(path, args.arch)
     variants = _variants(path, [v for v in args.variants.split(",") if v])
+    # compile the kernels into numba's on-disk cache once, here, so no timed side pays (or peaks on) LLVM
+    subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]);"
+                    " from engine import kernels; kernels.warm()", str(ROOT)], check=False)
     load0 = os.getloadavg()[0]
     res: dict[str, dict] = {"bandwidth": _spawn("bandwidth", path, args.threads, 1)}
     if not args.no_ref:
@@ -375,7 +409,10 @@ def main() -> None:
         f" rounds={args.rounds}, median [min-max]; load average {load0:.1f} -> {os.getloadavg()[0]:.1f}",
         f"threads={args.threads} BLAS kernel={info0.get('blas', '?')} numpy={info0.get('numpy', '?')}"
         + (f" torch={res['torch']['info']['torch']} transformers={res['torch']['info']['transformers']}"
-           if "torch" in res else "") + f"; memory read bandwidth {bw:.1f} GB/s",
+           if "torch" in res else "") + f"; memory read bandwidth {bw:.1f} GB/s"
+        f" (max u32 {res['bandwidth']['max_u32']:.1f}, sdot {res['bandwidth']['sdot']:.1f})",
+        f"compiled kernels: {'numba, ' + str(info0.get('kernel_threads')) + ' threads' if info0.get('kernel_threads') else 'not installed (numpy tiles)'};"
+        f" numba runtime {info0.get('kernels_mb', 0):.0f} MiB per process (fixed, not counted in peak RSS / file)",
         "",
         "| weights | prefill tok/s | vs transformers | decode tok/s | vs transformers | vs our fp32 |"
         " bandwidth limit tok/s | of limit | peak RSS / file |",
@@ -400,14 +437,19 @@ def main() -> None:
         fmb = r["info"]["file_bytes"] / 2**20
         lines.append(f"| {v} ({fmb:.0f} MiB) | {pm:.0f} [{pl:.0f}-{ph:.0f}] | {vs_ref_p} | {dm:.1f} [{dl:.1f}-{dh:.1f}]"
                      f" | {vs_ref_d} | {vs_fp32} | {limit:.0f} ({r['info']['active_bytes'] / 2**20:.0f} MiB/token)"
-                     f" | {dm / limit:.2f} | {rss:.0f} MiB ({rss / fmb:.2f}x) |")
+                     f" | {dm / limit:.2f} | {rss:.0f} MiB ({rss / fmb:.2f}x; mapped {r['info']['rss_file_mb']:.0f},"
+                     f" anon {r['info']['rss_anon_mb']:.0f}) |")
     if fp32 is not None:
         for b in (1, 4, 8):
             m, lo, hi = rate(fp32, f"batch{b}", b * BATCH_STEPS)
             lines.append(f"| fp32, {b} concurrent (forward_batch, ctx {BATCH_CTX}) | | | {m:.1f} [{lo:.1f}-{hi:.1f}]"
                          f" | | | | | |")
     lines.append("")
-    lines.append("peak RSS / file: VmHWM of the engine process minus its RSS before loading, over the files' size")
+    lines.append("peak RSS / file: VmHWM of the engine process minus its RSS before loading (runtime and kernels"
+                 " already imported), over the files' size; it includes the KV cache and activations of a"
+                 " 256-token prefill (all 256 positions' logits: 8 MiB); mapped / anon: file-backed pages (the"
+                 " weights' mapping) and anonymous memory (KV cache 8 MiB, activations, allocator) grown by the"
+                 " first prefill")
     sys.stdout.write("\n".join(lines) + "\n")
     if tmp is not None:
         tmp.cleanup()

@@ -1,6 +1,7 @@
 """Pipeline benchmark: one model split over 2 and 3 stage processes against the same model on one node.
 
     python bench/pipeline.py [--dir DIR] [--rounds 3] [--prompt 256] [--decode 64] [--concurrency 8] [--threads 1]
+                             [--large-layers 24]
 
 Checkpoint: the engine benchmark's mid-size Qwen3-MoE (hidden 768, 8 layers, 16 experts of width 384,
 top-4, vocab 8192, fp32; ``bench/experts.py``'s numpy writer) with the tiny model's tokenizer, in --dir
@@ -16,10 +17,14 @@ same HTTP costs. Per round, setups take turns (the others idle): prefill tok/s (
 max_tokens 1), decode tok/s of one stream (--decode tokens after the first, from SSE arrival times), and
 aggregate decode tok/s of --concurrency concurrent streams. The per-hop overhead is (a stage's round trip
 as the serving node sees it) - (the stage's own compute), per decode step, from the serving node's status
-counters over the single-stream decode, set against the QUIC smoothed round trip to that stage (membership
-status). Peak RSS (VmHWM) of every stage process against the bytes of the weights it holds. Recovery: a
-stream of 200 tokens on the 2-stage setup, the stage killed with SIGKILL after 20 tokens; the longest gap
-between two tokens is the recovery time (the serving node then runs all layers itself). Every pipelined
+counters over the single-stream decode, set against the round trip of the stage's own stream measured in
+the same decode (the serving node's pings: a KEEPALIVE the stage echoes; status ``path_rtt_ms_avg``) and,
+for reference, QUIC's smoothed round trip. The path column says what carried the stage streams (``lane``
+when the data lane was up, else ``quic``). Peak RSS (VmHWM) of every stage process against the bytes of
+the weights it holds, and of both processes of a 2-stage split of the same checkpoint grown to
+--large-layers layers (1.6 GB at 24), where the daemon's fixed ~90 MB weighs less. Recovery: a stream of
+200 tokens on the 2-stage setup, the stage killed with SIGKILL after 20 tokens; the longest gap between two
+tokens is the recovery time (the serving node then runs all layers itself). Every pipelined
 reply is checked equal to the local one. Medians over rounds with [min, max]. Prints a Markdown table
 and a JSON line.
 """
@@ -30,6 +35,7 @@ import argparse
 import http.client
 import itertools
 import json
+import math
 import os
 import shutil
 import signal
@@ -168,13 +174,25 @@ def decode_tps(api: str, prompt: list[int], n: int) -> tuple[float, str]:
 
 
 def concurrent_tps(api: str, prompts: list[list[int]], n: int) -> float:
+    """Aggregate tok/s of len(prompts) concurrent streams. A 429 (the previous request's sequence not yet
+    released, so one slot short) is retried within 5 s, the wait counted in the time; other failures raise."""
     counts = [0] * len(prompts)
+    failed: list[str] = []
 
     def one(i: int) -> None:
-        times, _, _ = _request(
-            api, {"model": "m", "prompt": prompts[i], "max_tokens": n, "temperature": 0, "stream": True}
-        )
-        counts[i] = len(times)
+        deadline = time.monotonic() + 5
+        body = {"model": "m", "prompt": prompts[i], "max_tokens": n, "temperature": 0, "stream": True}
+        while True:
+            try:
+                times, _, _ = _request(api, body)
+                counts[i] = len(times)
+                return
+            except RuntimeError as e:
+                if "HTTP 429" in str(e) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                failed.append(str(e))
+                return
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
@@ -182,16 +200,26 @@ def concurrent_tps(api: str, prompts: list[list[int]], n: int) -> float:
         t.start()
     for t in threads:
         t.join()
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(prompts)} concurrent streams failed: {failed[0]}")
     return sum(counts) / (time.perf_counter() - t0)
 
 
-def _stage_sums(srv: Node) -> dict[str, tuple[int, float, float]]:
-    """node id -> (calls, latency sum s, compute sum s) over the serving node's current run."""
+def _stage_sums(srv: Node) -> dict[str, tuple[int, float, float, int, float, str]]:
+    """node id -> (calls, latency sum s, compute sum s, pings, ping round-trip sum s, path) over the serving
+    node's current run (pings: the stage's echo of a KEEPALIVE, the round trip of the same stream)."""
     st = srv.status()["services"]["pipeline"]["pipeline"]["models"]["m"]
     out = {}
     for lk in st["runs"][st["run"]]["stages"]:
-        n = lk["calls"]
-        out[lk["node_id"]] = (n, lk["latency_ms_avg"] * n / 1e3, lk["compute_ms_avg"] * n / 1e3)
+        n, p = lk["calls"], lk.get("pings") or 0
+        out[lk["node_id"]] = (
+            n,
+            lk["latency_ms_avg"] * n / 1e3,
+            lk["compute_ms_avg"] * n / 1e3,
+            p,
+            (lk.get("path_rtt_ms_avg") or 0.0) * p / 1e3,
+            str(lk.get("path")),
+        )
     return out
 
 
@@ -203,7 +231,82 @@ def _rtt_ms(srv: Node, node_id: str) -> float | None:
     return None
 
 
+def create_large(mid: Path, path: Path, layers: int) -> Path:
+    """The mid-size checkpoint grown to ``layers`` layers (layer i holds the mid-size layer i % 8's weights;
+    same shapes, so the same per-layer bytes), for the peak-RSS check on a larger model (once)."""
+    import re
+
+    from experts import CONFIG
+    from safetensors.numpy import load_file, save_file
+
+    if (path / "model.safetensors").exists():
+        return path
+    src = load_file(str(mid / "model.safetensors"))
+    n = int(CONFIG["num_hidden_layers"])  # type: ignore[call-overload]
+    out = {}
+    for k, v in src.items():
+        m = re.match(r"model\.layers\.(\d+)\.(.+)", k)
+        if m is None:
+            out[k] = v
+            continue
+        for i in range(int(m[1]), layers, n):
+            out[f"model.layers.{i}.{m[2]}"] = v
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(path / "model.safetensors"))
+    del src, out
+    cfg = json.loads((mid / "config.json").read_text())
+    cfg["num_hidden_layers"] = layers
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(mid / name, path / name)
+    (path / "config.json").write_text(json.dumps(cfg))  # last: a half-written checkpoint has no config
+    return path
+
+
+def large_rss(
+    ck: Path, base: Path, states: Path, layers: int, threads: int, prompt: list[int], short: list[list[int]], n: int
+) -> dict[str, tuple[float, int]]:
+    """Peak RSS of both processes of a 2-stage split of a ``layers``-layer checkpoint after a prefill and
+    ``len(short)`` concurrent streams of n tokens, against the bytes each holds."""
+    from engine.model import Model
+    from engine.pipeline.layout import embed_bytes, fingerprint, need_of
+
+    big = create_large(ck, base / f"large-{layers}", layers)
+    model = Model.load(big, prefetch=False)
+    need, emb = need_of(model, fingerprint(big)), embed_bytes(model)
+    del model
+    half = layers // 2
+    nodes = []
+    try:
+        srv = Node(states / "large-s", ["--model", f"m={big}", "--pipeline", "on"], threads)
+        nodes.append(srv)
+        stg = Node(states / "large-st", ["--stage", f"{big}@{half}-{layers - 1}", "--join", srv.invite()], threads)
+        nodes.append(stg)
+        deadline = time.monotonic() + 180
+        while len(srv.status()["services"]["pipeline"]["pipeline"]["models"]["m"].get("plan") or []) != 2:
+            if time.monotonic() > deadline:
+                raise RuntimeError("no 2-stage plan for the large checkpoint")
+            time.sleep(0.5)
+        prefill_tps(srv.run["api"], prompt)
+        concurrent_tps(srv.run["api"], short, n)
+        return {
+            f"{layers} layers, 2 stages: serving node 0-{half - 1} + embeddings": (
+                srv.peak_mb(),
+                sum(need.layer_bytes[:half]) + emb,
+            ),
+            f"{layers} layers, 2 stages: stage {half}-{layers - 1} + head": (
+                stg.peak_mb(),
+                sum(need.layer_bytes[half:]) + need.head_bytes,
+            ),
+        }
+    finally:
+        for node in reversed(nodes):
+            node.stop()
+
+
 def _med(xs: list[float]) -> str:
+    xs = [x for x in xs if not math.isnan(x)]  # a round that failed is nan
+    if not xs:
+        return "-"
     return f"{statistics.median(xs):.2f} [{min(xs):.2f}, {max(xs):.2f}]"
 
 
@@ -215,6 +318,13 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=64, help="decode tokens per stream (default 64)")
     ap.add_argument("--concurrency", type=int, default=8, help="concurrent streams (default 8)")
     ap.add_argument("--threads", type=int, default=1, help="BLAS threads per process (default 1)")
+    ap.add_argument(
+        "--large-layers",
+        type=int,
+        default=24,
+        help="also measure peak RSS of a 2-stage split of the checkpoint grown to this many layers "
+        "(default 24: 1.6 GB; 0 skips it)",
+    )
     args = ap.parse_args()
 
     import random
@@ -276,8 +386,18 @@ def main() -> int:
             prefill_tps(srv.run["api"], prompt)
             decode_tps(srv.run["api"], short[0], 8)
         res: dict[str, dict[str, list[float]]] = {
-            k: {"prefill": [], "decode1": [], "decodeN": [], "hop_ms": [], "rtt_ms": []} for k in setups
+            k: {
+                "prefill": [],
+                "decode1": [],
+                "decodeN": [],
+                "hop_ms": [],
+                "ping_ms": [],
+                "hop_per_rtt": [],
+                "rtt_ms": [],
+            }
+            for k in setups
         }
+        paths: dict[str, set[str]] = {}
         errors: list[str] = []
         mismatches: list[str] = []
         for rnd in range(args.rounds):
@@ -295,16 +415,25 @@ def main() -> int:
                         mismatches.append(f"round {rnd + 1} {name}")
                     if before:
                         after = _stage_sums(srv)
-                        for node, (n1, l1, c1) in after.items():
-                            n0, l0, c0 = before.get(node, (0, 0.0, 0.0))
+                        for node, (n1, l1, c1, p1, r1, path) in after.items():
+                            n0, l0, c0, p0, r0, _ = before.get(node, (0, 0.0, 0.0, 0, 0.0, ""))
+                            paths.setdefault(name, set()).add(path)
                             if n1 > n0:
-                                res[name]["hop_ms"].append(((l1 - l0) - (c1 - c0)) / (n1 - n0) * 1e3)
+                                hop = ((l1 - l0) - (c1 - c0)) / (n1 - n0) * 1e3
+                                res[name]["hop_ms"].append(hop)
+                                if p1 > p0:
+                                    ping = (r1 - r0) / (p1 - p0) * 1e3
+                                    res[name]["ping_ms"].append(ping)
+                                    res[name]["hop_per_rtt"].append(hop / ping)
                             rtt = _rtt_ms(srv, node)
                             if rtt is not None:
                                 res[name]["rtt_ms"].append(rtt)
                     res[name]["decodeN"].append(concurrent_tps(api, short, args.decode))
                 except RuntimeError as e:  # a stream error: counted, the run goes on
                     errors.append(f"round {rnd + 1} {name}: {e}")
+                    for key in ("prefill", "decode1", "decodeN"):  # keep rounds aligned for the ratios
+                        if len(res[name][key]) < rnd + 1:
+                            res[name][key].append(float("nan"))
             print(f"round {rnd + 1}/{args.rounds} done", file=sys.stderr)
         rss = {
             "2 stages: stage 4-7": (st2.peak_mb(), share["4-7"]),
@@ -346,6 +475,11 @@ def main() -> int:
         for n in reversed(nodes):
             n.stop()
 
+    if args.large_layers:
+        rss.update(
+            large_rss(ck, base, states, args.large_layers, args.threads, prompt, short, max(8, args.decode // 4))
+        )
+
     def ratio(name: str, key: str) -> str:
         xs = [a / b for a, b in zip(res[name][key], res["local"][key])]
         return _med(xs)
@@ -355,12 +489,14 @@ def main() -> int:
         f"decode {args.decode}, {args.concurrency} concurrent, {args.rounds} rounds, median [min, max]\n"
     )
     print(
-        "| setup | prefill tok/s | x local | decode tok/s (1) | x local | decode tok/s (8) | x local | hop overhead ms | QUIC RTT ms |"
+        "| setup | path | prefill tok/s | x local | decode tok/s (1) | x local | decode tok/s (8) | x local "
+        "| hop overhead ms | path RTT ms | hop / path RTT | QUIC RTT ms |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in setups:
         row = [
             name,
+            ",".join(sorted(paths.get(name, ()))) or "-",
             _med(res[name]["prefill"]),
             "1" if name == "local" else ratio(name, "prefill"),
             _med(res[name]["decode1"]),
@@ -368,6 +504,8 @@ def main() -> int:
             _med(res[name]["decodeN"]),
             "1" if name == "local" else ratio(name, "decodeN"),
             _med(res[name]["hop_ms"]) if res[name]["hop_ms"] else "-",
+            _med(res[name]["ping_ms"]) if res[name]["ping_ms"] else "-",
+            _med(res[name]["hop_per_rtt"]) if res[name]["hop_per_rtt"] else "-",
             _med(res[name]["rtt_ms"]) if res[name]["rtt_ms"] else "-",
         ]
         print("| " + " | ".join(row) + " |")
@@ -395,6 +533,7 @@ def main() -> int:
                 "rss": {k: [v[0], v[1]] for k, v in rss.items()},
                 "idle_mb": idle_mb,
                 "recovery_s": recovery_s,
+                "paths": {k: sorted(v) for k, v in paths.items()},
                 "replan_ms": last_ms,
             }
         )

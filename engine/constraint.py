@@ -12,12 +12,15 @@ Ids past the tokenizer's vocabulary (padded model vocab) are never allowed. llgu
 is built once per (tokenizer, n_vocab) (~10 ms at 8k ids) and shared by every request.
 
 Closing: a model that never ends its document (random weights do not) would run into ``max_tokens`` and
-return JSON cut in half. Within the last ``close_reserve(max_tokens)`` tokens of the budget,
-``closing(allowed)`` narrows the mask to one token that ends the document soonest, by a fixed preference:
-inside a JSON string ``"``; elsewhere an end-of-sequence id, then the one-character tokens
-``< } ] 0 t f n " , : - 1..9 { [`` (``<`` is never allowed by JSON outside a string; it ends a raw GLM
-argument value). When none of them is allowed the mask is left as it is (e.g. inside a
-key the grammar already fixes). No random draw is spent on it, so seeded sampling stays reproducible.
+return JSON cut in half. ``closing(allowed)`` narrows the mask to one token that ends the document
+soonest, by a fixed preference: inside a JSON string ``"``; elsewhere an end-of-sequence id, then the
+one-character tokens ``< } ] , 0 t f n " : - 1..9 { [`` (``<`` is never allowed by JSON outside a string;
+it ends a raw GLM argument value); when none of them is allowed (e.g. inside a key the grammar already
+fixes), the allowed id with the most bytes. The steer is deterministic, so ``closing_distance()`` can
+count on a copy of the grammar state exactly how many tokens it needs from here; the sampler
+(``engine.generate.DecodeState``) starts it once the tokens left come within that distance (plus
+``CLOSE_MARGIN_TOKENS``), re-counting at shrinking intervals as the budget runs down. No random draw is
+spent on it, so seeded sampling stays reproducible.
 
 Chosen by measurement (bench/grammar_libs.py): llguidance and xgrammar cost 8/8 us per token on tiny's
 716 ids and 16/14 us at 8,192 ids; outlines-core 18 and 263 us. xgrammar needs torch and triton; llguidance
@@ -37,8 +40,12 @@ import numpy as np
 # JSON without free whitespace: a model with bad (or random) weights cannot pad the document forever.
 _JSON_OPTIONS = {"whitespace_flexible": False}
 
-CLOSE_RESERVE_TOKENS = 64  # the last tokens of max_tokens spent closing the document (at most half)
-_CLOSERS = [b"<", b"}", b"]", b"0", b"t", b"f", b"n", b'"', b",", b":", b"-", *[bytes([c]) for c in b"123456789"],
+# Start closing this many tokens before the counted distance strictly requires: one sampled token can add
+# up to 3 (a UTF-8 lead byte inside a string needs its continuation bytes before the closing quote).
+CLOSE_MARGIN_TOKENS = 4
+CLOSE_COUNT_MAX_TOKENS = 512  # closing_distance() stops counting here (a check costs ~25 us per token)
+# "," before "0": after a digit both are allowed, and more zeros would never end the number.
+_CLOSERS = [b"<", b"}", b"]", b",", b"0", b"t", b"f", b"n", b'"', b":", b"-", *[bytes([c]) for c in b"123456789"],
             b"{", b"["]
 
 _cache_lock = threading.Lock()
@@ -84,23 +91,35 @@ def check_grammar(grammar: str) -> str | None:
     return None
 
 
-def close_reserve(max_tokens: int) -> int:
-    """How many of the last tokens of a ``max_tokens`` budget steer towards the end of the document."""
-    return min(CLOSE_RESERVE_TOKENS, max_tokens // 2)
+def _quote_step(b: bytes, in_string: bool, escaped: bool) -> tuple[bool, bool, int]:
+    """(in_string, escaped, quotes toggled) after the bytes ``b`` of a token holding a quote or backslash."""
+    toggles = 0
+    for c in b:
+        if escaped:
+            escaped = False
+        elif c == 0x5C and in_string:
+            escaped = True
+        elif c == 0x22:
+            in_string = not in_string
+            toggles += 1
+    return in_string, escaped, toggles
 
 
 class _Closers:
-    """Per tokenizer: the ids to prefer when closing, and the bytes of every id holding a quote or backslash
-    (to follow whether the output is inside a JSON string)."""
+    """Per tokenizer: the ids to prefer when closing, the bytes of every id holding a quote or backslash
+    (to follow whether the output is inside a JSON string), and every id's length in bytes."""
 
     def __init__(self, tokenizer: Any, n_vocab: int) -> None:
         single: dict[bytes, int] = {}
         self.quoting: dict[int, bytes] = {}
+        self.eos = frozenset(i for i in tokenizer.eos_ids if i < n_vocab)
+        self.lengths = np.zeros(n_vocab, dtype=np.int32)  # [V] bytes per id (0: special, or past the vocab)
         n = min(n_vocab, int(tokenizer.vocab_size))
         for i in range(n):
             if tokenizer.is_special(i):
                 continue
             b = tokenizer.token_bytes(i)
+            self.lengths[i] = len(b)
             if len(b) == 1 and b not in single:
                 single[b] = i
             if b'"' in b or b"\\" in b:
@@ -138,6 +157,7 @@ class Matcher:
         self._bits = np.zeros((n_vocab + 31) // 32, dtype=np.int32)
         self._in_string = False
         self._escaped = False
+        self._quotes = 0  # quotes toggled so far: names the string the output is in
 
     @property
     def error(self) -> str | None:
@@ -157,26 +177,55 @@ class Matcher:
         self._m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.n_vocab].view(bool)
 
-    def closing(self, allowed: np.ndarray) -> np.ndarray:
-        """``allowed`` narrowed to the preferred closing token, if one is allowed (see module docstring)."""
-        for i in (self._closers.inside if self._in_string else self._closers.outside):
+    @property
+    def string_id(self) -> int | None:
+        """Which JSON string the output is inside (None: outside any). Within one string the closing
+        distance grows by at most 3 (an unfinished UTF-8 character) whatever is written into it."""
+        return self._quotes if self._in_string else None
+
+    def _pick_closer(self, allowed: np.ndarray, in_string: bool) -> int | None:
+        for i in (self._closers.inside if in_string else self._closers.outside):
             if allowed[i]:
-                only = np.zeros_like(allowed)
-                only[i] = True
-                return only
-        return allowed
+                return i
+        i = int(np.argmax(np.where(allowed, self._closers.lengths, -1)))
+        return i if allowed[i] else None
+
+    def closing(self, allowed: np.ndarray) -> np.ndarray:
+        """``allowed`` narrowed to the one closing token (see module docstring); as it is if none is allowed."""
+        i = self._pick_closer(allowed, self._in_string)
+        if i is None:
+            return allowed
+        only = np.zeros_like(allowed)
+        only[i] = True
+        return only
+
+    def closing_distance(self, limit: int) -> int:
+        """How many tokens, this one included, the closing steer takes from here to end the document (an
+        end-of-sequence id counts as one), or ``limit + 1`` if more. Counted on a copy of the grammar state."""
+        m = self._m.deep_copy()
+        bits = np.zeros_like(self._bits)
+        in_string, escaped = self._in_string, self._escaped
+        for n in range(1, limit + 1):
+            m.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+            allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[: self.n_vocab].view(bool)
+            tok = self._pick_closer(allowed, in_string)
+            if tok is None or not m.consume_token(tok):
+                return limit + 1
+            if tok in self._closers.eos or m.is_stopped():
+                return n
+            b = self._closers.quoting.get(tok)
+            if b is not None:
+                in_string, escaped, _ = _quote_step(b, in_string, escaped)
+            elif escaped:
+                escaped = False
+        return limit + 1
 
     def accept(self, tok: int) -> bool:
         """Advance by one sampled id; False (and ``error`` set) if the grammar did not allow it."""
         b = self._closers.quoting.get(int(tok))
         if b is not None:
-            for c in b:
-                if self._escaped:
-                    self._escaped = False
-                elif c == 0x5C and self._in_string:
-                    self._escaped = True
-                elif c == 0x22:
-                    self._in_string = not self._in_string
+            self._in_string, self._escaped, toggles = _quote_step(b, self._in_string, self._escaped)
+            self._quotes += toggles
         elif self._escaped:
             self._escaped = False
         return bool(self._m.consume_token(int(tok)))

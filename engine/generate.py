@@ -113,7 +113,9 @@ class DecodeState:
         self.sampler = Sampler(params, prompt_ids)
         self.tokenizer = tokenizer
         self.matcher: Any = None  # engine.constraint.Matcher, built at the first step (needs the vocab size)
-        self._close_at = 0  # with a grammar: steer to the document's end once this few tokens are left
+        self._closing = False  # with a grammar: steering to the document's end (engine.constraint)
+        self._count_at = 0  # with a grammar: count the closing distance again once this few tokens are left
+        self._counted: tuple[int | None, int] = (None, 0)  # (string_id, distance) of the last count
         self.detok = tokenizer.detokenizer(prompt_ids)
         self.eos_ids = tokenizer.eos_ids
         self.n_prompt = len(prompt_ids)
@@ -136,12 +138,12 @@ class DecodeState:
             if self.matcher is None:
                 from engine.constraint import Matcher
 
-                from engine.constraint import close_reserve
-
                 self.matcher = Matcher(self.params.grammar, self.tokenizer, int(logits.shape[0]))
-                self._close_at = close_reserve(self._budget())
+                self._count_at = self._left()
             allowed = self.matcher.allowed()
-            if self._left() <= self._close_at:
+            if not self._closing and self._left() <= self._count_at:
+                self._plan_closing()
+            if self._closing:
                 allowed = self.matcher.closing(allowed)
         tok = self.sampler.pick(logits, allowed)
         self.sampler.accept(tok)
@@ -168,6 +170,25 @@ class DecodeState:
             more, stopped = self._scan(self.detok.flush(), final=True)
             return self._finish(tok, text + more, logprob, top, "stop" if stopped else "length")
         return TokenEvent(tok, text, logprob, top)
+
+    def _plan_closing(self) -> None:
+        """Start closing if the tokens left barely cover the closing distance; else schedule the next count
+        a quarter of the slack later (so a distance growing up to 3 tokens per token is still caught).
+        Inside the JSON string of the last count the distance stays (within the margin), so it is reused."""
+        from engine.constraint import CLOSE_COUNT_MAX_TOKENS, CLOSE_MARGIN_TOKENS
+
+        left = self._left()
+        sid = self.matcher.string_id
+        if sid is not None and self._counted[0] == sid:
+            dist = self._counted[1]
+        else:
+            dist = self.matcher.closing_distance(min(left, CLOSE_COUNT_MAX_TOKENS))
+            self._counted = (sid, dist)
+        slack = left - CLOSE_MARGIN_TOKENS - dist
+        if slack <= 0:
+            self._closing = True
+        else:
+            self._count_at = left - max(1, slack // 4)
 
     def _budget(self) -> int:
         """Tokens this sequence may generate in all (``max_tokens``, or less if the context is smaller)."""

@@ -2,201 +2,468 @@
 
 For a product with few rows of activations (decode: ``T <= KERNEL_MAX_ROWS``) numpy must widen every
 weight into an fp32 tile and then read the tile again; these kernels read each stored block once and
-accumulate its dot product with the activations directly, both cores splitting the weight rows. A block's
-scale is applied to the block's partial sum (``d * sum(q * x)``, as llama.cpp does), so results differ from
-the numpy path in rounding only (~1e-7 relative), and are the same on every machine that runs the same
-kernel: workers and stages use this module too, so distributed stays byte-identical to local when both
-ends have (or both lack) numba. ``MESHD_KERNELS=numpy`` turns the kernels off.
+multiply it into the activations directly. Every kernel has the same shape, which LLVM turns into
+AVX2/AVX-512 code: per block, ``acc[i] += w(i) * x[i]`` over a fixed 32 lanes (``w(i)``: the stored
+weight dequantized exactly as ``engine.quant.dequantize_blocks`` does, ``d * q`` or ``(d * sc) * q - dmin * m``),
+and one ``acc.sum()`` per output. Summation order differs from the numpy tiles (BLAS), so results differ
+by rounding (~1e-7 relative), and are the same on every machine that runs the same kernel: workers and
+stages use this module too, so distributed stays byte-identical to local when both ends have (or both lack)
+numba. ``MESHD_KERNELS=numpy`` turns the kernels off.
 
-The kernels run on the calling thread (numba's ``parallel=True`` measured 10x slower on this 2-core,
-shared VM: waking its worker threads costs more than a decode-sized product). Types: BF16, Q8_0, Q4_0,
-Q4_K, Q5_K, Q6_K; fp32 and F16 weights go to BLAS / the numpy tiles.
+Each kernel computes output rows ``r0:r1`` only, so a product is split into row chunks that the calling
+thread and ``threads() - 1`` helper threads claim one at a time (:func:`run_products`; the kernels release the
+GIL). Every row is computed the same way whichever thread computes it, so the thread count never changes a
+bit. Claiming rather than assigning keeps a loaded machine safe: a helper that has not been scheduled
+yet simply gets nothing, and the caller never waits for work it could do itself. IEEE halves (block scales) are read through a 65536-entry
+table (``HALF``, 256 KiB: stays in L2), exact for every pattern.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
+
+from .limits import KERNEL_CHUNK_WEIGHTS, KERNEL_MAX_THREADS, KERNEL_POOL_MIN_WEIGHTS
 
 try:  # the optional extra
     if os.environ.get("MESHD_KERNELS", "").lower() == "numpy":
         raise ImportError("disabled by MESHD_KERNELS=numpy")
     import numba
+    from llvmlite import ir
     from numba import njit
+    from numba.core import types
+    from numba.extending import intrinsic
 except ImportError:  # pragma: no cover - exercised when numba is absent
     numba = None
 
 AVAILABLE = numba is not None
 F32 = np.float32
+TYPES = ("BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+# every IEEE half bit pattern (little-endian uint16) -> its float32 value
+HALF = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(F32)
 
 if AVAILABLE:
-    _opts = dict(cache=True, fastmath=True, nogil=True)
+    _opts = dict(cache=True, fastmath=True, nogil=True, boundscheck=False, error_model="numpy")
+
+    @intrinsic
+    def _as_f32(typingctx, v):  # noqa: ANN001, ANN202 - numba intrinsic: uint32 bits -> float32, no arithmetic
+        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+            return builder.bitcast(args[0], ir.FloatType())
+
+        return types.float32(types.uint32), codegen
 
     @njit(inline="always")
-    def _half(lo: np.uint8, hi: np.uint8) -> np.float32:
-        """IEEE half (little-endian bytes) -> float32, exact."""
-        h = np.uint32(lo) | (np.uint32(hi) << np.uint32(8))
-        sign = (h >> np.uint32(15)) & np.uint32(1)
-        exp = (h >> np.uint32(10)) & np.uint32(0x1F)
-        man = h & np.uint32(0x3FF)
-        if exp == 0:
-            v = np.float32(man) * np.float32(2.0**-24)
-        elif exp == 31:
-            v = np.float32(np.inf) if man == 0 else np.float32(np.nan)
-        else:
-            v = np.float32(1.0 + man / 1024.0) * np.float32(2.0 ** (int(exp) - 15))
-        return -v if sign else v
+    def _h(tab: np.ndarray, row: np.ndarray, o: int) -> np.float32:
+        return tab[np.int64(row[o]) | (np.int64(row[o + 1]) << 8)]
+
+    @intrinsic
+    def _bits(typingctx, v, sh, mask):  # noqa: ANN001, ANN202 - numba intrinsic
+        """``(v >> sh) & mask`` of a byte, in 8 bits: numba would widen to int64, and LLVM then converts
+        64-bit lanes to float (half the lanes per instruction)."""
+        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+            i8 = ir.IntType(8)
+            shift = builder.trunc(args[1], i8) if args[1].type != i8 else args[1]
+            m = builder.trunc(args[2], i8) if args[2].type != i8 else args[2]
+            return builder.and_(builder.lshr(args[0], shift), m)
+
+        return types.uint8(types.uint8, sh, mask), codegen
+
+    # Accumulators: one lane per element position of 4 consecutive 32-blocks (or of a 256-block), so
+    # consecutive blocks update different lanes and no add waits on the one before it.
 
     @njit(**_opts)
-    def _q8_0(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+    def _q8_0(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
         t, k = x.shape
-        n = w.shape[0]
-        nb = k // 32
-        for r in range(n):
+        acc = np.zeros(128, dtype=np.float32)
+        for r in range(r0, r1):
             row = w[r]
             for s in range(t):
-                acc = np.float32(0.0)
-                for b in range(nb):
+                acc[:] = 0
+                for b in range(k // 32):
                     o = b * 34
-                    d = _half(row[o], row[o + 1])
-                    p = np.float32(0.0)
+                    d = _h(tab, row, o)
+                    xb = b * 32
+                    a = (b & 3) * 32
                     for i in range(32):
-                        p += np.float32(np.int8(row[o + 2 + i])) * x[s, b * 32 + i]
-                    acc += d * p
-                out[s, r] = acc
+                        acc[a + i] += (d * np.float32(np.int8(row[o + 2 + i]))) * x[s, xb + i]
+                out[s, r] = acc.sum()
 
     @njit(**_opts)
-    def _q4_0(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+    def _q4_0(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
         t, k = x.shape
-        n = w.shape[0]
-        nb = k // 32
-        for r in range(n):
+        acc = np.zeros(128, dtype=np.float32)
+        for r in range(r0, r1):
             row = w[r]
             for s in range(t):
-                acc = np.float32(0.0)
-                for b in range(nb):
+                acc[:] = 0
+                for b in range(k // 32):
                     o = b * 18
-                    d = _half(row[o], row[o + 1])
-                    p = np.float32(0.0)
+                    d = _h(tab, row, o)
+                    xb = b * 32
+                    a = (b & 3) * 32
                     for i in range(16):
                         v = row[o + 2 + i]
-                        p += np.float32(np.int32(v & 15) - 8) * x[s, b * 32 + i]
-                        p += np.float32(np.int32(v >> 4) - 8) * x[s, b * 32 + 16 + i]
-                    acc += d * p
-                out[s, r] = acc
+                        acc[a + i] += (d * (np.float32(_bits(v, 0, 15)) - np.float32(8))) * x[s, xb + i]
+                        acc[a + 16 + i] += (d * (np.float32(_bits(v, 4, 15)) - np.float32(8))) * x[s, xb + 16 + i]
+                out[s, r] = acc.sum()
 
     @njit(inline="always")
-    def _k_scale(sc: np.ndarray, o: int, j: int) -> tuple[np.int32, np.int32]:
-        # 6-bit scale and min of sub-block j from the 12 bytes at sc[o:o+12]
+    def _k_scale(row: np.ndarray, o: int, j: int) -> tuple[np.int32, np.int32]:
+        # 6-bit scale and min of sub-block j from the 12 bytes at row[o:o+12]
         if j < 4:
-            return np.int32(sc[o + j] & 63), np.int32(sc[o + 4 + j] & 63)
-        a = sc[o + 8 + j - 4]
-        return (np.int32((a & 15) | ((sc[o + j - 4] >> 6) << 4)),
-                np.int32((a >> 4) | ((sc[o + 4 + j - 4] >> 6) << 4)))
+            return np.int32(row[o + j] & 63), np.int32(row[o + 4 + j] & 63)
+        a = row[o + 8 + j - 4]
+        return (np.int32((a & 15) | ((row[o + j - 4] >> 6) << 4)),
+                np.int32((a >> 4) | ((row[o + 4 + j - 4] >> 6) << 4)))
 
     @njit(**_opts)
-    def _q45_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, five: bool) -> None:
+    def _q45_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int,
+               five: bool) -> None:
+        # chunk c (32 bytes of nibbles) holds sub-blocks 2c (low nibbles) and 2c+1 (high nibbles); Q5_K's
+        # fifth bit of element l of sub-block j is bit j of qh[l]
         t, k = x.shape
-        n = w.shape[0]
-        nb = k // 256
         bsz = 176 if five else 144
         qs0 = 48 if five else 16
-        # per 32-element sub-block sums of x (for the mins)
-        xs = np.zeros((t, k // 32), dtype=np.float32)
-        for s in range(t):
-            for j in range(k // 32):
-                a = np.float32(0.0)
-                for i in range(32):
-                    a += x[s, j * 32 + i]
-                xs[s, j] = a
-        for r in range(n):
+        acc = np.zeros(256, dtype=np.float32)
+        for r in range(r0, r1):
             row = w[r]
             for s in range(t):
-                acc = np.float32(0.0)
-                for b in range(nb):
+                acc[:] = 0
+                for b in range(k // 256):
                     o = b * bsz
-                    d = _half(row[o], row[o + 1])
-                    dmin = _half(row[o + 2], row[o + 3])
+                    d = _h(tab, row, o)
+                    dmin = _h(tab, row, o + 2)
                     for c in range(4):
-                        for h in range(2):
-                            j = c * 2 + h
-                            sc, mn = _k_scale(row, o + 4, j)
-                            p = np.float32(0.0)
-                            base = b * 256 + j * 32
+                        sc0, mn0 = _k_scale(row, o + 4, 2 * c)
+                        sc1, mn1 = _k_scale(row, o + 4, 2 * c + 1)
+                        dl0, ml0 = d * np.float32(sc0), dmin * np.float32(mn0)
+                        dl1, ml1 = d * np.float32(sc1), dmin * np.float32(mn1)
+                        q0 = o + qs0 + c * 32
+                        xb = b * 256 + c * 64
+                        a = c * 64
+                        if five:
                             for i in range(32):
-                                q = np.int32((row[o + qs0 + c * 32 + i] >> (4 * h)) & 15)
-                                if five:
-                                    q |= np.int32((row[o + 16 + i] >> j) & 1) << 4
-                                p += np.float32(q) * x[s, base + i]
-                            acc += d * np.float32(sc) * p - dmin * np.float32(mn) * xs[s, base // 32]
-                out[s, r] = acc
+                                v = row[q0 + i]
+                                h = row[o + 16 + i]
+                                lo = np.float32(_bits(v, 0, 15)) + np.float32(16) * np.float32(_bits(h, 2 * c, 1))
+                                hi = np.float32(_bits(v, 4, 15)) + np.float32(16) * np.float32(_bits(h, 2 * c + 1, 1))
+                                acc[a + i] += (dl0 * lo - ml0) * x[s, xb + i]
+                                acc[a + 32 + i] += (dl1 * hi - ml1) * x[s, xb + 32 + i]
+                        else:
+                            for i in range(32):
+                                v = row[q0 + i]
+                                acc[a + i] += (dl0 * np.float32(_bits(v, 0, 15)) - ml0) * x[s, xb + i]
+                                acc[a + 32 + i] += (dl1 * np.float32(_bits(v, 4, 15)) - ml1) * x[s, xb + 32 + i]
+                out[s, r] = acc.sum()
 
     @njit(**_opts)
-    def _q6_k(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+    def _q6_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
+        # element half*128 + p*32 + l (p = 0..3): low nibble of ql[half*64 + (p%2)*32 + l] (high nibble for
+        # p >= 2), two high bits (qh[half*32 + l] >> 2p) & 3, scale of its 16-element sub-block
+        # half*8 + 2p + l//16; value (d * scale) * (q - 32). One pass over l reads each byte once for all four p.
         t, k = x.shape
-        n = w.shape[0]
-        nb = k // 256
-        for r in range(n):
+        acc = np.zeros(256, dtype=np.float32)
+        for r in range(r0, r1):
             row = w[r]
             for s in range(t):
-                acc = np.float32(0.0)
-                for b in range(nb):
+                acc[:] = 0
+                for b in range(k // 256):
                     o = b * 210
-                    d = _half(row[o + 208], row[o + 209])
-                    # element e = half*128 + q4*32 + l: lo nibble from ql, two high bits from qh
-                    for sub in range(16):
-                        sc = np.float32(np.int8(row[o + 192 + sub]))
-                        p = np.float32(0.0)
-                        for i in range(16):
-                            e = sub * 16 + i
-                            half = e // 128
-                            rem = e % 128
-                            q4 = rem // 32
-                            l = rem % 32  # noqa: E741
-                            lo = (row[o + half * 64 + (q4 % 2) * 32 + l] >> (4 * (q4 // 2))) & 15
-                            hi = (row[o + 128 + half * 32 + l] >> (2 * q4)) & 3
-                            q = np.int32(lo | (hi << 4)) - 32
-                            p += np.float32(q) * x[s, b * 256 + e]
-                        acc += d * sc * p
-                out[s, r] = acc
+                    d = _h(tab, row, o + 208)
+                    for half in range(2):
+                        ql0 = o + half * 64
+                        qh0 = o + 128 + half * 32
+                        sc0 = o + 192 + half * 8
+                        xb = b * 256 + half * 128
+                        a0 = half * 128
+                        for hh in range(2):
+                            d0 = d * np.float32(np.int8(row[sc0 + hh]))
+                            d1 = d * np.float32(np.int8(row[sc0 + 2 + hh]))
+                            d2 = d * np.float32(np.int8(row[sc0 + 4 + hh]))
+                            d3 = d * np.float32(np.int8(row[sc0 + 6 + hh]))
+                            for i in range(16):
+                                l = hh * 16 + i  # noqa: E741
+                                v0 = row[ql0 + l]
+                                v1 = row[ql0 + 32 + l]
+                                h = row[qh0 + l]
+                                q0 = (np.float32(_bits(v0, 0, 15)) + np.float32(16) * np.float32(_bits(h, 0, 3))
+                                      - np.float32(32))
+                                q1 = (np.float32(_bits(v1, 0, 15)) + np.float32(16) * np.float32(_bits(h, 2, 3))
+                                      - np.float32(32))
+                                q2 = (np.float32(_bits(v0, 4, 15)) + np.float32(16) * np.float32(_bits(h, 4, 3))
+                                      - np.float32(32))
+                                q3 = (np.float32(_bits(v1, 4, 15)) + np.float32(16) * np.float32(_bits(h, 6, 3))
+                                      - np.float32(32))
+                                acc[a0 + l] += (d0 * q0) * x[s, xb + l]
+                                acc[a0 + 32 + l] += (d1 * q1) * x[s, xb + 32 + l]
+                                acc[a0 + 64 + l] += (d2 * q2) * x[s, xb + 64 + l]
+                                acc[a0 + 96 + l] += (d3 * q3) * x[s, xb + 96 + l]
+                out[s, r] = acc.sum()
 
     @njit(**_opts)
-    def _bf16(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+    def _bf16(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
         t, k = x.shape
-        n = w.shape[0]
-        wide = np.empty(k, dtype=np.uint32)
-        for r in range(n):
+        acc = np.zeros(128, dtype=np.float32)
+        for r in range(r0, r1):
             row = w[r]
-            for i in range(k):
-                wide[i] = np.uint32(row[i]) << np.uint32(16)
-            f = wide.view(np.float32)
             for s in range(t):
-                acc = np.float32(0.0)
-                for i in range(k):
-                    acc += f[i] * x[s, i]
-                out[s, r] = acc
+                acc[:] = 0
+                for b in range(k // 32):
+                    xb = b * 32
+                    a = (b & 3) * 32
+                    for i in range(32):
+                        acc[a + i] += _as_f32(np.uint32(row[xb + i]) << np.uint32(16)) * x[s, xb + i]
+                tail = np.float32(0.0)
+                for i in range(k // 32 * 32, k):
+                    tail += _as_f32(np.uint32(row[i]) << np.uint32(16)) * x[s, i]
+                out[s, r] = acc.sum() + tail
 
+    # Dequantization into fp32 tiles (prefill: the numpy tiles' dequantize step), with exactly the fp32
+    # operations of engine.quant.dequantize_blocks in the same order and no fastmath (no fused multiply-add),
+    # so the values are bit for bit gguf.quants.dequantize's.
+    _dq_opts = dict(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+
+    @njit(**_dq_opts)
+    def _dq_q4_0(blocks: np.ndarray, out: np.ndarray, tab: np.ndarray) -> None:
+        for n in range(blocks.shape[0]):
+            row = blocks[n]
+            d = _h(tab, row, 0)
+            for i in range(16):
+                v = row[2 + i]
+                out[n, i] = d * (np.float32(_bits(v, 0, 15)) - np.float32(8))
+                out[n, 16 + i] = d * (np.float32(_bits(v, 4, 15)) - np.float32(8))
+
+    @njit(**_dq_opts)
+    def _dq_q45_k(blocks: np.ndarray, out: np.ndarray, tab: np.ndarray, five: bool) -> None:
+        qs0 = 48 if five else 16
+        for n in range(blocks.shape[0]):
+            row = blocks[n]
+            d = _h(tab, row, 0)
+            dmin = _h(tab, row, 2)
+            for c in range(4):
+                sc0, mn0 = _k_scale(row, 4, 2 * c)
+                sc1, mn1 = _k_scale(row, 4, 2 * c + 1)
+                dl0, ml0 = d * np.float32(sc0), dmin * np.float32(mn0)
+                dl1, ml1 = d * np.float32(sc1), dmin * np.float32(mn1)
+                for i in range(32):
+                    v = row[qs0 + c * 32 + i]
+                    lo = np.float32(_bits(v, 0, 15))
+                    hi = np.float32(_bits(v, 4, 15))
+                    if five:
+                        h = row[16 + i]
+                        lo = lo + np.float32(16) * np.float32(_bits(h, 2 * c, 1))
+                        hi = hi + np.float32(16) * np.float32(_bits(h, 2 * c + 1, 1))
+                    out[n, c * 64 + i] = dl0 * lo - ml0
+                    out[n, c * 64 + 32 + i] = dl1 * hi - ml1
+
+    @njit(**_dq_opts)
+    def _dq_q6_k(blocks: np.ndarray, out: np.ndarray, tab: np.ndarray) -> None:
+        for n in range(blocks.shape[0]):
+            row = blocks[n]
+            d = _h(tab, row, 208)
+            for g in range(8):
+                half = g // 4
+                lo0 = half * 64 + (g % 2) * 32
+                lsh = 4 * ((g % 4) // 2)
+                hi0 = 128 + half * 32
+                hsh = 2 * (g % 4)
+                dla = d * np.float32(np.int8(row[192 + 2 * g]))
+                dlb = d * np.float32(np.int8(row[193 + 2 * g]))
+                for i in range(32):
+                    q = (np.float32(_bits(row[lo0 + i], lsh, 15))
+                         + np.float32(16) * np.float32(_bits(row[hi0 + i], hsh, 3)) - np.float32(32))
+                    out[n, g * 32 + i] = (dla if i < 16 else dlb) * q
+
+    _KERNELS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q6_K": _q6_k, "BF16": _bf16}
+
+
+# (x [T, K], qtype, stored data [N, ...], out [T, N], r0, r1): rows r0:r1 of one product
+Job = tuple[np.ndarray, str, np.ndarray, np.ndarray, int, int]
+
+
+def threads() -> int:
+    """Threads that compute kernel products: ``MESHD_KERNEL_THREADS``, else the CPUs this process may use (at
+    most ``KERNEL_MAX_THREADS``: decode-sized products are too small to feed more)."""
+    env = os.environ.get("MESHD_KERNEL_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return min(int(env), KERNEL_MAX_THREADS)
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(n, KERNEL_MAX_THREADS))
+
+
+class _Pool:
+    """Helper threads that share a round of jobs with the caller; one round at a time (a lock serialises
+    callers from several threads)."""
+
+    def __init__(self, helpers: int) -> None:
+        self._round = threading.Lock()  # one round at a time
+        self._cv = threading.Condition(threading.Lock())
+        self._jobs: list[Job] = []
+        self._next = 0
+        self._busy = 0  # helpers running a claimed job
+        self._gen = 0
+        for i in range(helpers):
+            threading.Thread(target=self._helper, name=f"meshd-kernel-{i}", daemon=True).start()
+
+    def _claim(self) -> Job | None:
+        with self._cv:
+            if self._next >= len(self._jobs):
+                return None
+            job = self._jobs[self._next]
+            self._next += 1
+            return job
+
+    def _helper(self) -> None:
+        seen = 0
+        while True:
+            with self._cv:
+                while self._gen == seen:
+                    self._cv.wait()
+                seen = self._gen
+            while True:
+                with self._cv:
+                    if self._next >= len(self._jobs):
+                        break
+                    job = self._jobs[self._next]
+                    self._next += 1
+                    self._busy += 1
+                try:
+                    run(*job)
+                finally:
+                    with self._cv:
+                        self._busy -= 1
+                        self._cv.notify_all()
+
+    def run(self, jobs: list[Job]) -> None:
+        with self._round:
+            with self._cv:
+                self._jobs, self._next = jobs, 0
+                self._gen += 1
+                self._cv.notify_all()
+            while (job := self._claim()) is not None:
+                run(*job)
+            with self._cv:
+                while self._busy:
+                    self._cv.wait()
+                self._jobs = []
+
+
+_pool: _Pool | None = None
+_pool_lock = threading.Lock()
+
+
+_single = False  # threads() said 1: no pool, and no need to ask again
+
+
+def _forget_pool() -> None:  # a forked child has none of the parent's helper threads (and maybe a held lock)
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _get_pool() -> _Pool | None:
+    global _pool, _single
+    if _pool is None and not _single:
+        n = threads()
+        with _pool_lock:
+            if n < 2:
+                _single = True
+            elif _pool is None:
+                _pool = _Pool(n - 1)
+    return _pool
+
+
+def run_products(products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]]) -> None:
+    """Compute each (x, qtype, data, out) product into its ``out``: one round of the threads, each product cut
+    into row chunks, when the round is big enough to share; else each whole product on the caller's thread."""
+    total = sum(x.shape[1] * x.shape[0] * data.shape[0] for x, _, data, _ in products)
+    pool = _get_pool() if total >= KERNEL_POOL_MIN_WEIGHTS else None
+    if pool is None:
+        for x, qtype, data, out in products:
+            run(x, qtype, data, out, 0, data.shape[0])
+    else:
+        pool.run([job for x, qtype, data, out in products for job in jobs_for(x, qtype, data, out)])
+
+
+def jobs_for(x: np.ndarray, qtype: str, data: np.ndarray, out: np.ndarray) -> list[Job]:
+    """One product cut into row chunks of about ``KERNEL_CHUNK_WEIGHTS`` weights."""
+    n, k = data.shape[0], x.shape[1]
+    step = max(1, KERNEL_CHUNK_WEIGHTS // max(1, k * x.shape[0]))
+    return [(x, qtype, data, out, a, min(n, a + step)) for a in range(0, n, step)]
+
+
+def run(x: np.ndarray, qtype: str, data: np.ndarray, out: np.ndarray, r0: int, r1: int) -> None:
+    """Rows ``r0:r1`` of ``x @ W.T`` into ``out[:, r0:r1]`` (x: [T, K] fp32 C-contiguous, out: [T, N] fp32).
+    Releases the GIL while it computes."""
+    if qtype == "Q4_K":
+        _q45_k(x, data, out, HALF, r0, r1, False)
+    elif qtype == "Q5_K":
+        _q45_k(x, data, out, HALF, r0, r1, True)
+    else:
+        _KERNELS[qtype](x, data, out, HALF, r0, r1)
+
+
+# compiled dequantization measured >= 2x numpy's (bench/kernels.py, 1 Mi-weight tile): Q4_0 4.1x, Q4_K 22x,
+# Q5_K 22x, Q6_K 56x; Q8_0 (1.7-2.7x: numpy's is one multiply) stays numpy
+DEQUANT_TYPES = ("Q4_0", "Q4_K", "Q5_K", "Q6_K")
+
+
+def dequantize_blocks(blocks: np.ndarray, qtype: str) -> np.ndarray | None:
+    """[n, bytes per block] uint8 (C-contiguous) -> [n, elements per block] fp32, bit for bit
+    ``engine.quant.dequantize_blocks``; None when there is no kernel for ``qtype``."""
+    if not AVAILABLE or qtype not in DEQUANT_TYPES:
+        return None
+    out = np.empty((blocks.shape[0], 32 if qtype == "Q4_0" else 256), dtype=F32)
+    if qtype == "Q4_0":
+        _dq_q4_0(blocks, out, HALF)
+    elif qtype == "Q6_K":
+        _dq_q6_k(blocks, out, HALF)
+    else:
+        _dq_q45_k(blocks, out, HALF, qtype == "Q5_K")
+    return out
 
 
 def gemm(x: np.ndarray, qtype: str, data: np.ndarray) -> np.ndarray | None:
     """``x @ W.T`` for stored ``data`` of ``qtype``: [T, K] fp32 -> [T, N] fp32, or None (no kernel)."""
-    if not AVAILABLE:
+    if not AVAILABLE or qtype not in TYPES:
         return None
     x = np.ascontiguousarray(x, dtype=F32)
     out = np.empty((x.shape[0], data.shape[0]), dtype=F32)
-    if qtype == "Q8_0":
-        _q8_0(x, data, out)
-    elif qtype == "Q4_0":
-        _q4_0(x, data, out)
-    elif qtype == "Q4_K":
-        _q45_k(x, data, out, False)
-    elif qtype == "Q5_K":
-        _q45_k(x, data, out, True)
-    elif qtype == "Q6_K":
-        _q6_k(x, data, out)
-    elif qtype == "BF16":
-        _bf16(x, data, out)
-    else:
-        return None
+    run_products([(x, qtype, data, out)])
     return out
+
+
+def gemm_many(products: list[tuple[np.ndarray, str, np.ndarray]]) -> list[np.ndarray]:
+    """Several ``gemm`` products (x, qtype, data) in one round of the threads: the same bits as one
+    ``gemm`` each, one hand-off instead of one per product."""
+    todo = []
+    for x, qtype, data in products:
+        x = np.ascontiguousarray(x, dtype=F32)
+        todo.append((x, qtype, data, np.empty((x.shape[0], data.shape[0]), dtype=F32)))
+    run_products(todo)
+    return [t[3] for t in todo]
+
+
+def warm() -> None:
+    """Compile (or load from numba's on-disk cache) every kernel now, on tiny inputs: a process that wants
+    its first request not to pay the compile (seconds) or its peak memory (LLVM) calls this at start."""
+    if not AVAILABLE:
+        return
+    x = np.zeros((1, 256), dtype=F32)
+    out = np.empty((1, 1), dtype=F32)
+    from .quant import row_bytes
+
+    for qtype in TYPES:
+        data = np.zeros((1, 256) if qtype == "BF16" else (1, row_bytes(qtype, 256)),
+                        dtype=np.uint16 if qtype == "BF16" else np.uint8)
+        run(x, qtype, data, out, 0, 1)
+        if qtype in DEQUANT_TYPES:
+            dequantize_blocks(data.reshape(-1, BLOCK_BYTES[qtype]), qtype)

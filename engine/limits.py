@@ -21,6 +21,13 @@ MATMUL_PREFILL_TILE_WEIGHTS = 1024 * 1024
 # activation rows up to which a product over K-quant/Q4_0 weights uses the compiled kernel (engine.kernels, if
 # numba is installed) instead of the numpy tiles: the kernel re-reads the weights per row, the tiles once per tile
 KERNEL_MAX_ROWS = 4
+# kernel products (engine.kernels): rows are handed to threads in chunks of about this many weights (~25 us of
+# work each at ~10 G weights/s: long enough that claiming one, ~2 us of Python, stays small)
+KERNEL_CHUNK_WEIGHTS = 256 * 1024
+# a round of kernel products smaller than this runs on the calling thread alone: waking a helper costs ~10-20 us
+KERNEL_POOL_MIN_WEIGHTS = 512 * 1024
+# threads computing kernel products at most (MESHD_KERNEL_THREADS picks fewer): decode-sized products feed no more
+KERNEL_MAX_THREADS = 8
 # GGUF reading (engine/gguf_file.py)
 GGUF_MAX_SPLITS = 256  # files of one split GGUF set (-00001-of-0000N.gguf); published sets use < 100
 GGUF_MAX_VOCAB = 1 << 20  # tokens in tokenizer.ggml.tokens; the largest published vocabularies are ~260 Ki

@@ -34,7 +34,7 @@ from .fp8 import Fp8Tensor, scale_key, scale_shape
 from .gguf_file import PermutedRows, is_gguf, load_gguf, unpermute_index
 from .moe import ExpertExecutor, ForwardSteps, RoutedCall, drive, expert_ffn, local_executor, route, silu
 from .ops import RopeTable, apply_rope, attention, rmsnorm
-from .quant import Packed, packed
+from .quant import Packed, matmul_many, packed, warm_kernels
 
 log = structlog.get_logger(__name__)
 
@@ -248,8 +248,8 @@ class Model:
 
         Every matrix stays in its stored type as a zero-copy view of the file mapping (fp32 as the array,
         fp16/bf16/quantized as ``engine.quant.Packed``, multiplied tile by tile); only vectors (norms,
-        biases) are widened. ``widen_experts`` widens the routed experts to fp32 here instead (more memory,
-        same results). Raises
+        biases) are widened. ``widen_experts`` widens the routed experts to fp32 here instead (more memory;
+        the same bits on the numpy tiles, the same values within rounding with the compiled kernels). Raises
         ``ConfigError`` or ``CheckpointError`` (message names the file and tensor key).
         ``progress(done_bytes, total_bytes)`` is called as tensors are taken. ``prefetch`` (default: when
         a progress callback is given) reads every page of the weights during the load, so the progress
@@ -286,6 +286,7 @@ class Model:
         loaded = [cls._load_layer(cfg, ld, i, widen_experts) for i in range(first, last + 1)]
         if layers is None:
             ld.check_unexpected(cfg)
+        warm_kernels(w for lay in loaded for w in (lay.q, lay.o, *(lay.experts[0] if lay.experts else ())))
         log.info("model_loaded", path=str(p), model_type=cfg.model_type, layers=cfg.num_layers,
                  first_layer=first, last_layer=last, weight_bytes=ckpt.nbytes, files=len(ckpt.files))
         return cls(cfg, loaded, embed, norm, lm_head, ckpt, p, first_layer=first)
@@ -523,9 +524,7 @@ class Model:
         """[T, D] -> q [T, H, hd], k/v [T, KV, hd] with biases, q/k norms, clipping and rope applied."""
         c = self.config
         t = h.shape[0]
-        q = h @ layer.q.T
-        k = h @ layer.k.T
-        v = h @ layer.v.T
+        q, k, v = matmul_many([(h, layer.q), (h, layer.k), (h, layer.v)])  # h @ w.T each
         if layer.q_bias is not None:
             q += layer.q_bias
             k += layer.k_bias

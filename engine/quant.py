@@ -21,6 +21,7 @@ order; only the integer unpacking differs). Block layouts (``QK_K = 256``):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,9 +45,9 @@ BLOCKS: dict[str, tuple[int, int]] = {
 QUANTIZED = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
 SUPPORTED_TYPES = tuple(BLOCKS)
 
-# Types whose compiled decode kernel measured >= 2x the numpy tiles (engine.kernels; bench in docs/engine-model.md):
-# Q4_0 2.7x, Q4_K 2.2x, Q5_K 9.2x, Q6_K 3.3x. BF16 (1.0x) and Q8_0 (1.4x) stay on the numpy path.
-KERNEL_TYPES = ("Q4_0", "Q4_K", "Q5_K", "Q6_K")
+# Types whose compiled decode kernel measured >= 2x the numpy tiles (engine.kernels; bench/kernels.py, figures in
+# docs/engine-model.md): all of them since the kernels vectorise (32-lane accumulators).
+KERNEL_TYPES = ("BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
 
 _NIBBLE_SHIFT = np.array([0, 4], dtype=np.uint8)
 _BIT_SHIFT = np.arange(8, dtype=np.uint8)
@@ -130,15 +131,24 @@ def dequantize(data: np.ndarray, qtype: str, shape: tuple[int, ...]) -> np.ndarr
     if not bs:
         dequantize_blocks(data[:0], qtype)  # raises naming the type
     blocks = np.ascontiguousarray(data).reshape(-1, ts)
-    return dequantize_blocks(blocks, qtype).reshape(shape)
+    fast = _kernels().dequantize_blocks(blocks, qtype)  # the same bits, compiled (10-20x: prefill tiles)
+    return (dequantize_blocks(blocks, qtype) if fast is None else fast).reshape(shape)
+
+
+def _kernels():  # noqa: ANN202
+    """``engine.kernels``, imported on first use (numba's import costs ~0.5 s and tens of MB, paid only by
+    processes that multiply packed weights)."""
+    from . import kernels
+
+    return kernels
 
 
 def _kernel_gemm(x: np.ndarray, qtype: str, data: np.ndarray) -> np.ndarray | None:
-    """``engine.kernels.gemm``, imported on first use (numba's import costs ~0.5 s and tens of MB, paid only by
-    processes that multiply K-quant weights)."""
-    from . import kernels
+    return _kernels().gemm(x, qtype, data)
 
-    return kernels.gemm(x, qtype, data)
+
+def _uses_kernel(x: np.ndarray, w: object) -> bool:
+    return isinstance(w, Packed) and x.shape[0] <= KERNEL_MAX_ROWS and w.qtype in KERNEL_TYPES
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,11 +184,15 @@ class Packed:
         """``x @ W.T``: [T, K] fp32 -> [T, N] fp32, one cache-sized tile of rows at a time (or, for a few
         rows of a type with a compiled kernel, ``engine.kernels``: the choice depends only on T and the
         type, so every process computing the same rows makes the same choice)."""
-        n, k = self.shape
         if x.shape[0] <= KERNEL_MAX_ROWS and self.qtype in KERNEL_TYPES:
             out = _kernel_gemm(x, self.qtype, self.data)
             if out is not None:
                 return out
+        return self.tiled(x)
+
+    def tiled(self, x: np.ndarray) -> np.ndarray:
+        """``x @ W.T`` through the numpy tiles only (what a process without the compiled kernels computes)."""
+        n, k = self.shape
         # decode-sized products: small tiles that stay in L2; prefill-sized: few large tiles, so BLAS runs a
         # few big GEMMs rather than many thin ones (each call wakes its threads: measured ~5x slower prefill)
         tile = MATMUL_TILE_WEIGHTS if x.shape[0] <= KERNEL_MAX_ROWS else MATMUL_PREFILL_TILE_WEIGHTS
@@ -210,6 +224,25 @@ def matmul(x: np.ndarray, w: Weight) -> np.ndarray:
     if isinstance(w, Packed):
         return w.matmul(x)
     return x @ w.T
+
+
+def warm_kernels(weights: Iterable[object]) -> None:
+    """If any of ``weights`` is packed in a type with a compiled kernel, load the kernels now (numba's import
+    and on-disk cache, or the one-time compile): the first request then does not stall on them, and their
+    memory is the runtime's, paid before any activation. A model without such weights never imports numba."""
+    if any(isinstance(w, Packed) and w.qtype in KERNEL_TYPES for w in weights):
+        _kernels().warm()
+
+
+def matmul_many(pairs: list[tuple[np.ndarray, Weight]]) -> list[np.ndarray]:
+    """``[matmul(x, w) for x, w in pairs]``, bit for bit, with the compiled-kernel products among them run in
+    one round of the kernel threads (``engine.kernels.gemm_many``): q/k/v of a layer, gate/up of an expert."""
+    kern = [i for i, (x, w) in enumerate(pairs) if _uses_kernel(x, w)]
+    if len(kern) < 2 or not _kernels().AVAILABLE:
+        return [matmul(x, w) for x, w in pairs]
+    done = _kernels().gemm_many([(pairs[i][0], pairs[i][1].qtype, pairs[i][1].data) for i in kern])  # type: ignore[union-attr]
+    got = dict(zip(kern, done))
+    return [got[i] if i in got else matmul(x, w) for i, (x, w) in enumerate(pairs)]
 
 
 def packed(data: np.ndarray, qtype: str, shape: tuple[int, ...]) -> Weight:

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +123,7 @@ class Serving:
         self.retrying: set[str] = set()  # failed stages asked once more: a short OPEN silence limit
         self._failing_since: float | None = None  # loop time plans started failing (None: they work)
         self._lock = asyncio.Lock()
+        self.pipelined: PipelinedModel | None = None  # set by PipelineService.backend (status: decode timings)
 
     # --- RunProvider (scheduler thread) --------------------------------------------------------------
 
@@ -311,6 +312,7 @@ class Serving:
             "refused": [{"node_id": n, "reason": r} for n, r in self.refused],
             "recoveries": self.recoveries,
             "last_recovery_ms": self.last_recovery_ms,
+            "decode": self.pipelined.decode_status() if self.pipelined is not None else None,
             "runs": {
                 f"{r.id:016x}": {
                     "live_sequences": len(r.seqs),
@@ -320,6 +322,7 @@ class Serving:
                             "node_id": lk.node_id,
                             "layers": [lk.first, lk.last],
                             "rtt_ms": self.svc.rtt_ms(lk.node_id),
+                            "path": getattr(lk.channel, "path", None),  # quic | lane | relay
                             **lk.stats.as_dict(),
                         }
                         for lk in r.links
@@ -403,8 +406,9 @@ class PipelineService:
                 path = ensure_tiny(self._state_dir)
             try:
                 from engine.config import ModelConfig
+                from engine.gguf_file import is_gguf, load_gguf
 
-                cfg = ModelConfig.load(path)
+                cfg = load_gguf(path).config if is_gguf(path) else ModelConfig.load(path)
                 if pin is not None and pin[1] >= cfg.num_layers:
                     raise PipelineStartError(f"--stage {spec}: the model has layers 0-{cfg.num_layers - 1}")
                 fp = fingerprint(path)
@@ -558,6 +562,7 @@ class PipelineService:
         self.serving.append(serving)
         await serving.replan()
         model = PipelinedModel(loaded.model, serving)
+        serving.pipelined = model
         sched = Scheduler(
             model,
             loaded.tokenizer,
@@ -591,46 +596,10 @@ class PipelineService:
 
     def prometheus_collectors(self) -> list[Any]:
         if self._collector is None:
-            self._collector = _collector(self)
+            from meshd.pipeline_metrics import collector
+
+            self._collector = collector(self)
         return [self._collector]
-
-
-def _collector(svc: PipelineService) -> Any:
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-
-    from engine.latency import LATENCY_BUCKETS_S
-
-    class _Collector:
-        def collect(self) -> Iterable[Any]:
-            lat = HistogramMetricFamily(
-                "meshd_pipeline_stage_latency_seconds",
-                "Round trip of one step through a pipeline stage, seen by the serving node",
-                labels=["model", "node", "layers"],
-            )
-            rec = CounterMetricFamily(
-                "meshd_pipeline_recoveries", "Re-plans after a stage failed mid-generation", labels=["model"]
-            )
-            live = GaugeMetricFamily(
-                "meshd_pipeline_live_sequences", "Sequences with state on this stage node", labels=["path"]
-            )
-            for s in svc.serving:
-                rec.add_metric([s.name], s.recoveries)
-                for run in s.runs.values():
-                    for lk in run.links:
-                        st = lk.stats
-                        acc, buckets = 0, []
-                        for b, n in zip(LATENCY_BUCKETS_S, st.buckets):
-                            acc += n
-                            buckets.append((repr(b), acc))
-                        buckets.append(("+Inf", acc + st.buckets[-1]))
-                        lat.add_metric(
-                            [s.name, lk.node_id[:12], f"{lk.first}-{lk.last}"], buckets, st.latency_s
-                        )
-            for h in svc.hosts:
-                live.add_metric([str(h.path)], h.live())
-            return [lat, rec, live]
-
-    return _Collector()
 
 
 def _find_membership(daemon: Any) -> Any:

@@ -52,11 +52,13 @@ def wait_for(check: Callable[[], Any], timeout_s: float = 30.0, what: str = "con
     raise AssertionError(f"timed out waiting for {what}: {last!r}")
 
 
-def wait_plan(node: Node, layers: list[list[int] | None], timeout_s: float = 40.0) -> dict[str, Any]:
+def wait_plan(
+    node: Node, layers: list[list[int] | None], timeout_s: float = 40.0, model: str = "tiny"
+) -> dict[str, Any]:
     """Until the serving node's plan holds exactly these ranges, in order (this node first)."""
 
     def ok() -> Any:
-        st = pipeline_status(node)
+        st = pipeline_status(node, model)
         plan = st.get("plan")
         return st if plan is not None and [s["layers"] for s in plan] == layers else None
 

@@ -1,8 +1,9 @@
 """Structured outputs, tools and sampling extensions as a user meets them: the official ``openai`` SDK
 against real daemons serving ``tiny`` (random weights: only constrained decoding can make JSON come out),
-each test run three ways: on the serving node (``local``), through a headless client node joined by
-invite (``tunnel``), and on a ``--remote-experts on`` coordinator whose routed experts a worker daemon
-computes (``experts``). Pipelines (issue 16) are not covered here yet: the sampling step they share is.
+each test run four ways: on the serving node (``local``), through a headless client node joined by
+invite (``tunnel``), on a ``--remote-experts on`` coordinator whose routed experts a worker daemon
+computes (``experts``), and on a ``--pipeline on`` node whose layers 2-3 a ``--stage`` daemon runs
+(``pipeline``; the serving node samples, so it holds the grammar state).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from api_helpers import wait_models  # noqa: E402
 from conftest import meshd_cmd, meshd_env  # noqa: E402
 from daemon_testlib import Node, start_node  # noqa: E402
 
-TARGETS = ("local", "tunnel", "experts")
+TARGETS = ("local", "tunnel", "experts", "pipeline")
 MSGS = [{"role": "user", "content": "Describe a person as JSON."}]
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -81,14 +82,19 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         nodes.append(coord)
         w = start_node(tmp / "w", "--experts", "tiny", "--join", _invite(tmp / "coord"))
         nodes.append(w)
+        head = start_node(tmp / "head", "--model", "tiny", "--pipeline", "on")
+        nodes.append(head)
+        st = start_node(tmp / "st", "--stage", "tiny@2-3", "--join", _invite(tmp / "head"))
+        nodes.append(st)
         urls = {"local": f"http://{a.run['api']}/v1", "tunnel": f"http://{c.run['api']}/v1",
-                "experts": f"http://{coord.run['api']}/v1"}
+                "experts": f"http://{coord.run['api']}/v1", "pipeline": f"http://{head.run['api']}/v1"}
         assert wait_models(urls["tunnel"], {"tiny"}, timeout=30) == {"tiny"}
-        routes = {"local": ("local", a), "tunnel": ("tunnel", a), "experts": ("local", coord)}
+        routes = {"local": ("local", a), "tunnel": ("tunnel", a), "experts": ("local", coord),
+                  "pipeline": ("local", head)}
         deadline = time.monotonic() + 30
         for name, url in urls.items():
             cl = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
-            while True:  # the coordinator answers 503 until its worker has joined
+            while True:  # the coordinator (pipeline head) answers 503 until its worker (stage) has joined
                 try:
                     raw = cl.chat.completions.with_raw_response.create(model="tiny", messages=MSGS, max_tokens=2)
                     break
@@ -98,7 +104,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                     time.sleep(0.3)
             route, node = routes[name]
             assert raw.headers["x-meshd-route"] == route and raw.headers["x-meshd-node"] == node.run["node_id"]
-        yield {"urls": urls, "a": a, "coord": coord, "w": w, "tiny": a.state_dir}
+        yield {"urls": urls, "a": a, "coord": coord, "w": w, "head": head, "stage": st, "tiny": a.state_dir}
     finally:
         for n in reversed(nodes):
             n.stop()
@@ -274,3 +280,10 @@ def test_experts_target_had_its_experts_computed_by_the_worker(mesh: dict[str, A
                          capture_output=True, text=True, timeout=20, check=True)
     st = json.loads(out.stdout)["services"]["experts"]["coordinators"][0]
     assert st["layers_delegated"] > 0 and st["items_local"] == 0, st
+
+
+def test_pipeline_target_ran_its_last_layers_on_the_stage(mesh: dict[str, Any]) -> None:
+    st = mesh["stage"].status()["services"]["pipeline"]["pipeline"]["stages"][0]
+    assert st["loaded"] == [[2, 3]] and st["steps"] > 0, st
+    plan = mesh["head"].status()["services"]["pipeline"]["pipeline"]["models"]["tiny"]["plan"]
+    assert [s["layers"] for s in plan] == [[0, 1], [2, 3]] and plan[1]["node_id"] == mesh["stage"].run["node_id"]

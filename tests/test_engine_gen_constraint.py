@@ -158,3 +158,67 @@ def test_tool_call_grammar_gives_calls_that_validate(tiny: tuple[Model, Tokenize
                     jsonschema.validate(json.loads(c.arguments), params_schema)
                 if choice != "required":
                     assert c.name == "weather"
+
+
+WIDE: dict[str, Any] = {  # no length caps: random weights write long strings, numbers and arrays
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"}, "age": {"type": "integer"}, "score": {"type": "number"},
+        "active": {"type": "boolean"}, "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "address": {"type": "object", "properties": {"street": {"type": "string"}, "city": {"type": "string"}},
+                    "required": ["street", "city"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "score", "active", "role", "tags", "address"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("max_tokens", [100, 256, 1000])
+def test_closing_fits_any_budget_the_document_fits_in(tiny: tuple[Model, Tokenizer], max_tokens: int) -> None:
+    """The shortest WIDE document takes 81 of tiny's tokens; a fixed 64-token closing reserve cut half of
+    these at 256 ("1890000..." numbers, strings ending inside a UTF-8 character)."""
+    model, tok = tiny
+    g = json_schema_grammar(WIDE)
+    ids = tok.encode("Describe one user of the system as a JSON object with name, age and address:")
+    lengths = []
+    for seed in range(6):
+        evs = list(generate(model, tok, ids, SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed,
+                                                             grammar=g)))
+        text = "".join(e.text for e in evs)
+        assert evs[-1].finish_reason == "stop", (seed, len(evs), text[-120:])
+        jsonschema.validate(json.loads(text), WIDE)
+        lengths.append(len(evs))
+    assert max(lengths) > max_tokens - 12, lengths  # closing starts near the end, not at once
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31), free=st.integers(0, 60))
+def test_closing_distance_is_the_tokens_the_steer_takes(tiny: tuple[Model, Tokenizer], seed: int, free: int) -> None:
+    """Sample ``free`` tokens under the grammar, then steer: it ends the document in exactly the counted
+    number of tokens."""
+    import random
+
+    import numpy as np
+
+    _, tok = tiny
+    n_vocab = 768  # tiny's padded model vocab
+    m = Matcher(json_schema_grammar(WIDE), tok, n_vocab)
+    r = random.Random(seed)
+    for _ in range(free):
+        ok = np.flatnonzero(m.allowed())
+        ok = ok[[i not in tok.eos_ids for i in ok]]
+        if m.stopped or not len(ok):
+            return
+        assert m.accept(int(r.choice(ok)))
+    want = m.closing_distance(10_000)
+    assert want <= 10_000
+    for n in range(1, want + 1):
+        only = np.flatnonzero(m.closing(m.allowed()))
+        assert len(only) == 1
+        tok_id = int(only[0])
+        assert m.accept(tok_id)
+        if tok_id in tok.eos_ids or m.stopped:
+            assert n == want
+            return
+    raise AssertionError(f"not closed after the {want} counted tokens")

@@ -402,7 +402,7 @@ def test_chunked_prefill_and_batch_match_single(tiny: Path) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["F16", "BF16"])
-def test_half_storage_matches_rounded_fp32(tmp_path: Path, dtype: str) -> None:
+def test_half_storage_matches_rounded_fp32(tmp_path: Path, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     ts = make_ckpt(tmp_path / "h", dtype=dtype)
     rounded = {
         k: (v.astype(np.float16).astype(np.float32) if dtype == "F16"
@@ -421,7 +421,14 @@ def test_half_storage_matches_rounded_fp32(tmp_path: Path, dtype: str) -> None:
     assert isinstance(lazy.layers[0].experts[0][0], Packed) and isinstance(eager.layers[0].experts[0][0], np.ndarray)
     assert isinstance(lazy.layers[0].q, Packed) and lazy.layers[0].q.data.dtype == np.uint16 if dtype == "BF16" \
         else isinstance(lazy.layers[0].q, Packed)
-    assert lazy.forward(ids, lazy.new_cache()).tobytes() == eager.forward(ids, eager.new_cache()).tobytes()
+    want = eager.forward(ids, eager.new_cache())
+    # with the compiled kernels (decode-sized expert products over bf16): the same values within rounding
+    np.testing.assert_allclose(lazy.forward(ids, lazy.new_cache()), want, rtol=1e-5, atol=1e-5)
+    # on the numpy tiles (what a process without the kernels runs): the same bytes
+    from engine import quant
+
+    monkeypatch.setattr(quant, "KERNEL_TYPES", ())
+    assert lazy.forward(ids, lazy.new_cache()).tobytes() == want.tobytes()
 
 
 def test_executor_seam(tiny: Path) -> None:

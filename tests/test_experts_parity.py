@@ -102,7 +102,14 @@ class ExpertFfnCounter:
             self.calls += 1
             return orig(*args)
 
+        orig_many = moe_mod.expert_ffn_many
+
+        def counted_many(items: list) -> list[np.ndarray]:  # the local executor's batched form
+            self.calls += len(items)
+            return orig_many(items)
+
         monkeypatch.setattr(moe_mod, "expert_ffn", counted)
+        monkeypatch.setattr(moe_mod, "expert_ffn_many", counted_many)
         monkeypatch.setattr(general_mod, "expert_ffn", counted)  # the local fallback
 
 

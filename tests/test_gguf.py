@@ -323,7 +323,9 @@ def status(key):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
 from engine.model import Model
+from engine import kernels
 import numpy as np
+kernels.warm()  # the runtime (numba, if installed) is paid before the baseline: a fixed cost, not the weights'
 before = status('VmRSS:')
 m = Model.load(sys.argv[1], prefetch=False)
 c = m.new_cache(16)

@@ -4,6 +4,7 @@ on the serving node, layers on stage nodes, output byte-identical to a node that
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 
 pytest.importorskip("meshd.membership.service")
 
+from conftest import meshd_cmd, meshd_env
 from daemon_testlib import Node, start_node
 from pipeline_mesh import (
     collect,
@@ -86,6 +88,20 @@ def test_plan_from_gossip_by_memory_and_pins_byte_identical(tmp_path: Path, ref:
         st = pipeline_status(srv)
         run = st["runs"][st["run"]]
         assert run["stages"][0]["calls"] > 0 and run["stages"][0]["latency_ms_avg"] > 0, run
+        text = subprocess.run(
+            meshd_cmd("status", "--state-dir", str(tmp_path / "s")),
+            env=meshd_env(),
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout  # the text form shows the plan with per-stage timings
+        section = text.split("\npipeline  on\n", 1)[1].splitlines()
+        row = next(x.split() for x in section if x.strip().startswith(nodes[1].run["node_id"]))
+        assert row[1] == "2-3+head" and row[2] in ("lane", "quic") and int(row[4]) > 0 and float(row[5]) > 0, text
+        assert run["stages"][0]["pings"] > 0 and run["stages"][0]["path_rtt_ms_avg"] > 0, run  # path round trip
+        me = next(x.split() for x in section if x.strip().startswith(srv.run["node_id"]))
+        assert me[1:4] == ["(this", "node)", "0-1"], text
         with urllib.request.urlopen(f"http://{srv.run['api']}/metrics", timeout=10) as r:
             metrics = r.read().decode()
         count = [

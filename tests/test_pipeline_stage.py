@@ -118,3 +118,27 @@ def test_a_silent_stage_fails_the_step_within_the_silence_limit(tiny: Path) -> N
         assert asyncio.get_running_loop().time() - t0 < limits.SILENCE_S + 0.5
 
     asyncio.run(main())
+
+
+def test_link_measures_the_path_round_trip_with_echoed_keepalives(tiny: Path) -> None:
+    """Ahead of a step, with nothing else out, the serving side pings (a KEEPALIVE the stage echoes before
+    it computes); the echo's round trip is the path's, recorded beside the step latency."""
+    model = Model.load(tiny)
+
+    async def main() -> None:
+        host = StageHost(tiny, fingerprint(tiny))
+        link, task, _near = await _pair(host)
+        await link.open(5, fingerprint(tiny), 4)
+        x = _x(model, [1, 2, 3])
+        await link.call(wire.Forward(5, 0, (wire.SeqSpan(1, 0, 3),), x, True))
+        deadline = asyncio.get_running_loop().time() + 5
+        while link.stats.pings == 0 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        st = link.stats.as_dict()
+        assert st["pings"] == 1 and 0 < st["path_rtt_ms_avg"] < 5000, st
+        await link.call(wire.Forward(5, 0, (wire.SeqSpan(1, 3, 1),), _x(model, [4]), True))
+        assert link.stats.pings == 1  # at most one ping per PING_EVERY_S
+        link.close("done")
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(main())

@@ -62,6 +62,12 @@ class StageStats:
     compute_s: float = 0.0
     latency_max_s: float = 0.0
     buckets: list[int] = field(default_factory=empty_buckets)
+    pings: int = 0
+    ping_s: float = 0.0
+
+    def add_ping(self, rtt_s: float) -> None:
+        self.pings += 1
+        self.ping_s += rtt_s
 
     def add(self, latency_s: float, compute_s: float) -> None:
         self.calls += 1
@@ -78,6 +84,8 @@ class StageStats:
             "compute_ms_avg": round(self.compute_s / n * 1e3, 3),
             "hop_overhead_ms_avg": round((self.latency_s - self.compute_s) / n * 1e3, 3),
             "latency_ms_max": round(self.latency_max_s * 1e3, 3),
+            "pings": self.pings,
+            "path_rtt_ms_avg": round(self.ping_s / self.pings * 1e3, 3) if self.pings else None,
         }
 
 
@@ -97,6 +105,8 @@ class StageLink:
         self._pending: dict[int, asyncio.Future[wire.Frame]] = {}
         self._steps = itertools.count(1)
         self._heard = 0.0
+        self._pinged = 0.0  # loop time of the last ping sent
+        self._pings: dict[int, float] = {}  # ping id -> perf_counter when sent
         self._send_lock = (
             asyncio.Lock()
         )  # FIFO: frames of concurrent steps go out in the order they were made
@@ -139,29 +149,61 @@ class StageLink:
         loop = asyncio.get_running_loop()
         if self.closed:
             raise StageFailed(self.node_id, self.reason)
+        if (
+            not self._pending
+            and not self._pings
+            and not self._send_lock.locked()  # a frame half written: a ping must not land inside it
+            and loop.time() - self._pinged >= limits.PING_EVERY_S
+        ):
+            self._ping(loop)  # goes out just ahead of the step: the stage echoes it before computing
         step = next(self._steps) % 0xFFFFFFFF + 1
         frame = wire.Forward(frame.run, step, frame.spans, frame.x, frame.last_only)
         fut: asyncio.Future[wire.Frame] = loop.create_future()
         self._pending[step] = fut
         t0 = time.perf_counter()
         self._heard = loop.time()
+        watch: list[asyncio.TimerHandle] = []
         try:
             await self._send(frame)
-            while True:
-                wait = self._heard + limits.SILENCE_S - loop.time()
-                if wait <= 0:
-                    self.close(f"silent for {limits.SILENCE_S:g} s")
-                    raise StageFailed(self.node_id, f"no answer for {limits.SILENCE_S:g} s")
-                with contextlib.suppress(TimeoutError):
-                    reply = await asyncio.wait_for(asyncio.shield(fut), wait)
-                    break
+            # one timer checks for silence (re-armed from the last frame heard) while the step waits on its
+            # future directly: no wait_for/shield tasks, so a result is handed over in one loop iteration
+            watch.append(loop.call_later(limits.SILENCE_S, self._watch, fut, watch))
+            reply = await fut
         finally:
+            if watch:
+                watch[-1].cancel()
             self._pending.pop(step, None)
         if isinstance(reply, wire.Error):
             raise StageFailed(self.node_id, reply.text, reply.code)
         assert isinstance(reply, wire.Result)
         self.stats.add(time.perf_counter() - t0, reply.compute_us / 1e6)
         return reply
+
+    def _watch(self, fut: asyncio.Future[wire.Frame], watch: list[asyncio.TimerHandle]) -> None:
+        """A step's silence check: no frame from the stage for ``SILENCE_S`` fails the link (and the step)."""
+        if fut.done():
+            return
+        loop = asyncio.get_running_loop()
+        left = self._heard + limits.SILENCE_S - loop.time()
+        if left <= 0:
+            self.close(f"silent for {limits.SILENCE_S:g} s")
+            return
+        watch.append(loop.call_later(left, self._watch, fut, watch))
+
+    def _ping(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Measure the path's round trip now (the stage echoes a KEEPALIVE); the echo is timed in
+        ``_on_data``. Sent just before a step with nothing else out on the link: the stage answers it
+        before it computes, and this node's scheduler thread is waiting for that step, not holding the GIL
+        (a ping sent after a result came back timed the scheduler's sampling and next layers instead).
+        Ping ids come from the step counter, so they never equal a running step's id."""
+        self._pinged = loop.time()
+        pid = next(self._steps) % 0xFFFFFFFF + 1
+        data = wire.encode(wire.Keepalive(pid))
+        self._pings[pid] = time.perf_counter()
+        if not self.channel.send_now(data):
+            self._pings.pop(pid, None)  # not written at once: this sample would time the queue, not the path
+            return
+        loop.call_later(limits.PING_TIMEOUT_S, self._pings.pop, pid, None)
 
     async def _send(self, frame: wire.Frame) -> None:
         data = wire.encode(frame)
@@ -193,6 +235,9 @@ class StageLink:
             return
         for f in frames:
             if isinstance(f, wire.Keepalive):
+                sent = self._pings.pop(f.step, None)
+                if sent is not None:
+                    self.stats.add_ping(time.perf_counter() - sent)
                 continue
             key = f.step if isinstance(f, wire.Result | wire.Error) else 0
             fut = self._pending.get(key)
@@ -318,6 +363,11 @@ class PipelinedModel:
         self.config = model.config
         self.provider = provider
         self._lock = threading.Lock()
+        # one-token steps of one sequence (scheduler thread): count, seconds in this node's layers, seconds
+        # waiting for the stages (thread hand-offs to the loop and back included)
+        self.decode_steps = 0
+        self.decode_local_s = 0.0
+        self.decode_remote_s = 0.0
 
     def new_cache(self, capacity: int = 256) -> PipeCache:
         return PipeCache(self.provider, self.provider.current())
@@ -392,16 +442,32 @@ class PipelinedModel:
     def _step(self, cache: PipeCache, arr: np.ndarray, last_only: bool, executor: Any) -> np.ndarray:
         run, local = cache.run, cache.run.local
         t, past = arr.shape[0], cache.local.length
+        t0 = time.perf_counter()
         x = self.model.embed(arr)  # [T, D]
         if local.layers:
             cache.local.reserve(past + t)
             x = drive(local.span_steps(x, cache.local, past), executor or local.local_executor, local.warm)
         if run.links:
+            t1 = time.perf_counter()
             x = self.provider.run_on_loop(run.forward(x, cache.seq, past, last_only))
+            if t == 1:
+                self.decode_steps += 1
+                self.decode_local_s += t1 - t0
+                self.decode_remote_s += time.perf_counter() - t1
         else:
             x = local.logits(x[-1:] if last_only else x)
         cache.local.length = past + t
         return x
+
+    def decode_status(self) -> dict[str, Any]:
+        """Lone one-token steps as this node's scheduler saw them (ms): its own layers, and the wait for the
+        stages, which is the stages' latency plus the hand-offs between the scheduler thread and the loop."""
+        n = self.decode_steps or 1
+        return {
+            "steps": self.decode_steps,
+            "local_ms_avg": round(self.decode_local_s / n * 1e3, 3),
+            "remote_ms_avg": round(self.decode_remote_s / n * 1e3, 3),
+        }
 
     def forward_batch(
         self, ids: Sequence[int] | np.ndarray, caches: Sequence[PipeCache], executor: Any = None

@@ -1,7 +1,7 @@
 """What the planner needs to know about a checkpoint: its fingerprint and the bytes of each layer.
 
 ``fingerprint(path)``: SHA-256 over a domain tag, the canonical ``config.json`` and every weight file's
-name and bytes (read with ``pread``: no mapping, no resident pages left behind), so two checkpoints with
+name and bytes (a GGUF checkpoint: every file of the set, whose bytes hold its metadata too) (read with ``pread``: no mapping, no resident pages left behind), so two checkpoints with
 the same shapes but other weights differ. Computed once per process per (path, sizes, mtimes).
 ``need_of(model, fingerprint)``: per-layer weight bytes, the output head's bytes and one token's
 activation bytes, from the loaded (memory-mapped) checkpoint's tensor index.
@@ -26,10 +26,16 @@ _cache: dict[tuple[str, tuple[tuple[str, int, int], ...]], bytes] = {}
 
 def fingerprint(path: str | os.PathLike[str]) -> bytes:
     """32 bytes identifying the checkpoint's config and weights. Raises ``OSError``/``ValueError``."""
+    from engine.gguf_file import is_gguf, split_files
+
     p = Path(path)
-    files = sorted(
-        f for f in p.iterdir() if f.suffix == ".safetensors" or f.name.endswith(".safetensors.index.json")
-    )
+    gguf = is_gguf(p)
+    if gguf:  # the file(s) hold the metadata (the config) and every tensor's bytes and type
+        files = list(split_files(p))
+    else:
+        files = sorted(
+            f for f in p.iterdir() if f.suffix == ".safetensors" or f.name.endswith(".safetensors.index.json")
+        )
     if not files:
         raise ValueError(f"{p}: no safetensors files")
     key = (str(p.resolve()), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
@@ -37,8 +43,11 @@ def fingerprint(path: str | os.PathLike[str]) -> bytes:
     if hit is not None:
         return hit
     h = hashlib.sha256(_DOMAIN)
-    config = json.loads((p / "config.json").read_text("utf-8"))
-    h.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
+    if gguf:
+        h.update(b"gguf\x00")
+    else:
+        config = json.loads((p / "config.json").read_text("utf-8"))
+        h.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
     for f in files:
         h.update(f"\x00{f.name}\x00{f.stat().st_size}\x00".encode())
         fd = os.open(f, os.O_RDONLY)

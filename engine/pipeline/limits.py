@@ -31,3 +31,7 @@ OPEN_SILENCE_S = 5.0  # no frame from a stage loading its layers for this long: 
 #   asked again after it failed gets SILENCE_S instead (the serving node is then on a client's clock)
 PLAN_GRACE_S = 5.0  # plans failing for less than this keep a working run for new requests (gossip about a
 #   stage that just rejoined flaps for a moment); a run whose stage failed is dropped at once
+PING_EVERY_S = 0.25  # the serving node measures the stage path's round trip (a KEEPALIVE the stage echoes)
+#   at most this often, sent just ahead of a step while nothing else is out on that link: the round trip
+#   of the same stream, loops and machine load the steps see, to set the per-hop overhead against
+PING_TIMEOUT_S = 0.5  # an echo later than this is not waited for (the sample is dropped, nothing fails)

@@ -182,6 +182,8 @@ class StageHost:
             await _send(channel, ready)
         elif isinstance(f, wire.Forward):
             await self._forward(channel, f, mine)
+        elif isinstance(f, wire.Keepalive):  # a ping from the serving node: echo it at once
+            await _send(channel, f)
         elif isinstance(f, wire.Free):
             if f.run in mine:
                 n = self.free(f.run, f.seqs)
@@ -246,21 +248,18 @@ class StageHost:
         rng = self.runs[f.run]
         part, executor = self.parts[rng], self.executors.get(rng)
         inline = f.x.shape[0] <= limits.INLINE_ROWS and executor is None
-        if inline:  # a decode step: a few ms; a thread hand-off would cost more than it saves
-            task: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            try:
-                task.set_result(self._compute(part, executor, f))
-            except Exception as e:  # noqa: BLE001 - reported below like a thread's failure
-                task.set_exception(e)
-        else:  # a prefill chunk (or experts delegated from this stage): a thread, KEEPALIVE meanwhile
+        task: asyncio.Future[Any] | None = None
+        if not inline:  # a prefill chunk (or experts delegated from this stage): a thread, KEEPALIVE meanwhile
             task = asyncio.ensure_future(asyncio.to_thread(self._compute, part, executor, f))
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=limits.KEEPALIVE_S)
-            if done:
-                break
-            await _send(channel, wire.Keepalive(f.step))
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=limits.KEEPALIVE_S)
+                if done:
+                    break
+                await _send(channel, wire.Keepalive(f.step))
         try:
-            out, logits, us = task.result()
+            # a decode step runs right here: a few ms, where a thread hand-off (or even a future waited on)
+            # would cost loop iterations on the latency path
+            out, logits, us = task.result() if task is not None else self._compute(part, executor, f)
         except StageError as e:
             await _send(channel, wire.Error(f.step, e.code, str(e)))
             return

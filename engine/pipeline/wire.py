@@ -13,7 +13,8 @@ Bodies (``run``: the plan instance, ``step``: a request id on this stream, ``seq
     RESULT    run u64 | step u32 | compute_us u32 | tensor                                 flags: LOGITS
     FREE      run u64 | n u16 | n x seq u64            (n = 0: every sequence of the run)
     ERROR     step u32 | code u16 | text_len u16 | utf-8 text
-    KEEPALIVE step u32                                 (a stage still computing ``step``)
+    KEEPALIVE step u32                                 (a stage still computing ``step``; sent to a
+                                                        stage: a ping, echoed at once with the same step)
 
     tensor := dtype u8 | ndim u8 | ndim x u32 dims | raw little-endian bits (exactly prod(dims) x itemsize)
 

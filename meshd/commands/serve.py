@@ -30,6 +30,11 @@ def _stop_during_startup(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # the CLI turns it into exit 0; Daemon.run installs the real handlers
 
 
+def _is_checkpoint(path: Path) -> bool:
+    """A checkpoint directory or a .gguf file (the engine loads both; a split set by its first file)."""
+    return path.is_dir() or (path.is_file() and path.suffix == ".gguf")
+
+
 def _check_specs(config: DaemonConfig) -> None:
     """Refuse model and expert SPECs that cannot work (syntax, a checkpoint directory that does not
     exist) with one line, before the node creates or touches anything. Loading errors come later."""
@@ -41,8 +46,8 @@ def _check_specs(config: DaemonConfig) -> None:
             spec = parse_model_spec(text)
         except ValueError as e:
             raise UsageError(f"--model {text}: {e}") from None
-        if spec.kind == "path" and spec.path is not None and not spec.path.is_dir():
-            raise UsageError(f"--model {text}: {spec.path} is not a checkpoint directory")
+        if spec.kind == "path" and spec.path is not None and not _is_checkpoint(spec.path):
+            raise UsageError(f"--model {text}: {spec.path} is not a checkpoint directory or .gguf file")
     experts = config.experts if config.role == "serve" else []
     for text in experts:
         from engine.experts.shard import ShardError, parse_spec
@@ -53,14 +58,14 @@ def _check_specs(config: DaemonConfig) -> None:
             msg = str(e)
             raise UsageError(msg if msg.startswith("--experts") else f"--experts {text}: {msg}") from None
         path = getattr(shard, "path", None)
-        if path is not None and str(path) != "tiny" and not Path(path).is_dir():
-            raise UsageError(f"--experts {text}: {path} is not a checkpoint directory")
+        if path is not None and str(path) != "tiny" and not _is_checkpoint(Path(path)):
+            raise UsageError(f"--experts {text}: {path} is not a checkpoint directory or .gguf file")
     for text in config.stages if config.role == "serve" else []:
         from meshd.pipeline_service import parse_stage_spec
 
         stage_path, _pin = parse_stage_spec(text)
-        if stage_path != "tiny" and not Path(stage_path).is_dir():
-            raise UsageError(f"--stage {text}: {stage_path} is not a checkpoint directory")
+        if stage_path != "tiny" and not _is_checkpoint(Path(stage_path)):
+            raise UsageError(f"--stage {text}: {stage_path} is not a checkpoint directory or .gguf file")
 
 
 def _probe_udp(config: DaemonConfig) -> None:

@@ -1,0 +1,95 @@
+"""The pipeline part of `meshd status` (text): each served model's plan with per-stage timings, and the
+ranges this node holds as a stage. Reads ``services.pipeline.pipeline`` of the status object (the same
+fields ``--json`` prints)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+Table = Callable[..., str]
+
+
+def _num(value: Any, fmt: str = "{:.2f}") -> str:
+    return "-" if not isinstance(value, int | float) else fmt.format(value)
+
+
+def _layers(value: Any) -> str:
+    if not isinstance(value, list) or len(value) != 2:
+        return "-"
+    return f"{value[0]}-{value[1]}"
+
+
+def _model(name: str, m: dict[str, Any], node_id: str, table: Table) -> str:
+    head = f"  model {name}: mode {m.get('mode')}, fingerprint {m.get('fingerprint')}"
+    run_id = m.get("run")
+    runs = m.get("runs") or {}
+    run = runs.get(run_id) if isinstance(runs, dict) else None
+    if run_id:
+        head += f", run {run_id}"
+    if isinstance(run, dict):
+        head += f", live sequences {run.get('live_sequences', 0)}"
+    text = head + "\n"
+    if m.get("unavailable"):
+        text += f"    unavailable: {m['unavailable']}\n"
+    if m.get("local_fallback"):
+        text += f"    running alone: {m['local_fallback']}\n"
+    plan = m.get("plan")
+    if plan:
+        stats = {s.get("node_id"): s for s in (run or {}).get("stages") or [] if isinstance(s, dict)}
+        rows = [["NODE", "LAYERS", "PATH", "RTT_MS", "CALLS", "LAT_MS", "COMPUTE_MS", "HOP_MS", "MAX_MS"]]
+        for i, stage in enumerate(plan):
+            nid = str(stage.get("node_id") or "-")
+            layers = _layers(stage.get("layers"))
+            if i == len(plan) - 1 and layers != "-":
+                layers += "+head"
+            s = stats.get(nid, {}) if i else {}
+            rows.append(
+                [
+                    (nid + " (this node)") if i == 0 or nid == node_id else nid,
+                    layers,
+                    str(s.get("path") or "-"),
+                    _num(s.get("path_rtt_ms_avg") if s.get("path_rtt_ms_avg") is not None else s.get("rtt_ms")),
+                    _num(s.get("calls"), "{}"),
+                    _num(s.get("latency_ms_avg")),
+                    _num(s.get("compute_ms_avg")),
+                    _num(s.get("hop_overhead_ms_avg")),
+                    _num(s.get("latency_ms_max")),
+                ]
+            )
+        text += table(rows, "    ")
+    elif not m.get("unavailable"):
+        text += "    no plan yet\n"
+    for r in m.get("refused") or []:
+        text += f"    refused {r.get('node_id')}: {r.get('reason')}\n"
+    if m.get("recoveries"):
+        text += f"    recoveries {m['recoveries']} (last {_num(m.get('last_recovery_ms'), '{:.0f}')} ms)\n"
+    return text
+
+
+def format_pipeline(st: dict[str, Any], table: Table) -> str:
+    """The pipeline section, or "" when this node neither serves a pipelined model nor holds a stage."""
+    pipe = ((st.get("services") or {}).get("pipeline") or {}).get("pipeline") or {}
+    models = pipe.get("models") or {}
+    stages = pipe.get("stages") or []
+    if not models and not stages:
+        return ""
+    text = f"pipeline  {pipe.get('pipeline', 'off')}\n"
+    for name, m in sorted(models.items()):
+        text += _model(name, m, str(st.get("node_id") or ""), table)
+    if stages:
+        rows = [["STAGE", "FINGERPRINT", "PIN", "LOADED", "LIVE_SEQS", "STEPS", "COMPUTE_MS"]]
+        for s in stages:
+            rows.append(
+                [
+                    str(s.get("path")),
+                    str(s.get("fingerprint")),
+                    _layers(s.get("pin")),
+                    ",".join(_layers(r) for r in s.get("loaded") or []) or "-",
+                    _num(s.get("live_sequences"), "{}"),
+                    _num(s.get("steps"), "{}"),
+                    _num(s.get("compute_ms_avg")),
+                ]
+            )
+        text += table(rows)
+    return text
