@@ -168,6 +168,23 @@ def test_stage_killed_mid_generation_recovers_byte_identical(ckpt: Path, lt: Loo
     assert got == ref
     assert prov.run is not None and [s.node_id for s in prov.run.plan.stages] == ["local", "s3"]
 
+@pytest.mark.parametrize("cut", [1, 2, 3])
+def test_q8_gguf_of_the_family_every_cut_matches_local(ckpt: Path, lt: LoopThread, tmp_path: Path,
+                                                       cut: int) -> None:
+    """The same on a Q8_0 GGUF (glm4moe / deepseek2 with kv_b split): stages map the file and take their
+    layer range (each widens only its own kv_b halves); byte-identical to the file run locally."""
+    pytest.importorskip("gguf")
+    from engine.gguf_export import export_gguf
+
+    g = tmp_path / "m.gguf"
+    export_gguf(ckpt, g, "Q8_0")
+    model, tok = Model.load(g), Tokenizer.load(g)
+    ids = tok.encode(PROMPT)
+    params = SamplingParams(max_tokens=10, temperature=0.9, seed=4, top_logprobs=2, ignore_eos=True)
+    ref = _run(model, tok, params, ids)
+    prov = InprocProvider(lt, model, g, [[("local", 0, cut - 1), ("s1", cut, 3)]])
+    assert _run(prov.pipelined(), tok, params, ids) == ref
+
 @pytest.mark.parametrize("arch,pin", [("glm4_moe", "1-3"), ("deepseek_v3", "2-3")])
 def test_real_stage_process_byte_identical(tmp_path: Path, arch: str, pin: str) -> None:
     """Real daemons on loopback: a serving node (``--pipeline on``) and a stage node (``--stage PATH@pin``)
