@@ -24,7 +24,7 @@ sparse layer, one embedding row) by that bandwidth: the decode speed memory allo
 8 layers, 16 experts of width 384, top-4, vocab 8192; layer 0 dense, 4 expert groups with 2 kept, one
 shared expert; glm4_moe: 12 heads over 4 KV heads of 64 with q/k/v bias, qk-norm and half rotary;
 deepseek_v3: 12 heads of latent attention, q LoRA 384, KV latent 256, nope 64 + rope 32, v 64, YaRN).
-The GGUF variants exist for qwen3_moe only: use ``--variants fp32,bf16`` with another arch.
+Every variant exists for every arch (GGUF: glm4moe / deepseek2 as llama.cpp's converter writes them).
 """
 
 from __future__ import annotations
@@ -288,6 +288,7 @@ def _active_bytes(model) -> int:
             total += per * cfg.top_k
         if lay.shared is not None:
             total += sum(int(w.nbytes) for w in lay.shared)
+        total += sum(int(w.nbytes) for w in lay.extra.values())  # latent attention's q_a, w_uk, w_uv, norms
     total += int(model.lm_head.nbytes) + int(np.asarray(model.norm).nbytes)
     total += int(model._embed.nbytes) // cfg.vocab_size
     return total
@@ -340,7 +341,7 @@ def _variants(path: Path, wanted: list[str]) -> dict[str, Path]:
                 import torch
                 import transformers
 
-                m = transformers.Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
+                m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
                 m.to(torch.bfloat16).save_pretrained(d)
             out[v] = d
         else:

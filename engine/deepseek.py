@@ -151,10 +151,12 @@ def parse_extra(raw: dict[str, Any], mt: str, head_dim: int, rope: RopeConfig,
     return out
 
 
-def mla_tensors(cfg: Any, layer: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+def mla_tensors(cfg: Any, layer: int, split_kv_b: bool = False) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Norms and latent-attention projections of one decoder layer (roles as the Layer fields: ``q`` is
     q_proj or q_b_proj, ``k`` kv_a_proj_with_mqa, ``v`` kv_b_proj, ``o`` o_proj; the rest go to
-    ``Layer.extra``)."""
+    ``Layer.extra``). ``split_kv_b``: kv_b as GGUF deepseek2 files store it since 2025
+    (engine/gguf_deepseek.py), ``k_b`` [H, c, n] (the key half, transposed) and ``v_b`` [H, v, c], in place
+    of ``v``."""
     m: MlaConfig = cfg.mla
     p = f"model.layers.{layer}"
     a = f"{p}.self_attn"
@@ -164,9 +166,13 @@ def mla_tensors(cfg: Any, layer: int) -> dict[str, tuple[str, tuple[int, ...]]]:
         "mlp_norm": (f"{p}.post_attention_layernorm.weight", (d,)),
         "k": (f"{a}.kv_a_proj_with_mqa.weight", (m.kv_lora_rank + m.qk_rope_head_dim, d)),
         "kv_a_norm": (f"{a}.kv_a_layernorm.weight", (m.kv_lora_rank,)),
-        "v": (f"{a}.kv_b_proj.weight", (h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)),
-        "o": (f"{a}.o_proj.weight", (d, h * m.v_head_dim)),
     }
+    if split_kv_b:
+        out["k_b"] = (f"{a}.k_b_proj.weight", (h, m.kv_lora_rank, m.qk_nope_head_dim))
+        out["v_b"] = (f"{a}.v_b_proj.weight", (h, m.v_head_dim, m.kv_lora_rank))
+    else:
+        out["v"] = (f"{a}.kv_b_proj.weight", (h * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank))
+    out["o"] = (f"{a}.o_proj.weight", (d, h * m.v_head_dim))
     if m.q_lora_rank is None:
         out["q"] = (f"{a}.q_proj.weight", (h * m.qk_head_dim, d))
     else:

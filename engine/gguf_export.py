@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from . import gguf_deepseek
 from .checkpoint import load_checkpoint, to_f32
 from .config import ModelConfig
 from .quant import BLOCKS, QK_K
@@ -224,13 +225,16 @@ def _tokenizer_meta(w: Any, src: Path) -> None:
 
 
 def export_gguf(src: str | Path, out: str | Path, mix: str = "F32",
-                types: Callable[[str, int], str] | None = None) -> dict[str, str]:
-    """Write checkpoint ``src`` to ``out`` in ``mix``; -> GGUF tensor name -> stored type."""
+                types: Callable[[str, int], str] | None = None, split_kv_b: bool = True) -> dict[str, str]:
+    """Write checkpoint ``src`` to ``out`` in ``mix``; -> GGUF tensor name -> stored type. ``split_kv_b``
+    (deepseek2): latent attention's kv_b as attn_k_b + attn_v_b, as converters since 2025 write it."""
     import gguf
 
     src, out = Path(src), Path(out)
     cfg = ModelConfig.load(src)
     ckpt = load_checkpoint(src)
+    if cfg.model_type in gguf_deepseek.EXPORTS:
+        return _export_deepseek(src, out, cfg, ckpt, mix, types, split_kv_b)
     arch = _ARCH[cfg.model_type]
 
     def get(key: str) -> np.ndarray:
@@ -262,8 +266,34 @@ def export_gguf(src: str | Path, out: str | Path, mix: str = "F32",
         _tokenizer_meta(w, src)
     if cfg.eos_token_ids:
         w.add_eos_token_id(cfg.eos_token_ids[0])
+    return _write_tensors(w, _tensors(cfg, get), mix, types)
+
+
+def _export_deepseek(src: Path, out: Path, cfg: ModelConfig, ckpt: Any, mix: str,
+                     types: Callable[[str, int], str] | None, split_kv_b: bool) -> dict[str, str]:
+    import gguf
+
+    def get(key: str) -> np.ndarray:
+        t = ckpt[key]
+        return np.asarray(to_f32(t.data, t.dtype), dtype=F32)
+
+    w = gguf.GGUFWriter(str(out), gguf_deepseek.EXPORTS[cfg.model_type])
+    gguf_deepseek.write_metadata(w, cfg, json.loads((src / "config.json").read_text("utf-8")))
+    if cfg.bos_token_id is not None:
+        w.add_bos_token_id(cfg.bos_token_id)
+    if (src / "tokenizer.json").is_file():
+        _tokenizer_meta(w, src)
+    if cfg.eos_token_ids:
+        w.add_eos_token_id(cfg.eos_token_ids[0])
+    return _write_tensors(w, gguf_deepseek.export_tensors(cfg, get, split_kv_b), mix, types)
+
+
+def _write_tensors(w: Any, tensors: dict[str, np.ndarray], mix: str,
+                   types: Callable[[str, int], str] | None) -> dict[str, str]:
+    import gguf
+
     chosen: dict[str, str] = {}
-    for name, arr in _tensors(cfg, get).items():
+    for name, arr in tensors.items():
         qtype = (types or (lambda n, k: mix_type(mix, n, k)))(name, arr.shape[-1])
         if arr.ndim == 1:
             qtype = "F32"

@@ -7,11 +7,11 @@ whose keys are the Hugging Face names the family key map (``engine.families``) a
 zero-copy view of the file mapping in its stored type. Fused expert tensors (``ffn_*_exps`` [E, I, D])
 appear as per-expert keys, each a contiguous slice.
 
-Architectures: llama (mixtral when it has experts), qwen2, qwen3, qwen2moe, qwen3moe, olmoe; anything else
-is refused by name. New families register a translator in ``ARCHITECTURES`` (``glm4moe``/``deepseek2``
-plug in there). llama GGUFs store the q/k rows permuted for ggml's rotary layout (``convert_hf_to_gguf``);
-the engine undoes it on the outputs of the projection (:class:`PermutedRows`), which moves values and
-changes no arithmetic.
+Architectures: llama (mixtral when it has experts), qwen2, qwen3, qwen2moe, qwen3moe, olmoe, and glm4moe /
+deepseek2 (``engine/gguf_deepseek.py``: their metadata, tensor names and MTP layers); anything else is
+refused by name. New families register a translator in ``ARCHITECTURES``. llama GGUFs store the q/k rows
+permuted for ggml's rotary layout (``convert_hf_to_gguf``); the engine undoes it on the outputs of the
+projection (:class:`PermutedRows`), which moves values and changes no arithmetic.
 
 Every problem raises :class:`~engine.checkpoint.CheckpointError` with one line naming the file and the
 tensor or type.
@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from . import gguf_deepseek
 from .checkpoint import Checkpoint, CheckpointError, TensorRef
 from .config import ConfigError, ModelConfig
 from .limits import GGUF_MAX_SPLITS
@@ -181,11 +182,12 @@ def _hf_config(meta: dict[str, Any], arch: str) -> dict[str, Any]:
     return raw
 
 
-# Translators: architecture -> GGUF metadata -> HF config dict. Families landing later (glm4moe,
-# deepseek2) register here together with their tensor names in ``TENSOR_NAMES``.
+# Translators: architecture -> GGUF metadata -> HF config dict (glm4moe/deepseek2: engine/gguf_deepseek.py,
+# with their own tensor names).
 ARCHITECTURES: dict[str, Callable[[dict[str, Any], str], dict[str, Any]]] = {
     a: _hf_config for a in ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "olmoe")
 }
+ARCHITECTURES.update({a: gguf_deepseek.hf_config for a in gguf_deepseek.ARCHES})
 
 # GGUF per-layer tensor name -> Hugging Face name after ``model.layers.{i}.`` ({moe} = mlp or
 # block_sparse_moe). ``*_exps`` are expanded per expert in ``_expert_refs``.
@@ -270,6 +272,9 @@ def load_gguf(path: str | Path) -> GGUFSource:
         raw = ARCHITECTURES[arch](meta, arch)
         names = {t.name for r in readers for t in r.tensors}
         raw["tie_word_embeddings"] = "output.weight" not in names
+        if arch in gguf_deepseek.ARCHES:  # attention options: from the tensors present
+            raw["attention_bias"] = any(n.endswith((".attn_q.bias", ".attn_kv_a_mqa.bias")) for n in names)
+            raw["use_qk_norm"] = any(n.endswith(".attn_q_norm.weight") for n in names)
         cfg = ModelConfig.from_hf(raw)
     except ConfigError as e:
         raise CheckpointError(f"{first}: {e}") from None
@@ -292,6 +297,8 @@ def load_gguf(path: str | Path) -> GGUFSource:
                 raise CheckpointError(f"{f}: tensor {name!r} is not used by the {arch} model")
             layer, rest = int(m[1]), m[2]
             prefix = f"model.layers.{layer}"
+            if cfg.num_layers <= layer < cfg.num_layers + cfg.mtp_layers:
+                continue  # multi-token-prediction layers (glm4moe's nextn) are not run
             if rest in _EXPS:
                 ref = _ref(f, t, name)
                 if len(ref.shape) != 3:
@@ -304,9 +311,13 @@ def load_gguf(path: str | Path) -> GGUFSource:
                                              data=ref.data[e])
                     offsets[key] = (f, begin + e * per, begin + (e + 1) * per)
                 continue
-            if rest not in TENSOR_NAMES:
+            hf_name = TENSOR_NAMES.get(rest)
+            if arch in gguf_deepseek.ARCHES:
+                own = gguf_deepseek.tensor_name(arch, rest)  # None: a generic name; "": one it does not use
+                hf_name = hf_name if own is None else own
+            if not hf_name:
                 raise CheckpointError(f"{f}: tensor {name!r} is not used by the {arch} model")
-            key = f"{prefix}.{TENSOR_NAMES[rest].format(moe=moe)}"
+            key = f"{prefix}.{hf_name.format(moe=moe)}"
             ref = _ref(f, t, key)
             if rest == "ffn_gate_inp_shexp.weight" and len(ref.shape) == 1:
                 ref = TensorRef(key=key, file=f, dtype=ref.dtype, shape=(1, ref.shape[0]),

@@ -32,7 +32,7 @@ from .deepseek import MLA_NORM_EPS, MlaConfig, mla_tensors
 from .limits import ATTENTION_QUERY_BLOCK
 from .model import F32, KVCache, Layer, Model, _Loader
 from .ops import apply_rope, causal_mask, rmsnorm, softmax_
-from .quant import Packed
+from .quant import Packed, dequantize
 
 
 class MlaModel(Model):
@@ -45,15 +45,30 @@ class MlaModel(Model):
 
     @staticmethod
     def _attention_layer(cfg: ModelConfig, ld: _Loader, i: int) -> Layer:
-        w = ld.group(mla_tensors(cfg, i))
         m: MlaConfig = cfg.mla
+        split = mla_tensors(cfg, i, split_kv_b=True)
+        specs = mla_tensors(cfg, i)
+        if split["k_b"][0] in ld.ckpt:  # GGUF deepseek2: kv_b stored split
+            if specs["v"][0] in ld.ckpt:  # some files keep kv_b too: that one is used, the split pair skipped
+                ld.used.update((split["k_b"][0], split["v_b"][0]))
+            else:
+                specs = split
+        kb_spec, vb_spec = specs.pop("k_b", None), specs.pop("v_b", None)
+        w = ld.group(specs)
         layer = Layer(attn_norm=w.pop("attn_norm"), mlp_norm=w.pop("mlp_norm"), q=w.pop("q"), k=w.pop("k"),
-                      v=w.pop("v"), o=w.pop("o"), k_bias=w.pop("k_bias", None), o_bias=w.pop("o_bias", None))
-        if isinstance(layer.v, Packed):  # bf16/fp16 storage: kv_b is split and reshaped, so widen it
-            layer.v = layer.v.widen()
-        kvb = layer.v.reshape(cfg.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-        w["w_uk"] = np.ascontiguousarray(kvb[:, : m.qk_nope_head_dim])  # [H, n, c]
-        w["w_uv"] = np.ascontiguousarray(kvb[:, m.qk_nope_head_dim :])  # [H, v, c]
+                      v=w.pop("v", np.zeros(0, dtype=F32)), o=w.pop("o"), k_bias=w.pop("k_bias", None),
+                      o_bias=w.pop("o_bias", None))
+        if kb_spec is not None and vb_spec is not None:  # widened per layer (a stage widens only its own)
+            kb, vb = ld.ref(kb_spec), ld.ref(vb_spec)
+            k_b = dequantize(kb.data, kb.dtype, kb.shape)  # [H, c, n]
+            w["w_uk"] = np.ascontiguousarray(k_b.transpose(0, 2, 1))  # [H, n, c]
+            w["w_uv"] = np.ascontiguousarray(dequantize(vb.data, vb.dtype, vb.shape), dtype=F32)  # [H, v, c]
+        else:
+            if isinstance(layer.v, Packed):  # bf16/fp16/quantized storage: kv_b is split and reshaped: widen
+                layer.v = layer.v.widen()
+            kvb = layer.v.reshape(cfg.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+            w["w_uk"] = np.ascontiguousarray(kvb[:, : m.qk_nope_head_dim])  # [H, n, c]
+            w["w_uv"] = np.ascontiguousarray(kvb[:, m.qk_nope_head_dim :])  # [H, v, c]
         layer.extra = w  # q_a, q_a_norm, q_a_bias, kv_a_norm, w_uk, w_uv
         layer.v = np.zeros((0, m.kv_lora_rank), dtype=F32)  # kv_b lives on split in w_uk/w_uv only
         return layer

@@ -1,9 +1,10 @@
 """The expert-worker parity gate (tests/test_experts_parity.py's) on the DeepSeek-V3-style families, over
 real QUIC on loopback with real worker processes: ``glm4_moe`` and ``deepseek_v3`` tiny checkpoints
 (dense layer 0, group-limited sigmoid routing with a correction bias, a shared expert, latent attention
-for deepseek_v3), and the deepseek_v3 one converted to FP8 with block scales (workers dequantize the
-experts they hold). Local and delegated runs must be equal byte for byte; the dense layer and the shared
-experts stay on the routing node (the workers hold routed experts only) and the routing runs there.
+for deepseek_v3), the deepseek_v3 one converted to FP8 with block scales (workers dequantize the
+experts they hold), and both as Q8_0 GGUF files (glm4moe, deepseek2). Local and delegated runs must
+be equal byte for byte; the dense layer and the shared experts stay on the routing node (the workers
+hold routed experts only) and the routing runs there.
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ class Setup:
         self.mesh = MeshFixture()
         self.ckpts = {a: create_tiny(tmp / a, arch=a, seed=5) for a in ARCHES}
         self.ckpts["deepseek_v3-fp8"] = fp8_copy(self.ckpts["deepseek_v3"], tmp / "deepseek_v3-fp8")
+        from engine.gguf_export import export_gguf
+
+        for a in ARCHES:  # GGUF glm4moe / deepseek2 (kv_b split into attn_k_b/attn_v_b), Q8_0
+            self.ckpts[f"gguf-{a}-Q8_0"] = tmp / f"{a}-q8.gguf"
+            export_gguf(self.ckpts[a], self.ckpts[f"gguf-{a}-Q8_0"], "Q8_0")
         specs = [str(p) for p in self.ckpts.values()]
         self.workers: list[WorkerProc] = [spawn_worker(self.mesh, tmp, specs) for _ in range(2)]
         self.models = {a: Model.load(p) for a, p in self.ckpts.items()}
