@@ -26,6 +26,7 @@ import threading
 import numpy as np
 
 from .limits import KERNEL_CHUNK_WEIGHTS, KERNEL_MAX_THREADS, KERNEL_POOL_MIN_WEIGHTS
+from .quant import DEQUANT_TYPES  # quant imports this module only on first use: no cycle at import
 
 try:  # the optional extra
     if os.environ.get("MESHD_KERNELS", "").lower() == "numpy":
@@ -411,9 +412,6 @@ def run(x: np.ndarray, qtype: str, data: np.ndarray, out: np.ndarray, r0: int, r
         _KERNELS[qtype](x, data, out, HALF, r0, r1)
 
 
-# compiled dequantization measured >= 2x numpy's (bench/kernels.py, 1 Mi-weight tile): Q4_0 4.1x, Q4_K 22x,
-# Q5_K 22x, Q6_K 56x; Q8_0 (1.7-2.7x: numpy's is one multiply) stays numpy
-DEQUANT_TYPES = ("Q4_0", "Q4_K", "Q5_K", "Q6_K")
 
 
 def dequantize_blocks(blocks: np.ndarray, qtype: str) -> np.ndarray | None:

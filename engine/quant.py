@@ -48,6 +48,10 @@ SUPPORTED_TYPES = tuple(BLOCKS)
 # Types whose compiled decode kernel measured >= 2x the numpy tiles (engine.kernels; bench/kernels.py, figures in
 # docs/engine-model.md): all of them since the kernels vectorise (32-lane accumulators).
 KERNEL_TYPES = ("BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+# Types whose compiled dequantization (prefill tiles) measured >= 2x numpy's (bench/kernels.py, 1 Mi-weight
+# tile): Q4_0 4.1x, Q4_K 22x, Q5_K 22x, Q6_K 56x; Q8_0 (1.7-2.7x: numpy's is one multiply) stays numpy. Other
+# types never import the kernels (numba) to dequantize.
+DEQUANT_TYPES = ("Q4_0", "Q4_K", "Q5_K", "Q6_K")
 
 _NIBBLE_SHIFT = np.array([0, 4], dtype=np.uint8)
 _BIT_SHIFT = np.arange(8, dtype=np.uint8)
@@ -131,7 +135,8 @@ def dequantize(data: np.ndarray, qtype: str, shape: tuple[int, ...]) -> np.ndarr
     if not bs:
         dequantize_blocks(data[:0], qtype)  # raises naming the type
     blocks = np.ascontiguousarray(data).reshape(-1, ts)
-    fast = _kernels().dequantize_blocks(blocks, qtype)  # the same bits, compiled (10-20x: prefill tiles)
+    # the same bits, compiled (4-56x: prefill tiles)
+    fast = _kernels().dequantize_blocks(blocks, qtype) if qtype in DEQUANT_TYPES else None
     return (dequantize_blocks(blocks, qtype) if fast is None else fast).reshape(shape)
 
 
@@ -184,7 +189,7 @@ class Packed:
         """``x @ W.T``: [T, K] fp32 -> [T, N] fp32, one cache-sized tile of rows at a time (or, for a few
         rows of a type with a compiled kernel, ``engine.kernels``: the choice depends only on T and the
         type, so every process computing the same rows makes the same choice)."""
-        if x.shape[0] <= KERNEL_MAX_ROWS and self.qtype in KERNEL_TYPES:
+        if _uses_kernel(x, self):
             out = _kernel_gemm(x, self.qtype, self.data)
             if out is not None:
                 return out

@@ -1,8 +1,9 @@
 """What the planner needs to know about a checkpoint: its fingerprint and the bytes of each layer.
 
 ``fingerprint(path)``: SHA-256 over a domain tag, the canonical ``config.json`` and every weight file's
-name and bytes (a GGUF checkpoint: every file of the set, whose bytes hold its metadata too) (read with ``pread``: no mapping, no resident pages left behind), so two checkpoints with
-the same shapes but other weights differ. Computed once per process per (path, sizes, mtimes).
+name and bytes (a GGUF checkpoint: every file of the set, whose bytes hold its metadata too), read with
+``pread`` (no mapping, no resident pages left behind), so two checkpoints with the same shapes but other
+weights differ. Computed once per process per (path, sizes, mtimes).
 ``need_of(model, fingerprint)``: per-layer weight bytes, the output head's bytes and one token's
 activation bytes, from the loaded (memory-mapped) checkpoint's tensor index.
 """

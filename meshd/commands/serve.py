@@ -32,7 +32,9 @@ def _stop_during_startup(signum: int, frame: FrameType | None) -> None:
 
 def _is_checkpoint(path: Path) -> bool:
     """A checkpoint directory or a .gguf file (the engine loads both; a split set by its first file)."""
-    return path.is_dir() or (path.is_file() and path.suffix == ".gguf")
+    from engine.gguf_file import is_gguf
+
+    return path.is_dir() or (is_gguf(path) and path.is_file())
 
 
 def _check_specs(config: DaemonConfig) -> None:
