@@ -28,6 +28,10 @@ KERNEL_CHUNK_WEIGHTS = 256 * 1024
 KERNEL_POOL_MIN_WEIGHTS = 512 * 1024
 # threads computing kernel products at most (MESHD_KERNEL_THREADS picks fewer): decode-sized products feed no more
 KERNEL_MAX_THREADS = 8
+# fp32 weights from this many weights up use the compiled decode kernel (engine.dense) for <= KERNEL_MAX_ROWS rows:
+# 64 Ki weights (256 KiB) is where reading the weights outweighs a call; smaller (test-sized) models keep BLAS
+# and never import numba
+DENSE_KERNEL_MIN_WEIGHTS = 64 * 1024
 # GGUF reading (engine/gguf_file.py)
 GGUF_MAX_SPLITS = 256  # files of one split GGUF set (-00001-of-0000N.gguf); published sets use < 100
 GGUF_MAX_VOCAB = 1 << 20  # tokens in tokenizer.ggml.tokens; the largest published vocabularies are ~260 Ki

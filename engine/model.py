@@ -34,7 +34,9 @@ from .fp8 import Fp8Tensor, scale_key, scale_shape
 from .gguf_file import PermutedRows, is_gguf, load_gguf, unpermute_index
 from .moe import ExpertExecutor, ForwardSteps, RoutedCall, drive, expert_ffn, local_executor, route, silu
 from .ops import RopeTable, apply_rope, attention, rmsnorm
-from .quant import Packed, matmul_many, packed, warm_kernels
+from .dense import matmul, matmul_many
+from .dense import warm as warm_dense
+from .quant import Packed, packed, warm_kernels
 
 log = structlog.get_logger(__name__)
 
@@ -287,6 +289,7 @@ class Model:
         if layers is None:
             ld.check_unexpected(cfg)
         warm_kernels(w for lay in loaded for w in (lay.q, lay.o, *(lay.experts[0] if lay.experts else ())))
+        warm_dense([w for lay in loaded for w in (lay.q, lay.o, *(lay.experts[0] if lay.experts else ()))])
         log.info("model_loaded", path=str(p), model_type=cfg.model_type, layers=cfg.num_layers,
                  first_layer=first, last_layer=last, weight_bytes=ckpt.nbytes, files=len(ckpt.files))
         return cls(cfg, loaded, embed, norm, lm_head, ckpt, p, first_layer=first)
@@ -546,7 +549,7 @@ class Model:
 
     @staticmethod
     def _out(layer: Layer, att: np.ndarray) -> np.ndarray:
-        out = att @ layer.o.T  # [T, D]
+        out = matmul(att, layer.o)  # [T, D]
         if layer.o_bias is not None:
             out += layer.o_bias
         return out
@@ -556,11 +559,11 @@ class Model:
         if not layer.sparse:
             if layer.gate_bias is None:
                 return expert_ffn(h, layer.gate, layer.up, layer.down)  # type: ignore[arg-type]
-            a = h @ layer.gate.T + layer.gate_bias  # type: ignore[union-attr]
-            a = silu(a) * (h @ layer.up.T + layer.up_bias)  # type: ignore[union-attr]
-            return a @ layer.down.T + layer.down_bias  # type: ignore[union-attr]
+            a = matmul(h, layer.gate) + layer.gate_bias
+            a = silu(a) * (matmul(h, layer.up) + layer.up_bias)
+            return matmul(a, layer.down) + layer.down_bias
         c = self.config
-        logits = h @ layer.router.T  # type: ignore[union-attr]  # [T, E]
+        logits = matmul(h, layer.router)  # [T, E]
         if c.router is not None:
             bias = layer.router_bias
             routing = route_sigmoid(logits, bias, c.top_k, c.router, c.norm_topk_prob)  # type: ignore[arg-type]
@@ -580,7 +583,7 @@ class Model:
         if self.lm_head is None:
             raise ValueError("this pipeline stage does not hold the output head")
         x = rmsnorm(x, self.norm, self.config.rms_norm_eps)
-        return x @ self.lm_head.T  # [T, V]
+        return matmul(x, self.lm_head)  # [T, V]
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """Final norm and output head: hidden [T, D] -> logits [T, V] fp32 (the last stage's job)."""

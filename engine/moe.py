@@ -40,7 +40,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .quant import matmul_many
+from .dense import matmul_many
 
 # One work item: (expert index, ascending row indices into x).
 WorkItem = tuple[int, np.ndarray]

@@ -1,0 +1,78 @@
+"""Every product of the forward pass: ``engine.quant`` for packed weights, and a compiled decode kernel for
+fp32 weights (``engine.dense_kernels``, numba: the optional ``[fast]`` extra) where it reads faster than BLAS.
+
+The choice for an fp32 weight depends only on the number of activation rows (``<= KERNEL_MAX_ROWS``), the
+weight's size (``>= DENSE_KERNEL_MIN_WEIGHTS``: a test-sized model never imports numba) and whether numba
+is installed, so every process computing the same rows (local pass, expert worker, pipeline stage) makes
+the same choice and gets the same bits. ``MESHD_KERNELS=numpy`` turns the kernel off, as for the packed ones.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import numpy as np
+
+from . import quant
+from .limits import DENSE_KERNEL_MIN_WEIGHTS, KERNEL_MAX_ROWS
+
+F32 = np.float32
+
+_mod: ModuleType | None = None
+_tried = False
+
+
+def _kernels() -> ModuleType | None:
+    """``engine.dense_kernels`` on first use, or None without numba (or with ``MESHD_KERNELS=numpy``)."""
+    global _mod, _tried
+    if not _tried:
+        _tried = True
+        if os.environ.get("MESHD_KERNELS", "").lower() != "numpy":
+            try:
+                from . import dense_kernels
+            except ImportError:  # pragma: no cover - exercised when numba is absent
+                dense_kernels = None  # type: ignore[assignment]
+            _mod = dense_kernels
+    return _mod
+
+
+def _f32_kernel(x: np.ndarray, w: object) -> bool:
+    return (isinstance(w, np.ndarray) and w.dtype == F32 and w.ndim == 2 and w.size >= DENSE_KERNEL_MIN_WEIGHTS
+            and x.shape[0] <= KERNEL_MAX_ROWS and w.flags.c_contiguous and _kernels() is not None)
+
+
+def _f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=F32)
+    out = np.empty((x.shape[0], w.shape[0]), dtype=F32)
+    _mod.f32_rows(x, w, out, 0, w.shape[0])  # type: ignore[union-attr]
+    return out
+
+
+def matmul(x: np.ndarray, w: object) -> np.ndarray:
+    """``x @ w.T``: [T, K] -> [T, N] fp32, for any weight the engine holds."""
+    if _f32_kernel(x, w):
+        return _f32(x, w)  # type: ignore[arg-type]
+    return x @ w.T  # type: ignore[attr-defined]
+
+
+def matmul_many(pairs: list[tuple[np.ndarray, object]]) -> list[np.ndarray]:
+    """``[matmul(x, w) for x, w in pairs]``, bit for bit; the packed ones in one ``quant.matmul_many`` round."""
+    fast = [_f32_kernel(x, w) for x, w in pairs]
+    if not any(fast):
+        return quant.matmul_many(pairs)  # type: ignore[arg-type]
+    rest = iter(quant.matmul_many([p for p, f in zip(pairs, fast) if not f]))  # type: ignore[misc]
+    return [_f32(x, w) if f else next(rest) for (x, w), f in zip(pairs, fast)]  # type: ignore[arg-type]
+
+
+def uses_kernel(weights: list[object]) -> bool:
+    """Whether a decode over these weights would use the fp32 kernel (then ``warm`` is worth calling)."""
+    return any(isinstance(w, np.ndarray) and w.dtype == F32 and w.ndim == 2 and w.size >= DENSE_KERNEL_MIN_WEIGHTS
+               for w in weights)
+
+
+def warm(weights: list[object]) -> None:
+    """Load the compiled kernels now if a decode over ``weights`` would use them (numba's import and cache:
+    the first request does not stall, and the runtime's memory is paid before any activation)."""
+    if uses_kernel(weights) and (mod := _kernels()) is not None:
+        mod.warm()

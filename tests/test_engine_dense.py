@@ -1,0 +1,76 @@
+"""The compiled fp32 decode products (engine.dense / engine.dense_kernels): accuracy against a float64
+reference, bits independent of the number of activation rows and of how the rows are split, the dispatch
+rule, and a model large enough to use them against transformers (within 1e-4, as every family's parity)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import dense
+from engine.limits import DENSE_KERNEL_MIN_WEIGHTS, KERNEL_MAX_ROWS
+
+kern = dense._kernels()
+needs_numba = pytest.mark.skipif(kern is None, reason="numba not installed (the [fast] extra)")
+
+
+def _rand(shape: tuple[int, ...], seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+@needs_numba
+@pytest.mark.parametrize("n,k", [(1, 16), (7, 33), (8, 64), (203, 300), (520, 768)])
+def test_rows_match_float64(n: int, k: int) -> None:
+    w, x = _rand((n, k), 1), _rand((KERNEL_MAX_ROWS, k), 2)
+    out = np.empty((KERNEL_MAX_ROWS, n), dtype=np.float32)
+    kern.f32_rows(x, w, out, 0, n)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    scale = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
+    assert np.all(np.abs(out - ref) <= 1e-6 * scale + 1e-30)
+
+
+@needs_numba
+def test_bits_do_not_depend_on_rows_in_the_call_or_the_split() -> None:
+    n, k = 203, 300
+    w, x = _rand((n, k), 3), _rand((KERNEL_MAX_ROWS, k), 4)
+    full = np.empty((KERNEL_MAX_ROWS, n), dtype=np.float32)
+    kern.f32_rows(x, w, full, 0, n)
+    for t in range(1, KERNEL_MAX_ROWS):
+        part = np.empty((t, n), dtype=np.float32)
+        kern.f32_rows(np.ascontiguousarray(x[-t:]), w, part, 0, n)
+        assert part.tobytes() == full[-t:].tobytes()
+    split = np.empty_like(full)
+    for a, b in ((0, 8), (8, 64), (64, 200), (200, n)):  # chunk starts on multiples of 8
+        kern.f32_rows(x, w, split, a, b)
+    assert split.tobytes() == full.tobytes()
+
+
+@needs_numba
+def test_dispatch_rule() -> None:
+    side = int(DENSE_KERNEL_MIN_WEIGHTS**0.5)
+    big, small = _rand((side, side), 5), _rand((side // 2, side), 6)
+    x = _rand((1, side), 7)
+    assert dense._f32_kernel(x, big) and not dense._f32_kernel(x, small)
+    assert not dense._f32_kernel(_rand((KERNEL_MAX_ROWS + 1, side), 8), big)  # prefill: BLAS
+    assert not dense._f32_kernel(x, np.asfortranarray(big))
+    got = dense.matmul_many([(x, big), (x, small), (x, big.astype(np.float16))])
+    assert got[1].tobytes() == (x @ small.T).tobytes()
+    np.testing.assert_allclose(got[0], x @ big.T, rtol=1e-4, atol=1e-4)
+    assert got[0].tobytes() == dense.matmul(x, big).tobytes()
+    np.testing.assert_allclose(got[2], x @ big.astype(np.float16).T, rtol=1e-4, atol=1e-3)
+
+
+@needs_numba
+def test_model_on_the_kernel_matches_transformers(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from test_engine_parity import _build, _check
+
+    m = _build("Qwen3MoeConfig", "Qwen3MoeForCausalLM", seed=11, vocab_size=512, hidden_size=256,
+               intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=64, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+    m.save_pretrained(tmp_path)
+    eng = _check(m, tmp_path)
+    lay = eng.layers[0]
+    assert dense.uses_kernel([lay.q, *lay.experts[0]])  # the products above ran on the kernel
