@@ -76,3 +76,23 @@ def warm(weights: list[object]) -> None:
     the first request does not stall, and the runtime's memory is paid before any activation)."""
     if uses_kernel(weights) and (mod := _kernels()) is not None:
         mod.warm()
+
+
+def step_kernels(hidden: int, heads: int, head_dim: int, qk_norm: str, clip_qkv: float | None) -> bool:
+    """Whether a model of this shape runs its decode attention (one new position per sequence) compiled:
+    numba is there, the model is not test-sized (q is at least ``DENSE_KERNEL_MIN_WEIGHTS`` weights) and its
+    attention has no full-width q/k norm or clipping. Depends on the config only, so a pipeline stage decides
+    as the whole model does."""
+    return (hidden * heads * head_dim >= DENSE_KERNEL_MIN_WEIGHTS and qk_norm in ("none", "head")
+            and clip_qkv is None and _kernels() is not None)
+
+
+def warm_step() -> None:
+    """Load the compiled decode-step kernels now (see ``warm``)."""
+    if (mod := _kernels()) is not None:
+        mod.warm()
+
+
+def attend_one(*args: object) -> None:
+    """``engine.dense_kernels.attend_one`` (callers check ``step_kernels`` first)."""
+    _mod.attend_one(*args)  # type: ignore[union-attr]

@@ -56,8 +56,86 @@ def f32_rows(x: np.ndarray, w: np.ndarray, out: np.ndarray, r0: int, r1: int) ->
         r += 1
 
 
+@njit(**_OPTS)
+def _head_norm(x: np.ndarray, w: np.ndarray, eps: float) -> None:
+    """In place: each row of x [n, hd] -> ``w * x / sqrt(mean(x**2) + eps)``."""
+    n, hd = x.shape
+    for h in range(n):
+        ss = np.float32(0.0)
+        for i in range(hd):
+            ss += x[h, i] * x[h, i]
+        r = np.float32(1.0) / np.sqrt(ss / np.float32(hd) + np.float32(eps))
+        for i in range(hd):
+            x[h, i] = x[h, i] * r * w[i]
+
+
+@njit(**_OPTS)
+def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
+    """In place, rotate-half over the first ``2 * len(cos)`` dims of each row of x [n, hd]."""
+    half = cos.shape[0]
+    for h in range(x.shape[0]):
+        for i in range(half):
+            a, b = x[h, i], x[h, i + half]
+            x[h, i] = a * cos[i] - b * sin[i]
+            x[h, i + half] = b * cos[i] + a * sin[i]
+
+
+@njit(**_OPTS)
+def attend_one(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray, eps: float,
+               cos: np.ndarray, sin: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos: int, lo: int, scale: float,
+               out: np.ndarray) -> None:
+    """Attention of one new position ``pos`` (decode): q [H, hd], k [KV, hd], v [KV, vd] before their head
+    norms (``q_norm``/``k_norm`` [hd], or empty: none) and rotary embedding (cos/sin [r/2] of ``pos``); both
+    are applied in place, k and v are written into the cache kc [KV, cap, hd] / vc [KV, cap, vd] at ``pos``,
+    and out [H * vd] gets softmax(q k^T * scale) v over the cached positions ``lo..pos``."""
+    nh, hd = q.shape
+    nkv = k.shape[0]
+    vd = v.shape[1]
+    g = nh // nkv
+    if q_norm.size:
+        _head_norm(q, q_norm, eps)
+    if k_norm.size:
+        _head_norm(k, k_norm, eps)
+    _rope(q, cos, sin)
+    _rope(k, cos, sin)
+    for h in range(nkv):
+        for i in range(hd):
+            kc[h, pos, i] = k[h, i]
+        for i in range(vd):
+            vc[h, pos, i] = v[h, i]
+    n = pos + 1 - lo
+    sc = np.empty((g, n), dtype=np.float32)
+    acc = np.empty(vd, dtype=np.float32)
+    for h in range(nkv):
+        for j in range(n):
+            for a in range(g):
+                s = np.float32(0.0)
+                for i in range(hd):
+                    s += q[h * g + a, i] * kc[h, lo + j, i]
+                sc[a, j] = s * np.float32(scale)
+        for a in range(g):
+            m = sc[a, 0]
+            for j in range(1, n):
+                m = max(m, sc[a, j])
+            tot = np.float32(0.0)
+            for j in range(n):
+                e = np.exp(sc[a, j] - m)
+                sc[a, j] = e
+                tot += e
+            acc[:] = 0.0
+            for j in range(n):
+                p = sc[a, j]
+                for i in range(vd):
+                    acc[i] += p * vc[h, lo + j, i]
+            o = (h * g + a) * vd
+            for i in range(vd):
+                out[o + i] = acc[i] / tot
+
+
 def warm() -> None:
     """Load (or compile once into numba's cache) every kernel here."""
     x = np.zeros((1, 16), dtype=np.float32)
     out = np.empty((1, 9), dtype=np.float32)
     f32_rows(x, np.zeros((9, 16), dtype=np.float32), out, 0, 9)
+    q, k, c = np.zeros((2, 4), dtype=np.float32), np.zeros((1, 4), dtype=np.float32), np.zeros((1, 2, 4), dtype=np.float32)
+    attend_one(q, k, k.copy(), q[0], q[0, :0], 1e-6, q[0, :2], q[0, :2], c, c.copy(), 0, 0, 0.5, np.empty(8, np.float32))

@@ -34,6 +34,7 @@ from .fp8 import Fp8Tensor, scale_key, scale_shape
 from .gguf_file import PermutedRows, is_gguf, load_gguf, unpermute_index
 from .moe import ExpertExecutor, ForwardSteps, RoutedCall, drive, expert_ffn, local_executor, route, silu
 from .ops import RopeTable, apply_rope, attention, rmsnorm
+from . import dense
 from .dense import matmul, matmul_many
 from .dense import warm as warm_dense
 from .quant import Packed, packed, warm_kernels
@@ -41,6 +42,7 @@ from .quant import Packed, packed, warm_kernels
 log = structlog.get_logger(__name__)
 
 F32 = np.float32
+_NONE = np.zeros(0, dtype=F32)  # an absent q/k norm, for the compiled attention
 WARM_MAX_BYTES = 8 << 20  # ``Model.warm`` reads at most this per layer (~0.6 ms of memory reads)
 
 
@@ -239,6 +241,9 @@ class Model:
         self.rope = RopeTable(config.rope, config.rotary_dim or config.head_dim)
         self.scale = config.head_dim**-0.5
         self._local = local_executor(self.expert_weights)
+        # decode attention (one new position per sequence) compiled: engine.dense.step_kernels
+        self._step = dense.step_kernels(config.hidden_size, config.num_heads, config.head_dim, config.qk_norm,
+                                        config.clip_qkv)
 
     # ----- loading -----------------------------------------------------------------------------------
     @classmethod
@@ -290,6 +295,8 @@ class Model:
             ld.check_unexpected(cfg)
         warm_kernels(w for lay in loaded for w in (lay.q, lay.o, *(lay.experts[0] if lay.experts else ())))
         warm_dense([w for lay in loaded for w in (lay.q, lay.o, *(lay.experts[0] if lay.experts else ()))])
+        if dense.step_kernels(cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.qk_norm, cfg.clip_qkv):
+            dense.warm_step()
         log.info("model_loaded", path=str(p), model_type=cfg.model_type, layers=cfg.num_layers,
                  first_layer=first, last_layer=last, weight_bytes=ckpt.nbytes, files=len(ckpt.files))
         return cls(cfg, loaded, embed, norm, lm_head, ckpt, p, first_layer=first)
@@ -504,6 +511,8 @@ class Model:
         """Attention of a layer for T new positions after ``past``: normed h [T, D] -> [T, H * hd] (before
         o_proj); writes the new keys and values into the layer's cache arrays kc, vc."""
         t = h.shape[0]
+        if t == 1 and self._step:
+            return self._attend_one(layer, h, kc, vc, past, cos[0], sin[0], window)
         q, k, v = self._qkv(layer, h, cos, sin)
         kc[:, past : past + t] = k.transpose(1, 0, 2)
         vc[:, past : past + t] = v.transpose(1, 0, 2)
@@ -513,6 +522,9 @@ class Model:
                       pos: np.ndarray, cos: np.ndarray, sin: np.ndarray, window: int | None) -> np.ndarray:
         """Attention of a layer for one new position per sequence: h [B, D] -> [B, H * hd]; ``kv`` holds
         each sequence's cache arrays of this layer."""
+        if self._step:
+            return np.concatenate([self._attend_one(layer, h[s : s + 1], kc, vc, int(pos[s]), cos[s], sin[s], window)
+                                   for s, (kc, vc) in enumerate(kv)])
         q, k, v = self._qkv(layer, h, cos, sin)  # [B, heads, hd]
         att = np.empty((h.shape[0], q.shape[1] * q.shape[2]), dtype=F32)
         for s, (kc, vc) in enumerate(kv):
@@ -521,6 +533,26 @@ class Model:
             vc[:, p] = v[s]
             att[s] = attention(q[s : s + 1], kc[:, : p + 1], vc[:, : p + 1], p, self.scale, window)[0]
         return att
+
+    def _attend_one(self, layer: Layer, h: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos: int,
+                    cos: np.ndarray, sin: np.ndarray, window: int | None) -> np.ndarray:
+        """``_attend`` of one new position at ``pos``, compiled (``engine.dense_kernels.attend_one``: head
+        norms, rope, cache write and attention in one call): h [1, D] -> [1, H * hd]."""
+        c = self.config
+        q, k, v = matmul_many([(h, layer.q), (h, layer.k), (h, layer.v)])
+        if layer.q_bias is not None:
+            q += layer.q_bias
+            k += layer.k_bias
+            v += layer.v_bias
+        out = np.empty((1, c.num_heads * c.head_dim), dtype=F32)
+        lo = 0 if window is None else max(0, pos - window + 1)
+        dense.attend_one(np.ascontiguousarray(q).reshape(c.num_heads, c.head_dim),
+                         np.ascontiguousarray(k).reshape(c.num_kv_heads, c.head_dim),
+                         np.ascontiguousarray(v).reshape(c.num_kv_heads, c.head_dim),
+                         _NONE if layer.q_norm is None else layer.q_norm,
+                         _NONE if layer.k_norm is None else layer.k_norm, c.rms_norm_eps,
+                         cos, sin, kc, vc, pos, lo, self.scale, out[0])
+        return out
 
     def _qkv(self, layer: Layer, h: np.ndarray, cos: np.ndarray,
              sin: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

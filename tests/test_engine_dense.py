@@ -74,3 +74,17 @@ def test_model_on_the_kernel_matches_transformers(tmp_path: Path) -> None:
     eng = _check(m, tmp_path)
     lay = eng.layers[0]
     assert dense.uses_kernel([lay.q, *lay.experts[0]])  # the products above ran on the kernel
+    # a two-stage split (what pipeline stages run: span_steps over their layers) gives the whole model's bits
+    from engine.moe import drive
+
+    first, second = eng.part(0, 0), eng.part(1, 1)
+    whole, c0, c1 = eng.new_cache(), first.new_cache(), second.new_cache()
+    for ids in ([5, 9, 77, 300, 2], [41], [7], [8]):
+        want = eng.forward(ids, whole)
+        past = c0.length
+        c0.reserve(past + len(ids))
+        c1.reserve(past + len(ids))
+        x = drive(first.span_steps(first.embed(np.asarray(ids)), c0, past), first.local_executor)
+        x = drive(second.span_steps(x, c1, past), second.local_executor)
+        c0.length = c1.length = past + len(ids)
+        assert second.logits(x).tobytes() == want.tobytes()
