@@ -32,6 +32,11 @@ KERNEL_MAX_THREADS = 8
 # 64 Ki weights (256 KiB) is where reading the weights outweighs a call; smaller (test-sized) models keep BLAS
 # and never import numba
 DENSE_KERNEL_MIN_WEIGHTS = 64 * 1024
+# fp32 decode products are shared with a helper thread (engine.dense) in chunks of about this many weights (256 KiB,
+# ~7 us at ~37 GB/s; claiming one is an atomic add, so small chunks only even out the two threads' ends)
+DENSE_CHUNK_WEIGHTS = 64 * 1024
+# a round of fp32 decode products smaller than this runs on the calling thread alone (waking the helper costs ~10-20 us)
+DENSE_POOL_MIN_WEIGHTS = 512 * 1024
 # GGUF reading (engine/gguf_file.py)
 GGUF_MAX_SPLITS = 256  # files of one split GGUF set (-00001-of-0000N.gguf); published sets use < 100
 GGUF_MAX_VOCAB = 1 << 20  # tokens in tokenizer.ggml.tokens; the largest published vocabularies are ~260 Ki
