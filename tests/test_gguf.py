@@ -323,9 +323,10 @@ def status(key):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
 from engine.model import Model
-from engine import kernels
+from engine import dense, kernels
 import numpy as np
 kernels.warm()  # the runtime (numba, if installed) is paid before the baseline: a fixed cost, not the weights'
+dense.warm_step()  # likewise the compiled decode step's kernels (engine.dense_kernels)
 before = status('VmRSS:')
 m = Model.load(sys.argv[1], prefetch=False)
 c = m.new_cache(16)
