@@ -212,3 +212,11 @@ def warm_step() -> None:
 def attend_one(*args: object) -> None:
     """``engine.dense_kernels.attend_one`` (callers check ``step_kernels`` first)."""
     _mod.attend_one(*args)  # type: ignore[union-attr]
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """``ops.rmsnorm`` of a few rows [T, n] compiled (callers check ``step_kernels`` first)."""
+    x = np.ascontiguousarray(x, dtype=F32)
+    out = np.empty_like(x)
+    _mod.rmsnorm_rows(x, w, eps, out)  # type: ignore[union-attr]
+    return out

@@ -73,6 +73,19 @@ def _head_norm(x: np.ndarray, w: np.ndarray, eps: float) -> None:
 
 
 @njit(**_OPTS)
+def rmsnorm_rows(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:
+    """out [T, n] = ``w * x / sqrt(mean(x**2) + eps)`` per row of x [T, n] (each row on its own)."""
+    t, n = x.shape
+    for r in range(t):
+        ss = np.float32(0.0)
+        for i in range(n):
+            ss += x[r, i] * x[r, i]
+        d = np.sqrt(ss / np.float32(n) + np.float32(eps))
+        for i in range(n):
+            out[r, i] = x[r, i] / d * w[i]
+
+
+@njit(**_OPTS)
 def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
     """In place, rotate-half over the first ``2 * len(cos)`` dims of each row of x [n, hd]."""
     half = cos.shape[0]
@@ -170,5 +183,6 @@ def warm() -> None:
     w.setflags(write=False)  # a model's weights are read-only views of the file mapping
     for n in range(1, 17):  # rounds of 1-16 products (q/k/v, gate and up of up to 8 experts, ...)
         run_jobs((x,) * n, (w,) * n, (out,) * n, jobs, np.zeros(1, dtype=np.int64))
+    rmsnorm_rows(x, x[0], 1e-6, np.empty_like(x))
     q, k, c = np.zeros((2, 4), dtype=np.float32), np.zeros((1, 4), dtype=np.float32), np.zeros((1, 2, 4), dtype=np.float32)
     attend_one(q, k, k.copy(), q[0], q[0, :0], 1e-6, q[0, :2], q[0, :2], c, c.copy(), 0, 0, 0.5, np.empty(8, np.float32))

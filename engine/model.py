@@ -31,6 +31,7 @@ from .checkpoint import Checkpoint, CheckpointError, ProgressFn, TensorRef, load
 from .config import ModelConfig
 from .deepseek import route_sigmoid
 from .fp8 import Fp8Tensor, scale_key, scale_shape
+from .limits import KERNEL_MAX_ROWS
 from .gguf_file import PermutedRows, is_gguf, load_gguf, unpermute_index
 from .moe import ExpertExecutor, ForwardSteps, RoutedCall, drive, expert_ffn, local_executor, route, silu
 from .ops import RopeTable, apply_rope, attention, rmsnorm
@@ -454,11 +455,11 @@ class Model:
         window = self.config.sliding_window
         for j, layer in enumerate(self.layers):
             i = self.first_layer + j
-            h = rmsnorm(x, layer.attn_norm, self.config.rms_norm_eps)
+            h = self._norm(x, layer.attn_norm)
             kc, vc = cache.k[i - cache.first_layer], cache.v[i - cache.first_layer]
             att = self._attend(layer, h, kc, vc, past, cos, sin, window)
             x = x + self._out(layer, att)
-            x += yield from self._mlp(i, layer, rmsnorm(x, layer.mlp_norm, self.config.rms_norm_eps))
+            x += yield from self._mlp(i, layer, self._norm(x, layer.mlp_norm))
         return x
 
     def forward_batch(self, ids: Sequence[int] | np.ndarray, caches: Sequence[KVCache],
@@ -498,14 +499,20 @@ class Model:
         window = self.config.sliding_window
         for j, layer in enumerate(self.layers):
             i = self.first_layer + j
-            h = rmsnorm(x, layer.attn_norm, self.config.rms_norm_eps)
+            h = self._norm(x, layer.attn_norm)
             kv = [(c.k[i - c.first_layer], c.v[i - c.first_layer]) for c in caches]
             att = self._attend_batch(layer, h, kv, pos, cos, sin, window)
             x = x + self._out(layer, att)
-            x += yield from self._mlp(i, layer, rmsnorm(x, layer.mlp_norm, self.config.rms_norm_eps))
+            x += yield from self._mlp(i, layer, self._norm(x, layer.mlp_norm))
         return x
 
     # ----- pieces ------------------------------------------------------------------------------------
+    def _norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """RMSNorm of hidden states [T, D]; compiled for decode rows when the model's step is."""
+        if self._step and x.shape[0] <= KERNEL_MAX_ROWS:
+            return dense.rmsnorm(x, w, self.config.rms_norm_eps)
+        return rmsnorm(x, w, self.config.rms_norm_eps)
+
     def _attend(self, layer: Layer, h: np.ndarray, kc: np.ndarray, vc: np.ndarray, past: int,
                 cos: np.ndarray, sin: np.ndarray, window: int | None) -> np.ndarray:
         """Attention of a layer for T new positions after ``past``: normed h [T, D] -> [T, H * hd] (before
@@ -614,8 +621,7 @@ class Model:
     def _logits(self, x: np.ndarray) -> np.ndarray:
         if self.lm_head is None:
             raise ValueError("this pipeline stage does not hold the output head")
-        x = rmsnorm(x, self.norm, self.config.rms_norm_eps)
-        return matmul(x, self.lm_head)  # [T, V]
+        return matmul(self._norm(x, self.norm), self.lm_head)  # [T, V]
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """Final norm and output head: hidden [T, D] -> logits [T, V] fp32 (the last stage's job)."""

@@ -103,6 +103,13 @@ def route(router_logits: np.ndarray, top_k: int, norm_topk_prob: bool) -> Routin
 def make_routing(experts: np.ndarray, weights: np.ndarray) -> Routing:
     """Step 2 for chosen slots: experts [T, k] int64 and weights [T, k] fp32 in slot order -> Routing."""
     top_k = experts.shape[1]
+    if experts.shape[0] == 1:  # one token (decode): the same lists without the sort's array work
+        slots = experts[0].tolist()
+        if len(set(slots)) == top_k:
+            order = sorted(range(top_k), key=slots.__getitem__)
+            return Routing(experts=experts, weights=weights.astype(np.float32, copy=False),
+                           work=[(slots[j], np.zeros(1, dtype=np.int64)) for j in order],
+                           positions=[np.array([j], dtype=np.int64) for j in order])
     flat = experts.reshape(-1)
     order = np.argsort(flat, kind="stable")  # groups by expert, ascending token within each
     tokens = order // top_k
