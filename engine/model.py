@@ -26,18 +26,18 @@ from pathlib import Path
 import numpy as np
 import structlog
 
-from . import families
-from .checkpoint import Checkpoint, CheckpointError, ProgressFn, TensorRef, load_checkpoint, to_f32
+from . import dense, families
+from .checkpoint import Checkpoint, ProgressFn, TensorRef, load_checkpoint
 from .config import ModelConfig
 from .deepseek import route_sigmoid
-from .fp8 import Fp8Tensor, scale_key, scale_shape
-from .limits import KERNEL_MAX_ROWS
-from .gguf_file import PermutedRows, is_gguf, load_gguf, unpermute_index
-from .moe import ExpertExecutor, ForwardSteps, RoutedCall, drive, expert_ffn, local_executor, route, silu
-from .ops import RopeTable, apply_rope, attention, rmsnorm
-from . import dense
 from .dense import matmul, matmul_many
 from .dense import warm as warm_dense
+from .fp8 import Fp8Tensor
+from .gguf_file import is_gguf, load_gguf
+from .limits import KERNEL_MAX_ROWS
+from .loader import _Loader, _widened  # noqa: F401 - engine.mla takes _Loader from here
+from .moe import ExpertExecutor, ForwardSteps, RoutedCall, drive, expert_ffn, local_executor, route, silu
+from .ops import RopeTable, apply_rope, attention, rmsnorm
 from .quant import Packed, packed, warm_kernels
 
 log = structlog.get_logger(__name__)
@@ -45,9 +45,6 @@ log = structlog.get_logger(__name__)
 F32 = np.float32
 _NONE = np.zeros(0, dtype=F32)  # an absent q/k norm, for the compiled attention
 WARM_MAX_BYTES = 8 << 20  # ``Model.warm`` reads at most this per layer (~0.6 ms of memory reads)
-
-
-_PAGE = 4096
 
 
 class KVCache:
@@ -127,101 +124,6 @@ class Layer:
     @property
     def sparse(self) -> bool:
         return self.router is not None
-
-
-def _widened(w: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return tuple(a.widen() if isinstance(a, Packed) else a.f32() if isinstance(a, Fp8Tensor) else a
-                 for a in w)  # type: ignore[return-value]
-
-
-class _Loader:
-    """Takes tensors out of a checkpoint by explicit key, checking shape, and tracks what was used."""
-
-    def __init__(self, ckpt: Checkpoint, progress: ProgressFn | None, prefetch: bool,
-                 permuted: dict[str, int] | None = None, block: tuple[int, int] = (128, 128)) -> None:
-        self.ckpt = ckpt
-        self.permuted = permuted or {}
-        self.block = block  # FP8 block-scale tile (weight_scale_inv)
-        self.used: set[str] = set()
-        self.progress = progress
-        self.prefetch = prefetch
-        self.total = ckpt.nbytes
-        self.done = 0
-
-    def ref(self, spec: families.Spec) -> TensorRef:
-        key, shape = spec
-        if key not in self.ckpt:
-            raise CheckpointError(
-                f"{self.ckpt.directory}: missing tensor {key!r} (expected shape {list(shape)})"
-            )
-        t = self.ckpt[key]
-        if t.shape != shape:
-            raise CheckpointError(
-                f"{t.file}: tensor {key!r} has shape {list(t.shape)}, expected {list(shape)}"
-            )
-        self.used.add(key)
-        if self.prefetch and t.data.size:
-            # Fault the tensor's pages in now (one byte per page) rather than during the first forward.
-            t.data.reshape(-1).view(np.uint8)[::_PAGE].sum()
-        self.done += t.nbytes
-        if self.progress is not None:
-            self.progress(self.done, self.total)
-        return t
-
-    def _fp8(self, t: TensorRef) -> Fp8Tensor:
-        """F8_E4M3 bytes with their block scales (``weight_scale_inv``, taken here too)."""
-        try:
-            sshape = scale_shape(t.shape, self.block)
-        except ValueError as exc:
-            raise CheckpointError(f"{t.file}: tensor {t.key!r}: {exc}") from None
-        s = self.ref((scale_key(t.key), sshape))
-        return Fp8Tensor(t.key, t.data, to_f32(s.data, s.dtype), self.block)
-
-    def _stored(self, t: TensorRef) -> np.ndarray | Packed | PermutedRows:
-        heads = self.permuted.get(t.key.replace(".bias", ".weight"))
-        if len(t.shape) != 2:
-            v = to_f32(t.data, t.dtype)
-            return v if heads is None else v[unpermute_index(v.shape[0], heads)]
-        w = packed(t.data, t.dtype, t.shape)
-        return w if heads is None else PermutedRows(w, unpermute_index(t.shape[0], heads))
-
-    def weight(self, spec: families.Spec) -> np.ndarray | Packed | PermutedRows:
-        """A matrix in its stored type (``engine.quant.packed``), a vector widened to fp32; FP8 with block
-        scales widened to fp32 here (routed experts keep FP8: :meth:`expert`). The one place a tensor
-        becomes a weight, for every family and file format."""
-        t = self.ref(spec)
-        return self._fp8(t).f32() if t.dtype == "F8_E4M3" else self._stored(t)
-
-    def expert(self, spec: families.Spec) -> np.ndarray | Packed | PermutedRows | Fp8Tensor:
-        """A routed expert's matrix as stored: like :meth:`weight`, but FP8 stays FP8 (dequantized per use
-        by ``Model.expert_weights``: a DeepSeek-V3 widened to fp32 would need 4x its memory)."""
-        t = self.ref(spec)
-        return self._fp8(t) if t.dtype == "F8_E4M3" else self._stored(t)
-
-    def f32(self, spec: families.Spec) -> np.ndarray:
-        t = self.ref(spec)
-        return self._fp8(t).f32() if t.dtype == "F8_E4M3" else to_f32(t.data, t.dtype)
-
-    def group(self, specs: dict[str, families.Spec]) -> dict[str, np.ndarray]:
-        return {role: self.weight(spec) for role, spec in specs.items()}  # type: ignore[misc]
-
-    def check_unexpected(self, cfg: ModelConfig) -> None:
-        tied = cfg.tie_word_embeddings
-        for key in self.ckpt:
-            if key in self.used or families.is_ignorable(cfg, key):
-                continue
-            if tied and key == "lm_head.weight":
-                continue  # some exporters keep the tied head; the embedding is used, as the reference does
-            raise CheckpointError(
-                f"{self.ckpt.describe(key)} is not used by the {self.ckpt.directory.name!r} model"
-            )
-
-
-def widen(w: TensorRef | Fp8Tensor) -> np.ndarray:
-    """A stored tensor in fp32 (fp32 storage: the view itself)."""
-    if isinstance(w, Fp8Tensor):
-        return w.f32()
-    return to_f32(w.data, w.dtype)
 
 
 class Model:
