@@ -17,7 +17,8 @@ from types import ModuleType
 import numpy as np
 
 from . import quant
-from .limits import DENSE_CHUNK_WEIGHTS, DENSE_KERNEL_MIN_WEIGHTS, DENSE_POOL_MIN_WEIGHTS, KERNEL_MAX_ROWS
+from .limits import (DENSE_CHUNK_WEIGHTS, DENSE_KERNEL_MIN_WEIGHTS, DENSE_POOL_MIN_WEIGHTS, DENSE_ROUND_MAX_PRODUCTS,
+                     KERNEL_MAX_ROWS)
 
 F32 = np.float32
 
@@ -133,6 +134,10 @@ def _run(products: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
     """Each (x, w, out) fp32 product into its ``out``, in one ``run_jobs`` round: chunks of rows (starting on
     multiples of 8, so a row's bits do not depend on the split) shared with the helper when the round is big
     enough, else all on this thread."""
+    if len(products) > DENSE_ROUND_MAX_PRODUCTS:  # numba compiles one run_jobs per tuple length: warm() covers these
+        for a in range(0, len(products), DENSE_ROUND_MAX_PRODUCTS):
+            _run(products[a : a + DENSE_ROUND_MAX_PRODUCTS])
+        return
     if len({w.flags.writeable for _, w, _ in products}) > 1:  # one tuple type per round: split read-only from not
         for _, group in itertools.groupby(sorted(products, key=lambda p: p[1].flags.writeable),
                                           key=lambda p: p[1].flags.writeable):

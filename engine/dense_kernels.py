@@ -19,6 +19,8 @@ from numba import njit
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from .limits import DENSE_ROUND_MAX_PRODUCTS
+
 _OPTS = dict(cache=True, fastmath=True, nogil=True, boundscheck=False, error_model="numpy")
 
 
@@ -181,8 +183,14 @@ def warm() -> None:
     w = np.zeros((9, 16), dtype=np.float32)
     jobs = np.array([[0, 0, 9]], dtype=np.int64)
     w.setflags(write=False)  # a model's weights are read-only views of the file mapping
-    for n in range(1, 17):  # rounds of 1-16 products (q/k/v, gate and up of up to 8 experts, ...)
+    for n in range(1, DENSE_ROUND_MAX_PRODUCTS + 1):  # rounds of 1-16 products (q/k/v, gate and up of 8 experts, ...)
         run_jobs((x,) * n, (w,) * n, (out,) * n, jobs, np.zeros(1, dtype=np.int64))
-    rmsnorm_rows(x, x[0], 1e-6, np.empty_like(x))
     q, k, c = np.zeros((2, 4), dtype=np.float32), np.zeros((1, 4), dtype=np.float32), np.zeros((1, 2, 4), dtype=np.float32)
-    attend_one(q, k, k.copy(), q[0], q[0, :0], 1e-6, q[0, :2], q[0, :2], c, c.copy(), 0, 0, 0.5, np.empty(8, np.float32))
+    cs = q[0, :2]
+    # norm weights: read-only views of a file mapping (fp32 and GGUF), or widened copies (bf16/f16), or none
+    for ro in (True, False):
+        v = np.zeros(16, dtype=np.float32)
+        v.setflags(write=not ro)
+        rmsnorm_rows(x, v, 1e-6, np.empty_like(x))
+        attend_one(q, k, k.copy(), v[:4], v[:4], 1e-6, cs, cs, c, c.copy(), 0, 0, 0.5, np.empty(8, np.float32))
+        attend_one(q, k, k.copy(), v[:4], v[:0], 1e-6, cs, cs, c, c.copy(), 0, 0, 0.5, np.empty(8, np.float32))

@@ -37,6 +37,9 @@ DENSE_KERNEL_MIN_WEIGHTS = 64 * 1024
 DENSE_CHUNK_WEIGHTS = 64 * 1024
 # a round of fp32 decode products smaller than this runs on the calling thread alone (waking the helper costs ~10-20 us)
 DENSE_POOL_MIN_WEIGHTS = 512 * 1024
+# fp32 decode products per compiled round at most (numba compiles one round function per count; engine.dense_kernels.warm
+# loads them all): 16 is gate and up of 8 experts, a decode step of the largest top-k we know; more run as several rounds
+DENSE_ROUND_MAX_PRODUCTS = 16
 # GGUF reading (engine/gguf_file.py)
 GGUF_MAX_SPLITS = 256  # files of one split GGUF set (-00001-of-0000N.gguf); published sets use < 100
 GGUF_MAX_VOCAB = 1 << 20  # tokens in tokenizer.ggml.tokens; the largest published vocabularies are ~260 Ki
