@@ -225,3 +225,26 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     out = np.empty_like(x)
     _mod.rmsnorm_rows(x, w, eps, out)  # type: ignore[union-attr]
     return out
+
+
+def swiglu_compiled(x: np.ndarray, gate: object) -> bool:
+    """Whether an expert's SwiGLU on rows x runs compiled: decode rows, a gate of at least
+    ``DENSE_KERNEL_MIN_WEIGHTS`` weights (any stored type) and numba; depends on the item alone, so a worker
+    computing it by itself decides as the local pass does."""
+    shape = getattr(gate, "shape", (0, 0))
+    return x.shape[0] <= KERNEL_MAX_ROWS and shape[0] * shape[1] >= DENSE_KERNEL_MIN_WEIGHTS and _kernels() is not None
+
+
+def swiglu(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """``silu(g) * u`` compiled, into g (callers check ``swiglu_compiled`` first)."""
+    _mod.swiglu(g, u)  # type: ignore[union-attr]
+    return g
+
+
+def route_one(logits: np.ndarray, top_k: int, norm: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax top-k routing of one token compiled: logits [E] -> experts [1, k] int64, weights [1, k] fp32
+    (callers check ``step_kernels`` first)."""
+    experts = np.empty((1, top_k), dtype=np.int64)
+    weights = np.empty((1, top_k), dtype=F32)
+    _mod.route_one(np.ascontiguousarray(logits, dtype=F32), norm, experts[0], weights[0])  # type: ignore[union-attr]
+    return experts, weights

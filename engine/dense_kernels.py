@@ -62,6 +62,45 @@ def f32_rows(x: np.ndarray, w: np.ndarray, out: np.ndarray, r0: int, r1: int) ->
 
 
 @njit(**_OPTS)
+def swiglu(g: np.ndarray, u: np.ndarray) -> None:
+    """In place: g [T, I] = silu(g) * u = ``g / (1 + exp(-g)) * u``."""
+    t, n = g.shape
+    for r in range(t):
+        for i in range(n):
+            a = g[r, i]
+            g[r, i] = a / (np.float32(1.0) + np.exp(-a)) * u[r, i]
+
+
+@njit(**_OPTS)
+def route_one(logits: np.ndarray, norm: bool, experts: np.ndarray, weights: np.ndarray) -> None:
+    """Softmax routing of one token: logits [E] -> its top-k experts [k] by descending probability (ties to the
+    lower index) and their weights [k] (divided by their sum if ``norm``), as ``engine.moe.route``."""
+    e = logits.shape[0]
+    m = logits[0]
+    for i in range(1, e):
+        m = max(m, logits[i])
+    p = np.empty(e, dtype=np.float32)
+    tot = np.float32(0.0)
+    for i in range(e):
+        p[i] = np.exp(logits[i] - m)
+        tot += p[i]
+    taken = np.zeros(e, dtype=np.bool_)
+    wsum = np.float32(0.0)
+    for j in range(experts.shape[0]):
+        best = -1
+        for i in range(e):
+            if not taken[i] and (best < 0 or p[i] > p[best]):
+                best = i
+        taken[best] = True
+        experts[j] = best
+        weights[j] = p[best] / tot
+        wsum += weights[j]
+    if norm:
+        for j in range(experts.shape[0]):
+            weights[j] = weights[j] / wsum
+
+
+@njit(**_OPTS)
 def _head_norm(x: np.ndarray, w: np.ndarray, eps: float) -> None:
     """In place: each row of x [n, hd] -> ``w * x / sqrt(mean(x**2) + eps)``."""
     n, hd = x.shape
@@ -187,6 +226,8 @@ def warm() -> None:
         run_jobs((x,) * n, (w,) * n, (out,) * n, jobs, np.zeros(1, dtype=np.int64))
     q, k, c = np.zeros((2, 4), dtype=np.float32), np.zeros((1, 4), dtype=np.float32), np.zeros((1, 2, 4), dtype=np.float32)
     cs = q[0, :2]
+    swiglu(x, x.copy())
+    route_one(x[0], True, np.empty(2, dtype=np.int64), np.empty(2, dtype=np.float32))
     # norm weights: read-only views of a file mapping (fp32 and GGUF), or widened copies (bf16/f16), or none
     for ro in (True, False):
         v = np.zeros(16, dtype=np.float32)

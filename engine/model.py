@@ -36,7 +36,8 @@ from .fp8 import Fp8Tensor
 from .gguf_file import is_gguf, load_gguf
 from .limits import KERNEL_MAX_ROWS
 from .loader import _Loader, _widened  # noqa: F401 - engine.mla takes _Loader from here
-from .moe import ExpertExecutor, ForwardSteps, RoutedCall, drive, expert_ffn, local_executor, route, silu
+from .moe import (ExpertExecutor, ForwardSteps, RoutedCall, drive, expert_ffn, local_executor, make_routing, route,
+                  silu)
 from .ops import RopeTable, apply_rope, attention, rmsnorm
 from .quant import Packed, packed, warm_kernels
 
@@ -508,6 +509,8 @@ class Model:
         if c.router is not None:
             bias = layer.router_bias
             routing = route_sigmoid(logits, bias, c.top_k, c.router, c.norm_topk_prob)  # type: ignore[arg-type]
+        elif self._step and logits.shape[0] == 1:  # one token: softmax and top-k in one compiled call
+            routing = make_routing(*dense.route_one(logits[0], c.top_k, c.norm_topk_prob))
         else:
             routing = route(logits, c.top_k, c.norm_topk_prob)
         out = yield (i, h, routing)

@@ -40,7 +40,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .dense import matmul_many
+from .dense import matmul_many, swiglu, swiglu_compiled
 
 # One work item: (expert index, ascending row indices into x).
 WorkItem = tuple[int, np.ndarray]
@@ -70,7 +70,10 @@ def expert_ffn_many(items: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np
 def _ffn_many(items: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
     gu = matmul_many([p for x, gate, up, _ in items for p in ((x, gate), (x, up))])  # x @ gate.T, x @ up.T
     hs = []
-    for i in range(len(items)):
+    for i, (x, gate, _, _) in enumerate(items):
+        if swiglu_compiled(x, gate):  # decode rows of a model-sized expert: one compiled pass
+            hs.append(swiglu(gu[2 * i], gu[2 * i + 1]))
+            continue
         h = silu(gu[2 * i])  # [n, I]
         h *= gu[2 * i + 1]
         hs.append(h)
@@ -169,6 +172,14 @@ def slot_positions(routing: Routing, item: int) -> np.ndarray:
 def combine(routing: Routing, outputs: Sequence[np.ndarray], t: int, d: int) -> np.ndarray:
     """Step 4: weighted sum of per-(row, expert) outputs in slot order. -> [T, D] fp32."""
     top_k = routing.experts.shape[1]
+    if t == 1 and routing.positions is not None:  # one token: weighted_sum's operations without gathering Y
+        slot: list[np.ndarray | None] = [None] * top_k
+        for pos, out in zip(routing.positions, outputs):
+            slot[int(pos[0])] = out
+        acc = np.zeros((1, d), dtype=np.float32)
+        for j in range(top_k):
+            acc += routing.weights[:, j, None] * slot[j]
+        return acc
     # Y[t, j] gathered from the work outputs: position of (t, expert) inside its work item.
     y = np.empty((t, top_k, d), dtype=np.float32)  # [T, k, D]
     if routing.positions is not None:
