@@ -162,31 +162,38 @@ def attend_one(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm: np.ndarray, 
             vc[h, pos, i] = v[h, i]
     n = pos + 1 - lo
     sc = np.empty((g, n), dtype=np.float32)
-    acc = np.empty(vd, dtype=np.float32)
+    acc = np.empty((g, vd), dtype=np.float32)
+    tot = np.empty(g, dtype=np.float32)
     for h in range(nkv):
-        for j in range(n):
+        qh = q[h * g : (h + 1) * g]
+        for j in range(n):  # each cached key is read once for the g query heads sharing it
+            kj = kc[h, lo + j]
             for a in range(g):
                 s = np.float32(0.0)
                 for i in range(hd):
-                    s += q[h * g + a, i] * kc[h, lo + j, i]
+                    s += qh[a, i] * kj[i]
                 sc[a, j] = s * np.float32(scale)
         for a in range(g):
             m = sc[a, 0]
             for j in range(1, n):
                 m = max(m, sc[a, j])
-            tot = np.float32(0.0)
+            t = np.float32(0.0)
             for j in range(n):
                 e = np.exp(sc[a, j] - m)
                 sc[a, j] = e
-                tot += e
-            acc[:] = 0.0
-            for j in range(n):
+                t += e
+            tot[a] = t
+        acc[:] = 0.0
+        for j in range(n):  # each cached value is read once for the g heads
+            vj = vc[h, lo + j]
+            for a in range(g):
                 p = sc[a, j]
                 for i in range(vd):
-                    acc[i] += p * vc[h, lo + j, i]
+                    acc[a, i] += p * vj[i]
+        for a in range(g):
             o = (h * g + a) * vd
             for i in range(vd):
-                out[o + i] = acc[i] / tot
+                out[o + i] = acc[a, i] / tot[a]
 
 
 @intrinsic
