@@ -17,8 +17,8 @@ from types import ModuleType
 import numpy as np
 
 from . import quant
-from .limits import (DENSE_CHUNK_WEIGHTS, DENSE_KERNEL_MIN_WEIGHTS, DENSE_POOL_MIN_WEIGHTS, DENSE_ROUND_MAX_PRODUCTS,
-                     KERNEL_MAX_ROWS)
+from .limits import (DENSE_CHUNK_WEIGHTS, DENSE_KERNEL_MIN_WEIGHTS, DENSE_MAX_PLANS, DENSE_POOL_MIN_WEIGHTS,
+                     DENSE_ROUND_MAX_PRODUCTS, KERNEL_MAX_ROWS)
 
 F32 = np.float32
 
@@ -130,6 +130,20 @@ def _forget_pool() -> None:  # a forked child has no helper thread
 os.register_at_fork(after_in_child=_forget_pool)
 
 
+_plans: dict[tuple, tuple[np.ndarray, int]] = {}  # product shapes -> (job table, weights x rows)
+
+
+def _plan(shapes: tuple[tuple[int, int, int], ...]) -> tuple[np.ndarray, int]:
+    """The job table of a round of products of these (rows, N, K) shapes: row chunks of about
+    ``DENSE_CHUNK_WEIGHTS``, starting on multiples of 8."""
+    jobs, total = [], 0
+    for p, (t, n, k) in enumerate(shapes):
+        total += n * k * t
+        step = max(8, DENSE_CHUNK_WEIGHTS // max(1, k * t) // 8 * 8)
+        jobs += [(p, a, min(n, a + step)) for a in range(0, n, step)]
+    return np.array(jobs, dtype=np.int64), total  # never written: shared by every round of these shapes
+
+
 def _run(products: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
     """Each (x, w, out) fp32 product into its ``out``, in one ``run_jobs`` round: chunks of rows (starting on
     multiples of 8, so a row's bits do not depend on the split) shared with the helper when the round is big
@@ -143,14 +157,16 @@ def _run(products: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
                                           key=lambda p: p[1].flags.writeable):
             _run(list(group))
         return
-    jobs, total = [], 0
-    for p, (x, w, _) in enumerate(products):
-        n, k = w.shape
-        total += n * k * x.shape[0]
-        step = max(8, DENSE_CHUNK_WEIGHTS // max(1, k * x.shape[0]) // 8 * 8)
-        jobs += [(p, a, min(n, a + step)) for a in range(0, n, step)]
+    shape = tuple((x.shape[0], *w.shape) for x, w, _ in products)
+    plan = _plans.get(shape)
+    if plan is None:
+        plan = _plan(shape)
+        if len(_plans) >= DENSE_MAX_PLANS:
+            _plans.clear()
+        _plans[shape] = plan
+    jobs, total = plan
     xs, ws, outs = (tuple(p[i] for p in products) for i in range(3))
-    args = (xs, ws, outs, np.array(jobs, dtype=np.int64), np.zeros(1, dtype=np.int64))
+    args = (xs, ws, outs, jobs, np.zeros(1, dtype=np.int64))
     pool = _get_pool() if total >= DENSE_POOL_MIN_WEIGHTS else None
     if pool is None or not pool.run(args):
         _mod.run_jobs(*args)  # type: ignore[union-attr]

@@ -40,6 +40,9 @@ DENSE_POOL_MIN_WEIGHTS = 512 * 1024
 # fp32 decode products per compiled round at most (numba compiles one round function per count; engine.dense_kernels.warm
 # loads them all): 16 is gate and up of 8 experts, a decode step of the largest top-k we know; more run as several rounds
 DENSE_ROUND_MAX_PRODUCTS = 16
+# job tables of fp32 product rounds kept per distinct set of shapes (engine.dense): a model has a handful; the bound
+# keeps a long-lived process that loads many models from growing it (dropped all at once when reached)
+DENSE_MAX_PLANS = 1024
 # GGUF reading (engine/gguf_file.py)
 GGUF_MAX_SPLITS = 256  # files of one split GGUF set (-00001-of-0000N.gguf); published sets use < 100
 GGUF_MAX_VOCAB = 1 << 20  # tokens in tokenizer.ggml.tokens; the largest published vocabularies are ~260 Ki
