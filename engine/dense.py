@@ -165,7 +165,10 @@ def _run(products: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
             _plans.clear()
         _plans[shape] = plan
     jobs, total = plan
-    xs, ws, outs = (tuple(p[i] for p in products) for i in range(3))
+    # numba compiles run_jobs once per tuple length: pad to a power of two with the first product (no job
+    # refers to the pads), so 5 variants cover 1-16 products (warm() compiles those, ~8 s once per machine)
+    pad = [products[0]] * ((1 << (len(products) - 1).bit_length()) - len(products))
+    xs, ws, outs = (tuple(p[i] for p in (*products, *pad)) for i in range(3))
     args = (xs, ws, outs, jobs, np.zeros(1, dtype=np.int64))
     pool = _get_pool() if total >= DENSE_POOL_MIN_WEIGHTS else None
     if pool is None or not pool.run(args):

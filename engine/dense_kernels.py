@@ -229,8 +229,10 @@ def warm() -> None:
     w = np.zeros((9, 16), dtype=np.float32)
     jobs = np.array([[0, 0, 9]], dtype=np.int64)
     w.setflags(write=False)  # a model's weights are read-only views of the file mapping
-    for n in range(1, DENSE_ROUND_MAX_PRODUCTS + 1):  # rounds of 1-16 products (q/k/v, gate and up of 8 experts, ...)
+    n = 1
+    while n <= DENSE_ROUND_MAX_PRODUCTS:  # rounds of 1-16 products, padded to a power of two (engine.dense._run)
         run_jobs((x,) * n, (w,) * n, (out,) * n, jobs, np.zeros(1, dtype=np.int64))
+        n *= 2
     q, k, c = np.zeros((2, 4), dtype=np.float32), np.zeros((1, 4), dtype=np.float32), np.zeros((1, 2, 4), dtype=np.float32)
     cs = q[0, :2]
     swiglu(x, x.copy())

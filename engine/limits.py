@@ -28,17 +28,18 @@ KERNEL_CHUNK_WEIGHTS = 256 * 1024
 KERNEL_POOL_MIN_WEIGHTS = 512 * 1024
 # threads computing kernel products at most (MESHD_KERNEL_THREADS picks fewer): decode-sized products feed no more
 KERNEL_MAX_THREADS = 8
-# fp32 weights from this many weights up use the compiled decode kernel (engine.dense) for <= KERNEL_MAX_ROWS rows:
-# 64 Ki weights (256 KiB) is where reading the weights outweighs a call; smaller (test-sized) models keep BLAS
-# and never import numba
-DENSE_KERNEL_MIN_WEIGHTS = 64 * 1024
+# fp32 weights from this many weights up use the compiled decode kernel (engine.dense) for <= KERNEL_MAX_ROWS rows, and
+# models whose q projection has this many take the compiled decode step: 160 Ki weights (640 KiB) is below the
+# smallest matrix of a published model (and the bench's 256x768 k/v), above the test-sized models' (at most 128 Ki
+# weights), which keep BLAS and never import numba (nor compile it, ~10-25 s once per machine, while a daemon starts)
+DENSE_KERNEL_MIN_WEIGHTS = 160 * 1024
 # fp32 decode products are shared with a helper thread (engine.dense) in chunks of about this many weights (256 KiB,
 # ~7 us at ~37 GB/s; claiming one is an atomic add, so small chunks only even out the two threads' ends)
 DENSE_CHUNK_WEIGHTS = 64 * 1024
 # a round of fp32 decode products smaller than this runs on the calling thread alone (waking the helper costs ~10-20 us)
 DENSE_POOL_MIN_WEIGHTS = 512 * 1024
-# fp32 decode products per compiled round at most (numba compiles one round function per count; engine.dense_kernels.warm
-# loads them all): 16 is gate and up of 8 experts, a decode step of the largest top-k we know; more run as several rounds
+# fp32 decode products per compiled round at most (a power of two: numba compiles one round function per padded count,
+# engine.dense_kernels.warm loads them all): 16 is gate and up of 8 experts, the largest top-k we know; more: several rounds
 DENSE_ROUND_MAX_PRODUCTS = 16
 # job tables of fp32 product rounds kept per distinct set of shapes (engine.dense): a model has a handful; the bound
 # keeps a long-lived process that loads many models from growing it (dropped all at once when reached)

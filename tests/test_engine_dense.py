@@ -4,6 +4,7 @@ rule, and a model large enough to use them against transformers (within 1e-4, as
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +50,7 @@ def test_bits_do_not_depend_on_rows_in_the_call_or_the_split() -> None:
 
 @needs_numba
 def test_dispatch_rule() -> None:
-    side = int(DENSE_KERNEL_MIN_WEIGHTS**0.5)
+    side = math.isqrt(DENSE_KERNEL_MIN_WEIGHTS - 1) + 1
     big, small = _rand((side, side), 5), _rand((side // 2, side), 6)
     x = _rand((1, side), 7)
     assert dense._f32_kernel(x, big) and not dense._f32_kernel(x, small)
@@ -67,8 +68,8 @@ def test_model_on_the_kernel_matches_transformers(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     from test_engine_parity import _build, _check
 
-    m = _build("Qwen3MoeConfig", "Qwen3MoeForCausalLM", seed=11, vocab_size=512, hidden_size=256,
-               intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+    m = _build("Qwen3MoeConfig", "Qwen3MoeForCausalLM", seed=11, vocab_size=512, hidden_size=512,
+               intermediate_size=512, moe_intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
                num_key_value_heads=2, head_dim=64, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
     m.save_pretrained(tmp_path)
     eng = _check(m, tmp_path)
