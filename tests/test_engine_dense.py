@@ -89,3 +89,32 @@ def test_model_on_the_kernel_matches_transformers(tmp_path: Path) -> None:
         x = drive(second.span_steps(x, c1, past), second.local_executor)
         c0.length = c1.length = past + len(ids)
         assert second.logits(x).tobytes() == want.tobytes()
+
+
+@needs_numba
+def test_expert_worker_over_quic_gives_the_local_bits_on_the_kernels(tmp_path: Path) -> None:
+    """A real worker process (QUIC, its own numba) computes the routed experts of a model big enough for the
+    compiled step (fp32 experts on the kernel, compiled SwiGLU): every prefix and decode step equals the
+    local pass byte for byte (test_experts_parity's gate), with every layer delegated."""
+    from experts_mesh import Coordinator, MeshFixture, spawn_worker
+    from experts_util import make_moe_checkpoint
+    from test_experts_parity import gate
+
+    from engine.model import Model
+
+    ck = make_moe_checkpoint(tmp_path / "src", family="qwen3_moe", layers=2, experts=4, hidden=512, inter=512,
+                             top_k=2, vocab=256, seed=3)
+    model = Model.load(ck)
+    assert model._step and dense.uses_kernel(list(model.expert_weights(0, 0)))
+    mesh = MeshFixture()
+    worker = spawn_worker(mesh, tmp_path, [str(ck)])
+    coord = Coordinator(mesh)
+    try:
+        coord.connect([worker])
+        ex = coord.executor(ck, "on")
+        assert gate(model, ex) == []
+        st = ex.status()
+        assert st["items_local"] == 0 and st["layers_delegated"] == st["layers"] > 0, st
+    finally:
+        coord.close()
+        worker.stop()
