@@ -118,3 +118,20 @@ def test_expert_worker_over_quic_gives_the_local_bits_on_the_kernels(tmp_path: P
     finally:
         coord.close()
         worker.stop()
+
+
+@needs_numba
+def test_glm4_moe_on_the_compiled_step_matches_transformers(tmp_path: Path) -> None:
+    """The compiled attention with q/k/v bias, per-head q/k norm and half rotary (GLM-4 MoE), and a dense
+    first layer, sigmoid routing and shared experts around the compiled step: within 1e-4 of transformers."""
+    pytest.importorskip("transformers")
+    from test_engine_parity import _build, _check
+
+    m = _build("Glm4MoeConfig", "Glm4MoeForCausalLM", seed=22, vocab_size=256, hidden_size=512,
+               intermediate_size=512, moe_intermediate_size=512, num_hidden_layers=3, num_attention_heads=8,
+               num_key_value_heads=2, head_dim=64, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
+               topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, max_position_embeddings=512,
+               first_k_dense_replace=1, use_qk_norm=True, attention_bias=True, norm_topk_prob=True)
+    m.save_pretrained(tmp_path)
+    eng = _check(m, tmp_path)
+    assert eng._step and eng.config.rotary_dim == 32 and eng.config.qk_norm == "head"
