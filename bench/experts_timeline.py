@@ -154,7 +154,7 @@ def chain(s: Streams, start: float, with_compute: bool,
                 marks["C", "warm0"], marks["C", "warm1"] = w0[0], w1[0]
                 marks["W", "late"] = max(0.0, w1[0] - marks["W", "s0"])
     out: dict[str, float] = {}
-    if with_compute:  # fine points (MESHD_TRACE_FINE): offsets after the plaintext arrived
+    if with_compute:  # fine points (EXPERTS_TRACE_FINE): offsets after the plaintext arrived
         for proc, a, b in (("W", "in1", "c0"), ("C", "in1", "reply")):
             ev, times = s.ev[proc], s.t[proc]
             for i in range(bisect.bisect_left(times, marks[proc, a]), len(ev)):
@@ -309,9 +309,24 @@ def report(s: Streams, windows: dict[str, list[tuple[float, float]]], echo_bytes
               if (d := (s.next("C", a, "dispatch", within=0.02) or (None,))[0]) is not None]
     lasts = [b - r for b in s.starts("step1", windows["decode"])
              if (r := s.last("C", b, "resume")) is not None]
+    def gaps(a_tag: str, b_tag: str) -> list[float]:  # from each a_tag in decode to the next b_tag
+        return [b[0] - a for a in s.starts(a_tag, windows["decode"])
+                if (b := s.next("C", a, b_tag, within=0.02)) is not None]
+
+    def back(b_tag: str, a_tag: str) -> list[float]:  # to each b_tag in decode from the a_tag before it
+        return [b - a for b in s.starts(b_tag, windows["decode"]) if (a := s.last("C", b, a_tag)) is not None]
+
     print(f"\n| decode step | median us | quartiles |\n|---|---|---|\n| whole step | {fmt(steps)} |\n"
           f"| step start to the first layer's dispatch (engine thread: embed, attention; hand-off) | {fmt(firsts)} |\n"
-          f"| last layer's pass resumed to the step's end (final norm, head; hand-back) | {fmt(lasts)} |")
+          f"| of which: step start to the hand-off (engine thread's compute) | {fmt(gaps('step0', 'wait0'))} |\n"
+          f"| of which: hand-off to the first dispatch (loop wakes, request built) | {fmt(gaps('wait0', 'dispatch'))} |\n"
+          f"| last layer's pass resumed to the step's end (final norm, head; hand-back) | {fmt(lasts)} |\n"
+          f"| of which: resumed to the pass's end (combine, final norm, head) | {fmt(back('finish', 'resume'))} |\n"
+          f"| of which: the pass's end to the engine thread's return from the wait | {fmt(gaps('finish', 'wait1'))} |\n"
+          f"| of which: the wait's return to the step's end | {fmt(gaps('wait1', 'step1'))} |")
+    if any(e[1] == "sel0" for e in s.ev["C"]):  # EXPERTS_TRACE_FINE: the coordinator's loop after the pass
+        print(f"| (fine) the pass's end to the loop's next select | {fmt(gaps('finish', 'sel0'))} |\n"
+              f"| (fine) the pass's end to the next step's start | {fmt(gaps('finish', 'step0'))} |")
     fine = sorted({k for c in layers for k in c if k[2:4] == "f:"})
     if fine:
         print("\n| fine point (after the plaintext arrived) | median us | quartiles |\n|---|---|---|")

@@ -51,6 +51,7 @@ def install(rec: Recorder) -> None:
     import asyncio.sslproto as sslproto
 
     import engine.experts.coordinator as coordinator
+    import engine.experts.passes as passes
     import engine.experts.rpc as rpc_mod
     import engine.experts.worker as worker
     from engine.model import Model
@@ -158,7 +159,12 @@ def install(rec: Recorder) -> None:
     _wrap(worker, "compute_request", compute)
     _wrap(Model, "warm", around("warm"))
     _wrap(coordinator.RemoteExecutor, "_step_resume", mark("resume"))
-    if os.environ.get("MESHD_TRACE_FINE"):  # where our own Python's time goes between the points above
+    _wrap(coordinator.RemoteExecutor, "_wait_for_loop", around("wait"))  # the engine thread's hand-off
+    _wrap(passes._LoopStep, "finish", mark("finish"))  # the pass ends on the loop
+    if os.environ.get("EXPERTS_TRACE_FINE"):  # where our own Python's time goes between the points above
+        import selectors
+
+        _wrap(selectors.EpollSelector, "select", around("sel"))
         from engine.experts.link import WorkerLink
         from engine.experts.worker import _Session
         from transport.stream import Stream
