@@ -243,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     experts_trace.install(rec)
     worker = spawn_worker(mesh, tmp, [str(path)], trace=str(trace_file), lane=args.path == "lane")
     variant = {"warm": not args.no_warm, **({"poll_s": 0.0} if args.no_poll else {})}
-    windows: dict[str, list[tuple[float, float]]] = {"echo": [], "decode": []}
+    windows: dict[str, list[tuple[float, float]]] = {"echo": [], "decode": [], "local": []}
     try:
         for _ in range(args.rounds):
             coord = Coordinator(mesh, lane=args.path == "lane")
@@ -268,6 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     rec("step1")
                 rec.on = False
                 windows["decode"].append((t0, time.perf_counter()))
+                local_decode(model, prompt, args.decode, rec, windows)
             finally:
                 coord.close()
     finally:
@@ -280,6 +281,32 @@ def main(argv: Sequence[str] | None = None) -> int:
            f"{', no warm-up' if args.no_warm else ''}{', no polling' if args.no_poll else ''}, {args.rounds} rounds: of {args.rounds * args.decode * n_sparse} "
            f"delegated layers in decode and {args.rounds * args.echo} polled 4 KB echoes back to back")
     return 0
+
+
+def local_decode(model: object, prompt: list[int], steps: int, rec: object,
+                 windows: dict[str, list[tuple[float, float]]]) -> None:
+    """The same decode with the local experts, their calls timed ("lx0"/"lx1"), for the pass's segments."""
+    import numpy as np
+
+    inner = model.local_executor  # type: ignore[attr-defined]
+
+    def timed(layer: int, x: object, work: object) -> object:
+        rec("lx0", layer)  # type: ignore[operator]
+        try:
+            return inner(layer, x, work)
+        finally:
+            rec("lx1", layer)  # type: ignore[operator]
+
+    cache = model.new_cache()  # type: ignore[attr-defined]
+    out = model.forward(prompt, cache, executor=timed)[-1]  # type: ignore[attr-defined]
+    out = model.forward([int(np.argmax(out))], cache, executor=timed)[-1]  # type: ignore[attr-defined]
+    t0, rec.on = time.perf_counter(), True  # type: ignore[attr-defined]
+    for _ in range(steps):
+        rec("lstep0")  # type: ignore[operator]
+        out = model.forward([int(np.argmax(out))], cache, executor=timed)[-1]  # type: ignore[attr-defined]
+        rec("lstep1")  # type: ignore[operator]
+    rec.on = False  # type: ignore[attr-defined]
+    windows["local"].append((t0, time.perf_counter()))
 
 
 def report(s: Streams, windows: dict[str, list[tuple[float, float]]], echo_bytes: int, title: str) -> None:
@@ -324,8 +351,33 @@ def report(s: Streams, windows: dict[str, list[tuple[float, float]]], echo_bytes
           f"| of which: resumed to the pass's end (combine, final norm, head) | {fmt(back('finish', 'resume'))} |\n"
           f"| of which: the pass's end to the engine thread's return from the wait | {fmt(gaps('finish', 'wait1'))} |\n"
           f"| of which: the wait's return to the step's end | {fmt(gaps('wait1', 'step1'))} |")
+    if windows.get("local"):  # the same segments of a local decode in the same rounds
+        def local(a_tag: str, b_tag: str, same_layer: bool) -> list[float]:
+            out = []
+            for a in s.starts(a_tag, windows["local"]):
+                e = s.next("C", a, b_tag, within=0.02)
+                if e is not None:
+                    out.append(e[0] - a)
+            return out
+        lx = [e for e in s.ev["C"] if e[1] in ("lx0", "lx1", "lstep0", "lstep1")
+              and any(a <= e[0] <= b for a, b in windows["local"])]
+        between = [b[0] - a[0] for a, b in zip(lx, lx[1:]) if a[1] == "lx1" and b[1] == "lx0"]
+        experts = [b[0] - a[0] for a, b in zip(lx, lx[1:]) if a[1] == "lx0" and b[1] == "lx1"]
+        first = [b[0] - a[0] for a, b in zip(lx, lx[1:]) if a[1] == "lstep0" and b[1] == "lx0"]
+        last = [b[0] - a[0] for a, b in zip(lx, lx[1:]) if a[1] == "lx1" and b[1] == "lstep1"]
+        print(f"\n| local decode, same rounds | median us | quartiles |\n|---|---|---|\n"
+              f"| whole step | {fmt(local('lstep0', 'lstep1', False))} |\n"
+              f"| step start to the first experts (embed, attention) | {fmt(first)} |\n"
+              f"| the experts of one layer | {fmt(experts)} |\n"
+              f"| between two layers' experts (combine, attention, routing) | {fmt(between)} |\n"
+              f"| last layer's experts to the step's end (combine, final norm, head) | {fmt(last)} |")
     if any(e[1] == "sel0" for e in s.ev["C"]):  # EXPERTS_TRACE_FINE: the coordinator's loop after the pass
-        print(f"| (fine) the pass's end to the loop's next select | {fmt(gaps('finish', 'sel0'))} |\n"
+        print(f"| (fine) resumed to the combine's start | {fmt(gaps('resume', 'assemble0'))} |\n"
+              f"| (fine) the combine (``_assemble``) | {fmt(gaps('assemble0', 'assemble1'))} |\n"
+              f"| (fine) the combine's end to the next layer's requests being built (model compute) | "
+              f"{fmt(gaps('assemble1', 'steplayer'))} |\n"
+              f"| (fine) requests built (``_fast_call``) to the dispatch | {fmt(gaps('steplayer', 'dispatch'))} |\n"
+              f"| (fine) the pass's end to the loop's next select | {fmt(gaps('finish', 'sel0'))} |\n"
               f"| (fine) the pass's end to the next step's start | {fmt(gaps('finish', 'step0'))} |")
     fine = sorted({k for c in layers for k in c if k[2:4] == "f:"})
     if fine:

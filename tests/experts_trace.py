@@ -165,6 +165,8 @@ def install(rec: Recorder) -> None:
         import selectors
 
         _wrap(selectors.EpollSelector, "select", around("sel"))
+        _wrap(coordinator.RemoteExecutor, "_step_layer", mark("steplayer"))
+        _wrap(coordinator.RemoteExecutor, "_assemble", lambda f: staticmethod(around("assemble")(f)))  # static
         from engine.experts.link import WorkerLink
         from engine.experts.worker import _Session
         from transport.stream import Stream
