@@ -311,7 +311,14 @@ def local_decode(model: object, prompt: list[int], steps: int, rec: object,
 
 def report(s: Streams, windows: dict[str, list[tuple[float, float]]], echo_bytes: int, title: str) -> None:
     """Print the tables and a JSON line."""
-    layers = [c for t in s.starts("dispatch", windows["decode"]) if (c := chain(s, t, True)) is not None]
+    layers, first_layers = [], []
+    for t in s.starts("dispatch", windows["decode"]):
+        c = chain(s, t, True)
+        if c is not None:
+            layers.append(c)
+            d = s.next("C", t, "dispatch", within=0)
+            if d is not None and d[2] == min(e[2] for e in s.ev["C"] if e[1] == "dispatch"):
+                first_layers.append(c)
     echoes = [c for t in s.starts("out1", windows["echo"], min_size=echo_bytes)
               if (c := chain(s, t, False)) is not None]
     print(f"\n{title}, {len(layers)} and {len(echoes)} were followed end to end (the rest missed a point, "
@@ -328,6 +335,10 @@ def report(s: Streams, windows: dict[str, list[tuple[float, float]]], echo_bytes
               f"{fmt([c[name] for c in echoes if name in c])} |")
     print(f"| **all but the compute** (echo: the transport's send to its receive) | | {fmt(total_layer)} | "
           f"{fmt(total_echo)} |")
+    hop = LAYER[3][0]
+    rest = [c[hop] for c in layers if not any(c is f for f in first_layers)]
+    print(f"| {hop}: each token's first sparse layer (the worker did not poll across the token) | both | "
+          f"{fmt([c[hop] for c in first_layers])} | - | - |\n| {hop}: the other layers | both | {fmt(rest)} | - | - |")
     for name, *_ in TAIL + [("reply waited for the warm-up",)]:
         values = [c[name] for c in layers if name in c]
         print(f"| {name} ({len(values)} layers) | coordinator | {fmt(values)} | - | - |")
