@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import dataclasses
+import itertools
 import json
 import os
 import random
@@ -207,15 +208,15 @@ def fmt(values: list[float]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dir", type=Path, default=None)
-    ap.add_argument("--decode", type=int, default=64)
-    ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--echo", type=int, default=200)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--dir", type=Path, default=None, help="the checkpoint (written once; default: a temp dir)")
+    ap.add_argument("--decode", type=int, default=64, help="decode steps per round (default 64)")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (default 64)")
+    ap.add_argument("--echo", type=int, default=200, help="polled 4 KB echoes per round (default 200)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
     ap.add_argument("--path", choices=("lane", "quic"), default="lane",
                     help="the expert streams' path: the data lane (default) or QUIC")
-    ap.add_argument("--no-warm", action="store_true", help="the coordinator does not warm the next layer")
-    ap.add_argument("--no-poll", action="store_true", help="neither side polls")
+    ap.add_argument("--no-warm", action="store_true", help="the coordinator does not warm the next layer (default: it warms where its policy says)")
+    ap.add_argument("--no-poll", action="store_true", help="neither side polls (default: both poll where a core is free)")
     args = ap.parse_args(argv)
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = "1"
@@ -372,10 +373,10 @@ def report(s: Streams, windows: dict[str, list[tuple[float, float]]], echo_bytes
             return out
         lx = [e for e in s.ev["C"] if e[1] in ("lx0", "lx1", "lstep0", "lstep1")
               and any(a <= e[0] <= b for a, b in windows["local"])]
-        between = [b[0] - a[0] for a, b in zip(lx, lx[1:]) if a[1] == "lx1" and b[1] == "lx0"]
-        experts = [b[0] - a[0] for a, b in zip(lx, lx[1:]) if a[1] == "lx0" and b[1] == "lx1"]
-        first = [b[0] - a[0] for a, b in zip(lx, lx[1:]) if a[1] == "lstep0" and b[1] == "lx0"]
-        last = [b[0] - a[0] for a, b in zip(lx, lx[1:]) if a[1] == "lx1" and b[1] == "lstep1"]
+        between = [b[0] - a[0] for a, b in itertools.pairwise(lx) if a[1] == "lx1" and b[1] == "lx0"]
+        experts = [b[0] - a[0] for a, b in itertools.pairwise(lx) if a[1] == "lx0" and b[1] == "lx1"]
+        first = [b[0] - a[0] for a, b in itertools.pairwise(lx) if a[1] == "lstep0" and b[1] == "lx0"]
+        last = [b[0] - a[0] for a, b in itertools.pairwise(lx) if a[1] == "lx1" and b[1] == "lstep1"]
         print(f"\n| local decode, same rounds | median us | quartiles |\n|---|---|---|\n"
               f"| whole step | {fmt(local('lstep0', 'lstep1', False))} |\n"
               f"| step start to the first experts (embed, attention) | {fmt(first)} |\n"
