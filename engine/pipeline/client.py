@@ -33,7 +33,7 @@ import structlog
 
 from engine.latency import LATENCY_BUCKETS_S, empty_buckets, observe  # noqa: F401 - buckets re-exported
 from engine.moe import drive
-from engine.pipeline import limits, wire
+from engine.pipeline import limits, trace, wire
 from engine.pipeline.planner import Plan
 
 log = structlog.get_logger(__name__)
@@ -169,6 +169,8 @@ class StageLink:
             # future directly: no wait_for/shield tasks, so a result is handed over in one loop iteration
             watch.append(loop.call_later(limits.SILENCE_S, self._watch, fut, watch))
             reply = await fut
+            if trace.ON and frame.x.shape[0] == 1:
+                trace.mark("S.resume")
         finally:
             if watch:
                 watch[-1].cancel()
@@ -207,6 +209,8 @@ class StageLink:
 
     async def _send(self, frame: wire.Frame) -> None:
         data = wire.encode(frame)
+        if trace.ON and isinstance(frame, wire.Forward) and frame.x.shape[0] == 1:
+            trace.mark("S.sent")
         step = limits.SEND_CHUNK_BYTES
         try:
             async with self._send_lock:
@@ -234,6 +238,8 @@ class StageLink:
             self.close(f"protocol error: {e.reason}")
             return
         for f in frames:
+            if trace.ON and isinstance(f, wire.Result) and f.x.shape[0] == 1:
+                trace.mark("S.rx")
             if isinstance(f, wire.Keepalive):
                 sent = self._pings.pop(f.step, None)
                 if sent is not None:
@@ -286,6 +292,8 @@ class Run:
 
     async def forward(self, x: np.ndarray, seq: int, past: int, last_only: bool) -> np.ndarray:
         """Activations through every remote stage in order (loop thread) -> the last stage's logits."""
+        if trace.ON and x.shape[0] == 1:
+            trace.mark("S.fwd")
         span = (wire.SeqSpan(seq, past, x.shape[0]),)
         for i, link in enumerate(self.links):
             last = i == len(self.links) - 1
@@ -442,6 +450,8 @@ class PipelinedModel:
     def _step(self, cache: PipeCache, arr: np.ndarray, last_only: bool, executor: Any) -> np.ndarray:
         run, local = cache.run, cache.run.local
         t, past = arr.shape[0], cache.local.length
+        if trace.ON and t == 1:
+            trace.mark("S.step")
         t0 = time.perf_counter()
         x = self.model.embed(arr)  # [T, D]
         if local.layers:
@@ -449,7 +459,11 @@ class PipelinedModel:
             x = drive(local.span_steps(x, cache.local, past), executor or local.local_executor, local.warm)
         if run.links:
             t1 = time.perf_counter()
+            if trace.ON and t == 1:
+                trace.mark("S.local")
             x = self.provider.run_on_loop(run.forward(x, cache.seq, past, last_only))
+            if trace.ON and t == 1:
+                trace.mark("S.back")
             if t == 1:
                 self.decode_steps += 1
                 self.decode_local_s += t1 - t0

@@ -32,7 +32,7 @@ import numpy as np
 import structlog
 
 from engine.moe import drive
-from engine.pipeline import limits, wire
+from engine.pipeline import limits, trace, wire
 
 log = structlog.get_logger(__name__)
 
@@ -149,6 +149,7 @@ class StageHost:
                 data = await channel.recv()
                 if data is None:
                     break
+                t_rx = time.monotonic_ns() if trace.ON else 0
                 try:
                     frames = dec.feed(data)
                 except wire.RemoteProtocolError as e:
@@ -156,6 +157,8 @@ class StageHost:
                     await _send(channel, wire.Error(0, wire.ErrorCode.PROTOCOL, e.reason))
                     break
                 for f in frames:
+                    if trace.ON and isinstance(f, wire.Forward) and f.x.shape[0] == 1:
+                        trace.mark_at("T.rx", t_rx)
                     await self._handle(channel, f, mine)
         except Exception as e:  # noqa: BLE001 - a broken stream ends the session, never the daemon
             log.info("pipeline_stage_stream_ended", peer=peer_id[:12], error=repr(e))
@@ -273,6 +276,8 @@ class StageHost:
 
     def _compute(self, part: Any, executor: Any, f: wire.Forward) -> tuple[np.ndarray, bool, int]:
         """Our layers over f.x (a worker thread). -> (hidden or logits, is logits, compute µs)."""
+        if trace.ON and f.x.shape[0] == 1:
+            trace.mark("T.c0")
         t0 = time.perf_counter()
         now = time.monotonic()
         with self._lock:
@@ -296,6 +301,8 @@ class StageHost:
         if logits:
             x = part.logits(x)
         dt = time.perf_counter() - t0
+        if trace.ON and f.x.shape[0] == 1:
+            trace.mark("T.c1")
         self.steps += 1
         self.compute_s += dt
         return x, logits, int(dt * 1e6)
@@ -334,6 +341,8 @@ def _load_part(path: Path, first: int, last: int) -> Any:
 
 async def _send(channel: Any, frame: wire.Frame) -> None:
     data = wire.encode(frame)
+    if trace.ON and isinstance(frame, wire.Result) and frame.x.shape[0] == 1:
+        trace.mark("T.sent")
     step = limits.SEND_CHUNK_BYTES
     send_now = getattr(channel, "send_now", None)
     if len(data) <= step and send_now is not None and send_now(data):
