@@ -9,7 +9,8 @@ Bodies (``run``: the plan instance, ``step``: a request id on this stream, ``seq
 
     OPEN      run u64 | first u16 | last u16 | num_layers u16 | fp_len u8 | fingerprint
     READY     run u64 | first u16 | last u16 | load_ms u32
-    FORWARD   run u64 | step u32 | n u16 | n x (seq u64 | start u32 | count u32) | tensor     flags: LAST_ONLY
+    FORWARD   run u64 | step u32 | n u16 | n x (seq u64 | start u32 | count u32) | tensor     flags: LAST_ONLY,
+                                                                                           POLL
     RESULT    run u64 | step u32 | compute_us u32 | tensor                                 flags: LOGITS
     FREE      run u64 | n u16 | n x seq u64            (n = 0: every sequence of the run)
     ERROR     step u32 | code u16 | text_len u16 | utf-8 text
@@ -77,8 +78,10 @@ class ErrorCode(IntEnum):
 
 
 FLAG_LAST_ONLY = 0x01  # FORWARD: the last stage returns logits of the last row only
+FLAG_POLL = 0x02  # FORWARD: once answered, poll the stream for the next frame a short while (transport.poll)
+#   instead of sleeping: the serving node sets it when every pipeline process on its machine has a core
 FLAG_LOGITS = 0x01  # RESULT: the tensor is logits (the last stage), not hidden states
-_ALLOWED_FLAGS = {Kind.FORWARD: FLAG_LAST_ONLY, Kind.RESULT: FLAG_LOGITS}
+_ALLOWED_FLAGS = {Kind.FORWARD: FLAG_LAST_ONLY | FLAG_POLL, Kind.RESULT: FLAG_LOGITS}
 
 _NP = {DType.F32: np.dtype("<f4"), DType.F16: np.dtype("<f2")}
 _FROM_NP = {np.dtype("float32"): DType.F32, np.dtype("float16"): DType.F16}
@@ -124,6 +127,7 @@ class Forward:
     spans: tuple[SeqSpan, ...]
     x: np.ndarray  # [rows, D]
     last_only: bool = False
+    poll: bool = False  # after answering, poll for the next frame (the serving node expects it within ms)
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -185,7 +189,7 @@ def encode(frame: Frame) -> bytes:
         kind, body = Kind.READY, struct.pack("<QHHI", frame.run, frame.first, frame.last, frame.load_ms)
     elif isinstance(frame, Forward):
         kind = Kind.FORWARD
-        flags = FLAG_LAST_ONLY if frame.last_only else 0
+        flags = (FLAG_LAST_ONLY if frame.last_only else 0) | (FLAG_POLL if frame.poll else 0)
         spans = b"".join(struct.pack("<QII", s.seq, s.start, s.count) for s in frame.spans)
         body = struct.pack("<QIH", frame.run, frame.step, len(frame.spans)) + spans + _tensor(frame.x)
     elif isinstance(frame, Result):
@@ -292,7 +296,7 @@ def decode_body(kind: int, flags: int, body: memoryview) -> Frame:
             raise RemoteProtocolError(
                 ErrorCode.PROTOCOL, f"activations {list(x.shape)} do not match {n} sequences of {rows} rows"
             )
-        frame = Forward(run, step, spans, x, bool(flags & FLAG_LAST_ONLY))
+        frame = Forward(run, step, spans, x, bool(flags & FLAG_LAST_ONLY), bool(flags & FLAG_POLL))
     elif k is Kind.RESULT:
         run, step, us = r.u64(), r.u32(), r.u32()
         x = r.tensor()
