@@ -174,6 +174,7 @@ def main() -> int:
         for n in reversed(nodes):
             n.stop()
     got = steps(tdir, roles)
+    shutil.rmtree(states, ignore_errors=True)
     if not got:
         print("no complete decode step traced", file=sys.stderr)
         return 1
