@@ -92,17 +92,32 @@ class Run:
         return x
 
     def start(
-        self, x: np.ndarray, seq: int, past: int, last_only: bool, wait: bool = False
+        self, x: np.ndarray, seq: int, past: int, last_only: bool, wait: bool = False, handed: bool = False
     ) -> concurrent.futures.Future[Any]:
         """``forward`` from another thread, as the latency path: one ``call_soon_threadsafe`` hands the step
         to the loop, each hop's RESULT is taken in the read callback, which sends the next hop right there,
         and the last one's logits (or a ``StageFailed``) go straight into the returned future: no task and no
         asyncio future on the way. A frame that cannot be written at once takes ``forward`` for the rest.
         ``wait``: the caller blocks on the result at once, so this node's loop may poll for it (``polling``);
-        decode-sized steps ask their stages to poll for the next one the same way (FLAG_POLL)."""
+        decode-sized steps ask their stages to poll for the next one the same way (FLAG_POLL). ``handed``:
+        return only once the loop has written the frame (a caller that computes meanwhile holds the GIL,
+        and the loop thread, woken to send, could wait the whole switch interval for it: the stages would
+        idle while this node computes the next sequence)."""
         out: concurrent.futures.Future[Any] = concurrent.futures.Future()
         assert self.loop is not None
-        self.loop.call_soon_threadsafe(self._hop, out, 0, x, seq, past, last_only, wait)
+        if not handed:
+            self.loop.call_soon_threadsafe(self._hop, out, 0, x, seq, past, last_only, wait)
+            return out
+        sent = threading.Event()
+
+        def first() -> None:
+            try:
+                self._hop(out, 0, x, seq, past, last_only, wait)
+            finally:
+                sent.set()
+
+        self.loop.call_soon_threadsafe(first)
+        sent.wait(limits.SILENCE_S)  # the frame is out (or the link failed: the future says so)
         return out
 
     def _hop(
@@ -333,9 +348,9 @@ class PipelinedModel:
         self, run: Run, x: np.ndarray, seq: int, past: int, last_only: bool, wait: bool = False
     ) -> concurrent.futures.Future[Any]:
         """The remote stages' part of a step, started from this (scheduler) thread (``wait``: it blocks on
-        the result right away)."""
+        the result right away; else it computes meanwhile, so the frame must be out before it goes on)."""
         if run.loop is not None:
-            return run.start(x, seq, past, last_only, wait)
+            return run.start(x, seq, past, last_only, wait, handed=not wait)
         return self.provider.submit(run.forward(x, seq, past, last_only))  # type: ignore[no-any-return]
 
     def decode_status(self) -> dict[str, Any]:
@@ -372,6 +387,8 @@ class PipelinedModel:
                 x = drive(
                     local.span_steps(x, cache.local, past), executor or local.local_executor, local.warm
                 )
+            if trace.ON:
+                trace.mark("S.submit")
             wait = i == len(caches) - 1  # after the last one this thread only waits: its loop may poll
             started.append((cache, arr, past, self._remote(cache.run, x, cache.seq, past, True, wait)))
         rows = []
