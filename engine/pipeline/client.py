@@ -100,9 +100,9 @@ class Run:
         asyncio future on the way. A frame that cannot be written at once takes ``forward`` for the rest.
         ``wait``: the caller blocks on the result at once, so this node's loop may poll for it (``polling``);
         decode-sized steps ask their stages to poll for the next one the same way (FLAG_POLL). ``handed``:
-        return only once the loop has written the frame (a caller that computes meanwhile holds the GIL,
-        and the loop thread, woken to send, could wait the whole switch interval for it: the stages would
-        idle while this node computes the next sequence)."""
+        return once the loop has written the frame, or after ``HANDOFF_WAIT_S`` (a caller that computes
+        meanwhile holds the GIL, and the loop thread, woken to send, could wait the whole switch interval
+        for it: the stages would idle while this node computes the next sequence)."""
         out: concurrent.futures.Future[Any] = concurrent.futures.Future()
         assert self.loop is not None
         if not handed:
@@ -117,7 +117,8 @@ class Run:
                 sent.set()
 
         self.loop.call_soon_threadsafe(first)
-        sent.wait(limits.SILENCE_S)  # the frame is out (or the link failed: the future says so)
+        sent.wait(limits.HANDOFF_WAIT_S)  # the frame is out (or the link failed: the future says so), or
+        # the loop thread found no free core that soon (a busy machine): this thread computes meanwhile
         return out
 
     def _hop(

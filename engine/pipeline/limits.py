@@ -41,3 +41,6 @@ POLL_MAX_S = 0.02  # the longest a pipeline process polls for the frame it expec
 POLL_MARGIN = 1.5  # poll this many times the recent wait (moving average), plus POLL_SLACK_S...
 POLL_SLACK_S = 0.0005  # ...so a wait a little longer than usual is still caught polling
 POLL_EMA = 0.2  # weight of the newest wait in that moving average
+HANDOFF_WAIT_S = 0.0005  # in a micro-batched decode step the scheduler thread waits this long at most for the
+#   loop to write a sequence's frame before it computes the next one (the loop needs the GIL to send; about
+#   0.2 ms when a core is free; on a machine with no core to spare it computes on instead of waiting)
