@@ -34,7 +34,7 @@ try:  # the optional extra
     import numba
     from llvmlite import ir
     from numba import njit
-    from numba.core import types
+    from numba.core import cgutils, types
     from numba.extending import intrinsic
 except ImportError:  # pragma: no cover - exercised when numba is absent
     numba = None
@@ -72,105 +72,155 @@ if AVAILABLE:
 
         return types.uint8(types.uint8, sh, mask), codegen
 
-    # Accumulators: one lane per element position of 4 consecutive 32-blocks (or of a 256-block), so
-    # consecutive blocks update different lanes and no add waits on the one before it.
+    @intrinsic
+    def _stack_f32(typingctx, n):  # noqa: ANN001, ANN202 - numba intrinsic: a float32[n] on the stack (n literal)
+        """Accumulators on the stack rather than the heap: LLVM knows they alias nothing and keeps them in
+        vector registers for a whole row (a heap array is loaded and stored around every multiply-add)."""
+        if not isinstance(n, types.IntegerLiteral):
+            return None
+
+        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+            return cgutils.alloca_once(builder, context.get_value_type(types.float32), size=n.literal_value)
+
+        return types.CPointer(types.float32)(n), codegen
+
+    # Every kernel: per output row and activation row, lanes acc[0:L] (L = 64 or 128, four or eight AVX-512
+    # registers) each accumulate the products of one fixed element position of the row's blocks, in block
+    # order; then one sum of the L lanes, in lane order. The same loop body runs for every activation row, so
+    # a row's result depends neither on the other rows in the call nor on which thread computes it.
+
+    @njit(inline="always")
+    def _zero(acc: np.ndarray, n: int) -> None:
+        for i in range(n):
+            acc[i] = 0
+
+    @njit(inline="always")
+    def _total(acc: np.ndarray, n: int) -> np.float32:
+        tot = np.float32(0)
+        for i in range(n):
+            tot += acc[i]
+        return tot
 
     @njit(**_opts)
     def _q8_0(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
+        # pairs of 32-blocks: the even one into lanes 0-31, the odd one into 32-63 (a last odd block: 0-31)
         t, k = x.shape
-        acc = np.zeros(128, dtype=np.float32)
+        nb = k // 32
+        acc = numba.carray(_stack_f32(64), 64)
         for r in range(r0, r1):
             row = w[r]
             for s in range(t):
-                acc[:] = 0
-                for b in range(k // 32):
-                    o = b * 34
-                    d = _h(tab, row, o)
-                    xb = b * 32
-                    a = (b & 3) * 32
+                _zero(acc, 64)
+                for p in range(nb // 2):
+                    o = p * 68
+                    xb = p * 64
+                    d0 = _h(tab, row, o)
+                    d1 = _h(tab, row, o + 34)
                     for i in range(32):
-                        acc[a + i] += (d * np.float32(np.int8(row[o + 2 + i]))) * x[s, xb + i]
-                out[s, r] = acc.sum()
+                        acc[i] += (d0 * np.float32(np.int8(row[o + 2 + i]))) * x[s, xb + i]
+                        acc[32 + i] += (d1 * np.float32(np.int8(row[o + 36 + i]))) * x[s, xb + 32 + i]
+                if nb & 1:
+                    o = (nb - 1) * 34
+                    d0 = _h(tab, row, o)
+                    for i in range(32):
+                        acc[i] += (d0 * np.float32(np.int8(row[o + 2 + i]))) * x[s, (nb - 1) * 32 + i]
+                out[s, r] = _total(acc, 64)
 
     @njit(**_opts)
     def _q4_0(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
         t, k = x.shape
-        acc = np.zeros(128, dtype=np.float32)
+        nb = k // 32
+        acc = numba.carray(_stack_f32(64), 64)
         for r in range(r0, r1):
             row = w[r]
             for s in range(t):
-                acc[:] = 0
-                for b in range(k // 32):
-                    o = b * 18
-                    d = _h(tab, row, o)
-                    xb = b * 32
-                    a = (b & 3) * 32
+                _zero(acc, 64)
+                for p in range(nb // 2):
+                    o = p * 36
+                    xb = p * 64
+                    d0 = _h(tab, row, o)
+                    d1 = _h(tab, row, o + 18)
                     for i in range(16):
-                        v = row[o + 2 + i]
-                        acc[a + i] += (d * (np.float32(_bits(v, 0, 15)) - np.float32(8))) * x[s, xb + i]
-                        acc[a + 16 + i] += (d * (np.float32(_bits(v, 4, 15)) - np.float32(8))) * x[s, xb + 16 + i]
-                out[s, r] = acc.sum()
+                        v0 = row[o + 2 + i]
+                        v1 = row[o + 20 + i]
+                        acc[i] += (d0 * (np.float32(_bits(v0, 0, 15)) - np.float32(8))) * x[s, xb + i]
+                        acc[16 + i] += (d0 * (np.float32(_bits(v0, 4, 15)) - np.float32(8))) * x[s, xb + 16 + i]
+                        acc[32 + i] += (d1 * (np.float32(_bits(v1, 0, 15)) - np.float32(8))) * x[s, xb + 32 + i]
+                        acc[48 + i] += (d1 * (np.float32(_bits(v1, 4, 15)) - np.float32(8))) * x[s, xb + 48 + i]
+                if nb & 1:
+                    o = (nb - 1) * 18
+                    xb = (nb - 1) * 32
+                    d0 = _h(tab, row, o)
+                    for i in range(16):
+                        v0 = row[o + 2 + i]
+                        acc[i] += (d0 * (np.float32(_bits(v0, 0, 15)) - np.float32(8))) * x[s, xb + i]
+                        acc[16 + i] += (d0 * (np.float32(_bits(v0, 4, 15)) - np.float32(8))) * x[s, xb + 16 + i]
+                out[s, r] = _total(acc, 64)
 
     @njit(inline="always")
-    def _k_scale(row: np.ndarray, o: int, j: int) -> tuple[np.int32, np.int32]:
-        # 6-bit scale and min of sub-block j from the 12 bytes at row[o:o+12]
-        if j < 4:
-            return np.int32(row[o + j] & 63), np.int32(row[o + 4 + j] & 63)
-        a = row[o + 8 + j - 4]
-        return (np.int32((a & 15) | ((row[o + j - 4] >> 6) << 4)),
-                np.int32((a >> 4) | ((row[o + 4 + j - 4] >> 6) << 4)))
+    def _k_scales8(row: np.ndarray, o: int, c: int) -> tuple[np.int32, np.int32, np.int32, np.int32]:
+        # 6-bit scales and mins of sub-blocks 2c and 2c+1 from the 12 bytes at row[o:o+12] (c a constant
+        # after unrolling: no branch in the loop)
+        if c < 2:
+            j = 2 * c
+            return (np.int32(row[o + j] & 63), np.int32(row[o + 4 + j] & 63),
+                    np.int32(row[o + 1 + j] & 63), np.int32(row[o + 5 + j] & 63))
+        j = 2 * c - 4
+        a0 = row[o + 8 + j]
+        a1 = row[o + 9 + j]
+        return (np.int32((a0 & 15) | ((row[o + j] >> 6) << 4)), np.int32((a0 >> 4) | ((row[o + 4 + j] >> 6) << 4)),
+                np.int32((a1 & 15) | ((row[o + 1 + j] >> 6) << 4)), np.int32((a1 >> 4) | ((row[o + 5 + j] >> 6) << 4)))
 
     @njit(**_opts)
     def _q45_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int,
                five: bool) -> None:
-        # chunk c (32 bytes of nibbles) holds sub-blocks 2c (low nibbles) and 2c+1 (high nibbles); Q5_K's
-        # fifth bit of element l of sub-block j is bit j of qh[l]
+        # chunk c (32 bytes of nibbles) holds sub-blocks 2c (low nibbles: lanes 0-31) and 2c+1 (high nibbles:
+        # lanes 32-63); Q5_K's fifth bit of element l of sub-block j is bit j of qh[l]
         t, k = x.shape
         bsz = 176 if five else 144
         qs0 = 48 if five else 16
-        acc = np.zeros(256, dtype=np.float32)
+        acc = numba.carray(_stack_f32(64), 64)
         for r in range(r0, r1):
             row = w[r]
             for s in range(t):
-                acc[:] = 0
+                _zero(acc, 64)
                 for b in range(k // 256):
                     o = b * bsz
                     d = _h(tab, row, o)
                     dmin = _h(tab, row, o + 2)
                     for c in range(4):
-                        sc0, mn0 = _k_scale(row, o + 4, 2 * c)
-                        sc1, mn1 = _k_scale(row, o + 4, 2 * c + 1)
+                        sc0, mn0, sc1, mn1 = _k_scales8(row, o + 4, c)
                         dl0, ml0 = d * np.float32(sc0), dmin * np.float32(mn0)
                         dl1, ml1 = d * np.float32(sc1), dmin * np.float32(mn1)
                         q0 = o + qs0 + c * 32
                         xb = b * 256 + c * 64
-                        a = c * 64
                         if five:
                             for i in range(32):
                                 v = row[q0 + i]
                                 h = row[o + 16 + i]
                                 lo = np.float32(_bits(v, 0, 15)) + np.float32(16) * np.float32(_bits(h, 2 * c, 1))
                                 hi = np.float32(_bits(v, 4, 15)) + np.float32(16) * np.float32(_bits(h, 2 * c + 1, 1))
-                                acc[a + i] += (dl0 * lo - ml0) * x[s, xb + i]
-                                acc[a + 32 + i] += (dl1 * hi - ml1) * x[s, xb + 32 + i]
+                                acc[i] += (dl0 * lo - ml0) * x[s, xb + i]
+                                acc[32 + i] += (dl1 * hi - ml1) * x[s, xb + 32 + i]
                         else:
                             for i in range(32):
                                 v = row[q0 + i]
-                                acc[a + i] += (dl0 * np.float32(_bits(v, 0, 15)) - ml0) * x[s, xb + i]
-                                acc[a + 32 + i] += (dl1 * np.float32(_bits(v, 4, 15)) - ml1) * x[s, xb + 32 + i]
-                out[s, r] = acc.sum()
+                                acc[i] += (dl0 * np.float32(_bits(v, 0, 15)) - ml0) * x[s, xb + i]
+                                acc[32 + i] += (dl1 * np.float32(_bits(v, 4, 15)) - ml1) * x[s, xb + 32 + i]
+                out[s, r] = _total(acc, 64)
 
     @njit(**_opts)
     def _q6_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
         # element half*128 + p*32 + l (p = 0..3): low nibble of ql[half*64 + (p%2)*32 + l] (high nibble for
         # p >= 2), two high bits (qh[half*32 + l] >> 2p) & 3, scale of its 16-element sub-block
-        # half*8 + 2p + l//16; value (d * scale) * (q - 32). One pass over l reads each byte once for all four p.
+        # half*8 + 2p + l//16; value (d * scale) * (q - 32). One pass over l reads each byte once for all four p,
+        # into lanes p*32 + l.
         t, k = x.shape
-        acc = np.zeros(256, dtype=np.float32)
+        acc = numba.carray(_stack_f32(128), 128)
         for r in range(r0, r1):
             row = w[r]
             for s in range(t):
-                acc[:] = 0
+                _zero(acc, 128)
                 for b in range(k // 256):
                     o = b * 210
                     d = _h(tab, row, o + 208)
@@ -179,7 +229,6 @@ if AVAILABLE:
                         qh0 = o + 128 + half * 32
                         sc0 = o + 192 + half * 8
                         xb = b * 256 + half * 128
-                        a0 = half * 128
                         for hh in range(2):
                             d0 = d * np.float32(np.int8(row[sc0 + hh]))
                             d1 = d * np.float32(np.int8(row[sc0 + 2 + hh]))
@@ -198,29 +247,29 @@ if AVAILABLE:
                                       - np.float32(32))
                                 q3 = (np.float32(_bits(v1, 4, 15)) + np.float32(16) * np.float32(_bits(h, 6, 3))
                                       - np.float32(32))
-                                acc[a0 + l] += (d0 * q0) * x[s, xb + l]
-                                acc[a0 + 32 + l] += (d1 * q1) * x[s, xb + 32 + l]
-                                acc[a0 + 64 + l] += (d2 * q2) * x[s, xb + 64 + l]
-                                acc[a0 + 96 + l] += (d3 * q3) * x[s, xb + 96 + l]
-                out[s, r] = acc.sum()
+                                acc[l] += (d0 * q0) * x[s, xb + l]
+                                acc[32 + l] += (d1 * q1) * x[s, xb + 32 + l]
+                                acc[64 + l] += (d2 * q2) * x[s, xb + 64 + l]
+                                acc[96 + l] += (d3 * q3) * x[s, xb + 96 + l]
+                out[s, r] = _total(acc, 128)
 
     @njit(**_opts)
     def _bf16(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
+        # 64 elements at a time into lanes 0-63, the last k % 64 into lanes 0.. (k is even: whole pairs)
         t, k = x.shape
-        acc = np.zeros(128, dtype=np.float32)
+        acc = numba.carray(_stack_f32(64), 64)
         for r in range(r0, r1):
             row = w[r]
             for s in range(t):
-                acc[:] = 0
-                for b in range(k // 32):
-                    xb = b * 32
-                    a = (b & 3) * 32
-                    for i in range(32):
-                        acc[a + i] += _as_f32(np.uint32(row[xb + i]) << np.uint32(16)) * x[s, xb + i]
-                tail = np.float32(0.0)
-                for i in range(k // 32 * 32, k):
-                    tail += _as_f32(np.uint32(row[i]) << np.uint32(16)) * x[s, i]
-                out[s, r] = acc.sum() + tail
+                _zero(acc, 64)
+                for b in range(k // 64):
+                    xb = b * 64
+                    for i in range(64):
+                        acc[i] += _as_f32(np.uint32(row[xb + i]) << np.uint32(16)) * x[s, xb + i]
+                xb = k // 64 * 64
+                for i in range(k - xb):
+                    acc[i] += _as_f32(np.uint32(row[xb + i]) << np.uint32(16)) * x[s, xb + i]
+                out[s, r] = _total(acc, 64)
 
     # Dequantization into fp32 tiles (prefill: the numpy tiles' dequantize step), with exactly the fp32
     # operations of engine.quant.dequantize_blocks in the same order and no fastmath (no fused multiply-add),
@@ -245,8 +294,7 @@ if AVAILABLE:
             d = _h(tab, row, 0)
             dmin = _h(tab, row, 2)
             for c in range(4):
-                sc0, mn0 = _k_scale(row, 4, 2 * c)
-                sc1, mn1 = _k_scale(row, 4, 2 * c + 1)
+                sc0, mn0, sc1, mn1 = _k_scales8(row, 4, c)
                 dl0, ml0 = d * np.float32(sc0), dmin * np.float32(mn0)
                 dl1, ml1 = d * np.float32(sc1), dmin * np.float32(mn1)
                 for i in range(32):
