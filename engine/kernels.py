@@ -11,10 +11,11 @@ stages use this module too, so distributed stays byte-identical to local when bo
 numba. ``MESHD_KERNELS=numpy`` turns the kernels off.
 
 Each kernel computes output rows ``r0:r1`` only, so a product is split into row chunks that the calling
-thread and ``threads() - 1`` helper threads claim one at a time (:func:`run_products`; the kernels release the
-GIL). Every row is computed the same way whichever thread computes it, so the thread count never changes a
-bit. Claiming rather than assigning keeps a loaded machine safe: a helper that has not been scheduled
-yet simply gets nothing, and the caller never waits for work it could do itself. IEEE halves (block scales) are read through a 65536-entry
+thread and ``threads() - 1`` helper threads claim one at a time (:func:`run_products`, engine/kernel_pool.py:
+the claiming and waiting happen in compiled code with the GIL released). Every row is computed the same way
+whichever thread computes it, so the thread count never changes a bit. Claiming rather than assigning keeps a
+loaded machine safe: a helper that has not been scheduled yet simply gets nothing, and the caller never waits
+for work it could do itself. IEEE halves (block scales) are read through a 65536-entry
 table (``HALF``, 256 KiB: stays in L2), exact for every pattern.
 """
 
@@ -25,7 +26,7 @@ import threading
 
 import numpy as np
 
-from .limits import KERNEL_CHUNK_WEIGHTS, KERNEL_MAX_THREADS, KERNEL_POOL_MIN_WEIGHTS
+from .limits import KERNEL_MAX_THREADS, KERNEL_POOL_MIN_WEIGHTS
 from .quant import DEQUANT_TYPES  # quant imports this module only on first use: no cycle at import
 
 try:  # the optional extra
@@ -329,10 +330,6 @@ if AVAILABLE:
     _KERNELS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q6_K": _q6_k, "BF16": _bf16}
 
 
-# (x [T, K], qtype, stored data [N, ...], out [T, N], r0, r1): rows r0:r1 of one product
-Job = tuple[np.ndarray, str, np.ndarray, np.ndarray, int, int]
-
-
 def threads() -> int:
     """Threads that compute kernel products: ``MESHD_KERNEL_THREADS``, else the CPUs this process may use (at
     most ``KERNEL_MAX_THREADS``: decode-sized products are too small to feed more)."""
@@ -346,64 +343,7 @@ def threads() -> int:
     return max(1, min(n, KERNEL_MAX_THREADS))
 
 
-class _Pool:
-    """Helper threads that share a round of jobs with the caller; one round at a time (a lock serialises
-    callers from several threads)."""
-
-    def __init__(self, helpers: int) -> None:
-        self._round = threading.Lock()  # one round at a time
-        self._cv = threading.Condition(threading.Lock())
-        self._jobs: list[Job] = []
-        self._next = 0
-        self._busy = 0  # helpers running a claimed job
-        self._gen = 0
-        for i in range(helpers):
-            threading.Thread(target=self._helper, name=f"meshd-kernel-{i}", daemon=True).start()
-
-    def _claim(self) -> Job | None:
-        with self._cv:
-            if self._next >= len(self._jobs):
-                return None
-            job = self._jobs[self._next]
-            self._next += 1
-            return job
-
-    def _helper(self) -> None:
-        seen = 0
-        while True:
-            with self._cv:
-                while self._gen == seen:
-                    self._cv.wait()
-                seen = self._gen
-            while True:
-                with self._cv:
-                    if self._next >= len(self._jobs):
-                        break
-                    job = self._jobs[self._next]
-                    self._next += 1
-                    self._busy += 1
-                try:
-                    run(*job)
-                finally:
-                    with self._cv:
-                        self._busy -= 1
-                        self._cv.notify_all()
-
-    def run(self, jobs: list[Job]) -> None:
-        with self._round:
-            with self._cv:
-                self._jobs, self._next = jobs, 0
-                self._gen += 1
-                self._cv.notify_all()
-            while (job := self._claim()) is not None:
-                run(*job)
-            with self._cv:
-                while self._busy:
-                    self._cv.wait()
-                self._jobs = []
-
-
-_pool: _Pool | None = None
+_pool = None  # engine.kernel_pool.Pool, made on first use
 _pool_lock = threading.Lock()
 
 
@@ -418,7 +358,7 @@ def _forget_pool() -> None:  # a forked child has none of the parent's helper th
 os.register_at_fork(after_in_child=_forget_pool)
 
 
-def _get_pool() -> _Pool | None:
+def _get_pool():  # noqa: ANN202 - engine.kernel_pool.Pool | None
     global _pool, _single
     if _pool is None and not _single:
         n = threads()
@@ -426,40 +366,32 @@ def _get_pool() -> _Pool | None:
             if n < 2:
                 _single = True
             elif _pool is None:
-                _pool = _Pool(n - 1)
+                from .kernel_pool import Pool
+
+                _pool = Pool(n - 1)
     return _pool
 
 
 def run_products(products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]]) -> None:
-    """Compute each (x, qtype, data, out) product into its ``out``: one round of the threads, each product cut
-    into row chunks, when the round is big enough to share; else each whole product on the caller's thread."""
+    """Compute each (x, qtype, data, out) product into its ``out`` (x and out C-contiguous fp32): one round of
+    the kernel threads (engine.kernel_pool), each product cut into row chunks, when the round is big enough to
+    share; else every chunk on the caller's thread. Either way the same compiled code computes every row."""
+    from . import kernel_pool
+
     total = sum(x.shape[1] * x.shape[0] * data.shape[0] for x, _, data, _ in products)
     pool = _get_pool() if total >= KERNEL_POOL_MIN_WEIGHTS else None
     if pool is None:
-        for x, qtype, data, out in products:
-            run(x, qtype, data, out, 0, data.shape[0])
+        kernel_pool.run_serial(products)
     else:
-        pool.run([job for x, qtype, data, out in products for job in jobs_for(x, qtype, data, out)])
-
-
-def jobs_for(x: np.ndarray, qtype: str, data: np.ndarray, out: np.ndarray) -> list[Job]:
-    """One product cut into row chunks of about ``KERNEL_CHUNK_WEIGHTS`` weights."""
-    n, k = data.shape[0], x.shape[1]
-    step = max(1, KERNEL_CHUNK_WEIGHTS // max(1, k * x.shape[0]))
-    return [(x, qtype, data, out, a, min(n, a + step)) for a in range(0, n, step)]
+        pool.run(products)
 
 
 def run(x: np.ndarray, qtype: str, data: np.ndarray, out: np.ndarray, r0: int, r1: int) -> None:
-    """Rows ``r0:r1`` of ``x @ W.T`` into ``out[:, r0:r1]`` (x: [T, K] fp32 C-contiguous, out: [T, N] fp32).
-    Releases the GIL while it computes."""
-    if qtype == "Q4_K":
-        _q45_k(x, data, out, HALF, r0, r1, False)
-    elif qtype == "Q5_K":
-        _q45_k(x, data, out, HALF, r0, r1, True)
-    else:
-        _KERNELS[qtype](x, data, out, HALF, r0, r1)
+    """Rows ``r0:r1`` of ``x @ W.T`` into ``out[:, r0:r1]`` (x: [T, K] fp32 C-contiguous, out: [T, N] fp32
+    C-contiguous) on this thread, GIL released: the same compiled code as every other path."""
+    from . import kernel_pool
 
-
+    kernel_pool.run_serial([(x, qtype, data, out)], (r0, r1))
 
 
 def dequantize_blocks(blocks: np.ndarray, qtype: str) -> np.ndarray | None:
