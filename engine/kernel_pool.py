@@ -36,14 +36,6 @@ _opts = dict(cache=True, nogil=True, boundscheck=False, error_model="numpy")
 
 
 @intrinsic
-def _i64p(typingctx, addr):  # noqa: ANN001, ANN202
-    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
-        return builder.inttoptr(args[0], ir.IntType(64).as_pointer())
-
-    return types.voidptr(types.int64), codegen
-
-
-@intrinsic
 def _load(typingctx, addr):  # noqa: ANN001, ANN202
     """Atomic (acquire) load of the int64 at ``addr``."""
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
@@ -104,6 +96,7 @@ def _ptr_intrinsic(nbty):  # noqa: ANN001, ANN202
     return ptr
 
 
+_i64p = _ptr_intrinsic(types.int64)
 _f32p = _ptr_intrinsic(types.float32)
 _u8p = _ptr_intrinsic(types.uint8)
 _u16p = _ptr_intrinsic(types.uint16)
@@ -194,6 +187,36 @@ def _work(ctl: int, table: np.ndarray, ha: int, gen: int, total: int, wait: bool
 
 
 @njit(**_opts)
+def _helper_loop(ctl: int, ha: int, seen: int, iters: int) -> int:
+    """A helper's life while rounds keep coming: wait up to ``iters`` pauses for a round other than ``seen``,
+    claim and compute its chunks (the table's address and size from ``ctl``), wait again. Returns the last
+    round seen once no round came in time (the thread then blocks). Never needs the GIL."""
+    mask = (1 << GEN_SHIFT) - 1
+    while True:
+        i = 0
+        while True:
+            g = _load(ctl) >> GEN_SHIFT
+            if g != seen:
+                break
+            i += 1
+            if i >= iters:
+                return seen
+            _pause()
+            if i % 4096 == 0:
+                _sched_yield()
+        seen = g
+        while True:
+            word = _load(ctl)
+            if word >> GEN_SHIFT != g or (word & mask) >= _load(ctl + 24):
+                break
+            if _cas(ctl, word, word + 1):
+                # claimed: round g cannot end before this chunk is done, so ctl still holds its table
+                table = numba.carray(_i64p(_load(ctl + 16)), (_load(ctl + 32), _COLS))
+                _chunk(table, word & mask, ha)
+                _add(ctl + 8, 1)
+
+
+@njit(**_opts)
 def _spin(ctl: int, seen: int, iters: int) -> int:
     """Wait up to ``iters`` pauses for a round other than ``seen``; return the current generation."""
     for i in range(iters):
@@ -201,8 +224,6 @@ def _spin(ctl: int, seen: int, iters: int) -> int:
         if g != seen:
             return g
         _pause()
-        if i % 4096 == 4095:
-            _sched_yield()
     return _load(ctl) >> GEN_SHIFT
 
 
@@ -280,10 +301,11 @@ class Pool:
     def __init__(self, helpers: int) -> None:
         self._round = threading.Lock()
         self._cv = threading.Condition(threading.Lock())
-        self._ctl = np.zeros(2, dtype=np.int64)  # [gen << GEN_SHIFT | next chunk, chunks done]
+        # [gen << GEN_SHIFT | next chunk, chunks done, table address, chunks, products]
+        self._ctl = np.zeros(5, dtype=np.int64)
         self._addr = int(self._ctl.ctypes.data)
         self._gen = 0
-        self._args: tuple[int, np.ndarray, int, object] = (0, np.zeros((0, _COLS), dtype=np.int64), 0, None)
+        self._keep: object = None
         self._sleepers = 0
         self._spin_iters = _calibrate()
         for i in range(helpers):
@@ -292,27 +314,27 @@ class Pool:
     def _helper(self) -> None:
         seen = 0
         while True:
-            g = _spin(self._addr, seen, self._spin_iters)
-            if g == seen:
-                with self._cv:
-                    self._sleepers += 1
-                    while int(self._ctl[0]) >> GEN_SHIFT == seen:
-                        self._cv.wait()
-                    self._sleepers -= 1
-                continue
-            gen, tbl, total, _ = self._args  # set before the round is published: this round's or a later one's
-            seen = gen
-            _work(self._addr, tbl, _HALF_ADDR, gen, total, False)
+            seen = _helper_loop(self._addr, _HALF_ADDR, seen, self._spin_iters)
+            with self._cv:
+                self._sleepers += 1
+                while int(self._ctl[0]) >> GEN_SHIFT == seen:
+                    self._cv.wait()
+                self._sleepers -= 1
 
     def run(self, products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]]) -> None:
         tbl, total, keep = table(products)
         with self._round:
             self._gen += 1
             gen = self._gen
-            self._args = (gen, tbl, total, (products, keep))  # keeps every array alive through the round
-            self._ctl[1] = 0
-            self._ctl[0] = gen << GEN_SHIFT  # publish
+            self._keep = (tbl, products, keep)  # every array the table points into, alive through the round
+            ctl = self._ctl
+            ctl[2] = tbl.ctypes.data
+            ctl[3] = total
+            ctl[4] = tbl.shape[0]
+            ctl[1] = 0
+            ctl[0] = gen << GEN_SHIFT  # publish (x86 keeps these stores in order)
             if self._sleepers:
                 with self._cv:
                     self._cv.notify_all()
             _work(self._addr, tbl, _HALF_ADDR, gen, total, True)
+            self._keep = None
