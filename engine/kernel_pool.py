@@ -121,7 +121,7 @@ def _cfunc(kernel, bf16: bool = False, five: int = -1):  # noqa: ANN001, ANN202
         else:
             kernel(x, numba.carray(_u8p(wa), (n, rb)), out, tab, r0, r1)
 
-    return cfunc(_KERNEL_SIG, cache=True, fastmath=True, boundscheck=False, error_model="numpy")(impl)
+    return cfunc(_KERNEL_SIG, cache=True, fastmath=kernels.FASTMATH, boundscheck=False, error_model="numpy")(impl)
 
 
 _CFUNCS = {

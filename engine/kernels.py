@@ -48,7 +48,11 @@ BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 HALF = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(F32)
 
 if AVAILABLE:
-    _opts = dict(cache=True, fastmath=True, nogil=True, boundscheck=False, error_model="numpy")
+    # fastmath without reassociation: LLVM may fuse a multiply and an add (contract) but keeps every sum in the
+    # order written, so the bits do not depend on how a caller's compilation regroups them (and it measured
+    # faster: 14 -> 17.5 G weights/s for Q4_K)
+    FASTMATH = {"nnan", "ninf", "nsz", "contract", "arcp", "afn"}
+    _opts = dict(cache=True, fastmath=FASTMATH, nogil=True, boundscheck=False, error_model="numpy")
 
     @intrinsic
     def _as_f32(typingctx, v):  # noqa: ANN001, ANN202 - numba intrinsic: uint32 bits -> float32, no arithmetic
@@ -95,12 +99,25 @@ if AVAILABLE:
         for i in range(n):
             acc[i] = 0
 
+    @intrinsic
+    def _stack_u32(typingctx, n):  # noqa: ANN001, ANN202 - numba intrinsic: a uint32[n] on the stack
+        if not isinstance(n, types.IntegerLiteral):
+            return None
+
+        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+            return cgutils.alloca_once(builder, context.get_value_type(types.uint32), size=n.literal_value)
+
+        return types.CPointer(types.uint32)(n), codegen
+
     @njit(inline="always")
     def _total(acc: np.ndarray, n: int) -> np.float32:
-        tot = np.float32(0)
-        for i in range(n):
-            tot += acc[i]
-        return tot
+        # pairwise, as whole-register adds: lanes [0, n/2) += [n/2, n), halving down to 4 lanes
+        h = n // 2
+        while h >= 4:
+            for i in range(h):
+                acc[i] += acc[h + i]
+            h //= 2
+        return (acc[0] + acc[2]) + (acc[1] + acc[3])
 
     @njit(**_opts)
     def _q8_0(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
@@ -172,6 +189,22 @@ if AVAILABLE:
         return (np.int32((a0 & 15) | ((row[o + j] >> 6) << 4)), np.int32((a0 >> 4) | ((row[o + 4 + j] >> 6) << 4)),
                 np.int32((a1 & 15) | ((row[o + 1 + j] >> 6) << 4)), np.int32((a1 >> 4) | ((row[o + 5 + j] >> 6) << 4)))
 
+    @njit(inline="always")
+    def _u32(row: np.ndarray, o: int) -> np.uint32:
+        return (np.uint32(row[o]) | (np.uint32(row[o + 1]) << np.uint32(8)) | (np.uint32(row[o + 2]) << np.uint32(16))
+                | (np.uint32(row[o + 3]) << np.uint32(24)))
+
+    @njit(inline="always")
+    def _k_scale_words(row: np.ndarray, o: int, words: np.ndarray) -> None:
+        # the 8 6-bit scales then the 8 mins of a K-quant block, as the bytes of words[0:4], from the 12 bytes
+        # at row[o:o+12] four at a time (llama.cpp's kmask unpacking; the same integers as _k_scales8)
+        u0, u1, u2 = _u32(row, o), _u32(row, o + 4), _u32(row, o + 8)
+        m1, m2, m3 = np.uint32(0x3F3F3F3F), np.uint32(0x0F0F0F0F), np.uint32(0x03030303)
+        words[0] = u0 & m1
+        words[1] = (u2 & m2) | (((u0 >> np.uint32(6)) & m3) << np.uint32(4))
+        words[2] = u1 & m1
+        words[3] = ((u2 >> np.uint32(4)) & m2) | (((u1 >> np.uint32(6)) & m3) << np.uint32(4))
+
     @njit(**_opts)
     def _q45_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int,
                five: bool) -> None:
@@ -181,18 +214,25 @@ if AVAILABLE:
         bsz = 176 if five else 144
         qs0 = 48 if five else 16
         acc = numba.carray(_stack_f32(64), 64)
+        words = numba.carray(_stack_u32(4), 4)
+        scales = words.view(np.uint8)  # 8 scales, then 8 mins
+        f = numba.carray(_stack_f32(16), 16)  # d * scale, then dmin * min
         for r in range(r0, r1):
             row = w[r]
             for s in range(t):
                 _zero(acc, 64)
                 for b in range(k // 256):
                     o = b * bsz
+                    _k_scale_words(row, o + 4, words)
                     d = _h(tab, row, o)
                     dmin = _h(tab, row, o + 2)
+                    for j in range(8):
+                        f[j] = d * np.float32(scales[j])
+                    for j in range(8):
+                        f[8 + j] = dmin * np.float32(scales[8 + j])
                     for c in range(4):
-                        sc0, mn0, sc1, mn1 = _k_scales8(row, o + 4, c)
-                        dl0, ml0 = d * np.float32(sc0), dmin * np.float32(mn0)
-                        dl1, ml1 = d * np.float32(sc1), dmin * np.float32(mn1)
+                        dl0, ml0 = f[2 * c], f[8 + 2 * c]
+                        dl1, ml1 = f[2 * c + 1], f[9 + 2 * c]
                         q0 = o + qs0 + c * 32
                         xb = b * 256 + c * 64
                         if five:
