@@ -20,7 +20,8 @@ Table 3 times the prefill tiles' dequantization (a 1 Mi-weight tile), numpy agai
 
 Median and range of ``--rounds`` timed calls, each side warmed up the same (20 calls) and timed alone (one
 process, one side at a time). The baseline is the revision's engine/kernels.py, loaded with ``git show``
-(left out when git or the revision is not there).
+(left out when git or the revision is not there); it must be self-contained, i.e. older than
+engine/kernel_pool.py (5a404c5 is: the kernels and pool before session 3). Figures: docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ QUANTIZED = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
 SUPPORTED_TYPES = tuple(BLOCKS)
 
 # Types whose compiled decode kernel measured >= 2x the numpy tiles (engine.kernels; bench/kernels.py, figures in
-# docs/engine-model.md): all of them since the kernels vectorise (32-lane accumulators).
+# docs/kernels.md): all of them, 3-30x on one core.
 KERNEL_TYPES = ("BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
 # Types whose compiled dequantization (prefill tiles) measured >= 2x numpy's (bench/kernels.py, 1 Mi-weight
 # tile): Q4_0 4.1x, Q4_K 22x, Q5_K 22x, Q6_K 56x; Q8_0 (1.7-2.7x: numpy's is one multiply) stays numpy. Other
