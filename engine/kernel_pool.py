@@ -258,28 +258,38 @@ def _fill(tbl: np.ndarray, i: int, fn: int, x: np.ndarray, w: np.ndarray, out: n
 
 
 def table(products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]],
-          rows_range: tuple[int, int] | None = None) -> tuple[np.ndarray, int, list]:
-    """The round's table, its number of chunks and the arrays it points into (keep them alive through the
-    round). x and out must be C-contiguous fp32 (the caller's); the stored data is made C-contiguous here (a
-    copy only for an odd view)."""
+          rows_range: tuple[int, int] | None = None) -> tuple[np.ndarray, int, list, int]:
+    """The round's table, its number of chunks, the arrays it points into beyond ``products`` (keep both alive
+    through the round) and its number of weight-row products. x and out must be C-contiguous fp32 (the
+    caller's); the stored data is made C-contiguous here (a copy only for an odd view)."""
     tbl = np.empty((len(products), _COLS), dtype=np.int64)
     keep = []
     total = 0
-    for i, (x, qtype, data, out) in enumerate(products):
+    weights = 0
+    i = 0
+    for x, qtype, data, out in products:
         if not data.flags.c_contiguous:
             data = np.ascontiguousarray(data)
             keep.append(data)
-        a, b = rows_range if rows_range is not None else (0, data.shape[0])
+        n = data.shape[0]
+        a, b = rows_range if rows_range is not None else (0, n)
         total += _fill(tbl, i, _ADDR[qtype], x, data, out, a, b, KERNEL_CHUNK_WEIGHTS)
+        weights += x.size * (b - a)
+        i += 1
     if total >> GEN_SHIFT:
         raise ValueError(f"a round of {total} kernel chunks is too many (at most {(1 << GEN_SHIFT) - 1})")
-    return tbl, total, keep
+    return tbl, total, keep, weights
 
 
 def run_serial(products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]],
                rows_range: tuple[int, int] | None = None) -> None:
     """Every product (rows ``rows_range`` of each, default all) on this thread."""
-    tbl, total, _keep = table(products, rows_range)
+    tbl, total, _keep, _ = table(products, rows_range)
+    _serial(tbl, _HALF_ADDR, total)
+
+
+def run_table_serial(tbl: np.ndarray, total: int) -> None:
+    """Every chunk of a :func:`table` on this thread (its arrays kept alive by the caller)."""
     _serial(tbl, _HALF_ADDR, total)
 
 
@@ -322,11 +332,15 @@ class Pool:
                 self._sleepers -= 1
 
     def run(self, products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]]) -> None:
-        tbl, total, keep = table(products)
+        tbl, total, keep, _ = table(products)
+        self.run_table(tbl, total, (products, keep))
+
+    def run_table(self, tbl: np.ndarray, total: int, keep: object) -> None:
+        """One round over a :func:`table`; ``keep``: every array it points into (alive through the round)."""
         with self._round:
             self._gen += 1
             gen = self._gen
-            self._keep = (tbl, products, keep)  # every array the table points into, alive through the round
+            self._keep = (tbl, keep)
             ctl = self._ctl
             ctl[2] = tbl.ctypes.data
             ctl[3] = total

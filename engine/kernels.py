@@ -416,22 +416,31 @@ def run_products(products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]])
     """Compute each (x, qtype, data, out) product into its ``out`` (x and out C-contiguous fp32): one round of
     the kernel threads (engine.kernel_pool), each product cut into row chunks, when the round is big enough to
     share; else every chunk on the caller's thread. Either way the same compiled code computes every row."""
-    from . import kernel_pool
-
-    total = sum(x.shape[1] * x.shape[0] * data.shape[0] for x, _, data, _ in products)
-    pool = _get_pool() if total >= KERNEL_POOL_MIN_WEIGHTS else None
+    kp = _kernel_pool()
+    tbl, total, keep, weights = kp.table(products)
+    pool = _get_pool() if weights >= KERNEL_POOL_MIN_WEIGHTS else None
     if pool is None:
-        kernel_pool.run_serial(products)
+        kp.run_table_serial(tbl, total)
     else:
-        pool.run(products)
+        pool.run_table(tbl, total, (products, keep))
+
+
+_kp = None
+
+
+def _kernel_pool():  # noqa: ANN202 - engine.kernel_pool, imported once (it compiles against this module)
+    global _kp
+    if _kp is None:
+        from . import kernel_pool
+
+        _kp = kernel_pool
+    return _kp
 
 
 def run(x: np.ndarray, qtype: str, data: np.ndarray, out: np.ndarray, r0: int, r1: int) -> None:
     """Rows ``r0:r1`` of ``x @ W.T`` into ``out[:, r0:r1]`` (x: [T, K] fp32 C-contiguous, out: [T, N] fp32
     C-contiguous) on this thread, GIL released: the same compiled code as every other path."""
-    from . import kernel_pool
-
-    kernel_pool.run_serial([(x, qtype, data, out)], (r0, r1))
+    _kernel_pool().run_serial([(x, qtype, data, out)], (r0, r1))
 
 
 def dequantize_blocks(blocks: np.ndarray, qtype: str) -> np.ndarray | None:
@@ -463,11 +472,15 @@ def gemm_many(products: list[tuple[np.ndarray, str, np.ndarray]]) -> list[np.nda
     """Several ``gemm`` products (x, qtype, data) in one round of the threads: the same bits as one
     ``gemm`` each, one hand-off instead of one per product."""
     todo = []
+    outs = []
     for x, qtype, data in products:
-        x = np.ascontiguousarray(x, dtype=F32)
-        todo.append((x, qtype, data, np.empty((x.shape[0], data.shape[0]), dtype=F32)))
+        if x.dtype != F32 or not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x, dtype=F32)
+        out = np.empty((x.shape[0], data.shape[0]), dtype=F32)
+        todo.append((x, qtype, data, out))
+        outs.append(out)
     run_products(todo)
-    return [t[3] for t in todo]
+    return outs
 
 
 def warm() -> None:

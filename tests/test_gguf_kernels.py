@@ -57,7 +57,7 @@ def test_threads_split_rows_without_changing_a_bit(qtype: str, k: int, helpers: 
     serial = np.full((2, 1500), np.nan, dtype=np.float32)
     kernel_pool.run_serial([(x, qtype, p.data, serial)])
     np.testing.assert_array_equal(serial, one)
-    tbl, total, _ = kernel_pool.table([(x, qtype, p.data, serial)])
+    _, total, _, _ = kernel_pool.table([(x, qtype, p.data, serial)])
     assert total > 1
     pool = kernel_pool.Pool(helpers)
     out = np.full((2, 1500), np.nan, dtype=np.float32)
