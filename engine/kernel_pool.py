@@ -109,29 +109,48 @@ _u16p = _ptr_intrinsic(types.uint16)
 _KERNEL_SIG = types.void(*([types.int64] * 10))  # x, T, K, w, N, row bytes, out, r0, r1, half table
 
 
-def _cfunc(kernel, bf16: bool = False, five: int = -1):  # noqa: ANN001, ANN202
-    def impl(xa, t, k, wa, n, rb, oa, r0, r1, ha):  # noqa: ANN001, ANN202
-        x = numba.carray(_f32p(xa), (t, k))
-        out = numba.carray(_f32p(oa), (t, n))
-        tab = numba.carray(_f32p(ha), (65536,))
-        if bf16:
-            kernel(x, numba.carray(_u16p(wa), (n, k)), out, tab, r0, r1)
-        elif five >= 0:
-            kernel(x, numba.carray(_u8p(wa), (n, rb)), out, tab, r0, r1, five == 1)
-        else:
-            kernel(x, numba.carray(_u8p(wa), (n, rb)), out, tab, r0, r1)
-
-    return cfunc(_KERNEL_SIG, cache=True, fastmath=kernels.FASTMATH, boundscheck=False, error_model="numpy")(impl)
+_cfunc = cfunc(_KERNEL_SIG, cache=True, fastmath=kernels.FASTMATH, boundscheck=False, error_model="numpy")
+# (top-level functions, not closures: numba keys a closure's cache entry on its pickled cells, which differ in
+# every process, so each start recompiled them and added files to the cache)
 
 
-_CFUNCS = {
-    "BF16": _cfunc(kernels._bf16, bf16=True),
-    "Q8_0": _cfunc(kernels._q8_0),
-    "Q4_0": _cfunc(kernels._q4_0),
-    "Q4_K": _cfunc(kernels._q45_k, five=0),
-    "Q5_K": _cfunc(kernels._q45_k, five=1),
-    "Q6_K": _cfunc(kernels._q6_k),
-}
+@_cfunc
+def _c_bf16(xa, t, k, wa, n, rb, oa, r0, r1, ha):  # noqa: ANN001, ANN202
+    kernels._bf16(numba.carray(_f32p(xa), (t, k)), numba.carray(_u16p(wa), (n, k)), numba.carray(_f32p(oa), (t, n)),
+                  numba.carray(_f32p(ha), (65536,)), r0, r1)
+
+
+@_cfunc
+def _c_q8_0(xa, t, k, wa, n, rb, oa, r0, r1, ha):  # noqa: ANN001, ANN202
+    kernels._q8_0(numba.carray(_f32p(xa), (t, k)), numba.carray(_u8p(wa), (n, rb)), numba.carray(_f32p(oa), (t, n)),
+                  numba.carray(_f32p(ha), (65536,)), r0, r1)
+
+
+@_cfunc
+def _c_q4_0(xa, t, k, wa, n, rb, oa, r0, r1, ha):  # noqa: ANN001, ANN202
+    kernels._q4_0(numba.carray(_f32p(xa), (t, k)), numba.carray(_u8p(wa), (n, rb)), numba.carray(_f32p(oa), (t, n)),
+                  numba.carray(_f32p(ha), (65536,)), r0, r1)
+
+
+@_cfunc
+def _c_q4_k(xa, t, k, wa, n, rb, oa, r0, r1, ha):  # noqa: ANN001, ANN202
+    kernels._q45_k(numba.carray(_f32p(xa), (t, k)), numba.carray(_u8p(wa), (n, rb)),
+                   numba.carray(_f32p(oa), (t, n)), numba.carray(_f32p(ha), (65536,)), r0, r1, False)
+
+
+@_cfunc
+def _c_q5_k(xa, t, k, wa, n, rb, oa, r0, r1, ha):  # noqa: ANN001, ANN202
+    kernels._q45_k(numba.carray(_f32p(xa), (t, k)), numba.carray(_u8p(wa), (n, rb)),
+                   numba.carray(_f32p(oa), (t, n)), numba.carray(_f32p(ha), (65536,)), r0, r1, True)
+
+
+@_cfunc
+def _c_q6_k(xa, t, k, wa, n, rb, oa, r0, r1, ha):  # noqa: ANN001, ANN202
+    kernels._q6_k(numba.carray(_f32p(xa), (t, k)), numba.carray(_u8p(wa), (n, rb)), numba.carray(_f32p(oa), (t, n)),
+                  numba.carray(_f32p(ha), (65536,)), r0, r1)
+
+
+_CFUNCS = {"BF16": _c_bf16, "Q8_0": _c_q8_0, "Q4_0": _c_q4_0, "Q4_K": _c_q4_k, "Q5_K": _c_q5_k, "Q6_K": _c_q6_k}
 _ADDR = {q: int(f.address) for q, f in _CFUNCS.items()}
 _HALF_ADDR = int(kernels.HALF.ctypes.data)  # the module's table lives as long as the process
 
@@ -291,6 +310,16 @@ def run_serial(products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]],
 def run_table_serial(tbl: np.ndarray, total: int) -> None:
     """Every chunk of a :func:`table` on this thread (its arrays kept alive by the caller)."""
     _serial(tbl, _HALF_ADDR, total)
+
+
+def warm() -> None:
+    """Compile (or load from the cache) the round functions the kernel threads use, on an empty round."""
+    ctl = np.zeros(5, dtype=np.int64)
+    ctl[0] = 1 << GEN_SHIFT
+    tbl = np.zeros((0, _COLS), dtype=np.int64)
+    _work(int(ctl.ctypes.data), tbl, _HALF_ADDR, 1, 0, True)
+    _helper_loop(int(ctl.ctypes.data), _HALF_ADDR, 1, 1)
+    _spin(int(ctl.ctypes.data), 1, 1)
 
 
 def _calibrate() -> int:

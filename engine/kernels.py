@@ -498,3 +498,4 @@ def warm() -> None:
         run(x, qtype, data, out, 0, 1)
         if qtype in DEQUANT_TYPES:
             dequantize_blocks(data.reshape(-1, BLOCK_BYTES[qtype]), qtype)
+    _kernel_pool().warm()
