@@ -195,7 +195,18 @@ def _tensors(cfg: ModelConfig, get: Callable[[str], np.ndarray]) -> dict[str, np
     return out
 
 
-def _tokenizer_meta(w: Any, src: Path) -> None:
+def _eos_meta(w: Any, src: Path, cfg: ModelConfig) -> None:
+    """Tokenizer metadata when ``src`` has a tokenizer, and one ``eos_token_id``: config.json's first
+    eos id, else the tokenizer's ``eos_token`` (written once: GGUFWriter overwrites a repeated key)."""
+    eos = _tokenizer_meta(w, src) if (src / "tokenizer.json").is_file() else None
+    if cfg.eos_token_ids:
+        eos = cfg.eos_token_ids[0]
+    if eos is not None:
+        w.add_eos_token_id(eos)
+
+
+def _tokenizer_meta(w: Any, src: Path) -> int | None:
+    """Write the tokenizer's metadata; -> the id of tokenizer_config.json's ``eos_token``, if any."""
     tj = json.loads((src / "tokenizer.json").read_text("utf-8"))
     model = tj["model"]
     vocab: dict[str, int] = dict(model["vocab"])
@@ -221,7 +232,8 @@ def _tokenizer_meta(w: Any, src: Path) -> None:
             w.add_chat_template(tc["chat_template"])
         eos = tc.get("eos_token")
         if isinstance(eos, str) and eos in vocab:
-            w.add_eos_token_id(vocab[eos])
+            return vocab[eos]
+    return None
 
 
 def export_gguf(src: str | Path, out: str | Path, mix: str = "F32",
@@ -262,10 +274,7 @@ def export_gguf(src: str | Path, out: str | Path, mix: str = "F32",
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if cfg.bos_token_id is not None:
         w.add_bos_token_id(cfg.bos_token_id)
-    if (src / "tokenizer.json").is_file():
-        _tokenizer_meta(w, src)
-    if cfg.eos_token_ids:
-        w.add_eos_token_id(cfg.eos_token_ids[0])
+    _eos_meta(w, src, cfg)
     return _write_tensors(w, _tensors(cfg, get), mix, types)
 
 
@@ -281,10 +290,7 @@ def _export_deepseek(src: Path, out: Path, cfg: ModelConfig, ckpt: Any, mix: str
     gguf_deepseek.write_metadata(w, cfg, json.loads((src / "config.json").read_text("utf-8")))
     if cfg.bos_token_id is not None:
         w.add_bos_token_id(cfg.bos_token_id)
-    if (src / "tokenizer.json").is_file():
-        _tokenizer_meta(w, src)
-    if cfg.eos_token_ids:
-        w.add_eos_token_id(cfg.eos_token_ids[0])
+    _eos_meta(w, src, cfg)
     return _write_tensors(w, gguf_deepseek.export_tensors(cfg, get, split_kv_b), mix, types)
 
 

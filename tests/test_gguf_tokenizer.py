@@ -63,7 +63,9 @@ def _hf_tokenizer(path: Path) -> None:
 
 def _gguf(src: Path, out: Path) -> None:
     w = gguf.GGUFWriter(str(out), "qwen2")
-    _tokenizer_meta(w, src)
+    eos = _tokenizer_meta(w, src)
+    assert eos is not None
+    w.add_eos_token_id(eos)
     w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -102,6 +104,25 @@ def test_unsupported_tokenizer_is_named(tmp_path: Path) -> None:
     w.close()
     with pytest.raises(TokenizerError, match="tokenizer.ggml.model 't5' is not supported"):
         Tokenizer.load(tmp_path / "spm.gguf")
+
+
+def test_export_writes_one_eos_id(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from engine.gguf_export import export_gguf
+
+    g = _q4km_gguf(tmp_path)
+    assert not [r for r in caplog.records if "Duplicated key" in r.getMessage()]
+    eos = gguf.GGUFReader(str(g)).fields["tokenizer.ggml.eos_token_id"]
+    ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "src" / "tokenizer.json"))
+    assert int(eos.parts[eos.data[0]][0]) == ref.convert_tokens_to_ids("<|im_end|>")  # config.json has none
+
+    g2 = tmp_path / "with-config-eos.gguf"
+    cfg = json.loads((tmp_path / "src" / "config.json").read_text())
+    (tmp_path / "src" / "config.json").write_text(json.dumps({**cfg, "eos_token_id": [7, 9]}))
+    caplog.clear()
+    export_gguf(tmp_path / "src", g2, "F32")
+    assert not [r for r in caplog.records if "Duplicated key" in r.getMessage()]
+    eos = gguf.GGUFReader(str(g2)).fields["tokenizer.ggml.eos_token_id"]
+    assert int(eos.parts[eos.data[0]][0]) == 7
 
 
 def _q4km_gguf(tmp_path: Path) -> Path:
