@@ -16,6 +16,7 @@ never depend on the chunking, so the thread count never changes a bit (tests/tes
 
 from __future__ import annotations
 
+import platform
 import threading
 import time
 
@@ -30,6 +31,7 @@ from numba import cfunc, njit  # noqa: E402
 from numba.core import cgutils, types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 GEN_SHIFT = 24  # low 24 bits of the word: the next chunk (a round has < 16 Mi chunks); high 39: the generation
 _COLS = 12  # kernel address, x, T, K, w, N, row bytes, out, chunks, rows per chunk, first row, end row
 _opts = dict(cache=True, nogil=True, boundscheck=False, error_model="numpy")
@@ -43,6 +45,17 @@ def _load(typingctx, addr):  # noqa: ANN001, ANN202
         return builder.load_atomic(ptr, "acquire", 8)
 
     return types.int64(types.int64), codegen
+
+
+@intrinsic
+def _store(typingctx, addr, v):  # noqa: ANN001, ANN202
+    """Atomic (release) store of ``v`` to the int64 at ``addr``: every store before it is visible first."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        builder.store_atomic(args[1], ptr, "release", 8)
+        return context.get_dummy_value()
+
+    return types.none(types.int64, types.int64), codegen
 
 
 @intrinsic
@@ -67,9 +80,12 @@ def _add(typingctx, addr, v):  # noqa: ANN001, ANN202
 
 @intrinsic
 def _pause(typingctx):  # noqa: ANN001, ANN202
+    """x86's ``pause`` in a spin loop (other CPUs: nothing, the loop's atomic load is enough)."""
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause")
-        builder.call(fn, [])
+        if _X86:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                "llvm.x86.sse2.pause")
+            builder.call(fn, [])
         return context.get_dummy_value()
 
     return types.none(), codegen
@@ -201,7 +217,7 @@ def _work(ctl: int, table: np.ndarray, ha: int, gen: int, total: int, wait: bool
         while _load(ctl + 8) < total:
             _pause()
             i += 1
-            if i % 4096 == 0:  # a helper holding a chunk may need this core
+            if i % 1024 == 0:  # ~30 us: a helper holding a chunk may need this core
                 _sched_yield()
 
 
@@ -221,7 +237,7 @@ def _helper_loop(ctl: int, ha: int, seen: int, iters: int) -> int:
             if i >= iters:
                 return seen
             _pause()
-            if i % 4096 == 0:
+            if i % 256 == 0:  # every ~7 us: a thread that needs this core (the event loop) gets it
                 _sched_yield()
         seen = g
         while True:
@@ -244,6 +260,17 @@ def _spin(ctl: int, seen: int, iters: int) -> int:
             return g
         _pause()
     return _load(ctl) >> GEN_SHIFT
+
+
+@njit(**_opts)
+def _publish(ctl: int, gen: int, tbl: np.ndarray, total: int) -> None:
+    """Start round ``gen``: its table, then zero chunks done, then (release) the word helpers claim from."""
+    p = _i64p(ctl)
+    p[2] = tbl.ctypes.data
+    p[3] = total
+    p[4] = tbl.shape[0]
+    p[1] = 0
+    _store(ctl, gen << GEN_SHIFT)
 
 
 @njit(**_opts)
@@ -315,8 +342,8 @@ def run_table_serial(tbl: np.ndarray, total: int) -> None:
 def warm() -> None:
     """Compile (or load from the cache) the round functions the kernel threads use, on an empty round."""
     ctl = np.zeros(5, dtype=np.int64)
-    ctl[0] = 1 << GEN_SHIFT
     tbl = np.zeros((0, _COLS), dtype=np.int64)
+    _publish(int(ctl.ctypes.data), 1, tbl, 0)
     _work(int(ctl.ctypes.data), tbl, _HALF_ADDR, 1, 0, True)
     _helper_loop(int(ctl.ctypes.data), _HALF_ADDR, 1, 1)
     _spin(int(ctl.ctypes.data), 1, 1)
@@ -370,12 +397,7 @@ class Pool:
             self._gen += 1
             gen = self._gen
             self._keep = (tbl, keep)
-            ctl = self._ctl
-            ctl[2] = tbl.ctypes.data
-            ctl[3] = total
-            ctl[4] = tbl.shape[0]
-            ctl[1] = 0
-            ctl[0] = gen << GEN_SHIFT  # publish (x86 keeps these stores in order)
+            _publish(self._addr, gen, tbl, total)
             if self._sleepers:
                 with self._cv:
                     self._cv.notify_all()
