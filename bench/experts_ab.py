@@ -1,10 +1,12 @@
 """Paired A/B of the expert decode path: two checkouts, the same workload, interleaved in time.
 
     python bench/experts_ab.py A_CHECKOUT B_CHECKOUT [--blocks 40] [--steps 20] [--workers 1] [--dir DIR]
+                               [--path lane|quic]
 
 On a shared VM, runs made minutes apart drift by 10-20%, more than most changes to the decode path are
 worth. Here each checkout gets its own process (its code, its coordinator, its worker processes, the
-mid-size checkpoint of ``bench/experts.py``), and the two take turns: a block of --steps remote decode
+mid-size checkpoint of ``bench/experts.py``; expert streams over the data lane, as a daemon's, or
+``--path quic``), and the two take turns: a block of --steps remote decode
 steps from A, then one from B (the order flips every block), then a block of local steps from each. Each
 block's figure is its median step. Per-layer overhead = (remote block - local block) / sparse layers, per
 checkout; the paired figure is B's remote block minus A's remote block of the same round, per layer:
@@ -24,7 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 
 
-def child(checkout: Path, workers: int, ckpt: Path) -> int:
+def child(checkout: Path, workers: int, ckpt: Path, path_kind: str) -> int:
     """Serve blocks for the parent: reads ``run remote|local N``, answers the N step times as JSON."""
     import os
     import random
@@ -49,10 +51,11 @@ def child(checkout: Path, workers: int, ckpt: Path) -> int:
     prompt = [r.randrange(bench.CONFIG["vocab_size"]) for _ in range(64)]
     mesh = MeshFixture()
     procs = [spawn_worker(mesh, Path(tempfile.mkdtemp(prefix="meshd-ab-")), [str(path)]) for _ in range(workers)]
-    coord = Coordinator(mesh)
+    coord = Coordinator(mesh, lane=path_kind == "lane")
     try:
         coord.connect(procs)
         executors = {"remote": coord.executor(path, "on"), "local": model.local_executor}
+        coord.wait_paths(procs, path_kind)
         caches = {k: model.new_cache() for k in executors}
         outs = {k: model.forward(prompt, caches[k], executor=ex)[-1] for k, ex in executors.items()}
         print(json.dumps({"ready": True, "sparse": sparse}), flush=True)
@@ -84,10 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "meshd-bench-experts-ab",
                     help="the checkpoint (written once)")
+    ap.add_argument("--path", choices=("lane", "quic"), default="lane",
+                    help="the expert streams' path (default lane: the data lane, as a daemon uses)")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child is not None:
-        return child(args.child, args.workers, args.dir)
+        return child(args.child, args.workers, args.dir, args.path)
     if args.a is None or args.b is None:
         ap.error("give two checkouts")
     checkouts = [args.a.resolve(), args.b.resolve()]
@@ -99,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         sparse = 0
         for c in checkouts:  # one at a time: the first writes the checkpoint
             kid = subprocess.Popen([sys.executable, str(HERE), "--child", str(c), "--workers", str(args.workers),
-                                    "--dir", str(args.dir)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                    "--dir", str(args.dir), "--path", args.path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             kids.append(kid)
             assert kid.stdout is not None
             line = kid.stdout.readline()
@@ -119,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             if kid.stdin is not None:
                 kid.stdin.close()
             kid.wait(60)
-    print(f"{args.blocks} blocks of {args.steps} decode steps, {args.workers} worker(s), {sparse} sparse layers")
+    print(f"{args.blocks} blocks of {args.steps} decode steps, {args.workers} worker(s) over {args.path}, "
+          f"{sparse} sparse layers")
     for i, c in enumerate(checkouts):
         per_layer = [(r - lo) * 1e3 / sparse for r, lo in zip(blocks[(i, "remote")], blocks[(i, "local")])]
         print(f"{'AB'[i]} {c}: remote step {statistics.median(blocks[(i, 'remote')]) * 1e3:.3f} ms, local step "

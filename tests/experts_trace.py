@@ -1,15 +1,19 @@
 """Timestamps where a delegated layer's request and reply pass, for bench/experts_timeline.py.
 
 ``install(recorder)`` wraps, in this process: the coordinator's ``RemoteExecutor._fast_dispatch`` and
-``_fast_reply``, the worker's ``compute_request``, aioquic's ``QuicConnection.receive_datagram`` and
-``datagrams_to_send``, and asyncio's datagram transport ``sendto`` (on the call and on its return). Each
-wrapper appends ``(time.perf_counter(), tag, bytes)`` to the recorder. ``perf_counter`` is CLOCK_MONOTONIC,
+``_fast_reply``, the loop-driven pass's ``_step_resume`` and ``Model.warm``, the worker's ``compute_request``;
+for QUIC aioquic's ``QuicConnection.receive_datagram`` and ``datagrams_to_send``, and asyncio's datagram
+transport ``sendto`` (on the call and on its return); for the data lane the message handed to the lane
+(``LaneConnection._send``, "out0"), the TLS records' socket write (asyncio's socket transport ``write``:
+"out1" and "s0" at the call, "s1" at its return), the ciphertext's arrival (``SSLProtocol.buffer_updated``,
+"in0") and the plaintext's (``LaneConnection.data_received``, "in1"). Each wrapper appends ``(time.perf_counter(), tag, bytes)`` to the recorder. ``perf_counter`` is CLOCK_MONOTONIC,
 one clock for every process on the machine, so a coordinator's and a worker's timestamps line up.
 Diagnostics only: each point costs about a microsecond, and ``uninstall()`` puts the originals back.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -44,8 +48,14 @@ def install(rec: Recorder) -> None:
 
     from aioquic.quic.connection import QuicConnection
 
+    import asyncio.sslproto as sslproto
+
     import engine.experts.coordinator as coordinator
+    import engine.experts.passes as passes
+    import engine.experts.rpc as rpc_mod
     import engine.experts.worker as worker
+    from engine.model import Model
+    from transport.lane_conn import LaneConnection
 
     if _saved:
         raise RuntimeError("trace points already installed")
@@ -76,6 +86,52 @@ def install(rec: Recorder) -> None:
             rec("s1", len(data))
         return sendto
 
+    def sock_write(original: Any) -> Any:
+        def write(self: Any, data: Any) -> None:
+            n = len(data)
+            rec("out1", n)
+            rec("s0", n)
+            original(self, data)
+            rec("s1", n)
+        return write
+
+    def lane_send(original: Any) -> Any:
+        def _send(self: Any, stream_id: int, parts: Any, end: bool) -> None:
+            rec("out0")
+            original(self, stream_id, parts, end)
+        return _send
+
+    def tls_in(original: Any) -> Any:
+        def buffer_updated(self: Any, nbytes: int) -> None:
+            rec("in0", nbytes)
+            original(self, nbytes)
+        return buffer_updated
+
+    def lane_in(original: Any) -> Any:
+        def data_received(self: Any, data: bytes) -> None:
+            rec("in1", len(data))
+            original(self, data)
+        return data_received
+
+    def mark_layer(tag: str) -> Callable[[Any], Any]:  # (self, call, ...): recorded with the call's layer
+        def make(original: Any) -> Any:
+            def marked(self: Any, call: Any, *args: Any) -> Any:
+                rec(tag, call.layer)
+                return original(self, call, *args)
+            return marked
+        return make
+
+    def around(tag: str) -> Callable[[Any], Any]:
+        def make(original: Any) -> Any:
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                rec(tag + "0")
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    rec(tag + "1")
+            return timed
+        return make
+
     def compute(original: Any) -> Any:
         def compute_request(*args: Any, **kwargs: Any) -> Any:
             rec("c0")
@@ -96,9 +152,31 @@ def install(rec: Recorder) -> None:
     _wrap(QuicConnection, "receive_datagram", receive)
     _wrap(QuicConnection, "datagrams_to_send", pack)
     _wrap(selector_events._SelectorDatagramTransport, "sendto", send)
+    _wrap(selector_events._SelectorSocketTransport, "write", sock_write)
+    _wrap(LaneConnection, "_send", lane_send)
+    _wrap(sslproto.SSLProtocol, "buffer_updated", tls_in)
+    _wrap(LaneConnection, "data_received", lane_in)
     _wrap(worker, "compute_request", compute)
-    _wrap(coordinator.RemoteExecutor, "_fast_dispatch", mark("dispatch"))
-    _wrap(coordinator.RemoteExecutor, "_fast_reply", mark("reply"))
+    _wrap(Model, "warm", around("warm"))
+    _wrap(coordinator.RemoteExecutor, "_step_resume", mark("resume"))
+    _wrap(coordinator.RemoteExecutor, "_wait_for_loop", around("wait"))  # the engine thread's hand-off
+    _wrap(passes._LoopStep, "finish", mark("finish"))  # the pass ends on the loop
+    if os.environ.get("EXPERTS_TRACE_FINE"):  # where our own Python's time goes between the points above
+        import selectors
+
+        _wrap(selectors.EpollSelector, "select", around("sel"))
+        _wrap(coordinator.RemoteExecutor, "_step_layer", mark("steplayer"))
+        _wrap(coordinator.RemoteExecutor, "_assemble", lambda f: staticmethod(around("assemble")(f)))  # static
+        from engine.experts.link import WorkerLink
+        from engine.experts.worker import _Session
+        from transport.stream import Stream
+
+        for owner, name in ((LaneConnection, "_records"), (Stream, "deliver"), (Stream, "_deliver"),
+                            (WorkerLink, "_on_data"), (_Session, "_on_data"), (_Session, "_pump"),
+                            (_Session, "_request"), (rpc_mod.MessageDecoder, "feed")):
+            _wrap(owner, name, mark("f:" + getattr(owner, "__name__", "") + "." + name))
+    _wrap(coordinator.RemoteExecutor, "_fast_dispatch", mark_layer("dispatch"))
+    _wrap(coordinator.RemoteExecutor, "_fast_reply", mark_layer("reply"))
 
 
 def uninstall() -> None:

@@ -667,10 +667,10 @@ def test_a_loop_driven_pass_warms_each_next_layer_once_that_layers_requests_are_
         assert [rows for _, _, rows in seen] == [i + 1 for i in range(len(sparse))]  # its row already sent
 
 
-def test_a_pass_does_not_warm_when_its_loopback_worker_needs_the_only_core_or_its_send_failed(
+def test_a_pass_does_not_warm_when_its_worker_is_on_this_machine_or_its_send_failed(
         tmp_path: Path, lt: LoopThread, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The pass asks ``_may_warm`` (here: one worker on this machine's loopback, one core), and a layer whose
-    send failed (handed back to the engine thread) warms nothing."""
+    """The pass asks ``_may_warm`` (here: one worker on this machine's loopback, whatever the cores), and a
+    layer whose send failed (handed back to the engine thread) warms nothing."""
     fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
     ex = RemoteExecutor(lt.loop, fx.fp, fx.layout)
     worker = _worker(fx)
@@ -685,13 +685,14 @@ def test_a_pass_does_not_warm_when_its_loopback_worker_needs_the_only_core_or_it
     x = _inputs(fx.layout.hidden_size)[0]
     ref = fx.forward(x, local_executor(fx.full.weights))
     seen: list[int] = []
-    ex._cores = 1
-    assert _equal(ex.drive(fx.steps(x), seen.append), ref) and seen == []
-    ex._cores = 2
+    for cores in (1, 2, 64):
+        ex._cores = cores
+        assert _equal(ex.drive(fx.steps(x), seen.append), ref) and seen == []
+    link = ex.links["w0"]
+    link.channel.on_loopback = False  # type: ignore[attr-defined]  # a worker on another machine: warms
     assert _equal(ex.drive(fx.steps(x), seen.append), ref)
     assert seen == [la + 1 for la in fx.layout.sparse_layers]
     seen.clear()
-    link = ex.links["w0"]
     monkeypatch.setattr(link, "send_now", lambda data: False)  # "send buffer full": the pass is handed back
     assert _equal(ex.drive(fx.steps(x), seen.append), ref) and seen == []
     assert ex.status()["passes_handed_back"] == 1
@@ -712,8 +713,9 @@ def test_a_failing_warm_is_logged_and_the_pass_goes_on(tmp_path: Path, lt: LoopT
     assert st["passes_on_loop"] == 1 and st["passes_handed_back"] == 0 and st["unavailable"] == 0
 
 
-def test_warming_waits_while_loopback_workers_need_every_core(tmp_path: Path, lt: LoopThread) -> None:
-    """Warming takes a core for a while: not when the layer's workers on this machine would need it."""
+def test_warming_waits_while_a_worker_of_the_layer_is_on_this_machine(tmp_path: Path, lt: LoopThread) -> None:
+    """Warming reads memory a worker on this machine reads too (the same memory bus and last-level
+    cache): only with every worker of the layer elsewhere."""
     from types import SimpleNamespace
 
     fx = Fixture(make_moe_checkpoint(tmp_path / "m"), "qwen3_moe")
@@ -724,11 +726,11 @@ def test_warming_waits_while_loopback_workers_need_every_core(tmp_path: Path, lt
         links = [SimpleNamespace(channel=SimpleNamespace(on_loopback=lb)) for lb in loopback]
         return SimpleNamespace(sends=[SimpleNamespace(link=link) for link in links])
 
-    assert ex._may_warm(call(True))  # one worker here, one core for the pass
-    assert not ex._may_warm(call(True, True))  # two workers here take both cores
+    assert not ex._may_warm(call(True))  # one worker here: it shares our memory bus, whatever the cores
+    assert not ex._may_warm(call(True, True))
     assert ex._may_warm(call(False, False, False))  # workers on other machines
-    assert ex._may_warm(call(True, False))
-    ex._cores = 1
+    assert not ex._may_warm(call(True, False))
+    ex._cores = 64
     assert not ex._may_warm(call(True)) and ex._may_warm(call(False))
 
 

@@ -101,7 +101,7 @@ class LoopPasses:
         to the next routed layer and sends it. A layer then costs no thread hand-off; the pass costs two.
         Anything the fast path does not take hands the pass back to this thread, where that layer takes the
         general path and the rest runs layer by layer. ``warm(layer + 1)`` (the model's ``Model.warm``) runs
-        on the loop once a layer's requests are out, unless the workers need this machine's cores
+        on the loop once a layer's requests are out, unless a worker of the layer is on this machine
         (``_may_warm``): the pass would otherwise only wait, and the next layer's attention runs sooner with
         its weights in cache.
         """
@@ -247,9 +247,10 @@ class LoopPasses:
         self._step_layer(step, nxt, (call, fast))
 
     def _may_warm(self, fast: FastCall) -> bool:
-        """Whether warming the next layer while ``fast``'s workers compute leaves them their CPU: workers
-        on other machines always; workers on this machine's loopback while they leave this pass a core (one
-        loopback worker on two cores: yes; two: no, warming would delay one). It counts a core per worker,
-        as a worker computes a decode request on one thread (more if its BLAS is multithreaded)."""
-        here = sum(1 for snd in fast.sends if getattr(snd.link.channel, "on_loopback", False))
-        return here < self._cores
+        """Whether warming the next layer while ``fast``'s workers compute costs them nothing: only when
+        none of them is on this machine's loopback. A worker here shares this machine's memory bus and
+        last-level cache whatever the core count, and a layer's experts are read from memory: the warm's
+        reads (up to 8 MiB) then slow the worker's compute by more than they save the pass (paired A/B, one
+        loopback worker on two cores: decode 0.72x local with warming, 0.78x without; the worker's compute
+        0.591 against 0.544 ms per layer)."""
+        return not any(getattr(snd.link.channel, "on_loopback", False) for snd in fast.sends)
