@@ -1,32 +1,50 @@
-"""Compiled decode kernels (engine/kernels.py, the ``fast`` extra) against the numpy tiles they replace.
+"""Compiled decode kernels (engine/kernels.py, the ``fast`` extra) against the numpy tiles they replace and
+against an earlier revision's kernels (``--baseline``), all in one run.
 
-    python bench/kernels.py [--rounds 200]
+    python bench/kernels.py [--rounds 200] [--baseline 5a404c5]
 
-For every packed type, on the two product shapes of the engine benchmark's checkpoint (a 1536x768 attention-
-or expert-sized matrix, a 1024x1024 one) with one activation row (decode): the numpy tiles (``Packed.tiled``:
-dequantize 64 Ki weights into an fp32 tile with numpy, BLAS over it; the compiled dequantization is turned off
-for this column, as on a process without numba), the kernel on one thread, the kernel on the
-machine's kernel threads (``engine.kernels.threads()``), and fp32 BLAS over the widened matrix as a yardstick.
+Table 1, for every packed type on the two product shapes of the engine benchmark's checkpoint (1536x768,
+1024x1024) with 1 and 8 activation rows: G weights/s (weights of the matrix per second of one call, whatever
+the number of rows) of the numpy tiles (``Packed.tiled`` with the compiled dequantization turned off: what a
+process without numba computes), the baseline revision's kernel and this tree's kernel, each on one thread and
+on the machine's kernel threads (``engine.kernels.threads()``), and fp32 BLAS over the widened matrix as a
+yardstick. The engine takes the kernel for up to ``KERNEL_MAX_ROWS`` rows and the tiles above that.
+Weights stay in cache here (0.3-1 MB): this is compute, not memory.
+
+Table 2, one decode layer of that checkpoint as the engine issues it (q/k/v in one round, o, the gate/up of
+4 experts in one round, their 4 down projections in one round: 4 rounds, 5.5 M weights; the experts' down
+projections have 384-wide rows, so the K-quant rows use Q8_0 for them as Q4_K_M files do): microseconds per
+layer and G weights/s, baseline against this tree. This includes the kernel threads' hand-offs.
+
+Table 3 times the prefill tiles' dequantization (a 1 Mi-weight tile), numpy against compiled.
+
 Median and range of ``--rounds`` timed calls, each side warmed up the same (20 calls) and timed alone (one
-process, one side at a time). The engine uses a kernel where it measures >= 2x the tiles (issue 20's rule);
-the ``kernel/tiles`` column is that ratio. Weights stay in cache here (0.3-1 MB): this is compute, not memory.
-A second table times the prefill tiles' dequantization (a 1 Mi-weight tile), numpy against compiled.
+process, one side at a time). The baseline is the revision's engine/kernels.py, loaded with ``git show``
+(left out when git or the revision is not there); it must be self-contained, i.e. older than
+engine/kernel_pool.py (5a404c5 is: the kernels and pool before session 3). Figures: docs/kernels.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 from engine import kernels, quant  # noqa: E402
 from engine.gguf_export import quantize  # noqa: E402
+
+BASELINE = "5a404c5"  # the kernels before session 3 (docs/engine-model.md "Quiet rerun")
 
 
 def _time(fn, rounds: int) -> tuple[float, float, float]:  # noqa: ANN001
@@ -50,47 +68,124 @@ def _numpy_only(fn):  # noqa: ANN001, ANN202
         kernels.dequantize_blocks = orig
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=200, help="timed calls per side (default 200)")
-    args = ap.parse_args()
-    if not kernels.AVAILABLE:
-        sys.exit("numba is not installed (pip install 'meshd[fast]'): nothing to compare")
-    kernels.warm()
-    nth = kernels.threads()
-    rng = np.random.default_rng(0)
-    print(f"kernel threads {nth}; G weights/s, median [min-max] of {args.rounds} calls, 1 activation row")
-    print()
-    print("| type | shape | numpy tiles | kernel, 1 thread | kernel, threads | kernel/tiles | fp32 BLAS |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+def _baseline(rev: str) -> ModuleType | None:
+    """engine/kernels.py as of ``rev``, imported as ``engine._kernels_baseline`` (its numba cache beside it)."""
+    if not rev:
+        return None
+    got = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:engine/kernels.py"], capture_output=True,
+                         text=True, check=False)
+    if got.returncode != 0:
+        print(f"baseline {rev}: not available ({got.stderr.strip()[:100]}); left out")
+        return None
+    d = Path(tempfile.gettempdir()) / f"meshd-bench-kernels-{rev}"
+    d.mkdir(exist_ok=True)
+    f = d / "_kernels_baseline.py"
+    if not f.exists() or f.read_text() != got.stdout:
+        f.write_text(got.stdout)
+    spec = importlib.util.spec_from_file_location("engine._kernels_baseline", f)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    mod.warm()
+    return mod
+
+
+def _g(n: int, t: tuple[float, float, float]) -> str:
+    return f"{n / t[0] / 1e9:.2f} [{n / t[2] / 1e9:.2f}-{n / t[1] / 1e9:.2f}]"
+
+
+def products(rounds: int, base: ModuleType | None, rng: np.random.Generator) -> None:
+    print("| type | shape | rows | numpy tiles | base, 1 thread | new, 1 thread | base, threads | new, threads"
+          " | new/base (threads) | fp32 BLAS |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for n, k in ((1536, 768), (1024, 1024)):
         w = rng.standard_normal((n, k)).astype(np.float32)
-        x = rng.standard_normal((1, k)).astype(np.float32)
-        wide = w.copy()
-        fp32 = _time(lambda: x @ wide.T, args.rounds)
-        for qtype in kernels.TYPES:
-            p = quant.packed(quantize(w, qtype), qtype, (n, k))
-            out = np.empty((1, n), dtype=np.float32)
-            tiles = _numpy_only(lambda: _time(lambda: p.tiled(x), args.rounds))
-            one = _time(lambda: kernels.run(x, qtype, p.data, out, 0, n), args.rounds)
-            many = _time(lambda: kernels.gemm(x, qtype, p.data), args.rounds)
+        for t in (1, 8):
+            x = rng.standard_normal((t, k)).astype(np.float32)
+            wide = w.copy()
+            fp32 = _time(lambda: x @ wide.T, rounds)
+            for qtype in kernels.TYPES:
+                p = quant.packed(quantize(w, qtype), qtype, (n, k))
+                out = np.empty((t, n), dtype=np.float32)
+                tiles = _numpy_only(lambda: _time(lambda: p.tiled(x), rounds))
+                one = _time(lambda: kernels.run(x, qtype, p.data, out, 0, n), rounds)
+                many = _time(lambda: kernels.gemm(x, qtype, p.data), rounds)
+                if base is not None:
+                    b_one = _time(lambda: base.run(x, qtype, p.data, out, 0, n), rounds)
+                    b_many = _time(lambda: base.gemm(x, qtype, p.data), rounds)
+                    bcols = f"{_g(n * k, b_one)} | {_g(n * k, one)} | {_g(n * k, b_many)} | {_g(n * k, many)}"
+                    ratio = f"{b_many[0] / many[0]:.2f}x"
+                else:
+                    bcols, ratio = f"- | {_g(n * k, one)} | - | {_g(n * k, many)}", "-"
+                print(f"| {qtype} | {n}x{k} | {t} | {_g(n * k, tiles)} | {bcols} | {ratio} | {_g(n * k, fp32)} |")
 
-            def g(t: tuple[float, float, float]) -> str:
-                return f"{n * k / t[0] / 1e9:.2f} [{n * k / t[2] / 1e9:.2f}-{n * k / t[1] / 1e9:.2f}]"
 
-            print(f"| {qtype} | {n}x{k} | {g(tiles)} | {g(one)} | {g(many)} | {tiles[0] / min(one[0], many[0]):.1f}x"
-                  f" | {g(fp32)} |")
-    # the prefill tiles' dequantization: numpy against the compiled one (bit for bit the same values)
-    print()
+def layer(rounds: int, base: ModuleType | None, rng: np.random.Generator) -> None:
+    hidden, kv, inter, experts = 768, 256, 384, 4
+    print(f"| type | base, us/layer | new, us/layer | base G weights/s | new G weights/s | new/base |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for qtype in kernels.TYPES:
+        down_type = "Q8_0" if qtype.endswith("_K") else qtype
+
+        def mk(n: int, k: int, q: str = qtype) -> tuple[str, np.ndarray]:
+            return q, quant.packed(quantize(rng.standard_normal((n, k)).astype(np.float32), q), q, (n, k)).data
+
+        qkv = [mk(hidden, hidden), mk(kv, hidden), mk(kv, hidden)]
+        o = mk(hidden, hidden)
+        gu = [mk(inter, hidden) for _ in range(2 * experts)]
+        down = [mk(hidden, inter, down_type) for _ in range(experts)]
+        h = rng.standard_normal((1, hidden)).astype(np.float32)
+        a = rng.standard_normal((1, inter)).astype(np.float32)
+        weights = sum(d.shape[0] * (inter if q == down_type and d.shape[1] < 300 else hidden)
+                      for q, d in qkv + [o] + gu) + experts * hidden * inter
+
+        def step(mod: ModuleType) -> None:
+            mod.gemm_many([(h, q, d) for q, d in qkv])
+            mod.gemm(h, *o)
+            mod.gemm_many([(h, q, d) for q, d in gu])
+            mod.gemm_many([(a, q, d) for q, d in down])
+
+        sides = [("new", kernels)] + ([("base", base)] if base is not None else [])
+        got = {name: _time(lambda: step(mod), rounds) for name, mod in sides}
+        new = got["new"]
+        b = got.get("base")
+        bus = f"{b[0] * 1e6:.0f} [{b[1] * 1e6:.0f}-{b[2] * 1e6:.0f}]" if b else "-"
+        print(f"| {qtype} (down {down_type}) | {bus} | {new[0] * 1e6:.0f} [{new[1] * 1e6:.0f}-{new[2] * 1e6:.0f}]"
+              f" | {_g(weights, b) if b else '-'} | {_g(weights, new)} | {f'{b[0] / new[0]:.2f}x' if b else '-'} |")
+
+
+def dequant(rounds: int, rng: np.random.Generator) -> None:
     print("| type | numpy dequantize_blocks | compiled | compiled/numpy |")
     print("| --- | --- | --- | --- |")
     n, k = 1024, 1024  # one prefill tile's worth (MATMUL_PREFILL_TILE_WEIGHTS)
     w = rng.standard_normal((n, k)).astype(np.float32)
     for qtype in kernels.DEQUANT_TYPES:
         blocks = quantize(w, qtype).reshape(-1, kernels.BLOCK_BYTES[qtype])
-        ref = _time(lambda: quant.dequantize_blocks(blocks, qtype), max(10, args.rounds // 10))
-        comp = _time(lambda: kernels.dequantize_blocks(blocks, qtype), max(10, args.rounds // 10))
+        ref = _time(lambda: quant.dequantize_blocks(blocks, qtype), max(10, rounds // 10))
+        comp = _time(lambda: kernels.dequantize_blocks(blocks, qtype), max(10, rounds // 10))
         print(f"| {qtype} | {n * k / ref[0] / 1e9:.2f} | {n * k / comp[0] / 1e9:.2f} | {ref[0] / comp[0]:.1f}x |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=200, help="timed calls per side (default 200)")
+    ap.add_argument("--baseline", default=BASELINE,
+                    help=f"git revision whose engine/kernels.py is the baseline; '' for none (default {BASELINE})")
+    args = ap.parse_args()
+    if not kernels.AVAILABLE:
+        sys.exit("numba is not installed (pip install 'meshd[fast]'): nothing to compare")
+    kernels.warm()
+    base = _baseline(args.baseline)
+    rng = np.random.default_rng(0)
+    print(f"kernel threads {kernels.threads()}; baseline {args.baseline or '-'}; G weights/s, median [min-max] of"
+          f" {args.rounds} calls")
+    print()
+    products(args.rounds, base, rng)
+    print()
+    layer(args.rounds, base, rng)
+    print()
+    dequant(args.rounds, rng)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,12 @@ MATMUL_PREFILL_TILE_WEIGHTS = 1024 * 1024
 # activation rows up to which a product over K-quant/Q4_0 weights uses the compiled kernel (engine.kernels, if
 # numba is installed) instead of the numpy tiles: the kernel re-reads the weights per row, the tiles once per tile
 KERNEL_MAX_ROWS = 4
-# kernel products (engine.kernels): rows are handed to threads in chunks of about this many weights (~25 us of
-# work each at ~10 G weights/s: long enough that claiming one, ~2 us of Python, stays small)
-KERNEL_CHUNK_WEIGHTS = 256 * 1024
+# kernel products (engine.kernels): rows are handed to threads in chunks of about this many weights (~3-6 us of
+# work each at 10-20 G weights/s; claiming one is a compare-and-swap in compiled code, ~50 ns)
+KERNEL_CHUNK_WEIGHTS = 64 * 1024
+# a kernel helper thread with no round to compute waits this long spinning (GIL released) before it blocks:
+# decode issues a round every ~50-200 us, so through a forward pass no round waits for an OS wake-up
+KERNEL_SPIN_US = 200
 # a round of kernel products smaller than this runs on the calling thread alone: waking a helper costs ~10-20 us
 KERNEL_POOL_MIN_WEIGHTS = 512 * 1024
 # threads computing kernel products at most (MESHD_KERNEL_THREADS picks fewer): decode-sized products feed no more

@@ -46,7 +46,7 @@ QUANTIZED = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
 SUPPORTED_TYPES = tuple(BLOCKS)
 
 # Types whose compiled decode kernel measured >= 2x the numpy tiles (engine.kernels; bench/kernels.py, figures in
-# docs/engine-model.md): all of them since the kernels vectorise (32-lane accumulators).
+# docs/kernels.md): all of them, 3-30x on one core.
 KERNEL_TYPES = ("BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
 # Types whose compiled dequantization (prefill tiles) measured >= 2x numpy's (bench/kernels.py, 1 Mi-weight
 # tile): Q4_0 4.1x, Q4_K 22x, Q5_K 22x, Q6_K 56x; Q8_0 (1.7-2.7x: numpy's is one multiply) stays numpy. Other
@@ -140,12 +140,18 @@ def dequantize(data: np.ndarray, qtype: str, shape: tuple[int, ...]) -> np.ndarr
     return (dequantize_blocks(blocks, qtype) if fast is None else fast).reshape(shape)
 
 
+_kmod = None
+
+
 def _kernels():  # noqa: ANN202
     """``engine.kernels``, imported on first use (numba's import costs ~0.5 s and tens of MB, paid only by
     processes that multiply packed weights)."""
-    from . import kernels
+    global _kmod
+    if _kmod is None:
+        from . import kernels
 
-    return kernels
+        _kmod = kernels
+    return _kmod
 
 
 def _kernel_gemm(x: np.ndarray, qtype: str, data: np.ndarray) -> np.ndarray | None:
@@ -153,7 +159,7 @@ def _kernel_gemm(x: np.ndarray, qtype: str, data: np.ndarray) -> np.ndarray | No
 
 
 def _uses_kernel(x: np.ndarray, w: object) -> bool:
-    return isinstance(w, Packed) and x.shape[0] <= KERNEL_MAX_ROWS and w.qtype in KERNEL_TYPES
+    return type(w) is Packed and x.shape[0] <= KERNEL_MAX_ROWS and w.qtype in KERNEL_TYPES
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,12 +248,14 @@ def warm_kernels(weights: Iterable[object]) -> None:
 def matmul_many(pairs: list[tuple[np.ndarray, Weight]]) -> list[np.ndarray]:
     """``[matmul(x, w) for x, w in pairs]``, bit for bit, with the compiled-kernel products among them run in
     one round of the kernel threads (``engine.kernels.gemm_many``): q/k/v of a layer, gate/up of an expert."""
-    kern = [i for i, (x, w) in enumerate(pairs) if _uses_kernel(x, w)]
-    if len(kern) < 2 or not _kernels().AVAILABLE:
+    prods = [(x, w.qtype, w.data) for x, w in pairs if _uses_kernel(x, w)]  # type: ignore[union-attr]
+    if len(prods) < 2 or not _kernels().AVAILABLE:
         return [matmul(x, w) for x, w in pairs]
-    done = _kernels().gemm_many([(pairs[i][0], pairs[i][1].qtype, pairs[i][1].data) for i in kern])  # type: ignore[union-attr]
-    got = dict(zip(kern, done))
-    return [got[i] if i in got else matmul(x, w) for i, (x, w) in enumerate(pairs)]
+    done = _kernels().gemm_many(prods)
+    if len(prods) == len(pairs):
+        return done
+    it = iter(done)
+    return [next(it) if _uses_kernel(x, w) else matmul(x, w) for x, w in pairs]
 
 
 def packed(data: np.ndarray, qtype: str, shape: tuple[int, ...]) -> Weight:

@@ -78,6 +78,12 @@ class _Prefixed:
             return head
         return await self._s.recv()  # type: ignore[no-any-return]
 
+    def set_receiver(self, on_data: Any, on_end: Any) -> None:
+        if self._head is not None:
+            head, self._head = self._head, None
+            on_data(head)
+        self._s.set_receiver(on_data, on_end)
+
     async def send(self, data: bytes, end: bool = False) -> None:
         await self._s.send(data, end)
 

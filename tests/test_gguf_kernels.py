@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -47,18 +48,35 @@ def test_kernel_matches_the_dequantized_product(qtype: str, k: int, t: int) -> N
 @pytest.mark.parametrize("qtype,k", SHAPES)
 @pytest.mark.parametrize("helpers", [1, 2])
 def test_threads_split_rows_without_changing_a_bit(qtype: str, k: int, helpers: int) -> None:
+    from engine import kernel_pool
+
     p = _packed(qtype, 1500, k, 3)
     x = np.random.default_rng(4).standard_normal((2, k)).astype(np.float32)
     one = np.empty((2, 1500), dtype=np.float32)
     kernels.run(x, qtype, p.data, one, 0, 1500)  # all rows, one call, this thread
-    jobs_out = np.full((2, 1500), np.nan, dtype=np.float32)
-    jobs = kernels.jobs_for(x, qtype, p.data, jobs_out)
-    assert len(jobs) > 1
-    pool = kernels._Pool(helpers)
-    for _ in range(20):  # many rounds: a late helper must neither lose nor repeat work
-        jobs_out[:] = np.nan
-        pool.run(jobs)
-        np.testing.assert_array_equal(jobs_out, one)
+    serial = np.full((2, 1500), np.nan, dtype=np.float32)
+    kernel_pool.run_serial([(x, qtype, p.data, serial)])
+    np.testing.assert_array_equal(serial, one)
+    _, total, _, _ = kernel_pool.table([(x, qtype, p.data, serial)])
+    assert total > 1
+    pool = kernel_pool.Pool(helpers)
+    out = np.full((2, 1500), np.nan, dtype=np.float32)
+    for i in range(200):  # many rounds, some after a pause (helpers asleep): none may lose or repeat work
+        out[:] = np.nan
+        pool.run([(x, qtype, p.data, out)])
+        np.testing.assert_array_equal(out, one)
+        if i % 50 == 49:
+            time.sleep(0.002)
+
+
+@pytest.mark.parametrize("qtype,k", SHAPES)
+def test_a_row_does_not_depend_on_the_other_rows_in_the_call(qtype: str, k: int) -> None:
+    p = _packed(qtype, 700, k, 7)
+    x = np.random.default_rng(8).standard_normal((4, k)).astype(np.float32)
+    got = kernels.gemm(x, qtype, p.data)
+    for t in range(4):
+        np.testing.assert_array_equal(kernels.gemm(x[t:t + 1], qtype, p.data)[0], got[t])
+        np.testing.assert_array_equal(kernels.gemm(x[t:t + 3], qtype, p.data)[0], got[t])
 
 
 def test_gemm_many_equals_one_gemm_each() -> None:

@@ -3,6 +3,7 @@ on the serving node, layers on stage nodes, output byte-identical to a node that
 
 from __future__ import annotations
 
+import concurrent.futures
 import signal
 import subprocess
 import time
@@ -151,7 +152,7 @@ LONG = (
     {
         "model": "tiny",
         "prompt": "The mesh holds",
-        "max_tokens": 400,
+        "max_tokens": 2000,  # still running when the test acts on it: a tiny pipeline step is well under 1 ms
         "logprobs": 1,
         "temperature": 0.7,
         "seed": 6,
@@ -227,7 +228,9 @@ def test_client_hang_up_frees_every_stage(tmp_path: Path) -> None:
         gen = stream(srv.run["api"], *LONG)
         for _ in range(5):
             next(gen)
-        assert stage_status(b)["live_sequences"] == 1 and stage_status(c)["live_sequences"] == 1
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both at once: the stream is still running
+            live = list(pool.map(lambda n: stage_status(n)["live_sequences"], (b, c)))
+        assert live == [1, 1], live
         gen.close()  # the client hangs up mid-stream
         wait_for(
             lambda: stage_status(b)["live_sequences"] == 0 and stage_status(c)["live_sequences"] == 0,

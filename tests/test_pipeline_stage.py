@@ -142,3 +142,54 @@ def test_link_measures_the_path_round_trip_with_echoed_keepalives(tiny: Path) ->
         await asyncio.wait_for(task, 5)
 
     asyncio.run(main())
+
+
+def test_decode_steps_answered_in_the_read_callback_and_poll_only_when_asked(tiny: Path) -> None:
+    """A decode step is answered inside the stage's read callback, on both paths of the serving side
+    (``call`` and the latency path ``call_soon``); with FLAG_POLL the stage then polls its loop for the next
+    frame and stops as soon as it comes; without the flag it sleeps. A prefill chunk goes the queued way
+    and a decode step behind it still comes back in order."""
+    from transport import poll
+
+    model = Model.load(tiny)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        poller = poll.poller(loop)
+        host = StageHost(tiny, fingerprint(tiny))
+        link, task, _ = await _pair(host)
+        await link.open(7, fingerprint(tiny), 4)
+        await link.call(wire.Forward(7, 0, (wire.SeqSpan(1, 0, 3),), _x(model, [1, 2, 3]), True))
+        await link.call(wire.Forward(7, 0, (wire.SeqSpan(1, 3, 1),), _x(model, [4]), True))
+        assert not poller.polling  # no flag: the stage sleeps until the next frame
+        await link.call(wire.Forward(7, 0, (wire.SeqSpan(1, 4, 1),), _x(model, [5]), True, poll=True))
+        assert poller.polling  # answered with the flag: polling for the next frame
+        ticks = poller.ticks
+        await asyncio.sleep(0.001)
+        assert poller.ticks > ticks
+        got: list[object] = []
+        assert link.call_soon(wire.Forward(7, 0, (wire.SeqSpan(1, 5, 1),), _x(model, [6]), True), got.append)
+        for _ in range(500):
+            if got:
+                break
+            await asyncio.sleep(0.001)
+        assert isinstance(got[0], wire.Result) and got[0].logits
+        assert not poller.polling  # the next frame came: the hold is gone (and nobody asked again)
+        # a prefill chunk (more than INLINE_ROWS rows) is queued; the decode step sent right behind it waits
+        # for it and is answered after it, at the right position
+        rows = limits.INLINE_ROWS + 1
+        ids = list(range(1, rows + 1))
+        first = asyncio.ensure_future(
+            link.call(wire.Forward(7, 0, (wire.SeqSpan(2, 0, rows),), _x(model, ids), True))
+        )
+        await asyncio.sleep(0)
+        second = await link.call(wire.Forward(7, 0, (wire.SeqSpan(2, rows, 1),), _x(model, [7]), True))
+        assert first.done() and second.logits
+        await link.call(wire.Forward(7, 0, (wire.SeqSpan(3, 0, rows),), _x(model, ids), True))  # one by one
+        want = (await link.call(wire.Forward(7, 0, (wire.SeqSpan(3, rows, 1),), _x(model, [7]), True))).x[-1]
+        assert np.array_equal(second.x[-1], want)
+        link.close("done")
+        await asyncio.wait_for(task, 5)
+        assert host.live() == 0
+
+    asyncio.run(main())

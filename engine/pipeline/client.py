@@ -21,19 +21,20 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
+import os
 import threading
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 import structlog
 
-from engine.latency import LATENCY_BUCKETS_S, empty_buckets, observe  # noqa: F401 - buckets re-exported
+from engine.latency import LATENCY_BUCKETS_S  # noqa: F401 - re-exported
 from engine.moe import drive
-from engine.pipeline import limits, wire
+from engine.pipeline import limits, trace, wire
+from engine.pipeline.link import StageFailed, StageLink, StageStats  # noqa: F401 - re-exported
 from engine.pipeline.planner import Plan
 
 log = structlog.get_logger(__name__)
@@ -41,226 +42,8 @@ log = structlog.get_logger(__name__)
 MAX_RECOVERIES = 3  # re-plans one step may go through before it gives up
 
 
-class StageFailed(Exception):
-    """A stage did not answer a step (silent, stream broke, or an error frame)."""
-
-    def __init__(self, node_id: str, reason: str, code: int | None = None) -> None:
-        super().__init__(f"stage {node_id[:12]} failed: {reason}")
-        self.node_id = node_id
-        self.reason = reason
-        self.code = code
-
-
 class PipelineUnavailable(Exception):
     """No plan can serve the model now; the message says what is missing."""
-
-
-@dataclass
-class StageStats:
-    calls: int = 0
-    latency_s: float = 0.0
-    compute_s: float = 0.0
-    latency_max_s: float = 0.0
-    buckets: list[int] = field(default_factory=empty_buckets)
-    pings: int = 0
-    ping_s: float = 0.0
-
-    def add_ping(self, rtt_s: float) -> None:
-        self.pings += 1
-        self.ping_s += rtt_s
-
-    def add(self, latency_s: float, compute_s: float) -> None:
-        self.calls += 1
-        self.latency_s += latency_s
-        self.compute_s += compute_s
-        self.latency_max_s = max(self.latency_max_s, latency_s)
-        observe(self.buckets, latency_s)
-
-    def as_dict(self) -> dict[str, Any]:
-        n = self.calls or 1
-        return {
-            "calls": self.calls,
-            "latency_ms_avg": round(self.latency_s / n * 1e3, 3),
-            "compute_ms_avg": round(self.compute_s / n * 1e3, 3),
-            "hop_overhead_ms_avg": round((self.latency_s - self.compute_s) / n * 1e3, 3),
-            "latency_ms_max": round(self.latency_max_s * 1e3, 3),
-            "pings": self.pings,
-            "path_rtt_ms_avg": round(self.ping_s / self.pings * 1e3, 3) if self.pings else None,
-        }
-
-
-
-
-class StageLink:
-    """One PIPELINE stream to a stage for one run: ``open`` then ``call`` (one step at a time). Loop thread."""
-
-    def __init__(self, node_id: str, channel: Any, first: int, last: int) -> None:
-        self.node_id = node_id
-        self.channel = channel
-        self.first, self.last = first, last
-        self.stats = StageStats()
-        self.closed = False
-        self.reason = ""
-        self._dec = wire.FrameDecoder()
-        self._pending: dict[int, asyncio.Future[wire.Frame]] = {}
-        self._steps = itertools.count(1)
-        self._heard = 0.0
-        self._pinged = 0.0  # loop time of the last ping sent
-        self._pings: dict[int, float] = {}  # ping id -> perf_counter when sent
-        self._send_lock = (
-            asyncio.Lock()
-        )  # FIFO: frames of concurrent steps go out in the order they were made
-
-    async def open(
-        self,
-        run: int,
-        fingerprint: bytes,
-        num_layers: int,
-        timeout_s: float = limits.OPEN_TIMEOUT_S,
-        silence_s: float = limits.OPEN_SILENCE_S,
-    ) -> wire.Ready:
-        loop = asyncio.get_running_loop()
-        self.channel.set_receiver(self._on_data, self._on_end)
-        fut: asyncio.Future[wire.Frame] = loop.create_future()
-        self._pending[0] = fut
-        self._heard = loop.time()
-        deadline = self._heard + timeout_s
-        await self._send(wire.Open(run, self.first, self.last, num_layers, fingerprint))
-        while True:  # a loading stage sends KEEPALIVE; a dead one (or a stale connection) stays silent
-            wait = min(self._heard + silence_s, deadline) - loop.time()
-            if wait <= 0:
-                self.close("no READY")
-                raise StageFailed(self.node_id, "no answer to OPEN")
-            with contextlib.suppress(TimeoutError):
-                reply = await asyncio.wait_for(asyncio.shield(fut), wait)
-                break
-        self._pending.pop(0, None)
-        if isinstance(reply, wire.Error):
-            self.close("refused")
-            raise StageFailed(self.node_id, reply.text, reply.code)
-        if not isinstance(reply, wire.Ready) or (reply.first, reply.last) != (self.first, self.last):
-            self.close("bad READY")
-            raise StageFailed(self.node_id, f"answered OPEN with {reply!r}", wire.ErrorCode.PROTOCOL)
-        return reply
-
-    async def call(self, frame: wire.Forward) -> wire.Result:
-        """One step: send ``frame`` (its step id is set here), wait for the RESULT. Raises ``StageFailed``
-        on an error frame, a broken stream, or ``SILENCE_S`` without any frame from the stage."""
-        loop = asyncio.get_running_loop()
-        if self.closed:
-            raise StageFailed(self.node_id, self.reason)
-        if (
-            not self._pending
-            and not self._pings
-            and not self._send_lock.locked()  # a frame half written: a ping must not land inside it
-            and loop.time() - self._pinged >= limits.PING_EVERY_S
-        ):
-            self._ping(loop)  # goes out just ahead of the step: the stage echoes it before computing
-        step = next(self._steps) % 0xFFFFFFFF + 1
-        frame = wire.Forward(frame.run, step, frame.spans, frame.x, frame.last_only)
-        fut: asyncio.Future[wire.Frame] = loop.create_future()
-        self._pending[step] = fut
-        t0 = time.perf_counter()
-        self._heard = loop.time()
-        watch: list[asyncio.TimerHandle] = []
-        try:
-            await self._send(frame)
-            # one timer checks for silence (re-armed from the last frame heard) while the step waits on its
-            # future directly: no wait_for/shield tasks, so a result is handed over in one loop iteration
-            watch.append(loop.call_later(limits.SILENCE_S, self._watch, fut, watch))
-            reply = await fut
-        finally:
-            if watch:
-                watch[-1].cancel()
-            self._pending.pop(step, None)
-        if isinstance(reply, wire.Error):
-            raise StageFailed(self.node_id, reply.text, reply.code)
-        assert isinstance(reply, wire.Result)
-        self.stats.add(time.perf_counter() - t0, reply.compute_us / 1e6)
-        return reply
-
-    def _watch(self, fut: asyncio.Future[wire.Frame], watch: list[asyncio.TimerHandle]) -> None:
-        """A step's silence check: no frame from the stage for ``SILENCE_S`` fails the link (and the step)."""
-        if fut.done():
-            return
-        loop = asyncio.get_running_loop()
-        left = self._heard + limits.SILENCE_S - loop.time()
-        if left <= 0:
-            self.close(f"silent for {limits.SILENCE_S:g} s")
-            return
-        watch.append(loop.call_later(left, self._watch, fut, watch))
-
-    def _ping(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Measure the path's round trip now (the stage echoes a KEEPALIVE); the echo is timed in
-        ``_on_data``. Sent just before a step with nothing else out on the link: the stage answers it
-        before it computes, and this node's scheduler thread is waiting for that step, not holding the GIL
-        (a ping sent after a result came back timed the scheduler's sampling and next layers instead).
-        Ping ids come from the step counter, so they never equal a running step's id."""
-        self._pinged = loop.time()
-        pid = next(self._steps) % 0xFFFFFFFF + 1
-        data = wire.encode(wire.Keepalive(pid))
-        self._pings[pid] = time.perf_counter()
-        if not self.channel.send_now(data):
-            self._pings.pop(pid, None)  # not written at once: this sample would time the queue, not the path
-            return
-        loop.call_later(limits.PING_TIMEOUT_S, self._pings.pop, pid, None)
-
-    async def _send(self, frame: wire.Frame) -> None:
-        data = wire.encode(frame)
-        step = limits.SEND_CHUNK_BYTES
-        try:
-            async with self._send_lock:
-                if len(data) <= step and self.channel.send_now(data):
-                    return  # written and flushed in this call (the latency path)
-                for i in range(0, len(data), step):
-                    await self.channel.send(data[i : i + step])
-        except Exception as e:  # noqa: BLE001 - any send failure means the stage is gone
-            self.close(f"send failed: {e!r}")
-            raise StageFailed(self.node_id, f"send failed: {e!r}") from None
-
-    def free(self, run: int, seqs: Sequence[int]) -> None:
-        """Tell the stage to drop these sequences' caches (fire and forget; loop thread)."""
-        if not self.closed:
-            task = asyncio.ensure_future(self._send(wire.Free(run, tuple(seqs))))
-            task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
-
-    def _on_data(self, data: bytes) -> None:
-        if self.closed:
-            return
-        self._heard = asyncio.get_running_loop().time()
-        try:
-            frames = self._dec.feed(data)
-        except wire.RemoteProtocolError as e:
-            self.close(f"protocol error: {e.reason}")
-            return
-        for f in frames:
-            if isinstance(f, wire.Keepalive):
-                sent = self._pings.pop(f.step, None)
-                if sent is not None:
-                    self.stats.add_ping(time.perf_counter() - sent)
-                continue
-            key = f.step if isinstance(f, wire.Result | wire.Error) else 0
-            fut = self._pending.get(key)
-            if fut is None and isinstance(f, wire.Error) and key == 0 and self._pending:
-                fut = next(iter(self._pending.values()))  # a stream-level error fails what is waiting
-            if fut is not None and not fut.done():
-                fut.set_result(f)
-
-    def _on_end(self, error: Exception | None) -> None:
-        self.close("stream ended" if error is None else f"stream broke: {error!r}")
-
-    def close(self, reason: str) -> None:
-        """Fail what is waiting and reset the stream: the stage frees the run's state."""
-        if self.closed:
-            return
-        self.closed = True
-        self.reason = reason
-        for fut in self._pending.values():
-            if not fut.done():
-                fut.set_result(wire.Error(0, wire.ErrorCode.PROTOCOL, f"link closed: {reason}"))
-        self._pending.clear()
-        with contextlib.suppress(Exception):
-            self.channel.reset(0)
 
 
 class Run:
@@ -278,32 +61,127 @@ class Run:
         self.seqs: set[int] = set()
         self.started = time.time()
         self._seq_ids = itertools.count(1)
+        try:  # runs are made on the daemon loop: steps are handed to it as plain callbacks (``start``)
+            self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self.loop = None
+        # decode steps poll for what comes next (this node for a result, each stage for its next step)
+        # only while every pipeline process on this machine has a core of its own: polling keeps a core
+        # busy, and one the stages or this node's layers need is not free (stages elsewhere use theirs)
+        here = sum(1 for link in links if getattr(link.channel, "on_loopback", False))
+        self.polling = self.loop is not None and here + 1 <= _cores()
 
     def new_seq(self) -> int:
         seq = next(self._seq_ids)
         self.seqs.add(seq)
         return seq
 
-    async def forward(self, x: np.ndarray, seq: int, past: int, last_only: bool) -> np.ndarray:
-        """Activations through every remote stage in order (loop thread) -> the last stage's logits."""
+    async def forward(
+        self, x: np.ndarray, seq: int, past: int, last_only: bool, first: int = 0
+    ) -> np.ndarray:
+        """Activations through every remote stage in order (loop thread), from link ``first`` on -> the last
+        stage's logits."""
         span = (wire.SeqSpan(seq, past, x.shape[0]),)
-        for i, link in enumerate(self.links):
+        for i, link in enumerate(self.links[first:], first):
             last = i == len(self.links) - 1
             res = await link.call(wire.Forward(self.id, 0, span, x, last_only and last))
             if res.logits != last:
                 link.close("wrong result kind")
-                raise StageFailed(
-                    link.node_id,
-                    "answered hidden states where logits were due"
-                    if last
-                    else "answered logits from a middle stage",
-                )
+                raise StageFailed(link.node_id, _wrong_kind(last))
             x = res.x
         return x
+
+    def start(
+        self, x: np.ndarray, seq: int, past: int, last_only: bool, wait: bool = False, handed: bool = False
+    ) -> concurrent.futures.Future[Any]:
+        """``forward`` from another thread, as the latency path: one ``call_soon_threadsafe`` hands the step
+        to the loop, each hop's RESULT is taken in the read callback, which sends the next hop right there,
+        and the last one's logits (or a ``StageFailed``) go straight into the returned future: no task and no
+        asyncio future on the way. A frame that cannot be written at once takes ``forward`` for the rest.
+        ``wait``: the caller blocks on the result at once, so this node's loop may poll for it (``polling``);
+        decode-sized steps ask their stages to poll for the next one the same way (FLAG_POLL). ``handed``:
+        return once the loop has written the frame, or after ``HANDOFF_WAIT_S`` (a caller that computes
+        meanwhile holds the GIL, and the loop thread, woken to send, could wait the whole switch interval
+        for it: the stages would idle while this node computes the next sequence)."""
+        out: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        assert self.loop is not None
+        if not handed:
+            self.loop.call_soon_threadsafe(self._hop, out, 0, x, seq, past, last_only, wait)
+            return out
+        sent = threading.Event()
+
+        def first() -> None:
+            try:
+                self._hop(out, 0, x, seq, past, last_only, wait)
+            finally:
+                sent.set()
+
+        self.loop.call_soon_threadsafe(first)
+        sent.wait(limits.HANDOFF_WAIT_S)  # the frame is out (or the link failed: the future says so), or
+        # the loop thread found no free core that soon (a busy machine): this thread computes meanwhile
+        return out
+
+    def _hop(
+        self,
+        out: concurrent.futures.Future[Any],
+        i: int,
+        x: np.ndarray,
+        seq: int,
+        past: int,
+        last_only: bool,
+        wait: bool,
+    ) -> None:
+        link = self.links[i]
+        last = i == len(self.links) - 1
+        if trace.ON and i == 0 and x.shape[0] == 1:
+            trace.mark("S.fwd")
+
+        def done(reply: Any) -> None:
+            if out.done():
+                return
+            if isinstance(reply, StageFailed):
+                out.set_exception(reply)
+            elif reply.logits != last:
+                link.close("wrong result kind")
+                out.set_exception(StageFailed(link.node_id, _wrong_kind(last)))
+            elif last:
+                if trace.ON and reply.x.shape[0] == 1:
+                    trace.mark("S.resume")
+                out.set_result(reply.x)
+            else:
+                self._hop(out, i + 1, reply.x, seq, past, last_only, wait)
+
+        small = self.polling and x.shape[0] <= limits.INLINE_ROWS
+        span = (wire.SeqSpan(seq, past, x.shape[0]),)
+        frame = wire.Forward(self.id, 0, span, x, last_only and last, small)
+        if link.call_soon(frame, done, small and wait):
+            return
+        task = asyncio.ensure_future(self.forward(x, seq, past, last_only, first=i))
+
+        def settle(t: asyncio.Future[Any]) -> None:
+            if out.done():
+                return
+            if t.cancelled():
+                out.set_exception(StageFailed(link.node_id, "step cancelled"))
+            elif t.exception() is not None:
+                out.set_exception(t.exception())  # type: ignore[arg-type]
+            else:
+                out.set_result(t.result())
+
+        task.add_done_callback(settle)
 
     def close(self, reason: str) -> None:
         for link in self.links:
             link.close(reason)
+
+
+def _cores() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+
+
+def _wrong_kind(last: bool) -> str:
+    return "answered hidden states where logits were due" if last else "answered logits from a middle stage"
 
 
 class RunProvider(Protocol):
@@ -442,6 +320,8 @@ class PipelinedModel:
     def _step(self, cache: PipeCache, arr: np.ndarray, last_only: bool, executor: Any) -> np.ndarray:
         run, local = cache.run, cache.run.local
         t, past = arr.shape[0], cache.local.length
+        if trace.ON and t == 1:
+            trace.mark("S.step")
         t0 = time.perf_counter()
         x = self.model.embed(arr)  # [T, D]
         if local.layers:
@@ -449,7 +329,13 @@ class PipelinedModel:
             x = drive(local.span_steps(x, cache.local, past), executor or local.local_executor, local.warm)
         if run.links:
             t1 = time.perf_counter()
-            x = self.provider.run_on_loop(run.forward(x, cache.seq, past, last_only))
+            if trace.ON and t == 1:
+                trace.mark("S.local")
+            x = self._remote(run, x, cache.seq, past, last_only, True).result(
+                timeout=limits.OPEN_TIMEOUT_S * 2
+            )
+            if trace.ON and t == 1:
+                trace.mark("S.back")
             if t == 1:
                 self.decode_steps += 1
                 self.decode_local_s += t1 - t0
@@ -458,6 +344,15 @@ class PipelinedModel:
             x = local.logits(x[-1:] if last_only else x)
         cache.local.length = past + t
         return x
+
+    def _remote(
+        self, run: Run, x: np.ndarray, seq: int, past: int, last_only: bool, wait: bool = False
+    ) -> concurrent.futures.Future[Any]:
+        """The remote stages' part of a step, started from this (scheduler) thread (``wait``: it blocks on
+        the result right away; else it computes meanwhile, so the frame must be out before it goes on)."""
+        if run.loop is not None:
+            return run.start(x, seq, past, last_only, wait, handed=not wait)
+        return self.provider.submit(run.forward(x, seq, past, last_only))  # type: ignore[no-any-return]
 
     def decode_status(self) -> dict[str, Any]:
         """Lone one-token steps as this node's scheduler saw them (ms): its own layers, and the wait for the
@@ -481,7 +376,7 @@ class PipelinedModel:
         if len({id(c) for c in caches}) != len(caches):
             raise ValueError("each sequence needs its own cache")
         started: list[tuple[PipeCache, np.ndarray, int, Any]] = []
-        for tok, cache in zip(ids, caches):
+        for i, (tok, cache) in enumerate(zip(ids, caches)):
             arr = self.model._check_ids([int(tok)])
             if cache.run.dead or cache.replay or not cache.run.links or cache.inflight:
                 started.append((cache, arr, -1, None))  # the plain path (recovers, or all local)
@@ -493,9 +388,10 @@ class PipelinedModel:
                 x = drive(
                     local.span_steps(x, cache.local, past), executor or local.local_executor, local.warm
                 )
-            started.append(
-                (cache, arr, past, self.provider.submit(cache.run.forward(x, cache.seq, past, True)))
-            )
+            if trace.ON:
+                trace.mark("S.submit")
+            wait = i == len(caches) - 1  # after the last one this thread only waits: its loop may poll
+            started.append((cache, arr, past, self._remote(cache.run, x, cache.seq, past, True, wait)))
         rows = []
         for cache, arr, past, fut in started:
             if fut is not None:

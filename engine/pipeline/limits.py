@@ -35,3 +35,12 @@ PING_EVERY_S = 0.25  # the serving node measures the stage path's round trip (a 
 #   at most this often, sent just ahead of a step while nothing else is out on that link: the round trip
 #   of the same stream, loops and machine load the steps see, to set the per-hop overhead against
 PING_TIMEOUT_S = 0.5  # an echo later than this is not waited for (the sample is dropped, nothing fails)
+POLL_MAX_S = 0.02  # the longest a pipeline process polls for the frame it expects next (a stage for the next
+#   step after answering one with FLAG_POLL, the serving node for a lone step's result): a decode step of a
+#   stage is a few ms; a wait expected to be longer than this sleeps as before
+POLL_MARGIN = 1.5  # poll this many times the recent wait (moving average), plus POLL_SLACK_S...
+POLL_SLACK_S = 0.0005  # ...so a wait a little longer than usual is still caught polling
+POLL_EMA = 0.2  # weight of the newest wait in that moving average
+HANDOFF_WAIT_S = 0.0005  # in a micro-batched decode step the scheduler thread waits this long at most for the
+#   loop to write a sequence's frame before it computes the next one (the loop needs the GIL to send; about
+#   0.2 ms when a core is free; on a machine with no core to spare it computes on instead of waiting)

@@ -32,7 +32,8 @@ import numpy as np
 import structlog
 
 from engine.moe import drive
-from engine.pipeline import limits, wire
+from engine.pipeline import limits, trace, wire
+from transport import poll
 
 log = structlog.get_logger(__name__)
 
@@ -141,29 +142,119 @@ class StageHost:
     # --- the stream -------------------------------------------------------------------------------
 
     async def serve(self, channel: Any, peer_id: str = "") -> None:
-        """Answer one stream until it ends; every run opened on it is freed then."""
+        """Answer one stream until it ends; every run opened on it is freed then.
+
+        Frames are read by callback as their packets arrive (``set_receiver``). A decode step (at most
+        ``INLINE_ROWS`` rows, experts local), a ping and a FREE are answered inside that callback, the reply
+        flushed there: no task wake, no queue. Everything else (OPEN, prefill chunks, delegated experts),
+        and whatever arrives while such a frame is still being handled, goes through a queue to this
+        coroutine, in order."""
         dec = wire.FrameDecoder()
         mine: set[int] = set()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        busy = False  # this coroutine is handling a frame (frames behind it must queue)
+        poller, hold = poll.poller(), object()  # FLAG_POLL: poll for the next frame instead of sleeping
+        answered = 0.0  # when the last step asking for it was answered (0: none pending)
+        gap = limits.POLL_MAX_S / 4  # moving average of the wait from such an answer to the next frame
+
+        def on_data(data: bytes) -> None:
+            nonlocal answered, gap
+            t_rx = time.monotonic_ns() if trace.ON else 0
+            if answered:
+                poller.release(hold)
+                waited = min(time.perf_counter() - answered, 2 * limits.POLL_MAX_S)
+                gap += limits.POLL_EMA * (waited - gap)
+                answered = 0.0
+            try:
+                frames = dec.feed(data)
+            except wire.RemoteProtocolError as e:
+                queue.put_nowait(e)
+                return
+            for f in frames:
+                if trace.ON and isinstance(f, wire.Forward) and f.x.shape[0] == 1:
+                    trace.mark_at("T.rx", t_rx)
+                unsent = None if busy or not queue.empty() else self._answer_now(channel, f, mine)
+                if unsent is None:
+                    queue.put_nowait(f)
+                    continue
+                if unsent:  # answered, but the reply could not be written at once: in order, queued
+                    queue.put_nowait(_Unsent(unsent))
+                if isinstance(f, wire.Forward) and f.poll and gap < limits.POLL_MAX_S:
+                    answered = time.perf_counter()
+                    poller.hold(hold, min(gap * limits.POLL_MARGIN + limits.POLL_SLACK_S, limits.POLL_MAX_S))
+
+        def on_end(error: Exception | None) -> None:
+            queue.put_nowait(error)
+
         try:
+            channel.set_receiver(on_data, on_end)
             while True:
-                data = await channel.recv()
-                if data is None:
+                item = await queue.get()
+                if item is None:
                     break
+                if isinstance(item, wire.RemoteProtocolError):
+                    log.info("pipeline_stage_protocol_error", peer=peer_id[:12], reason=item.reason)
+                    await _send(channel, wire.Error(0, wire.ErrorCode.PROTOCOL, item.reason))
+                    break
+                if isinstance(item, Exception):
+                    raise item
+                busy = True
                 try:
-                    frames = dec.feed(data)
-                except wire.RemoteProtocolError as e:
-                    log.info("pipeline_stage_protocol_error", peer=peer_id[:12], reason=e.reason)
-                    await _send(channel, wire.Error(0, wire.ErrorCode.PROTOCOL, e.reason))
-                    break
-                for f in frames:
-                    await self._handle(channel, f, mine)
+                    if isinstance(item, _Unsent):
+                        await _send_data(channel, item.data)
+                    else:
+                        await self._handle(channel, item, mine)
+                finally:
+                    busy = False
         except Exception as e:  # noqa: BLE001 - a broken stream ends the session, never the daemon
             log.info("pipeline_stage_stream_ended", peer=peer_id[:12], error=repr(e))
         finally:
+            poller.release(hold)
             freed = sum(self.free(r) for r in list(mine))
             log.info("pipeline_stage_session_closed", peer=peer_id[:12], runs=len(mine), freed=freed)
             with contextlib.suppress(Exception):
                 await channel.send(b"", end=True)  # our side is done too (the serving node's reader ends)
+
+    def _answer_now(self, channel: Any, f: wire.Frame, mine: set[int]) -> bytes | None:
+        """Answer ``f`` inside the read callback if it is quick (a decode step, a ping, a FREE). -> None:
+        not handled (it goes the queued way); b"": answered; else the reply's bytes, which could not be
+        written at once (the caller queues them, so later replies stay behind them)."""
+        if isinstance(f, wire.Keepalive):  # a ping from the serving node: echo it at once
+            data = wire.encode(f)
+        elif isinstance(f, wire.Free):
+            self._free_frame(f, mine)
+            return b""
+        elif not isinstance(f, wire.Forward) or f.run not in mine or f.x.shape[0] > limits.INLINE_ROWS:
+            return None
+        else:
+            rng = self.runs[f.run]
+            if rng in self.executors:  # experts delegated from this stage: the queued way (it awaits them)
+                return None
+            reply = self._step_reply(self.parts[rng], None, f)
+            data = wire.encode(reply)
+            if trace.ON and isinstance(reply, wire.Result) and reply.x.shape[0] == 1:
+                trace.mark("T.sent")
+        if len(data) <= limits.SEND_CHUNK_BYTES and channel.send_now(data):
+            return b""
+        return data
+
+    def _step_reply(self, part: Any, executor: Any, f: wire.Forward) -> wire.Frame:
+        """Run a step here and now -> its RESULT, or the ERROR that says why not."""
+        try:
+            out, logits, us = self._compute(part, executor, f)
+        except StageError as e:
+            return wire.Error(f.step, e.code, str(e))
+        except Exception as e:  # noqa: BLE001 - the layers failed: say why, keep serving
+            log.warning("pipeline_stage_compute_failed", error=repr(e))
+            return wire.Error(f.step, wire.ErrorCode.COMPUTE_FAILED, f"{type(e).__name__}: {e}")
+        return wire.Result(f.run, f.step, us, out, logits)
+
+    def _free_frame(self, f: wire.Free, mine: set[int]) -> None:
+        if f.run in mine:
+            n = self.free(f.run, f.seqs)
+            if not f.seqs:
+                mine.discard(f.run)
+            log.debug("pipeline_stage_freed", run=f"{f.run:016x}", sequences=n)
 
     async def _handle(self, channel: Any, f: wire.Frame, mine: set[int]) -> None:
         if isinstance(f, wire.Open):
@@ -185,11 +276,7 @@ class StageHost:
         elif isinstance(f, wire.Keepalive):  # a ping from the serving node: echo it at once
             await _send(channel, f)
         elif isinstance(f, wire.Free):
-            if f.run in mine:
-                n = self.free(f.run, f.seqs)
-                if not f.seqs:
-                    mine.discard(f.run)
-                log.debug("pipeline_stage_freed", run=f"{f.run:016x}", sequences=n)
+            self._free_frame(f, mine)
         else:
             await _send(
                 channel, wire.Error(0, wire.ErrorCode.PROTOCOL, f"a stage does not take {type(f).__name__}")
@@ -256,23 +343,24 @@ class StageHost:
                 if done:
                     break
                 await _send(channel, wire.Keepalive(f.step))
-        try:
-            # a decode step runs right here: a few ms, where a thread hand-off (or even a future waited on)
-            # would cost loop iterations on the latency path
-            out, logits, us = task.result() if task is not None else self._compute(part, executor, f)
-        except StageError as e:
-            await _send(channel, wire.Error(f.step, e.code, str(e)))
-            return
-        except Exception as e:  # noqa: BLE001 - the layers failed: say why, keep serving
-            log.warning("pipeline_stage_compute_failed", error=repr(e))
-            await _send(
-                channel, wire.Error(f.step, wire.ErrorCode.COMPUTE_FAILED, f"{type(e).__name__}: {e}")
-            )
-            return
-        await _send(channel, wire.Result(f.run, f.step, us, out, logits))
+        # a decode step queued behind other work runs right here: a few ms
+        if task is None:
+            reply = self._step_reply(part, executor, f)
+        else:
+            try:
+                out, logits, us = task.result()
+                reply = wire.Result(f.run, f.step, us, out, logits)
+            except StageError as e:
+                reply = wire.Error(f.step, e.code, str(e))
+            except Exception as e:  # noqa: BLE001 - the layers failed: say why, keep serving
+                log.warning("pipeline_stage_compute_failed", error=repr(e))
+                reply = wire.Error(f.step, wire.ErrorCode.COMPUTE_FAILED, f"{type(e).__name__}: {e}")
+        await _send(channel, reply)
 
     def _compute(self, part: Any, executor: Any, f: wire.Forward) -> tuple[np.ndarray, bool, int]:
         """Our layers over f.x (a worker thread). -> (hidden or logits, is logits, compute µs)."""
+        if trace.ON and f.x.shape[0] == 1:
+            trace.mark("T.c0")
         t0 = time.perf_counter()
         now = time.monotonic()
         with self._lock:
@@ -296,6 +384,8 @@ class StageHost:
         if logits:
             x = part.logits(x)
         dt = time.perf_counter() - t0
+        if trace.ON and f.x.shape[0] == 1:
+            trace.mark("T.c1")
         self.steps += 1
         self.compute_s += dt
         return x, logits, int(dt * 1e6)
@@ -332,8 +422,22 @@ def _load_part(path: Path, first: int, last: int) -> Any:
     return Model.load(path, layers=(first, last), prefetch=False)
 
 
+@dataclass
+class _Unsent:
+    """A reply made in the read callback that could not be written at once (sent in order, queued)."""
+
+    data: bytes
+
+
+async def _send_data(channel: Any, data: bytes) -> None:
+    for i in range(0, len(data), limits.SEND_CHUNK_BYTES):
+        await channel.send(data[i : i + limits.SEND_CHUNK_BYTES])
+
+
 async def _send(channel: Any, frame: wire.Frame) -> None:
     data = wire.encode(frame)
+    if trace.ON and isinstance(frame, wire.Result) and frame.x.shape[0] == 1:
+        trace.mark("T.sent")
     step = limits.SEND_CHUNK_BYTES
     send_now = getattr(channel, "send_now", None)
     if len(data) <= step and send_now is not None and send_now(data):

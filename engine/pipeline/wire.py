@@ -9,7 +9,8 @@ Bodies (``run``: the plan instance, ``step``: a request id on this stream, ``seq
 
     OPEN      run u64 | first u16 | last u16 | num_layers u16 | fp_len u8 | fingerprint
     READY     run u64 | first u16 | last u16 | load_ms u32
-    FORWARD   run u64 | step u32 | n u16 | n x (seq u64 | start u32 | count u32) | tensor     flags: LAST_ONLY
+    FORWARD   run u64 | step u32 | n u16 | n x (seq u64 | start u32 | count u32) | tensor     flags: LAST_ONLY,
+                                                                                           POLL
     RESULT    run u64 | step u32 | compute_us u32 | tensor                                 flags: LOGITS
     FREE      run u64 | n u16 | n x seq u64            (n = 0: every sequence of the run)
     ERROR     step u32 | code u16 | text_len u16 | utf-8 text
@@ -77,11 +78,14 @@ class ErrorCode(IntEnum):
 
 
 FLAG_LAST_ONLY = 0x01  # FORWARD: the last stage returns logits of the last row only
+FLAG_POLL = 0x02  # FORWARD: once answered, poll the stream for the next frame a short while (transport.poll)
+#   instead of sleeping: the serving node sets it when every pipeline process on its machine has a core
 FLAG_LOGITS = 0x01  # RESULT: the tensor is logits (the last stage), not hidden states
-_ALLOWED_FLAGS = {Kind.FORWARD: FLAG_LAST_ONLY, Kind.RESULT: FLAG_LOGITS}
+_ALLOWED_FLAGS = {Kind.FORWARD: FLAG_LAST_ONLY | FLAG_POLL, Kind.RESULT: FLAG_LOGITS}
 
 _NP = {DType.F32: np.dtype("<f4"), DType.F16: np.dtype("<f2")}
 _FROM_NP = {np.dtype("float32"): DType.F32, np.dtype("float16"): DType.F16}
+_NP_BY_CODE = {int(k): v for k, v in _NP.items()}
 
 
 class RemoteProtocolError(Exception):
@@ -124,6 +128,7 @@ class Forward:
     spans: tuple[SeqSpan, ...]
     x: np.ndarray  # [rows, D]
     last_only: bool = False
+    poll: bool = False  # after answering, poll for the next frame (the serving node expects it within ms)
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -158,19 +163,21 @@ Frame = Open | Ready | Forward | Result | Free | Error | Keepalive
 _U16, _U32, _U64 = struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<Q")
 
 
-def _tensor(x: np.ndarray) -> bytes:
+def _tensor(x: np.ndarray) -> tuple[bytes, memoryview]:
+    """A tensor's header and its raw bits (a view: ``encode`` copies each byte once, into the frame)."""
     dt = _FROM_NP.get(x.dtype)
     if dt is None:
         raise ValueError(f"cannot send {x.dtype} tensors")
     if not 1 <= x.ndim <= limits.MAX_DIMS:
         raise ValueError(f"cannot send a rank-{x.ndim} tensor")
     head = struct.pack(f"<BB{x.ndim}I", dt, x.ndim, *x.shape)
-    return head + np.ascontiguousarray(x, dtype=_NP[dt]).tobytes()
+    return head, memoryview(np.ascontiguousarray(x, dtype=_NP[dt])).cast("B")
 
 
 def encode(frame: Frame) -> bytes:
     """One frame's bytes. Raises ``ValueError`` for a frame this protocol cannot carry."""
     flags = 0
+    bits: bytes | memoryview = b""  # a tensor's raw bits, after the body's other fields
     if isinstance(frame, Open):
         if len(frame.fingerprint) > limits.MAX_FINGERPRINT_BYTES:
             raise ValueError("fingerprint too long")
@@ -185,13 +192,15 @@ def encode(frame: Frame) -> bytes:
         kind, body = Kind.READY, struct.pack("<QHHI", frame.run, frame.first, frame.last, frame.load_ms)
     elif isinstance(frame, Forward):
         kind = Kind.FORWARD
-        flags = FLAG_LAST_ONLY if frame.last_only else 0
+        flags = (FLAG_LAST_ONLY if frame.last_only else 0) | (FLAG_POLL if frame.poll else 0)
         spans = b"".join(struct.pack("<QII", s.seq, s.start, s.count) for s in frame.spans)
-        body = struct.pack("<QIH", frame.run, frame.step, len(frame.spans)) + spans + _tensor(frame.x)
+        head, bits = _tensor(frame.x)
+        body = struct.pack("<QIH", frame.run, frame.step, len(frame.spans)) + spans + head
     elif isinstance(frame, Result):
         kind = Kind.RESULT
         flags = FLAG_LOGITS if frame.logits else 0
-        body = struct.pack("<QII", frame.run, frame.step, frame.compute_us) + _tensor(frame.x)
+        head, bits = _tensor(frame.x)
+        body = struct.pack("<QII", frame.run, frame.step, frame.compute_us) + head
     elif isinstance(frame, Free):
         kind = Kind.FREE
         body = struct.pack(f"<QH{len(frame.seqs)}Q", frame.run, len(frame.seqs), *frame.seqs)
@@ -203,10 +212,13 @@ def encode(frame: Frame) -> bytes:
         kind, body = Kind.KEEPALIVE, _U32.pack(frame.step)
     else:
         raise ValueError(f"not a frame: {type(frame).__name__}")
-    length = _FIXED + len(body)
+    length = _FIXED + len(body) + len(bits)
     if length > limits.MAX_FRAME_BYTES:
         raise ValueError(f"frame of {length} bytes over the limit {limits.MAX_FRAME_BYTES}")
-    return HEADER.pack(length, MAGIC, VERSION, kind, flags, 0) + body
+    return b"".join((HEADER.pack(length, MAGIC, VERSION, kind, flags, 0), body, bits))
+
+
+_KINDS = {int(k): k for k in Kind}
 
 
 class _Reader:
@@ -237,20 +249,21 @@ class _Reader:
 
     def tensor(self) -> np.ndarray:
         code = self.u8()
-        try:
-            dt = DType(code)
-        except ValueError:
-            raise RemoteProtocolError(ErrorCode.PROTOCOL, f"unknown dtype {code}") from None
+        np_dt = _NP_BY_CODE.get(code)
+        if np_dt is None:
+            raise RemoteProtocolError(ErrorCode.PROTOCOL, f"unknown dtype {code}")
         ndim = self.u8()
         if not 1 <= ndim <= limits.MAX_DIMS:
             raise RemoteProtocolError(ErrorCode.PROTOCOL, f"tensor rank {ndim} outside 1-{limits.MAX_DIMS}")
-        dims = [self.u32() for _ in range(ndim)]
-        if any(d > limits.MAX_DIM for d in dims):
-            raise RemoteProtocolError(ErrorCode.PROTOCOL, f"tensor dimension over {limits.MAX_DIM}")
-        n = int(np.prod(dims, dtype=np.int64)) * _NP[dt].itemsize
+        dims = struct.unpack_from(f"<{ndim}I", self.take(4 * ndim))
+        n = np_dt.itemsize
+        for d in dims:
+            if d > limits.MAX_DIM:
+                raise RemoteProtocolError(ErrorCode.PROTOCOL, f"tensor dimension over {limits.MAX_DIM}")
+            n *= d
         raw = self.take(n)
-        arr = np.frombuffer(bytearray(raw), dtype=_NP[dt]).reshape(dims)  # writable, owns its bytes
-        return arr.astype(np.float32, copy=False) if dt is DType.F32 else arr
+        arr = np.frombuffer(raw, dtype=np_dt).reshape(dims).copy()  # writable, owns its bytes
+        return arr.astype(np.float32, copy=False) if code == DType.F32 else arr
 
     def done(self) -> None:
         if self.pos != len(self.data):
@@ -261,10 +274,9 @@ class _Reader:
 
 def decode_body(kind: int, flags: int, body: memoryview) -> Frame:
     """One frame from its kind, flags and body. Raises ``RemoteProtocolError``."""
-    try:
-        k = Kind(kind)
-    except ValueError:
-        raise RemoteProtocolError(ErrorCode.PROTOCOL, f"unknown frame kind {kind}") from None
+    k = _KINDS.get(kind)
+    if k is None:
+        raise RemoteProtocolError(ErrorCode.PROTOCOL, f"unknown frame kind {kind}")
     if flags & ~_ALLOWED_FLAGS.get(k, 0):
         raise RemoteProtocolError(ErrorCode.PROTOCOL, f"unknown flags {flags:#x} on {k.name}")
     r = _Reader(body)
@@ -292,7 +304,7 @@ def decode_body(kind: int, flags: int, body: memoryview) -> Frame:
             raise RemoteProtocolError(
                 ErrorCode.PROTOCOL, f"activations {list(x.shape)} do not match {n} sequences of {rows} rows"
             )
-        frame = Forward(run, step, spans, x, bool(flags & FLAG_LAST_ONLY))
+        frame = Forward(run, step, spans, x, bool(flags & FLAG_LAST_ONLY), bool(flags & FLAG_POLL))
     elif k is Kind.RESULT:
         run, step, us = r.u64(), r.u32(), r.u32()
         x = r.tensor()
@@ -329,6 +341,10 @@ class FrameDecoder:
     def feed(self, data: bytes) -> list[Frame]:
         if self._failed:
             raise RemoteProtocolError(ErrorCode.PROTOCOL, "decoder already failed")
+        if not self._buf and self._need is None and len(data) >= HEADER.size:
+            whole = self._whole_frame(data)  # the usual case: exactly one frame, decoded where it lies
+            if whole is not None:
+                return [whole]
         self._buf += data
         out: list[Frame] = []
         try:
@@ -365,3 +381,21 @@ class FrameDecoder:
             self._failed = True
             raise
         return out
+
+    def _whole_frame(self, data: bytes) -> Frame | None:
+        """``data`` if it is exactly one well-formed frame, decoded without buffering; None when it is not
+        exactly one frame (``feed`` buffers it then, and reports what is wrong)."""
+        length, magic, version, kind, flags, reserved = HEADER.unpack_from(data)
+        if (
+            length + 4 != len(data)
+            or magic != MAGIC
+            or not PROTOCOL_MIN <= version <= PROTOCOL_MAX
+            or reserved
+            or length > self._max
+        ):
+            return None
+        try:
+            return decode_body(kind, flags, memoryview(data)[HEADER.size :])
+        except RemoteProtocolError:
+            self._failed = True
+            raise

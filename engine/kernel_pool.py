@@ -1,0 +1,405 @@
+"""The kernel threads (engine/kernels.py): one round of products shared by the calling thread and helpers, with
+the hand-offs inside compiled code.
+
+A round is a table of products (one int64 row each: kernel, addresses and shapes of x, the stored weights
+and out, row chunks); its chunks are numbered 0..total-1. Everyone (the caller and the helpers) claims the
+next chunk with one compare-and-swap on a 64-bit word holding ``gen << GEN_SHIFT | next`` and computes it,
+GIL released, until none is left; the caller then waits (spinning: chunks are microseconds) until every
+claimed chunk is done. The generation in the word means a helper that wakes late can never claim a chunk of
+a round other than the one it read the table of. A helper that finds no round waits for the next one
+spinning for ``KERNEL_SPIN_US`` (decode issues a round every ~50-200 us, so a helper stays hot through a
+forward pass without an OS wake-up per round), then blocks on a condition variable until woken.
+
+Every chunk is computed by the same compiled code (``_chunk``) whichever thread claims it, and a row's bits
+never depend on the chunking, so the thread count never changes a bit (tests/test_gguf_kernels.py).
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+import time
+
+import numpy as np
+
+from . import kernels
+from .limits import KERNEL_CHUNK_WEIGHTS, KERNEL_SPIN_US
+
+import numba  # noqa: E402 - only imported when kernels.AVAILABLE (engine.kernels imports this lazily)
+from llvmlite import ir  # noqa: E402
+from numba import cfunc, njit  # noqa: E402
+from numba.core import cgutils, types  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+GEN_SHIFT = 24  # low 24 bits of the word: the next chunk (a round has < 16 Mi chunks); high 39: the generation
+_COLS = 12  # kernel address, x, T, K, w, N, row bytes, out, chunks, rows per chunk, first row, end row
+_opts = dict(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+
+
+@intrinsic
+def _load(typingctx, addr):  # noqa: ANN001, ANN202
+    """Atomic (acquire) load of the int64 at ``addr``."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        return builder.load_atomic(ptr, "acquire", 8)
+
+    return types.int64(types.int64), codegen
+
+
+@intrinsic
+def _store(typingctx, addr, v):  # noqa: ANN001, ANN202
+    """Atomic (release) store of ``v`` to the int64 at ``addr``: every store before it is visible first."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        builder.store_atomic(args[1], ptr, "release", 8)
+        return context.get_dummy_value()
+
+    return types.none(types.int64, types.int64), codegen
+
+
+@intrinsic
+def _cas(typingctx, addr, old, new):  # noqa: ANN001, ANN202
+    """Compare-and-swap of the int64 at ``addr``: True when it held ``old`` and now holds ``new``."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        res = builder.cmpxchg(ptr, args[1], args[2], "acq_rel", "acquire")
+        return builder.extract_value(res, 1)
+
+    return types.boolean(types.int64, types.int64, types.int64), codegen
+
+
+@intrinsic
+def _add(typingctx, addr, v):  # noqa: ANN001, ANN202
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        return builder.atomic_rmw("add", ptr, args[1], "acq_rel")
+
+    return types.int64(types.int64, types.int64), codegen
+
+
+@intrinsic
+def _pause(typingctx):  # noqa: ANN001, ANN202
+    """x86's ``pause`` in a spin loop (other CPUs: nothing, the loop's atomic load is enough)."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        if _X86:
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                "llvm.x86.sse2.pause")
+            builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
+@intrinsic
+def _sched_yield(typingctx):  # noqa: ANN001, ANN202 - libc's sched_yield(), resolved by symbol (cacheable)
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []), "sched_yield")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
+def _ptr_intrinsic(nbty):  # noqa: ANN001, ANN202
+    @intrinsic
+    def ptr(typingctx, addr):  # noqa: ANN001, ANN202
+        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+            return builder.inttoptr(args[0], context.get_value_type(types.CPointer(nbty)))
+
+        return types.CPointer(nbty)(types.int64), codegen
+
+    return ptr
+
+
+_i64p = _ptr_intrinsic(types.int64)
+_f32p = _ptr_intrinsic(types.float32)
+_u8p = _ptr_intrinsic(types.uint8)
+_u16p = _ptr_intrinsic(types.uint16)
+
+
+# Each kernel is compiled once, as a C function called through its address (an indirect call: never inlined).
+# Compiled into each caller instead, LLVM may schedule the same source differently (other contractions, other
+# bits) and a row's result would depend on the path that computed it; and one function dispatching to all
+# kernels measured 10-25% slower than each kernel alone.
+_KERNEL_SIG = types.void(*([types.int64] * 10))  # x, T, K, w, N, row bytes, out, r0, r1, half table
+
+
+_cfunc = cfunc(_KERNEL_SIG, cache=True, fastmath=kernels.FASTMATH, boundscheck=False, error_model="numpy")
+# (top-level functions, not closures: numba keys a closure's cache entry on its pickled cells, which differ in
+# every process, so each start recompiled them and added files to the cache)
+
+
+@_cfunc
+def _c_bf16(xa, t, k, wa, n, rb, oa, r0, r1, ha):  # noqa: ANN001, ANN202
+    kernels._bf16(numba.carray(_f32p(xa), (t, k)), numba.carray(_u16p(wa), (n, k)), numba.carray(_f32p(oa), (t, n)),
+                  numba.carray(_f32p(ha), (65536,)), r0, r1)
+
+
+@_cfunc
+def _c_q8_0(xa, t, k, wa, n, rb, oa, r0, r1, ha):  # noqa: ANN001, ANN202
+    kernels._q8_0(numba.carray(_f32p(xa), (t, k)), numba.carray(_u8p(wa), (n, rb)), numba.carray(_f32p(oa), (t, n)),
+                  numba.carray(_f32p(ha), (65536,)), r0, r1)
+
+
+@_cfunc
+def _c_q4_0(xa, t, k, wa, n, rb, oa, r0, r1, ha):  # noqa: ANN001, ANN202
+    kernels._q4_0(numba.carray(_f32p(xa), (t, k)), numba.carray(_u8p(wa), (n, rb)), numba.carray(_f32p(oa), (t, n)),
+                  numba.carray(_f32p(ha), (65536,)), r0, r1)
+
+
+@_cfunc
+def _c_q4_k(xa, t, k, wa, n, rb, oa, r0, r1, ha):  # noqa: ANN001, ANN202
+    kernels._q45_k(numba.carray(_f32p(xa), (t, k)), numba.carray(_u8p(wa), (n, rb)),
+                   numba.carray(_f32p(oa), (t, n)), numba.carray(_f32p(ha), (65536,)), r0, r1, False)
+
+
+@_cfunc
+def _c_q5_k(xa, t, k, wa, n, rb, oa, r0, r1, ha):  # noqa: ANN001, ANN202
+    kernels._q45_k(numba.carray(_f32p(xa), (t, k)), numba.carray(_u8p(wa), (n, rb)),
+                   numba.carray(_f32p(oa), (t, n)), numba.carray(_f32p(ha), (65536,)), r0, r1, True)
+
+
+@_cfunc
+def _c_q6_k(xa, t, k, wa, n, rb, oa, r0, r1, ha):  # noqa: ANN001, ANN202
+    kernels._q6_k(numba.carray(_f32p(xa), (t, k)), numba.carray(_u8p(wa), (n, rb)), numba.carray(_f32p(oa), (t, n)),
+                  numba.carray(_f32p(ha), (65536,)), r0, r1)
+
+
+_CFUNCS = {"BF16": _c_bf16, "Q8_0": _c_q8_0, "Q4_0": _c_q4_0, "Q4_K": _c_q4_k, "Q5_K": _c_q5_k, "Q6_K": _c_q6_k}
+_ADDR = {q: int(f.address) for q, f in _CFUNCS.items()}
+_HALF_ADDR = int(kernels.HALF.ctypes.data)  # the module's table lives as long as the process
+
+
+@intrinsic
+def _call_kernel(typingctx, fn, xa, t, k, wa, n, rb, oa, r0, r1, ha):  # noqa: ANN001, ANN202, PLR0913
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        i64 = ir.IntType(64)
+        f = builder.inttoptr(args[0], ir.FunctionType(ir.VoidType(), [i64] * 10).as_pointer())
+        builder.call(f, list(args[1:]))
+        return context.get_dummy_value()
+
+    return types.none(*([types.int64] * 11)), codegen
+
+
+@njit(inline="always")
+def _chunk(table: np.ndarray, c: int, ha: int) -> None:
+    """Compute chunk ``c`` of the round: rows of one product."""
+    for p in range(table.shape[0]):
+        n_chunks = table[p, 8]
+        if c >= n_chunks:
+            c -= n_chunks
+            continue
+        r0 = table[p, 10] + c * table[p, 9]
+        r1 = min(table[p, 11], r0 + table[p, 9])
+        _call_kernel(table[p, 0], table[p, 1], table[p, 2], table[p, 3], table[p, 4], table[p, 5], table[p, 6],
+                     table[p, 7], r0, r1, ha)
+        return
+
+
+@njit(**_opts)
+def _work(ctl: int, table: np.ndarray, ha: int, gen: int, total: int, wait: bool) -> None:
+    """Claim and compute chunks of round ``gen`` until none is left; ``wait``: then until all are done."""
+    mask = (1 << GEN_SHIFT) - 1
+    while True:
+        word = _load(ctl)
+        g = word >> GEN_SHIFT
+        if g < gen:  # the caller has set the table but not yet published the round
+            _pause()
+            continue
+        if g != gen or (word & mask) >= total:
+            break
+        if _cas(ctl, word, word + 1):
+            _chunk(table, word & mask, ha)
+            _add(ctl + 8, 1)
+    if wait:
+        i = 0
+        while _load(ctl + 8) < total:
+            _pause()
+            i += 1
+            if i % 1024 == 0:  # ~30 us: a helper holding a chunk may need this core
+                _sched_yield()
+
+
+@njit(**_opts)
+def _helper_loop(ctl: int, ha: int, seen: int, iters: int) -> int:
+    """A helper's life while rounds keep coming: wait up to ``iters`` pauses for a round other than ``seen``,
+    claim and compute its chunks (the table's address and size from ``ctl``), wait again. Returns the last
+    round seen once no round came in time (the thread then blocks). Never needs the GIL."""
+    mask = (1 << GEN_SHIFT) - 1
+    while True:
+        i = 0
+        while True:
+            g = _load(ctl) >> GEN_SHIFT
+            if g != seen:
+                break
+            i += 1
+            if i >= iters:
+                return seen
+            _pause()
+            if i % 256 == 0:  # every ~7 us: a thread that needs this core (the event loop) gets it
+                _sched_yield()
+        seen = g
+        while True:
+            word = _load(ctl)
+            if word >> GEN_SHIFT != g or (word & mask) >= _load(ctl + 24):
+                break
+            if _cas(ctl, word, word + 1):
+                # claimed: round g cannot end before this chunk is done, so ctl still holds its table
+                table = numba.carray(_i64p(_load(ctl + 16)), (_load(ctl + 32), _COLS))
+                _chunk(table, word & mask, ha)
+                _add(ctl + 8, 1)
+
+
+@njit(**_opts)
+def _spin(ctl: int, seen: int, iters: int) -> int:
+    """Wait up to ``iters`` pauses for a round other than ``seen``; return the current generation."""
+    for i in range(iters):
+        g = _load(ctl) >> GEN_SHIFT
+        if g != seen:
+            return g
+        _pause()
+    return _load(ctl) >> GEN_SHIFT
+
+
+@njit(**_opts)
+def _publish(ctl: int, gen: int, tbl: np.ndarray, total: int) -> None:
+    """Start round ``gen``: its table, then zero chunks done, then (release) the word helpers claim from."""
+    p = _i64p(ctl)
+    p[2] = tbl.ctypes.data
+    p[3] = total
+    p[4] = tbl.shape[0]
+    p[1] = 0
+    _store(ctl, gen << GEN_SHIFT)
+
+
+@njit(**_opts)
+def _serial(table: np.ndarray, ha: int, total: int) -> None:
+    """Every chunk of a round on this thread, in order."""
+    for c in range(total):
+        _chunk(table, c, ha)
+
+
+@njit(**_opts)
+def _fill(tbl: np.ndarray, i: int, fn: int, x: np.ndarray, w: np.ndarray, out: np.ndarray, a: int, b: int,
+          chunk_weights: int) -> int:
+    """Row ``i`` of a round's table (numba reads the addresses in ~0.3 us; ``ndarray.ctypes`` takes ~1.2 us
+    each); returns its number of chunks."""
+    t, k = x.shape
+    step = max(1, chunk_weights // max(1, k * t))
+    chunks = (b - a + step - 1) // step
+    tbl[i, 0] = fn
+    tbl[i, 1] = x.ctypes.data
+    tbl[i, 2] = t
+    tbl[i, 3] = k
+    tbl[i, 4] = w.ctypes.data
+    tbl[i, 5] = w.shape[0]
+    tbl[i, 6] = w.shape[1] * w.itemsize
+    tbl[i, 7] = out.ctypes.data
+    tbl[i, 8] = chunks
+    tbl[i, 9] = step
+    tbl[i, 10] = a
+    tbl[i, 11] = b
+    return chunks
+
+
+def table(products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]],
+          rows_range: tuple[int, int] | None = None) -> tuple[np.ndarray, int, list, int]:
+    """The round's table, its number of chunks, the arrays it points into beyond ``products`` (keep both alive
+    through the round) and its number of weight-row products. x and out must be C-contiguous fp32 (the
+    caller's); the stored data is made C-contiguous here (a copy only for an odd view)."""
+    tbl = np.empty((len(products), _COLS), dtype=np.int64)
+    keep = []
+    total = 0
+    weights = 0
+    i = 0
+    for x, qtype, data, out in products:
+        if not data.flags.c_contiguous:
+            data = np.ascontiguousarray(data)
+            keep.append(data)
+        n = data.shape[0]
+        a, b = rows_range if rows_range is not None else (0, n)
+        total += _fill(tbl, i, _ADDR[qtype], x, data, out, a, b, KERNEL_CHUNK_WEIGHTS)
+        weights += x.size * (b - a)
+        i += 1
+    if total >> GEN_SHIFT:
+        raise ValueError(f"a round of {total} kernel chunks is too many (at most {(1 << GEN_SHIFT) - 1})")
+    return tbl, total, keep, weights
+
+
+def run_serial(products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]],
+               rows_range: tuple[int, int] | None = None) -> None:
+    """Every product (rows ``rows_range`` of each, default all) on this thread."""
+    tbl, total, _keep, _ = table(products, rows_range)
+    _serial(tbl, _HALF_ADDR, total)
+
+
+def run_table_serial(tbl: np.ndarray, total: int) -> None:
+    """Every chunk of a :func:`table` on this thread (its arrays kept alive by the caller)."""
+    _serial(tbl, _HALF_ADDR, total)
+
+
+def warm() -> None:
+    """Compile (or load from the cache) the round functions the kernel threads use, on an empty round."""
+    ctl = np.zeros(5, dtype=np.int64)
+    tbl = np.zeros((0, _COLS), dtype=np.int64)
+    _publish(int(ctl.ctypes.data), 1, tbl, 0)
+    _work(int(ctl.ctypes.data), tbl, _HALF_ADDR, 1, 0, True)
+    _helper_loop(int(ctl.ctypes.data), _HALF_ADDR, 1, 1)
+    _spin(int(ctl.ctypes.data), 1, 1)
+
+
+def _calibrate() -> int:
+    """Pauses in ``KERNEL_SPIN_US`` microseconds (a pause is 10-150 cycles depending on the CPU)."""
+    ctl = np.zeros(2, dtype=np.int64)
+    n = 20000
+    _spin(ctl.ctypes.data, 0, 100)
+    t0 = time.perf_counter()
+    _spin(ctl.ctypes.data, 0, n)
+    per = max(1e-9, (time.perf_counter() - t0) / n)
+    return max(1000, int(KERNEL_SPIN_US * 1e-6 / per))
+
+
+class Pool:
+    """``helpers`` threads that share each round with the caller; one round at a time (a lock serialises
+    callers from several threads)."""
+
+    def __init__(self, helpers: int) -> None:
+        self._round = threading.Lock()
+        self._cv = threading.Condition(threading.Lock())
+        # [gen << GEN_SHIFT | next chunk, chunks done, table address, chunks, products]
+        self._ctl = np.zeros(5, dtype=np.int64)
+        self._addr = int(self._ctl.ctypes.data)
+        self._gen = 0
+        self._keep: object = None
+        self._sleepers = 0
+        self._spin_iters = _calibrate()
+        for i in range(helpers):
+            threading.Thread(target=self._helper, name=f"meshd-kernel-{i}", daemon=True).start()
+
+    def _helper(self) -> None:
+        seen = 0
+        while True:
+            seen = _helper_loop(self._addr, _HALF_ADDR, seen, self._spin_iters)
+            with self._cv:
+                self._sleepers += 1
+                while int(self._ctl[0]) >> GEN_SHIFT == seen:
+                    self._cv.wait()
+                self._sleepers -= 1
+
+    def run(self, products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]]) -> None:
+        tbl, total, keep, _ = table(products)
+        self.run_table(tbl, total, (products, keep))
+
+    def run_table(self, tbl: np.ndarray, total: int, keep: object) -> None:
+        """One round over a :func:`table`; ``keep``: every array it points into (alive through the round)."""
+        with self._round:
+            self._gen += 1
+            gen = self._gen
+            self._keep = (tbl, keep)
+            _publish(self._addr, gen, tbl, total)
+            if self._sleepers:
+                with self._cv:
+                    self._cv.notify_all()
+            _work(self._addr, tbl, _HALF_ADDR, gen, total, True)
+            self._keep = None
