@@ -147,6 +147,7 @@ class ExpertsService:
                 raise ExpertsStartError(str(e)) from None
             except (TensorFileError, LayoutError, OSError) as e:
                 raise ExpertsStartError(f"--experts {spec}: {e}") from None
+            shard.warm()
             shards.append(shard)
             fps.append(fp)
         return shards, fps

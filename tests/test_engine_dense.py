@@ -151,3 +151,23 @@ def test_glm4_moe_on_the_compiled_step_matches_transformers(tmp_path: Path) -> N
     m.save_pretrained(tmp_path)
     eng = _check(m, tmp_path)
     assert eng._step and eng.config.rotary_dim == 32 and eng.config.qk_norm == "head"
+
+
+@needs_numba
+def test_expert_shard_warm_loads_the_compiled_kernels(tmp_path: Path) -> None:
+    """A worker loads what its experts' decode uses at start (``ExpertShard.warm``, called by the experts
+    service), so its first request pays no numba import or compile; checked in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    from experts_util import make_moe_checkpoint
+
+    ck = make_moe_checkpoint(tmp_path / "src", family="qwen3_moe", layers=2, experts=4, hidden=512, inter=512,
+                             top_k=2, vocab=256, seed=3)
+    probe = ("import sys; from engine.experts.shard import load_shard; s = load_shard(sys.argv[1]); "
+             "before = 'engine.dense_kernels' in sys.modules; s.warm(); "
+             "print(before, 'engine.dense_kernels' in sys.modules, 'engine.kernel_pool' in sys.modules or 'numba' "
+             "in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe, str(ck)], capture_output=True, text=True, timeout=300,
+                         check=True).stdout.split()
+    assert out == ["False", "True", "True"], out

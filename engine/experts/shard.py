@@ -19,7 +19,8 @@ from engine.experts.rpc import ShardRange
 from engine.experts.tensors import RangeMaps, TensorFileError, TensorInfo, as_f32, index_checkpoint
 from engine.fp8 import dequantize, scale_shape
 from engine.gguf_file import is_gguf
-from engine.quant import SUPPORTED_TYPES, QuantTypeError, packed, row_bytes
+from engine import dense
+from engine.quant import SUPPORTED_TYPES, QuantTypeError, packed, row_bytes, warm_kernels
 
 _RANGES = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
 
@@ -126,6 +127,20 @@ class ExpertShard:
         triple = tuple(packed(self.maps.array(t), t.dtype, t.shape) for t in (g, u, d))
         self._f32[(layer, expert)] = triple  # type: ignore[assignment]  # views of the mapping: no memory
         return triple  # type: ignore[return-value]
+
+    def warm(self) -> None:
+        """Load the compiled kernels the held experts will use (numba's import and cache, or its compile where
+        the cache is cold), as ``Model.load`` does for the local engine: the first request does not stall
+        past a message timeout. Nothing without numba or for FP8 experts (dequantized per use)."""
+        for key in self.tensors:
+            if key in self.scales:
+                continue
+            triple = list(self.weights(*key))
+            warm_kernels(triple)
+            dense.warm(triple)
+            if dense.swiglu_compiled(np.zeros((1, triple[0].shape[1]), dtype=np.float32), triple[0]):
+                dense.warm_step()
+            return
 
     def close(self) -> None:
         self._f32.clear()
