@@ -121,3 +121,25 @@ def whole(reply: dict[str, Any], kind: str) -> tuple[str, list[Any]]:
     if kind == "chat":
         return ch["message"]["content"], ch["logprobs"]["content"]
     return ch["text"], ch["logprobs"]["token_logprobs"]
+
+
+SAMPLINGS = [{"temperature": 0}, {"temperature": 0.9, "seed": 11}]
+
+
+def same_as_ref(ref: Node, node: Node, requests: tuple[tuple[str, dict[str, Any]], ...]) -> int:
+    """Every request of ``requests`` (path, body) greedy and seeded, streamed and not, gives ``node`` the text
+    and logprobs ``ref`` gives; -> how many logprob entries were compared."""
+    checked = 0
+    for path, body in requests:
+        kind = "chat" if "chat" in path else "completion"
+        for sampling in SAMPLINGS:
+            b = {**body, **sampling}
+            code, want = post(ref.run["api"], path, b)
+            assert code == 200, want
+            code, got = post(node.run["api"], path, b)
+            assert code == 200, got
+            assert whole(got, kind) == whole(want, kind), (path, sampling)
+            events = list(stream(node.run["api"], path, b))
+            assert collect(events, kind) == whole(want, kind), (path, sampling)
+            checked += len(whole(want, kind)[1])
+    return checked

@@ -22,6 +22,7 @@ from pipeline_mesh import (
     invite,
     pipeline_status,
     post,
+    same_as_ref,
     stage,
     stage_status,
     stream,
@@ -44,25 +45,6 @@ COMPLETION = (
     "/v1/completions",
     {"model": "tiny", "prompt": "The mesh holds", "max_tokens": 24, "logprobs": 2},
 )
-SAMPLINGS = [{"temperature": 0}, {"temperature": 0.9, "seed": 11}]
-
-
-def _kind(path: str) -> str:
-    return "chat" if "chat" in path else "completion"
-
-
-def _same_as_ref(ref: Node, node: Node) -> None:
-    """Every request shape: chat and completions, streamed and not, greedy and seeded."""
-    for path, body in (CHAT, COMPLETION):
-        for sampling in SAMPLINGS:
-            b = {**body, **sampling}
-            code, want = post(ref.run["api"], path, b)
-            assert code == 200, want
-            code, got = post(node.run["api"], path, b)
-            assert code == 200, got
-            assert whole(got, _kind(path)) == whole(want, _kind(path)), (path, sampling)
-            events = list(stream(node.run["api"], path, b))
-            assert collect(events, _kind(path)) == whole(want, _kind(path)), (path, sampling)
 
 
 @pytest.fixture()
@@ -83,7 +65,7 @@ def test_plan_from_gossip_by_memory_and_pins_byte_identical(tmp_path: Path, ref:
         nodes.append(stage(tmp_path, "a", token, "tiny", "--pipeline-memory", "0.7"))
         st = wait_plan(srv, [[0, 1], [2, 3]])
         assert st["plan"][1]["node_id"] == nodes[1].run["node_id"]
-        _same_as_ref(ref, srv)
+        same_as_ref(ref, srv, (CHAT, COMPLETION))
         a = stage_status(nodes[1])
         assert a["loaded"] == [[2, 3]] and a["steps"] > 0, a
         st = pipeline_status(srv)
@@ -127,7 +109,7 @@ def test_pinned_two_stage_cuts_byte_identical(tmp_path: Path, ref: Node, pin: st
         nodes.append(stage(tmp_path, "a", invite(tmp_path / "s"), f"tiny@{pin}"))
         first, last = (int(x) for x in pin.split("-"))
         wait_plan(srv, [[0, first - 1], [first, last]])
-        _same_as_ref(ref, srv)
+        same_as_ref(ref, srv, (CHAT, COMPLETION))
     finally:
         for n in reversed(nodes):
             n.stop()
@@ -164,7 +146,7 @@ def test_kill_middle_stage_mid_stream_recovers_byte_identical(tmp_path: Path, re
     nodes = _three(tmp_path, spare=True)
     srv, b, c, d = nodes
     try:
-        _same_as_ref(ref, srv)
+        same_as_ref(ref, srv, (CHAT, COMPLETION))
         code, want = post(ref.run["api"], *LONG)
         assert code == 200
         events: list[dict[str, Any]] = []
@@ -186,7 +168,7 @@ def test_kill_middle_stage_mid_stream_recovers_byte_identical(tmp_path: Path, re
         wait_for(
             lambda: pipeline_status(srv)["plan"][1]["node_id"] == b.run["node_id"], 40, "b back in the plan"
         )
-        _same_as_ref(ref, srv)
+        same_as_ref(ref, srv, (CHAT, COMPLETION))
     finally:
         for n in reversed(nodes):
             n.stop()
@@ -215,7 +197,7 @@ def test_kill_without_spare_ends_stream_with_error_within_2s_and_restart_serves(
         c.proc.wait(timeout=10)
         nodes[2] = start_node(tmp_path / "c", "--stage", "tiny@3-3")
         wait_plan(srv, [[0, 0], [1, 2], [3, 3]])
-        _same_as_ref(ref, srv)
+        same_as_ref(ref, srv, (CHAT, COMPLETION))
     finally:
         for n in reversed(nodes):
             n.stop()
@@ -276,7 +258,7 @@ def test_refusals_by_name_overlapping_pins_and_prefer(tmp_path: Path, ref: Node)
         tmp_path / "alone", "--model", "tiny", "--pipeline", "prefer", "--pipeline-memory", "0.5"
     )
     try:
-        _same_as_ref(ref, alone)
+        same_as_ref(ref, alone, (CHAT, COMPLETION))
         st = pipeline_status(alone)
         assert st["plan"] == [{"node_id": alone.run["node_id"], "layers": [0, 3]}] and st["local_fallback"], (
             st
@@ -300,7 +282,7 @@ def test_stage_delegating_its_experts_byte_identical(tmp_path: Path, ref: Node) 
             return bool(cos) and all(c.get("workers") for c in cos)
 
         wait_for(linked, 40, "the stage's expert worker link")
-        _same_as_ref(ref, srv)
+        same_as_ref(ref, srv, (CHAT, COMPLETION))
         co = a.status()["services"]["experts"]["coordinators"][0]
         assert co["layers_delegated"] > 0 and co["items_local"] == 0, co
     finally:

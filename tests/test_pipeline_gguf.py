@@ -17,7 +17,7 @@ pytest.importorskip("meshd.membership.service")
 
 from daemon_testlib import Node, start_node
 from gguf_helpers import QWEN3_MOE, build
-from pipeline_mesh import collect, invite, pipeline_status, post, stage, stream, wait_for, wait_plan, whole
+from pipeline_mesh import invite, pipeline_status, same_as_ref, stage, wait_for, wait_plan
 
 from engine import quant
 from engine.gguf_export import export_gguf
@@ -30,7 +30,6 @@ CHAT = (
      "logprobs": True, "top_logprobs": 2},
 )
 COMPLETION = ("/v1/completions", {"model": "q", "prompt": "The mesh holds", "max_tokens": 16, "logprobs": 2})
-SAMPLINGS = [{"temperature": 0}, {"temperature": 0.9, "seed": 11}]
 
 
 @pytest.fixture(scope="module")
@@ -45,25 +44,6 @@ def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny / f, out / f)
     return out
-
-
-def _kind(path: str) -> str:
-    return "chat" if "chat" in path else "completion"
-
-
-def _same(ref: Node, node: Node) -> int:
-    checked = 0
-    for path, body in (CHAT, COMPLETION):
-        for sampling in SAMPLINGS:
-            b = {**body, **sampling}
-            code, want = post(ref.run["api"], path, b)
-            assert code == 200, want
-            code, got = post(node.run["api"], path, b)
-            assert code == 200, got
-            assert whole(got, _kind(path)) == whole(want, _kind(path)), (path, sampling)
-            assert collect(list(stream(node.run["api"], path, b)), _kind(path)) == whole(want, _kind(path))
-            checked += len(whole(want, _kind(path))[1])
-    return checked
 
 
 @pytest.mark.parametrize(("mix", "pins", "qtype"), [("Q8_0", ["2-3"], "Q8_0"),
@@ -85,7 +65,7 @@ def test_quantized_gguf_pipeline_byte_identical(src: Path, tmp_path: Path, mix: 
         first = int(pins[0].split("-")[0])
         layers = [[0, first - 1], *[[int(x) for x in p.split("-")] for p in pins]]
         wait_plan(srv, layers, timeout_s=60, model="q")
-        assert _same(ref, srv) > 0
+        assert same_as_ref(ref, srv, (CHAT, COMPLETION)) > 0
         st = pipeline_status(srv, "q")
         run = st["runs"][st["run"]]
         assert all(s["calls"] > 0 for s in run["stages"]), run  # every stage process did its part
