@@ -1,5 +1,7 @@
 """Every product of the forward pass: ``engine.quant`` for packed weights, and a compiled decode kernel for
-fp32 weights (``engine.dense_kernels``, numba: the optional ``[fast]`` extra) where it reads faster than BLAS.
+fp32 weights (``engine.kernels``' F32 row kernel, numba: the optional ``[fast]`` extra) where it reads faster
+than BLAS. fp32 and packed decode products share one pool of kernel threads (``engine.kernel_pool``): a
+``matmul_many`` of both kinds is one round, one hand-off.
 
 The choice for an fp32 weight depends only on the number of activation rows (``<= KERNEL_MAX_ROWS``), the
 weight's size (``>= DENSE_KERNEL_MIN_WEIGHTS``: a test-sized model never imports numba) and whether numba
@@ -9,16 +11,13 @@ the same choice and gets the same bits. ``MESHD_KERNELS=numpy`` turns the kernel
 
 from __future__ import annotations
 
-import itertools
 import os
-import threading
 from types import ModuleType
 
 import numpy as np
 
 from . import quant
-from .limits import (DENSE_CHUNK_WEIGHTS, DENSE_KERNEL_MIN_WEIGHTS, DENSE_MAX_PLANS, DENSE_POOL_MIN_WEIGHTS,
-                     DENSE_ROUND_MAX_PRODUCTS, KERNEL_MAX_ROWS)
+from .limits import DENSE_KERNEL_MIN_WEIGHTS, KERNEL_MAX_ROWS
 
 F32 = np.float32
 
@@ -42,146 +41,24 @@ def _kernels() -> ModuleType | None:
 
 def _f32_kernel(x: np.ndarray, w: object) -> bool:
     return (isinstance(w, np.ndarray) and w.dtype == F32 and w.ndim == 2 and w.size >= DENSE_KERNEL_MIN_WEIGHTS
-            and x.shape[0] <= KERNEL_MAX_ROWS and w.flags.c_contiguous and _kernels() is not None)
-
-
-class _Round:
-    __slots__ = ("args", "entry", "done")
-
-    def __init__(self, args: tuple) -> None:
-        self.args = args  # run_jobs' arguments: the products, the job table and the shared claim counter
-        self.entry = itertools.count()  # 0 goes to whichever of caller (closing) and helper (joining) is first
-        self.done = threading.Lock()
-        self.done.acquire()  # released by the helper when it joined and ran out of jobs
-
-
-class _Pool:
-    """One helper thread that shares rounds of product chunks with the caller (2 cores: the weights stream at
-    ~46 GB/s from two readers against ~37 from one). Both run ``dense_kernels.run_jobs`` on the round, which
-    claims chunks with an atomic counter without the GIL, so a round costs one wake-up of the helper and
-    no GIL hand-off per chunk; the caller then waits only if the helper joined the round, so a helper that
-    is not scheduled costs nothing. Raw locks only."""
-
-    def __init__(self) -> None:
-        self._busy = threading.Lock()  # one round at a time; another thread's products run on that thread
-        self._go = threading.Lock()
-        self._go.acquire()
-        self._round = _Round(())
-        threading.Thread(target=self._helper, name="meshd-dense", daemon=True).start()
-
-    def _helper(self) -> None:
-        while True:
-            self._go.acquire()
-            r = self._round
-            if next(r.entry):  # the caller closed this round before we woke
-                continue
-            try:
-                _mod.run_jobs(*r.args)  # type: ignore[union-attr]
-            finally:
-                r.done.release()
-
-    def run(self, args: tuple) -> bool:
-        """Run a round with the helper; False (nothing done) when another thread's round is in progress."""
-        if not self._busy.acquire(blocking=False):
-            return False
-        try:
-            r = _Round(args)
-            self._round = r
-            if self._go.locked():
-                self._go.release()
-            _mod.run_jobs(*args)  # type: ignore[union-attr]
-            if next(r.entry):  # the helper joined: wait for its last chunk
-                r.done.acquire()
-        finally:
-            self._busy.release()
-        return True
-
-
-_pool: _Pool | None = None
-_pool_checked = False
+            and x.shape[0] <= KERNEL_MAX_ROWS and w.flags.c_contiguous and _kernels() is not None
+            and quant._kernels().AVAILABLE)
 
 
 def threads() -> int:
-    """Threads computing fp32 decode products: 2 (the caller and one helper) unless ``MESHD_KERNEL_THREADS``
-    (the compiled kernels' setting) or the CPUs this process may use say 1."""
-    env = os.environ.get("MESHD_KERNEL_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        return min(int(env), 2)
-    try:
-        return min(2, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return min(2, os.cpu_count() or 1)
-
-
-def _get_pool() -> _Pool | None:
-    global _pool, _pool_checked
-    if not _pool_checked:
-        _pool_checked = True
-        if threads() > 1:
-            _pool = _Pool()
-    return _pool
-
-
-def _forget_pool() -> None:  # a forked child has no helper thread
-    global _pool, _pool_checked
-    _pool, _pool_checked = None, False
-
-
-os.register_at_fork(after_in_child=_forget_pool)
-
-
-_plans: dict[tuple, tuple[np.ndarray, int]] = {}  # product shapes -> (job table, weights x rows)
-
-
-def _plan(shapes: tuple[tuple[int, int, int], ...]) -> tuple[np.ndarray, int]:
-    """The job table of a round of products of these (rows, N, K) shapes: row chunks of about
-    ``DENSE_CHUNK_WEIGHTS``, starting on multiples of 8."""
-    jobs, total = [], 0
-    for p, (t, n, k) in enumerate(shapes):
-        total += n * k * t
-        step = max(8, DENSE_CHUNK_WEIGHTS // max(1, k * t) // 8 * 8)
-        jobs += [(p, a, min(n, a + step)) for a in range(0, n, step)]
-    return np.array(jobs, dtype=np.int64), total  # never written: shared by every round of these shapes
-
-
-def _run(products: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
-    """Each (x, w, out) fp32 product into its ``out``, in one ``run_jobs`` round: chunks of rows (starting on
-    multiples of 8, so a row's bits do not depend on the split) shared with the helper when the round is big
-    enough, else all on this thread."""
-    if len(products) > DENSE_ROUND_MAX_PRODUCTS:  # numba compiles one run_jobs per tuple length: warm() covers these
-        for a in range(0, len(products), DENSE_ROUND_MAX_PRODUCTS):
-            _run(products[a : a + DENSE_ROUND_MAX_PRODUCTS])
-        return
-    if len({w.flags.writeable for _, w, _ in products}) > 1:  # one tuple type per round: split read-only from not
-        for _, group in itertools.groupby(sorted(products, key=lambda p: p[1].flags.writeable),
-                                          key=lambda p: p[1].flags.writeable):
-            _run(list(group))
-        return
-    shape = tuple((x.shape[0], *w.shape) for x, w, _ in products)
-    plan = _plans.get(shape)
-    if plan is None:
-        plan = _plan(shape)
-        if len(_plans) >= DENSE_MAX_PLANS:
-            _plans.clear()
-        _plans[shape] = plan
-    jobs, total = plan
-    # numba compiles run_jobs once per tuple length: pad to a power of two with the first product (no job
-    # refers to the pads), so 5 variants cover 1-16 products (warm() compiles those, ~8 s once per machine)
-    pad = [products[0]] * ((1 << (len(products) - 1).bit_length()) - len(products))
-    xs, ws, outs = (tuple(p[i] for p in (*products, *pad)) for i in range(3))
-    args = (xs, ws, outs, jobs, np.zeros(1, dtype=np.int64))
-    pool = _get_pool() if total >= DENSE_POOL_MIN_WEIGHTS else None
-    if pool is None or not pool.run(args):
-        _mod.run_jobs(*args)  # type: ignore[union-attr]
+    """Threads computing fp32 decode products: the kernel threads' count (``engine.kernels.threads``), since
+    fp32 products run in the same pool and rounds as the packed ones."""
+    return quant._kernels().threads()
 
 
 def _f32_many(pairs: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
     todo = []
     for x, w in pairs:
-        x = np.ascontiguousarray(x, dtype=F32)
-        todo.append((x, w, np.empty((x.shape[0], w.shape[0]), dtype=F32)))
-    _run(todo)
-    return [t[2] for t in todo]
+        if x.dtype != F32 or not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x, dtype=F32)
+        todo.append((x, "F32", w, np.empty((x.shape[0], w.shape[0]), dtype=F32)))
+    quant._kernels().run_products(todo)
+    return [t[3] for t in todo]
 
 
 def _f32(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -196,13 +73,25 @@ def matmul(x: np.ndarray, w: object) -> np.ndarray:
 
 
 def matmul_many(pairs: list[tuple[np.ndarray, object]]) -> list[np.ndarray]:
-    """``[matmul(x, w) for x, w in pairs]``, bit for bit; the packed ones in one ``quant.matmul_many`` round."""
+    """``[matmul(x, w) for x, w in pairs]``, bit for bit: every product with a compiled kernel (fp32 and packed
+    alike) in one round of the kernel threads (``engine.kernels.run_products``), the others one by one."""
     fast = [_f32_kernel(x, w) for x, w in pairs]
     if not any(fast):
         return quant.matmul_many(pairs)  # type: ignore[arg-type]
-    mine = iter(_f32_many([p for p, f in zip(pairs, fast) if f]))  # type: ignore[misc]
-    rest = iter(quant.matmul_many([p for p, f in zip(pairs, fast) if not f]))  # type: ignore[misc]
-    return [next(mine) if f else next(rest) for f in fast]
+    todo = []
+    outs: list[np.ndarray | None] = []
+    for (x, w), f in zip(pairs, fast):
+        if f or quant._uses_kernel(x, w):
+            if x.dtype != F32 or not x.flags.c_contiguous:
+                x = np.ascontiguousarray(x, dtype=F32)
+            data = w if f else w.data  # type: ignore[union-attr]
+            out = np.empty((x.shape[0], data.shape[0]), dtype=F32)
+            todo.append((x, "F32" if f else w.qtype, data, out))  # type: ignore[union-attr]
+            outs.append(out)
+        else:
+            outs.append(None)
+    quant._kernels().run_products(todo)
+    return [o if o is not None else matmul(x, w) for o, (x, w) in zip(outs, pairs)]
 
 
 def uses_kernel(weights: list[object]) -> bool:
@@ -216,6 +105,7 @@ def warm(weights: list[object]) -> None:
     the first request does not stall, and the runtime's memory is paid before any activation)."""
     if uses_kernel(weights) and (mod := _kernels()) is not None:
         mod.warm()
+        quant._kernels().warm()  # the fp32 row kernel and the kernel threads' round functions
 
 
 def step_kernels(hidden: int, heads: int, head_dim: int, qk_norm: str, clip_qkv: float | None) -> bool:

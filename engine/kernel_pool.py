@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from . import kernels
+from . import dense_kernels, kernels
 from .limits import KERNEL_CHUNK_WEIGHTS, KERNEL_SPIN_US
 
 import numba  # noqa: E402 - only imported when kernels.AVAILABLE (engine.kernels imports this lazily)
@@ -166,7 +166,13 @@ def _c_q6_k(xa, t, k, wa, n, rb, oa, r0, r1, ha):  # noqa: ANN001, ANN202
                   numba.carray(_f32p(ha), (65536,)), r0, r1)
 
 
-_CFUNCS = {"BF16": _c_bf16, "Q8_0": _c_q8_0, "Q4_0": _c_q4_0, "Q4_K": _c_q4_k, "Q5_K": _c_q5_k, "Q6_K": _c_q6_k}
+@_cfunc
+def _c_f32(xa, t, k, wa, n, rb, oa, r0, r1, ha):  # noqa: ANN001, ANN202 - r0 a multiple of F32_ROW_ALIGN
+    dense_kernels.f32_rows(numba.carray(_f32p(xa), (t, k)), numba.carray(_f32p(wa), (n, k)),
+                           numba.carray(_f32p(oa), (t, n)), r0, r1)
+
+
+_CFUNCS = {"F32": _c_f32, "BF16": _c_bf16, "Q8_0": _c_q8_0, "Q4_0": _c_q4_0, "Q4_K": _c_q4_k, "Q5_K": _c_q5_k, "Q6_K": _c_q6_k}
 _ADDR = {q: int(f.address) for q, f in _CFUNCS.items()}
 _HALF_ADDR = int(kernels.HALF.ctypes.data)  # the module's table lives as long as the process
 
@@ -282,11 +288,11 @@ def _serial(table: np.ndarray, ha: int, total: int) -> None:
 
 @njit(**_opts)
 def _fill(tbl: np.ndarray, i: int, fn: int, x: np.ndarray, w: np.ndarray, out: np.ndarray, a: int, b: int,
-          chunk_weights: int) -> int:
+          chunk_weights: int, align: int) -> int:
     """Row ``i`` of a round's table (numba reads the addresses in ~0.3 us; ``ndarray.ctypes`` takes ~1.2 us
-    each); returns its number of chunks."""
+    each); returns its number of chunks, of a multiple of ``align`` rows each."""
     t, k = x.shape
-    step = max(1, chunk_weights // max(1, k * t))
+    step = max(align, chunk_weights // max(1, k * t) // align * align)
     chunks = (b - a + step - 1) // step
     tbl[i, 0] = fn
     tbl[i, 1] = x.ctypes.data
@@ -319,7 +325,10 @@ def table(products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]],
             keep.append(data)
         n = data.shape[0]
         a, b = rows_range if rows_range is not None else (0, n)
-        total += _fill(tbl, i, _ADDR[qtype], x, data, out, a, b, KERNEL_CHUNK_WEIGHTS)
+        if qtype == "F32" and a % kernels.F32_ROW_ALIGN:
+            raise ValueError(f"F32 rows start on multiples of {kernels.F32_ROW_ALIGN}, not {a}")
+        total += _fill(tbl, i, _ADDR[qtype], x, data, out, a, b, KERNEL_CHUNK_WEIGHTS,
+                       kernels.F32_ROW_ALIGN if qtype == "F32" else 1)
         weights += x.size * (b - a)
         i += 1
     if total >> GEN_SHIFT:

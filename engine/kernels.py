@@ -43,6 +43,11 @@ except ImportError:  # pragma: no cover - exercised when numba is absent
 AVAILABLE = numba is not None
 F32 = np.float32
 TYPES = ("BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+# plus fp32 weights (engine.dense's decode products: [N, K] float32 arrays, not Packed), computed by
+# engine.dense_kernels.f32_rows (eight weight rows per pass: ~30-35 GB/s on one core, where one row per pass streamed
+# 17-23) in the same pool and rounds; its chunks start on multiples of 8 rows (F32_ROW_ALIGN)
+ROW_TYPES = (*TYPES, "F32")
+F32_ROW_ALIGN = 8
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 # every IEEE half bit pattern (little-endian uint16) -> its float32 value
 HALF = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(F32)
@@ -439,7 +444,8 @@ def _kernel_pool():  # noqa: ANN202 - engine.kernel_pool, imported once (it comp
 
 def run(x: np.ndarray, qtype: str, data: np.ndarray, out: np.ndarray, r0: int, r1: int) -> None:
     """Rows ``r0:r1`` of ``x @ W.T`` into ``out[:, r0:r1]`` (x: [T, K] fp32 C-contiguous, out: [T, N] fp32
-    C-contiguous) on this thread, GIL released: the same compiled code as every other path."""
+    C-contiguous) on this thread, GIL released: the same compiled code as every other path (F32: ``r0`` a
+    multiple of ``F32_ROW_ALIGN``)."""
     _kernel_pool().run_serial([(x, qtype, data, out)], (r0, r1))
 
 
@@ -460,7 +466,7 @@ def dequantize_blocks(blocks: np.ndarray, qtype: str) -> np.ndarray | None:
 
 def gemm(x: np.ndarray, qtype: str, data: np.ndarray) -> np.ndarray | None:
     """``x @ W.T`` for stored ``data`` of ``qtype``: [T, K] fp32 -> [T, N] fp32, or None (no kernel)."""
-    if not AVAILABLE or qtype not in TYPES:
+    if not AVAILABLE or qtype not in ROW_TYPES:
         return None
     x = np.ascontiguousarray(x, dtype=F32)
     out = np.empty((x.shape[0], data.shape[0]), dtype=F32)
@@ -492,9 +498,11 @@ def warm() -> None:
     out = np.empty((1, 1), dtype=F32)
     from .quant import row_bytes
 
-    for qtype in TYPES:
-        data = np.zeros((1, 256) if qtype == "BF16" else (1, row_bytes(qtype, 256)),
-                        dtype=np.uint16 if qtype == "BF16" else np.uint8)
+    for qtype in ROW_TYPES:
+        if qtype in ("BF16", "F32"):
+            data = np.zeros((1, 256), dtype=np.uint16 if qtype == "BF16" else F32)
+        else:
+            data = np.zeros((1, row_bytes(qtype, 256)), dtype=np.uint8)
         run(x, qtype, data, out, 0, 1)
         if qtype in DEQUANT_TYPES:
             dequantize_blocks(data.reshape(-1, BLOCK_BYTES[qtype]), qtype)

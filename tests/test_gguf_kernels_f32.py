@@ -1,0 +1,121 @@
+"""fp32 decode products in the kernel threads' pool (engine.kernel_pool's F32 entry, engine.dense): the same bits
+as the fp32 row kernel called alone, whatever the thread count, the chunking, the other products of the round
+(fp32 and packed mixed) or the number of activation rows; a decode of an fp32 model whose bytes do not depend on
+the kernel thread count. Skipped without numba."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import dense, kernels, quant
+from engine.limits import DENSE_KERNEL_MIN_WEIGHTS
+
+pytestmark = pytest.mark.skipif(not kernels.AVAILABLE or dense._kernels() is None,
+                                reason="numba (the fast extra) not installed")
+
+
+def _rand(shape: tuple[int, ...], seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _alone(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The fp32 row kernel called directly, all rows, this thread."""
+    out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
+    dense._kernels().f32_rows(x, w, out, 0, w.shape[0])  # type: ignore[union-attr]
+    return out
+
+
+@pytest.mark.parametrize("helpers", [1, 2])
+def test_pool_rounds_give_the_row_kernels_bits(helpers: int) -> None:
+    from engine import kernel_pool
+
+    w, x = _rand((1203, 520), 1), _rand((3, 520), 2)  # 1203: a tail of 3 rows after the 8-row groups
+    one = _alone(x, w)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    np.testing.assert_allclose(one, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    tbl, total, _, _ = kernel_pool.table([(x, "F32", w, one)])
+    assert total > 2 and np.all(tbl[:, 9] % kernels.F32_ROW_ALIGN == 0)  # chunks of whole 8-row groups
+    serial = np.full_like(one, np.nan)
+    kernel_pool.run_serial([(x, "F32", w, serial)])
+    assert serial.tobytes() == one.tobytes()
+    pool = kernel_pool.Pool(helpers)
+    out = np.full_like(one, np.nan)
+    for i in range(200):  # many rounds, some after a pause (helpers asleep): none may lose or repeat work
+        out[:] = np.nan
+        pool.run([(x, "F32", w, out)])
+        assert out.tobytes() == one.tobytes()
+        if i % 50 == 49:
+            time.sleep(0.002)
+
+
+def test_f32_rows_must_start_on_a_group() -> None:
+    w, x = _rand((64, 32), 3), _rand((1, 32), 4)
+    out = np.empty((1, 64), dtype=np.float32)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        kernels.run(x, "F32", w, out, 3, 64)
+
+
+def test_a_mixed_round_gives_each_products_bits() -> None:
+    """dense.matmul_many puts fp32 and packed kernel products in one round: each equals its product alone
+    (dense.matmul), and a small fp32 weight (BLAS) and an fp16 one (tiles) among them keep their own path."""
+    side = 512
+    big = _rand((side, side), 5)
+    assert big.size >= DENSE_KERNEL_MIN_WEIGHTS
+    big.setflags(write=False)  # as a file mapping's view
+    wide = _rand((2 * side, side), 6)
+    q4 = quant.packed(__import__("engine.gguf_export", fromlist=["quantize"]).quantize(_rand((side, side), 7), "Q4_K"),
+                      "Q4_K", (side, side))
+    small = _rand((8, side), 8)
+    f16 = quant.packed(_rand((side, side), 9).astype(np.float16).view(np.uint8).reshape(-1), "F16", (side, side))
+    x1, x2 = _rand((1, side), 10), _rand((2, side), 11)
+    pairs = [(x1, big), (x2, q4), (x1, small), (x2, wide), (x1, f16), (x2, big)]
+    got = dense.matmul_many(pairs)
+    for (x, w), g in zip(pairs, got):
+        assert g.tobytes() == dense.matmul(x, w).tobytes()
+    assert got[0].tobytes() == _alone(x1, big).tobytes()
+    assert got[3].tobytes() == _alone(x2, wide).tobytes()
+    assert got[5][1:].tobytes() == _alone(x2[1:], big).tobytes()  # a row's bits do not depend on the other rows
+    assert got[2].tobytes() == (x1 @ small.T).tobytes()
+
+
+_DECODE = r"""
+import hashlib, sys
+from engine import dense
+from engine.model import Model
+m = Model.load(sys.argv[1])
+assert dense.uses_kernel([m.layers[0].q])
+c = m.new_cache(32)
+h = hashlib.sha256()
+logits = m.forward([1, 5, 9, 3, 7], c)
+h.update(logits.tobytes())
+tok = int(logits[-1].argmax())
+for _ in range(5):
+    logits = m.forward([tok], c)
+    h.update(logits.tobytes())
+    tok = int(logits[-1].argmax())
+print(h.hexdigest())
+"""
+
+
+def _decode_hash(path: Path, **env: str) -> str:
+    p = subprocess.run([sys.executable, "-c", _DECODE, str(path)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, **env})
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p.stdout.strip().splitlines()[-1]
+
+
+def test_fp32_decode_bytes_do_not_depend_on_the_kernel_thread_count(tmp_path: Path) -> None:
+    from experts_util import make_moe_checkpoint
+
+    src = make_moe_checkpoint(tmp_path / "src", family="qwen3_moe", layers=2, experts=4, hidden=1024, inter=512,
+                              top_k=2, vocab=256)
+    one = _decode_hash(src, MESHD_KERNEL_THREADS="1")
+    assert _decode_hash(src, MESHD_KERNEL_THREADS="2") == one
+    assert _decode_hash(src, MESHD_KERNEL_THREADS="3") == one
