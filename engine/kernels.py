@@ -323,6 +323,14 @@ if AVAILABLE:
     _dq_opts = dict(cache=True, nogil=True, boundscheck=False, error_model="numpy")
 
     @njit(**_dq_opts)
+    def _dq_q8_0(blocks: np.ndarray, out: np.ndarray, tab: np.ndarray) -> None:
+        for n in range(blocks.shape[0]):
+            row = blocks[n]
+            d = _h(tab, row, 0)
+            for i in range(32):
+                out[n, i] = d * np.float32(np.int8(row[2 + i]))
+
+    @njit(**_dq_opts)
     def _dq_q4_0(blocks: np.ndarray, out: np.ndarray, tab: np.ndarray) -> None:
         for n in range(blocks.shape[0]):
             row = blocks[n]
@@ -454,8 +462,10 @@ def dequantize_blocks(blocks: np.ndarray, qtype: str) -> np.ndarray | None:
     ``engine.quant.dequantize_blocks``; None when there is no kernel for ``qtype``."""
     if not AVAILABLE or qtype not in DEQUANT_TYPES:
         return None
-    out = np.empty((blocks.shape[0], 32 if qtype == "Q4_0" else 256), dtype=F32)
-    if qtype == "Q4_0":
+    out = np.empty((blocks.shape[0], 32 if qtype in ("Q4_0", "Q8_0") else 256), dtype=F32)
+    if qtype == "Q8_0":
+        _dq_q8_0(blocks, out, HALF)
+    elif qtype == "Q4_0":
         _dq_q4_0(blocks, out, HALF)
     elif qtype == "Q6_K":
         _dq_q6_k(blocks, out, HALF)

@@ -48,10 +48,11 @@ SUPPORTED_TYPES = tuple(BLOCKS)
 # Types whose compiled decode kernel measured >= 2x the numpy tiles (engine.kernels; bench/kernels.py, figures in
 # docs/kernels.md): all of them, 3-30x on one core.
 KERNEL_TYPES = ("BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
-# Types whose compiled dequantization (prefill tiles) measured >= 2x numpy's (bench/kernels.py, 1 Mi-weight
-# tile): Q4_0 4.1x, Q4_K 22x, Q5_K 22x, Q6_K 56x; Q8_0 (1.7-2.7x: numpy's is one multiply) stays numpy. Other
-# types never import the kernels (numba) to dequantize.
-DEQUANT_TYPES = ("Q4_0", "Q4_K", "Q5_K", "Q6_K")
+# Types whose compiled dequantization (prefill tiles) is faster than numpy's (bench/kernels.py, 1 Mi-weight
+# tile): Q4_0 4.1x, Q4_K 22x, Q5_K 22x, Q6_K 56x, Q8_0 1.7-2.7x (numpy's takes three passes over the tile: 0.54 ->
+# 0.29 ms per tile, ~0.25 ms per Mi weights of every prefill). Other types never import the kernels (numba) to
+# dequantize.
+DEQUANT_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
 
 _NIBBLE_SHIFT = np.array([0, 4], dtype=np.uint8)
 _BIT_SHIFT = np.arange(8, dtype=np.uint8)
@@ -210,6 +211,14 @@ class Packed:
         step = max(1, tile // k)
         if step >= n:
             return x @ self.rows(0, n).T
+        if x.shape[0] > KERNEL_MAX_ROWS:
+            # prefill: each tile's GEMM writes its columns of the [T, N] result in place (BLAS takes the row
+            # stride), no transpose copy of the whole output afterwards (10-20% of a 256-row product)
+            res = np.empty((x.shape[0], n), dtype=F32)
+            for a in range(0, n, step):
+                b = min(n, a + step)
+                np.matmul(x, self.rows(a, b).T, out=res[:, a:b])
+            return res
         out = np.empty((n, x.shape[0]), dtype=F32)  # [N, T]: each tile writes contiguous rows
         for a in range(0, n, step):
             b = min(n, a + step)

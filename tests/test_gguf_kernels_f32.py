@@ -119,3 +119,22 @@ def test_fp32_decode_bytes_do_not_depend_on_the_kernel_thread_count(tmp_path: Pa
     one = _decode_hash(src, MESHD_KERNEL_THREADS="1")
     assert _decode_hash(src, MESHD_KERNEL_THREADS="2") == one
     assert _decode_hash(src, MESHD_KERNEL_THREADS="3") == one
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_prefill_tiles_write_the_result_in_place(qtype: str) -> None:
+    """More rows than the kernels take: dequantized tiles, each tile's GEMM writing its columns of the [T, N]
+    result (no transpose afterwards); several tiles here (3 Mi weights), the same values as one product."""
+    from engine.gguf_export import quantize
+    from engine.limits import KERNEL_MAX_ROWS, MATMUL_PREFILL_TILE_WEIGHTS
+
+    n, k = 3072, 1024
+    assert n * k > 2 * MATMUL_PREFILL_TILE_WEIGHTS
+    p = quant.packed(quantize(_rand((n, k), 12), qtype), qtype, (n, k))
+    x = _rand((KERNEL_MAX_ROWS + 3, k), 13)
+    got = p.matmul(x)
+    assert got.shape == (x.shape[0], n) and got.flags.c_contiguous
+    ref = x.astype(np.float64) @ p.widen().astype(np.float64).T
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    step = MATMUL_PREFILL_TILE_WEIGHTS // k  # the second tile's columns are its own GEMM's
+    np.testing.assert_array_equal(got[:, step:2 * step], x @ p.rows(step, 2 * step).T)
