@@ -1,7 +1,7 @@
 """Compiled decode kernels (engine/kernels.py, the ``fast`` extra) against the numpy tiles they replace and
 against an earlier revision's kernels (``--baseline``), all in one run.
 
-    python bench/kernels.py [--rounds 200] [--baseline 5a404c5]
+    python bench/kernels.py [--rounds 200] [--baseline 5a404c5] [--main main]
 
 Table 1, for every packed type on the two product shapes of the engine benchmark's checkpoint (1536x768,
 1024x1024) with 1 and 8 activation rows: G weights/s (weights of the matrix per second of one call, whatever
@@ -17,6 +17,12 @@ projections have 384-wide rows, so the K-quant rows use Q8_0 for them as Q4_K_M 
 layer and G weights/s, baseline against this tree. This includes the kernel threads' hand-offs.
 
 Table 3 times the prefill tiles' dequantization (a 1 Mi-weight tile), numpy against compiled.
+
+Table 4, fp32 weights (engine.dense's decode products): fp32 BLAS, the row kernel (``dense_kernels.f32_rows``)
+called alone, and the same products through ``--main``'s engine/dense.py (its own lock-based helper thread,
+loaded with ``git show``) against this tree's (the kernel threads' pool, one round for fp32 and packed alike):
+one product of 1 and 8 rows over a set of matrices larger than the caches (memory, not compute: GB/s), and one
+decode layer's fp32 products as the engine issues them (4 rounds).
 
 Median and range of ``--rounds`` timed calls, each side warmed up the same (20 calls) and timed alone (one
 process, one side at a time). The baseline is the revision's engine/kernels.py, loaded with ``git show``
@@ -167,25 +173,109 @@ def dequant(rounds: int, rng: np.random.Generator) -> None:
         print(f"| {qtype} | {n * k / ref[0] / 1e9:.2f} | {n * k / comp[0] / 1e9:.2f} | {ref[0] / comp[0]:.1f}x |")
 
 
+def _main_dense(rev: str) -> ModuleType | None:
+    """engine/dense.py as of ``rev`` (fp32 products on its own helper thread), as ``engine._dense_main``."""
+    if not rev:
+        return None
+    got = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:engine/dense.py"], capture_output=True,
+                         text=True, check=False)
+    if got.returncode != 0 or "class _Pool" not in got.stdout:
+        print(f"main {rev}: no engine/dense.py with its own pool ({got.stderr.strip()[:100]}); left out")
+        return None
+    d = Path(tempfile.gettempdir()) / f"meshd-bench-dense-{rev.replace('/', '_')}"
+    d.mkdir(exist_ok=True)
+    f = d / "_dense_main.py"
+    f.write_text(got.stdout)
+    spec = importlib.util.spec_from_file_location("engine._dense_main", f)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod if mod._kernels() is not None else None
+
+
+def f32(rounds: int, old: ModuleType | None, rng: np.random.Generator) -> None:
+    from engine import dense
+
+    kern = dense._kernels()
+    if kern is None:
+        print("fp32 row kernel: not available (MESHD_KERNELS=numpy?)")
+        return
+    sets = {n_k: [rng.standard_normal(n_k).astype(np.float32) for _ in range(max(4, (256 << 20) // (n_k[0] * n_k[1] * 4)))]
+            for n_k in ((1536, 768), (1024, 1024))}
+    print("| shape | rows | fp32 BLAS | row kernel alone, 1 thread | main's dense, threads | this tree, threads"
+          " | this/main |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    r = max(5, rounds // 20)
+    for (n, k), mats in sets.items():
+        nbytes = sum(m.nbytes for m in mats)
+        for t in (1, 8):
+            x = rng.standard_normal((t, k)).astype(np.float32)
+            out = np.empty((t, n), dtype=np.float32)
+
+            def gbs(v: tuple[float, float, float]) -> str:
+                return f"{nbytes / v[0] / 1e9:.1f} [{nbytes / v[2] / 1e9:.1f}-{nbytes / v[1] / 1e9:.1f}]"
+
+            blas = _time(lambda: [x @ m.T for m in mats], r)
+            alone = _time(lambda: [kern.f32_rows(x, m, out, 0, n) for m in mats], r)
+            xs = x[: min(t, 4)]  # the engine takes the kernel for at most KERNEL_MAX_ROWS rows: 8 rows -> 4 here
+            new = _time(lambda: [dense.matmul(xs, m) for m in mats], r)
+            base = _time(lambda: [old.matmul(xs, m) for m in mats], r) if old is not None else None
+            print(f"| {n}x{k} | {t} (kernel {xs.shape[0]}) | {gbs(blas)} | {gbs(alone)} | {gbs(base) if base else '-'}"
+                  f" | {gbs(new)} | {f'{base[0] / new[0]:.2f}x' if base else '-'} |")
+    hidden, kv, inter, experts = 768, 256, 384, 4  # one decode layer of the engine benchmark's checkpoint
+    w = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in
+         [("q", (hidden, hidden)), ("k", (kv, hidden)), ("v", (kv, hidden)), ("o", (hidden, hidden))]
+         + [(f"g{e}", (inter, hidden)) for e in range(experts)] + [(f"u{e}", (inter, hidden)) for e in range(experts)]
+         + [(f"d{e}", (hidden, inter)) for e in range(experts)]}
+    h = rng.standard_normal((1, hidden)).astype(np.float32)
+    a = rng.standard_normal((1, inter)).astype(np.float32)
+    nbytes = sum(m.nbytes for m in w.values())
+
+    def step(mod: ModuleType) -> None:
+        mod.matmul_many([(h, w["q"]), (h, w["k"]), (h, w["v"])])
+        mod.matmul(h, w["o"])
+        mod.matmul_many([(h, w[f"{p}{e}"]) for e in range(experts) for p in "gu"])
+        mod.matmul_many([(a, w[f"d{e}"]) for e in range(experts)])
+
+    new = _time(lambda: step(dense), rounds)
+    base = _time(lambda: step(old), rounds) if old is not None else None
+    us = lambda v: f"{v[0] * 1e6:.0f} [{v[1] * 1e6:.0f}-{v[2] * 1e6:.0f}]"  # noqa: E731
+    print()
+    print("| one fp32 decode layer (4 rounds, weights in cache) | main's dense, us | this tree, us | this/main |")
+    print("| --- | --- | --- | --- |")
+    print(f"| {nbytes / 1e6:.1f} MB | {us(base) if base else '-'} | {us(new)} |"
+          f" {f'{base[0] / new[0]:.2f}x' if base else '-'} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=200, help="timed calls per side (default 200)")
     ap.add_argument("--baseline", default=BASELINE,
                     help=f"git revision whose engine/kernels.py is the baseline; '' for none (default {BASELINE})")
+    ap.add_argument("--main", default="main",
+                    help="git revision whose engine/dense.py (fp32 products on its own thread) table 4 compares"
+                         " against; '' for none (default main)")
+    ap.add_argument("--only", default="", help="run only these tables, e.g. '4' or '1,2' (default all)")
     args = ap.parse_args()
     if not kernels.AVAILABLE:
         sys.exit("numba is not installed (pip install 'meshd[fast]'): nothing to compare")
     kernels.warm()
-    base = _baseline(args.baseline)
+    only = {int(v) for v in args.only.split(",") if v.strip()} or {1, 2, 3, 4}
+    base = _baseline(args.baseline) if only & {1, 2} else None
     rng = np.random.default_rng(0)
     print(f"kernel threads {kernels.threads()}; baseline {args.baseline or '-'}; G weights/s, median [min-max] of"
           f" {args.rounds} calls")
-    print()
-    products(args.rounds, base, rng)
-    print()
-    layer(args.rounds, base, rng)
-    print()
-    dequant(args.rounds, rng)
+    for i, (fn, extra) in enumerate(((products, base), (layer, base), (dequant, None), (f32, None)), 1):
+        if i not in only:
+            continue
+        print()
+        if i == 4:
+            f32(args.rounds, _main_dense(args.main), rng)
+        elif extra is None:
+            fn(args.rounds, rng)
+        else:
+            fn(args.rounds, extra, rng)
 
 
 if __name__ == "__main__":
