@@ -1,7 +1,7 @@
 """Compiled decode kernels (engine/kernels.py, the ``fast`` extra) against the numpy tiles they replace and
 against an earlier revision's kernels (``--baseline``), all in one run.
 
-    python bench/kernels.py [--rounds 200] [--baseline 5a404c5] [--main main]
+    python bench/kernels.py [--rounds 200] [--baseline 5a404c5] [--main 8a5eab4]
 
 Table 1, for every packed type on the two product shapes of the engine benchmark's checkpoint (1536x768,
 1024x1024) with 1 and 8 activation rows: G weights/s (weights of the matrix per second of one call, whatever
@@ -51,6 +51,7 @@ from engine import kernels, quant  # noqa: E402
 from engine.gguf_export import quantize  # noqa: E402
 
 BASELINE = "5a404c5"  # the kernels before session 3 (docs/engine-model.md "Quiet rerun")
+MAIN = "8a5eab4"  # main at the start of session 4: fp32 products on engine.dense's own helper thread
 
 
 def _time(fn, rounds: int) -> tuple[float, float, float]:  # noqa: ANN001
@@ -253,9 +254,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=200, help="timed calls per side (default 200)")
     ap.add_argument("--baseline", default=BASELINE,
                     help=f"git revision whose engine/kernels.py is the baseline; '' for none (default {BASELINE})")
-    ap.add_argument("--main", default="main",
+    ap.add_argument("--main", default=MAIN,
                     help="git revision whose engine/dense.py (fp32 products on its own thread) table 4 compares"
-                         " against; '' for none (default main)")
+                         f" against; '' for none (default {MAIN})")
     ap.add_argument("--only", default="", help="run only these tables, e.g. '4' or '1,2' (default all)")
     args = ap.parse_args()
     if not kernels.AVAILABLE:
