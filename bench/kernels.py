@@ -202,8 +202,8 @@ def f32(rounds: int, old: ModuleType | None, rng: np.random.Generator) -> None:
     if kern is None:
         print("fp32 row kernel: not available (MESHD_KERNELS=numpy?)")
         return
-    sets = {n_k: [rng.standard_normal(n_k).astype(np.float32) for _ in range(max(4, (256 << 20) // (n_k[0] * n_k[1] * 4)))]
-            for n_k in ((1536, 768), (1024, 1024))}
+    sets = {(n, k): [rng.standard_normal((n, k)).astype(np.float32) for _ in range(max(4, (256 << 20) // (n * k * 4)))]
+            for n, k in ((1536, 768), (1024, 1024))}
     print("| shape | rows | fp32 BLAS | row kernel alone, 1 thread | main's dense, threads | this tree, threads"
           " | this/main |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

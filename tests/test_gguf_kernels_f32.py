@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from engine import dense, kernels, quant
+from engine.gguf_export import quantize
 from engine.limits import DENSE_KERNEL_MIN_WEIGHTS
 
 pytestmark = pytest.mark.skipif(not kernels.AVAILABLE or dense._kernels() is None,
@@ -70,8 +71,7 @@ def test_a_mixed_round_gives_each_products_bits() -> None:
     assert big.size >= DENSE_KERNEL_MIN_WEIGHTS
     big.setflags(write=False)  # as a file mapping's view
     wide = _rand((2 * side, side), 6)
-    q4 = quant.packed(__import__("engine.gguf_export", fromlist=["quantize"]).quantize(_rand((side, side), 7), "Q4_K"),
-                      "Q4_K", (side, side))
+    q4 = quant.packed(quantize(_rand((side, side), 7), "Q4_K"), "Q4_K", (side, side))
     small = _rand((8, side), 8)
     f16 = quant.packed(_rand((side, side), 9).astype(np.float16).view(np.uint8).reshape(-1), "F16", (side, side))
     x1, x2 = _rand((1, side), 10), _rand((2, side), 11)
@@ -125,7 +125,6 @@ def test_fp32_decode_bytes_do_not_depend_on_the_kernel_thread_count(tmp_path: Pa
 def test_prefill_tiles_write_the_result_in_place(qtype: str) -> None:
     """More rows than the kernels take: dequantized tiles, each tile's GEMM writing its columns of the [T, N]
     result (no transpose afterwards); several tiles here (3 Mi weights), the same values as one product."""
-    from engine.gguf_export import quantize
     from engine.limits import KERNEL_MAX_ROWS, MATMUL_PREFILL_TILE_WEIGHTS
 
     n, k = 3072, 1024
