@@ -172,7 +172,8 @@ def _c_f32(xa, t, k, wa, n, rb, oa, r0, r1, ha):  # noqa: ANN001, ANN202 - r0 a 
                            numba.carray(_f32p(oa), (t, n)), r0, r1)
 
 
-_CFUNCS = {"F32": _c_f32, "BF16": _c_bf16, "Q8_0": _c_q8_0, "Q4_0": _c_q4_0, "Q4_K": _c_q4_k, "Q5_K": _c_q5_k, "Q6_K": _c_q6_k}
+_CFUNCS = {"F32": _c_f32, "BF16": _c_bf16, "Q8_0": _c_q8_0, "Q4_0": _c_q4_0, "Q4_K": _c_q4_k, "Q5_K": _c_q5_k,
+           "Q6_K": _c_q6_k}
 _ADDR = {q: int(f.address) for q, f in _CFUNCS.items()}
 _HALF_ADDR = int(kernels.HALF.ctypes.data)  # the module's table lives as long as the process
 
