@@ -1,7 +1,7 @@
 """Pipeline benchmark: one model split over 2 and 3 stage processes against the same model on one node.
 
     python bench/pipeline.py [--dir DIR] [--rounds 3] [--prompt 256] [--decode 64] [--concurrency 8] [--threads 1]
-                             [--large-layers 24]
+                             [--large-layers 24] [--python PYTHON]
 
 Checkpoint: the engine benchmark's mid-size Qwen3-MoE (hidden 768, 8 layers, 16 experts of width 384,
 top-4, vocab 8192, fp32; ``bench/experts.py``'s numpy writer) with the tiny model's tokenizer, in --dir
@@ -22,8 +22,11 @@ the same decode (the serving node's pings: a KEEPALIVE the stage echoes; status 
 for reference, QUIC's smoothed round trip. The path column says what carried the stage streams (``lane``
 when the data lane was up, else ``quic``). Peak RSS (VmHWM) of every stage process against the bytes of
 the weights it holds, and of both processes of a 2-stage split of the same checkpoint grown to
---large-layers layers (1.6 GB at 24), where the daemon's fixed ~90 MB weighs less. Recovery: a stream of
-200 tokens on the 2-stage setup, the stage killed with SIGKILL after 20 tokens; the longest gap between two
+--large-layers layers (1.6 GB at 24), where the daemon's fixed ~90 MB weighs less; the idle daemon
+(a stage of the same checkpoint that is never planned) is measured too. ``--python`` runs the nodes with
+another interpreter: a fresh venv with meshd installed the README way (``pip install .``, or
+``pip install '.[fast]'``) gives the figures a user gets, without the dev environment's extra packages.
+Recovery: a stream of 200 tokens on the 2-stage setup, the stage killed with SIGKILL after 20 tokens; the longest gap between two
 tokens is the recovery time (the serving node then runs all layers itself). Every pipelined
 reply is checked equal to the local one. Medians over rounds with [min, max]. Prints a Markdown table
 and a JSON line.
@@ -51,6 +54,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+PYTHON = sys.executable  # what runs the nodes (--python: e.g. a venv with meshd installed the README way)
 
 
 class Node:
@@ -66,7 +70,7 @@ class Node:
         self.err = open(state.parent / f"{state.name}.stderr", "wb")
         self.proc = subprocess.Popen(
             [
-                sys.executable,
+                PYTHON,
                 "-m",
                 "meshd",
                 "serve",
@@ -84,6 +88,7 @@ class Node:
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=self.err,
+            cwd=state if PYTHON != sys.executable else None,  # not a source tree: the installed meshd
         )
         deadline = time.monotonic() + 120
         while True:
@@ -101,7 +106,7 @@ class Node:
 
     def status(self) -> dict[str, Any]:
         out = subprocess.run(
-            [sys.executable, "-m", "meshd", "status", "--json", "--state-dir", str(self.state)],
+            [PYTHON, "-m", "meshd", "status", "--json", "--state-dir", str(self.state)],
             capture_output=True,
             timeout=30,
             check=True,
@@ -110,7 +115,7 @@ class Node:
 
     def invite(self) -> str:
         return subprocess.run(
-            [sys.executable, "-m", "meshd", "invite", "--uses", "4", "--state-dir", str(self.state)],
+            [PYTHON, "-m", "meshd", "invite", "--uses", "4", "--state-dir", str(self.state)],
             capture_output=True,
             text=True,
             timeout=30,
@@ -325,7 +330,15 @@ def main() -> int:
         help="also measure peak RSS of a 2-stage split of the checkpoint grown to this many layers "
         "(default 24: 1.6 GB; 0 skips it)",
     )
+    ap.add_argument(
+        "--python",
+        default=sys.executable,
+        help="interpreter that runs the nodes, e.g. a fresh venv's bin/python after `pip install .` or "
+        "`pip install '.[fast]'` (default: this one)",
+    )
     args = ap.parse_args()
+    global PYTHON
+    PYTHON = args.python
 
     import random
 
@@ -335,7 +348,7 @@ def main() -> int:
     from engine.pipeline.layout import fingerprint, need_of
     from engine.tiny import create_tiny
 
-    base = args.dir or Path(tempfile.mkdtemp(prefix="pipeline-bench-"))
+    base = (args.dir or Path(tempfile.mkdtemp(prefix="pipeline-bench-"))).resolve()
     ck = create(base / "mid")
     if not (ck / "tokenizer.json").exists():
         tiny = create_tiny(base / "tiny")
@@ -357,8 +370,8 @@ def main() -> int:
     try:
         states = base / f"nodes-{os.getpid()}"
         idle = Node(
-            states / "idle", ["--stage", "tiny"], args.threads
-        )  # a stage never planned: the process alone
+            states / "idle", ["--stage", str(ck)], args.threads
+        )  # a stage of the same checkpoint, never planned (it is alone): the process without layers
         nodes.append(idle)
         local = Node(states / "local", ["--model", f"m={ck}"], args.threads)
         nodes.append(local)
