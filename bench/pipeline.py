@@ -28,7 +28,9 @@ another interpreter: a fresh venv with meshd installed the README way (``pip ins
 ``pip install '.[fast]'``) gives the figures a user gets, without the dev environment's extra packages.
 Recovery: a stream of 200 tokens on the 2-stage setup, the stage killed with SIGKILL after 20 tokens; the longest gap between two
 tokens is the recovery time (the serving node then runs all layers itself). Every pipelined
-reply is checked equal to the local one. Medians over rounds with [min, max]. Prints a Markdown table
+reply is checked equal to the local one. During the concurrent streams, the CPU time of every process of
+the setup over the wall time (1.0: one core all the time) shows where the idle time is. Medians over
+rounds with [min, max]. Prints a Markdown table
 and a JSON line.
 """
 
@@ -121,6 +123,12 @@ class Node:
             timeout=30,
             check=True,
         ).stdout.strip()
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system, every thread) this process has used so far."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def peak_mb(self) -> float:
         with open(f"/proc/{self.proc.pid}/status") as f:
@@ -410,6 +418,10 @@ def main() -> int:
             }
             for k in setups
         }
+        # CPU busy during the concurrent streams (1.0: one core all the time): where the idle time is
+        busy_of = {"local": [local], "2 stages": [s2, st2], "3 stages": [s3, st3a, st3b]}
+        labels = {"local": ["node"], "2 stages": ["serving", "stage 4-7"], "3 stages": ["serving", "stage 3-5", "stage 6-7"]}
+        busy: dict[str, list[float]] = {}
         paths: dict[str, set[str]] = {}
         errors: list[str] = []
         mismatches: list[str] = []
@@ -441,7 +453,12 @@ def main() -> int:
                             rtt = _rtt_ms(srv, node)
                             if rtt is not None:
                                 res[name]["rtt_ms"].append(rtt)
+                    procs = busy_of[name]
+                    c0, w0 = [n.cpu_s() for n in procs], time.perf_counter()
                     res[name]["decodeN"].append(concurrent_tps(api, short, args.decode))
+                    wall = time.perf_counter() - w0
+                    for i, n in enumerate(procs):  # the share of the wall time each process was on a CPU
+                        busy.setdefault(f"{name}: {labels[name][i]}", []).append((n.cpu_s() - c0[i]) / wall)
                 except RuntimeError as e:  # a stream error: counted, the run goes on
                     errors.append(f"round {rnd + 1} {name}: {e}")
                     for key in ("prefill", "decode1", "decodeN"):  # keep rounds aligned for the ratios
@@ -522,6 +539,8 @@ def main() -> int:
             _med(res[name]["rtt_ms"]) if res[name]["rtt_ms"] else "-",
         ]
         print("| " + " | ".join(row) + " |")
+    print(f"\nCPU busy during the {args.concurrency} concurrent streams (cores; 1 = one core all the time):")
+    print("; ".join(f"{k} {_med(v)}" for k, v in busy.items()))
     print(
         f"\n| process | peak RSS MB | weights held MB | ratio | ratio after the idle daemon's {idle_mb:.1f} MB |"
     )
@@ -548,6 +567,7 @@ def main() -> int:
                 "recovery_s": recovery_s,
                 "paths": {k: sorted(v) for k, v in paths.items()},
                 "replan_ms": last_ms,
+                "busy": busy,
             }
         )
     )
