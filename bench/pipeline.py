@@ -26,8 +26,8 @@ the weights it holds, and of both processes of a 2-stage split of the same check
 (a stage of the same checkpoint that is never planned) is measured too. ``--python`` runs the nodes with
 another interpreter: a fresh venv with meshd installed the README way (``pip install .``, or
 ``pip install '.[fast]'``) gives the figures a user gets, without the dev environment's extra packages.
-Recovery: a stream of 200 tokens on the 2-stage setup, the stage killed with SIGKILL after 20 tokens; the longest gap between two
-tokens is the recovery time (the serving node then runs all layers itself). Every pipelined
+Recovery: a stream of 200 tokens on the 2-stage setup, the stage killed with SIGKILL after 20 tokens; the
+longest gap between two tokens is the recovery time (the serving node then runs all layers itself). Every pipelined
 reply is checked equal to the local one. During the concurrent streams, the CPU time of every process of
 the setup over the wall time (1.0: one core all the time) shows where the idle time is. Medians over
 rounds with [min, max]. Prints a Markdown table
@@ -420,7 +420,11 @@ def main() -> int:
         }
         # CPU busy during the concurrent streams (1.0: one core all the time): where the idle time is
         busy_of = {"local": [local], "2 stages": [s2, st2], "3 stages": [s3, st3a, st3b]}
-        labels = {"local": ["node"], "2 stages": ["serving", "stage 4-7"], "3 stages": ["serving", "stage 3-5", "stage 6-7"]}
+        labels = {
+            "local": ["node"],
+            "2 stages": ["serving", "stage 4-7"],
+            "3 stages": ["serving", "stage 3-5", "stage 6-7"],
+        }
         busy: dict[str, list[float]] = {}
         paths: dict[str, set[str]] = {}
         errors: list[str] = []

@@ -393,14 +393,16 @@ class Scheduler:
             try:
                 if s.inflight is not None:
                     pending, s.inflight = s.inflight, None
-                    ev = s.state.step(self.model.finish_one(pending, self.executor))  # type: ignore[union-attr]
+                    logits = self.model.finish_one(pending, self.executor)
+                    ev = s.state.step(logits)  # type: ignore[union-attr]
                     t1 = time.perf_counter()
                     s.handle.stats.decode_s += t1 - t0
                     t0 = t1
                     if not self._emit(s, ev):
                         continue
                 if len(live) > 1:
-                    s.inflight = self.model.start_one(s.state.last_token, s.cache, self.executor)  # type: ignore[union-attr]
+                    tok = s.state.last_token  # type: ignore[union-attr]
+                    s.inflight = self.model.start_one(tok, s.cache, self.executor)
                     s.handle.stats.decode_s += time.perf_counter() - t0
             except Exception as e:  # a model failure must reach the client, not kill the thread
                 self._fail([s], e)

@@ -373,8 +373,8 @@ class PipelinedModel:
         return self._start(tok, cache, executor, False)
 
     def finish_one(self, pending: Pending, executor: Any = None) -> np.ndarray:
-        """The logits [V] of a step from ``start_one``; a stage that failed meanwhile is recovered from (re-plan,
-        replay) and the step runs again, so the result is the same either way."""
+        """The logits [V] of a step from ``start_one``; a stage that failed meanwhile is recovered from
+        (re-plan, replay) and the step runs again, so the result is the same either way."""
         if pending.fut is None:
             return pending.logits  # type: ignore[return-value]
         cache = pending.cache
@@ -410,8 +410,8 @@ class PipelinedModel:
             raise ValueError(f"{len(ids)} ids for {len(caches)} caches")
         if len({id(c) for c in caches}) != len(caches):
             raise ValueError("each sequence needs its own cache")
-        # after the last one this thread only waits: its loop may poll
-        started = [self._start(int(tok), c, executor, i == len(caches) - 1) for i, (tok, c) in enumerate(zip(ids, caches))]
+        last = len(caches) - 1  # after the last one this thread only waits: its loop may poll
+        started = [self._start(int(t), c, executor, i == last) for i, (t, c) in enumerate(zip(ids, caches))]
         return np.stack([self.finish_one(p, executor) for p in started])
 
 
