@@ -425,13 +425,30 @@ def _get_pool():  # noqa: ANN202 - engine.kernel_pool.Pool | None
     return _pool
 
 
+_local = threading.local()  # .serial: single_threaded() depth of this thread
+
+
+class single_threaded:  # noqa: N801 - used as ``with kernels.single_threaded():``
+    """Within this block, this thread computes its kernel products alone (no pool round): for a process that
+    runs several forward passes at once (a pipeline stage with sequences in flight) and would rather not
+    hand chunks to a helper thread the other work needs. The bits are the same (a row's bits never depend on
+    the threads); nestable; other threads are not affected."""
+
+    def __enter__(self) -> None:
+        _local.serial = getattr(_local, "serial", 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
+        _local.serial -= 1
+
+
 def run_products(products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]]) -> None:
     """Compute each (x, qtype, data, out) product into its ``out`` (x and out C-contiguous fp32): one round of
     the kernel threads (engine.kernel_pool), each product cut into row chunks, when the round is big enough to
-    share; else every chunk on the caller's thread. Either way the same compiled code computes every row."""
+    share (and the thread is not in :class:`single_threaded`); else every chunk on the caller's thread. Either
+    way the same compiled code computes every row."""
     kp = _kernel_pool()
     tbl, total, keep, weights = kp.table(products)
-    pool = _get_pool() if weights >= KERNEL_POOL_MIN_WEIGHTS else None
+    pool = _get_pool() if weights >= KERNEL_POOL_MIN_WEIGHTS and not getattr(_local, "serial", 0) else None
     if pool is None:
         kp.run_table_serial(tbl, total)
     else:

@@ -137,3 +137,24 @@ def test_prefill_tiles_write_the_result_in_place(qtype: str) -> None:
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     step = MATMUL_PREFILL_TILE_WEIGHTS // k  # the second tile's columns are its own GEMM's
     np.testing.assert_array_equal(got[:, step:2 * step], x @ p.rows(step, 2 * step).T)
+
+
+def test_single_threaded_keeps_a_threads_products_off_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels.single_threaded(): no pool round from this thread inside the block (the same bits), rounds
+    again after it; fp32 and packed products alike."""
+    from engine import kernel_pool
+
+    w, x = _rand((1024, 1024), 14), _rand((1, 1024), 15)
+    want = dense.matmul(x, w)
+    if kernels._get_pool() is None:
+        pytest.skip("one kernel thread here: there is no pool to stay off")
+    rounds = []
+    orig = kernel_pool.Pool.run_table
+    monkeypatch.setattr(kernel_pool.Pool, "run_table", lambda self, *a: (rounds.append(1), orig(self, *a))[1])
+    with kernels.single_threaded():
+        with kernels.single_threaded():
+            assert dense.matmul(x, w).tobytes() == want.tobytes()
+        assert dense.matmul_many([(x, w), (x, w)])[1].tobytes() == want.tobytes()
+    assert rounds == []
+    assert dense.matmul(x, w).tobytes() == want.tobytes()
+    assert rounds == [1]
