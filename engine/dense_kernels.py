@@ -196,6 +196,19 @@ def attend_one(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm: np.ndarray, 
                 out[o + i] = acc[a, i] / tot[a]
 
 
+@njit(cache=True, nogil=True, boundscheck=False)  # no fastmath: engine.moe.combine's roundings exactly
+def combine_add(x: np.ndarray, weights: np.ndarray, experts: np.ndarray, y: np.ndarray) -> None:
+    """One token's routed-experts output added to its residual, as ``engine.moe.combine`` and the pass's
+    ``x += out`` compute it: ``acc = 0; acc += weights[j] * y[experts[j]]`` for slots j = 0..k-1 in order, then
+    ``x += acc``. x [1, D], weights [k] fp32, experts [k] int64, y [E, 1, D] (expert e's output in y[e])."""
+    d = x.shape[1]
+    for i in range(d):
+        acc = np.float32(0.0)
+        for j in range(experts.shape[0]):
+            acc = acc + weights[j] * y[experts[j], 0, i]
+        x[0, i] = x[0, i] + acc
+
+
 @intrinsic
 def _claim(typingctx, counter):  # noqa: ANN001, ANN202 - numba intrinsic
     """``counter[0]`` before adding 1 to it, atomically (an int64 array shared by the threads of a round)."""
@@ -236,6 +249,7 @@ def warm() -> None:
     q, k, c = np.zeros((2, 4), dtype=np.float32), np.zeros((1, 4), dtype=np.float32), np.zeros((1, 2, 4), dtype=np.float32)
     cs = q[0, :2]
     swiglu(x, x.copy())
+    combine_add(x, np.zeros(2, dtype=np.float32), np.zeros(2, dtype=np.int64), np.zeros((1, 1, 16), dtype=np.float32))
     route_one(x[0], True, np.empty(2, dtype=np.int64), np.empty(2, dtype=np.float32))
     # norm weights: read-only views of a file mapping (fp32 and GGUF), or widened copies (bf16/f16), or none
     for ro in (True, False):

@@ -19,6 +19,7 @@ with the executor, which may run the layers on another thread (the remote execut
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ import structlog
 from . import dense, families
 from .checkpoint import Checkpoint, ProgressFn, TensorRef, load_checkpoint
 from .config import ModelConfig
+from .decode_plan import DecodePlan
 from .deepseek import route_sigmoid
 from .dense import matmul, matmul_many
 from .dense import warm as warm_dense
@@ -148,6 +150,10 @@ class Model:
         # decode attention (one new position per sequence) compiled: engine.dense.step_kernels
         self._step = dense.step_kernels(config.hidden_size, config.num_heads, config.head_dim, config.qk_norm,
                                         config.clip_qkv)
+        # one sequence's one-token decode through the local executor: engine.decode_plan (same bits, less
+        # Python), made on first use; MESHD_DECODE_PLAN=0 keeps the general pass (A/B benchmarks)
+        self._plan: DecodePlan | None | bool = os.environ.get("MESHD_DECODE_PLAN", "1") != "0" and self._step
+        self._plan_lock = threading.Lock()
 
     # ----- loading -----------------------------------------------------------------------------------
     @classmethod
@@ -332,6 +338,20 @@ class Model:
         ``last_only`` returns only the last position's logits ([1, V]), skipping the output head for the
         others (a prefill that only needs the next token).
         """
+        if self._plan is not False and (executor is None or executor is self._local):
+            arr = self._check_ids(ids)
+            if arr.shape[0] == 1 and self._plan_lock.acquire(blocking=False):
+                try:
+                    if self._plan is True:
+                        self._plan = DecodePlan.make(self) or False
+                    if self._plan:
+                        cache.reserve(cache.length + 1)
+                        logits = self._plan.step(arr, cache)
+                        cache.length += 1
+                        return logits
+                finally:
+                    self._plan_lock.release()
+            ids = arr
         return drive(self.forward_steps(ids, cache, last_only=last_only), executor or self._local, self.warm)
 
     def forward_steps(self, ids: Sequence[int] | np.ndarray, cache: KVCache, *,
