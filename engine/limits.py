@@ -47,6 +47,9 @@ DENSE_ROUND_MAX_PRODUCTS = 16
 # job tables of fp32 product rounds kept per distinct set of shapes (engine.dense): a model has a handful; the bound
 # keeps a long-lived process that loads many models from growing it (dropped all at once when reached)
 DENSE_MAX_PLANS = 1024
+# a KV cache of at least this many bytes (all layers, keys and values) is one anonymous memory mapping (engine.model.
+# KVCache): untouched capacity stays zero pages, not resident; smaller ones (tests' models) stay ordinary arrays
+KV_MAP_MIN_BYTES = 1 << 20
 # GGUF reading (engine/gguf_file.py)
 GGUF_MAX_SPLITS = 256  # files of one split GGUF set (-00001-of-0000N.gguf); published sets use < 100
 GGUF_MAX_VOCAB = 1 << 20  # tokens in tokenizer.ggml.tokens; the largest published vocabularies are ~260 Ki
