@@ -165,14 +165,7 @@ def attend_one(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm: np.ndarray, 
     acc = np.empty((g, vd), dtype=np.float32)
     tot = np.empty(g, dtype=np.float32)
     for h in range(nkv):
-        qh = q[h * g : (h + 1) * g]
-        for j in range(n):  # each cached key is read once for the g query heads sharing it
-            kj = kc[h, lo + j]
-            for a in range(g):
-                s = np.float32(0.0)
-                for i in range(hd):
-                    s += qh[a, i] * kj[i]
-                sc[a, j] = s * np.float32(scale)
+        _scores(q, kc, h, g, lo, n, scale, sc)
         for a in range(g):
             m = sc[a, 0]
             for j in range(1, n):
@@ -183,17 +176,62 @@ def attend_one(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm: np.ndarray, 
                 sc[a, j] = e
                 t += e
             tot[a] = t
-        acc[:] = 0.0
-        for j in range(n):  # each cached value is read once for the g heads
-            vj = vc[h, lo + j]
-            for a in range(g):
-                p = sc[a, j]
-                for i in range(vd):
-                    acc[a, i] += p * vj[i]
+        _weighted_values(vc, h, g, lo, n, sc, acc)
         for a in range(g):
             o = (h * g + a) * vd
             for i in range(vd):
                 out[o + i] = acc[a, i] / tot[a]
+
+
+@njit(**_OPTS)
+def _scores(q: np.ndarray, kc: np.ndarray, h: int, g: int, lo: int, n: int, scale: float, sc: np.ndarray) -> None:
+    """sc[a, j] = q[h * g + a] . kc[h, lo + j] * scale for the g query heads of KV head h: four cached keys
+    per pass (four independent sums per query head; each key row read once for the g heads)."""
+    hd = q.shape[1]
+    j = 0
+    while j + 4 <= n:
+        for a in range(g):
+            s0 = s1 = s2 = s3 = np.float32(0.0)
+            for i in range(hd):
+                qa = q[h * g + a, i]
+                s0 += qa * kc[h, lo + j, i]
+                s1 += qa * kc[h, lo + j + 1, i]
+                s2 += qa * kc[h, lo + j + 2, i]
+                s3 += qa * kc[h, lo + j + 3, i]
+            sc[a, j] = s0 * np.float32(scale)
+            sc[a, j + 1] = s1 * np.float32(scale)
+            sc[a, j + 2] = s2 * np.float32(scale)
+            sc[a, j + 3] = s3 * np.float32(scale)
+        j += 4
+    while j < n:
+        for a in range(g):
+            s = np.float32(0.0)
+            for i in range(hd):
+                s += q[h * g + a, i] * kc[h, lo + j, i]
+            sc[a, j] = s * np.float32(scale)
+        j += 1
+
+
+@njit(**_OPTS)
+def _weighted_values(vc: np.ndarray, h: int, g: int, lo: int, n: int, p: np.ndarray, acc: np.ndarray) -> None:
+    """acc[a] = sum_j p[a, j] * vc[h, lo + j] for the g query heads of KV head h, four cached values per pass
+    (a quarter of the accumulator loads and stores)."""
+    vd = acc.shape[1]
+    acc[:] = 0.0
+    j = 0
+    while j + 4 <= n:
+        for a in range(g):
+            p0, p1, p2, p3 = p[a, j], p[a, j + 1], p[a, j + 2], p[a, j + 3]
+            for i in range(vd):
+                acc[a, i] += ((p0 * vc[h, lo + j, i] + p1 * vc[h, lo + j + 1, i])
+                              + (p2 * vc[h, lo + j + 2, i] + p3 * vc[h, lo + j + 3, i]))
+        j += 4
+    while j < n:
+        for a in range(g):
+            pa = p[a, j]
+            for i in range(vd):
+                acc[a, i] += pa * vc[h, lo + j, i]
+        j += 1
 
 
 @njit(cache=True, nogil=True, boundscheck=False)  # no fastmath: engine.moe.combine's roundings exactly
