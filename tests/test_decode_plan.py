@@ -1,6 +1,7 @@
 """engine.decode_plan: the planned one-token decode step gives the general pass's bits (logits and KV cache) on
 every weight form it plans differently (fp32 kernel rounds, packed kernel-pool tables, a dense MLP layer), and
-models it does not cover keep the general pass."""
+models it does not cover keep the general pass; a prefill's routed experts run in bounded groups with the same
+bits."""
 
 from __future__ import annotations
 
@@ -109,3 +110,30 @@ def _fresh_after(model: Model, prompt: list[int]) -> KVCache:
     cache = model.new_cache()
     model.forward(prompt, cache)
     return cache
+
+
+def test_prefill_experts_in_groups_give_the_same_bits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The local executor runs a prefill's work list in groups of EXPERT_GROUP_ROWS rows (bounded activations);
+    every item is computed on the same rows as in one call, so the logits are the same bits."""
+    from experts_util import make_moe_checkpoint
+
+    from engine import moe
+
+    model = Model.load(make_moe_checkpoint(tmp_path / "m", layers=2, experts=8, top_k=3, vocab=64))
+    prompt = list(np.random.default_rng(0).integers(0, 64, 40))
+    calls: list[int] = []
+    many = moe.expert_ffn_many
+
+    def counted(items: list) -> list:
+        calls.append(len(items))
+        return many(items)
+
+    monkeypatch.setattr(moe, "expert_ffn_many", counted)
+    monkeypatch.setattr(moe, "EXPERT_GROUP_ROWS", 1 << 30)
+    whole = model.forward(prompt, model.new_cache())
+    assert calls == [8, 8]  # one call per layer
+    calls.clear()
+    monkeypatch.setattr(moe, "EXPERT_GROUP_ROWS", 20)
+    grouped = model.forward(prompt, model.new_cache())
+    assert len(calls) > 2 and sum(calls) == 16
+    assert grouped.tobytes() == whole.tobytes()
