@@ -164,18 +164,10 @@ def attend_one(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm: np.ndarray, 
     sc = np.empty((g, n), dtype=np.float32)
     acc = np.empty((g, vd), dtype=np.float32)
     tot = np.empty(g, dtype=np.float32)
+    kbits = np.empty(n, dtype=np.int32)
     for h in range(nkv):
         _scores(q, kc, h, g, lo, n, scale, sc)
-        for a in range(g):
-            m = sc[a, 0]
-            for j in range(1, n):
-                m = max(m, sc[a, j])
-            t = np.float32(0.0)
-            for j in range(n):
-                e = np.exp(sc[a, j] - m)
-                sc[a, j] = e
-                t += e
-            tot[a] = t
+        _softmax_rows(sc, g, n, tot, kbits)
         _weighted_values(vc, h, g, lo, n, sc, acc)
         for a in range(g):
             o = (h * g + a) * vd
@@ -210,6 +202,40 @@ def _scores(q: np.ndarray, kc: np.ndarray, h: int, g: int, lo: int, n: int, scal
                 s += q[h * g + a, i] * kc[h, lo + j, i]
             sc[a, j] = s * np.float32(scale)
         j += 1
+
+
+@njit(**_OPTS)
+def _softmax_rows(sc: np.ndarray, g: int, n: int, tot: np.ndarray, kbits: np.ndarray) -> None:
+    """In place, rows 0..g-1 of sc [g, >= n]: ``exp(s - max)`` over the first n, and each row's sum into tot.
+
+    exp in two loops LLVM vectorises (numba's ``np.exp`` is a scalar libm call per score here, ~3 ns): 2^k * p(r)
+    with k = round(x / ln 2), r = x - k ln 2 (Cody-Waite, two constants) and Cephes' degree-7 polynomial
+    for expf, 2^k assembled as float bits in ``kbits`` (int32 [>= n]); x is clamped at -87 (2^k stays a normal
+    float; exp(-87) ~ 1.6e-38 next to a row sum of at least 1). Relative error ~3e-7 over [-87, 0]."""
+    kf = kbits.view(np.float32)
+    for a in range(g):
+        m = sc[a, 0]
+        for j in range(1, n):
+            m = max(m, sc[a, j])
+        for j in range(n):
+            x = max(sc[a, j] - m, np.float32(-87.0))
+            k = np.floor(x * np.float32(1.44269504) + np.float32(0.5))
+            r = x - k * np.float32(0.693359375)
+            r = r - k * np.float32(-2.12194440e-4)
+            p = np.float32(1.9875691500e-4)
+            p = p * r + np.float32(1.3981999507e-3)
+            p = p * r + np.float32(8.3334519073e-3)
+            p = p * r + np.float32(4.1665795894e-2)
+            p = p * r + np.float32(1.6666665459e-1)
+            p = p * r + np.float32(5.0000001201e-1)
+            sc[a, j] = p * r * r + r + np.float32(1.0)
+            kbits[j] = (np.int32(k) + np.int32(127)) << 23
+        t = np.float32(0.0)
+        for j in range(n):
+            e = sc[a, j] * kf[j]
+            sc[a, j] = e
+            t += e
+        tot[a] = t
 
 
 @njit(**_OPTS)
