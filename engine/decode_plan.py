@@ -161,6 +161,7 @@ class DecodePlan:
         self.y = np.zeros((e, 1, d), dtype=F32)  # routed experts' outputs, by expert
         self.layers: list[_LayerPlan] = []
         self.packed = False  # some layer's experts run from prebuilt kernel-pool table rows
+        self.keep: list[object] = []
 
     @classmethod
     def make(cls, model: Model) -> DecodePlan | None:
@@ -205,6 +206,7 @@ class DecodePlan:
             if gu is None or dn is None:
                 lp.general_experts = True
                 return lp
+            self.keep += (gu[2], dn[2])  # arrays the rows point into (table() may copy an odd view)
             gu_rows.append(gu[0])
             gu_chunks.append(gu[1])
             down_rows.append(dn[0])
