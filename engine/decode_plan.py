@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import dense
-from .limits import KERNEL_POOL_MIN_WEIGHTS
+from .limits import KERNEL_MAX_ROWS, KERNEL_POOL_MIN_WEIGHTS
 from .fp8 import Fp8Tensor
 from .moe import expert_ffn, make_routing, run_block
 from .quant import Packed
@@ -98,7 +98,7 @@ def table_rows(products: list[tuple[np.ndarray, object, np.ndarray]]) -> tuple[n
     kernels, kernel_pool = ops
     prods = []
     for x, w, out in products:
-        if not (type(w) is Packed and w.qtype in kernels.TYPES and x.shape[0] <= 4 and x.dtype == F32
+        if not (type(w) is Packed and w.qtype in kernels.TYPES and x.shape[0] <= KERNEL_MAX_ROWS and x.dtype == F32
                 and x.flags.c_contiguous and out.flags.c_contiguous):
             return None
         prods.append((x, w.qtype, w.data, out))
