@@ -452,7 +452,7 @@ def main() -> None:
     lines.append("peak RSS / file: VmHWM of the engine process minus its RSS before loading (runtime and kernels"
                  " already imported), over the files' size; it includes the KV cache and activations of a"
                  " 256-token prefill (logits of its last position only); mapped / anon: file-backed pages (the"
-                 " weights' mapping) and anonymous memory (KV cache 8 MiB, activations, allocator) grown by the"
+                 " weights' mapping) and anonymous memory (KV cache pages written, activations, allocator) grown by the"
                  " first prefill")
     sys.stdout.write("\n".join(lines) + "\n")
     if tmp is not None:
