@@ -86,22 +86,36 @@ class Round:
         return Round(general)
 
 
+def _f32_in_tables() -> bool:
+    """Whether fp32 kernel products run in ``engine.kernel_pool``'s rounds (an ``"F32"`` row type of
+    ``engine.kernels``) rather than in ``engine.dense``'s own pool (``dense._run``): then they take table rows
+    too, in the same rounds as packed products, as ``dense.matmul_many`` runs them."""
+    if hasattr(dense, "_run"):
+        return False  # (and an fp32 model does not import the packed kernels here)
+    ops = _packed_ops()
+    return ops is not None and "F32" in getattr(ops[0], "ROW_TYPES", ())
+
+
 def table_rows(products: list[tuple[np.ndarray, object, np.ndarray]]) -> tuple[np.ndarray, int, list, int] | None:
-    """The kernel-pool table of packed products (x, Packed, out), or None if any is not on a packed kernel
-    (``engine.quant`` sends it to the kernel exactly when: a Packed weight of a kernel type, at most
-    ``KERNEL_MAX_ROWS`` rows)."""
-    if not all(type(w) is Packed for _, w, _ in products):
-        return None  # (and an fp32 model never imports the packed kernels here)
+    """The kernel-pool table of products (x, weight, out), or None if any is not on a kernel the pool runs:
+    a Packed weight of a kernel type with at most ``KERNEL_MAX_ROWS`` rows (``engine.quant``'s rule), or an fp32
+    weight on the fp32 kernel (``engine.dense``'s rule) when the pool runs those."""
+    if not all(type(w) is Packed for _, w, _ in products) and not _f32_in_tables():
+        return None
     ops = _packed_ops()
     if ops is None:
         return None
     kernels, kernel_pool = ops
     prods = []
     for x, w, out in products:
-        if not (type(w) is Packed and w.qtype in kernels.TYPES and x.shape[0] <= KERNEL_MAX_ROWS and x.dtype == F32
-                and x.flags.c_contiguous and out.flags.c_contiguous):
+        if not (x.dtype == F32 and x.flags.c_contiguous and out.flags.c_contiguous):
             return None
-        prods.append((x, w.qtype, w.data, out))
+        if type(w) is Packed and w.qtype in kernels.TYPES and x.shape[0] <= KERNEL_MAX_ROWS:
+            prods.append((x, w.qtype, w.data, out))
+        elif type(w) is not Packed and dense._f32_kernel(x, w):
+            prods.append((x, "F32", w, out))
+        else:
+            return None
     tbl, total, keep, weights = kernel_pool.table(prods)
     return tbl, total, [prods, keep], weights
 
