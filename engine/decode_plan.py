@@ -180,7 +180,11 @@ class DecodePlan:
     @classmethod
     def make(cls, model: Model) -> DecodePlan | None:
         """The plan of ``model``, or None (the general pass then runs every step)."""
+        from .model import Model
+
         c = model.config
+        if type(model) is not Model:  # a subclass (latent attention) has its own pieces
+            return None
         if not model._step or c.router is not None or c.mla is not None or model.lm_head is None:
             return None
         plan = cls(model)
