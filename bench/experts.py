@@ -1,13 +1,17 @@
 """Expert-workers benchmark: local engine vs routed experts on 1, 2, 3 worker processes over the data lane.
 
     python bench/experts.py [--dir DIR] [--threads 1] [--workers 1,2,3] [--prompt 64] [--decode 64] [--rounds 3]
-                            [--paths lane,quic] [--netns]
+                            [--paths lane,quic] [--netns] [--pin]
 
 Expert streams go over the data lane (``transport.lane``: TLS over TCP, as a daemon does by default); with
 ``--paths lane,quic`` (the default) the 1-worker setup also runs over QUIC alone, in the same rounds. By
 default everything runs on loopback. ``--netns`` (root) runs the coordinator and the workers in two network
 namespaces joined by a veth pair with MTU 1500 (``lane-bench-a``/``lane-bench-b``, 10.199.0.1/2, deleted at
-the end), where packets have real LAN sizes (QUIC 1350 B, TCP MSS 1448).
+the end), where packets have real LAN sizes (QUIC 1350 B, TCP MSS 1448). ``--pin`` gives each process one core
+(taskset: this one, which runs the local engine and the coordinator, CPU 0; the workers CPU 1), so a local
+decode runs on one core and a delegated one on two, each process with one kernel thread, and the coordinator
+polls while its worker computes: a worker with a core of its own, as on a machine of its own (the memory bus
+and the last-level cache are still shared).
 
 Checkpoint: the engine benchmark's mid-size Qwen3-MoE (hidden 768, 8 layers, 12 heads over 4 KV heads,
 head_dim 64, 16 experts of width 384, top-4, fp32), written here with numpy (no torch) into --dir
@@ -243,23 +247,30 @@ def summarize(name: str, rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dir", type=Path, default=None)
+    ap.add_argument("--dir", type=Path, default=None, help="the checkpoint (written once; default: a temp dir)")
     ap.add_argument("--threads", type=int, default=1, help="BLAS threads per process (default 1)")
-    ap.add_argument("--workers", default="1,2,3")
-    ap.add_argument("--prompt", type=int, default=64)
-    ap.add_argument("--decode", type=int, default=64)
-    ap.add_argument("--echo", type=int, default=200, help="4 KB echoes per worker, back to back")
-    ap.add_argument("--rounds", type=int, default=3, help="repeat every setup; the table has the medians")
+    ap.add_argument("--workers", default="1,2,3", help="worker counts to measure (default 1,2,3)")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens (default 64)")
+    ap.add_argument("--decode", type=int, default=64, help="decode steps per run (default 64)")
+    ap.add_argument("--echo", type=int, default=200, help="4 KB echoes per worker, back to back (default 200)")
+    ap.add_argument("--rounds", type=int, default=3, help="repeat every setup; the table has the medians (default 3)")
     ap.add_argument("--paths", default="lane,quic",
                     help="expert stream paths to measure: lane (all worker counts), quic (1 worker); default lane,quic")
     ap.add_argument("--netns", action="store_true",
-                    help="coordinator and workers in two network namespaces over a veth pair, MTU 1500 (root)")
+                    help="coordinator and workers in two network namespaces over a veth pair, MTU 1500 (root; "
+                         "default: loopback)")
+    ap.add_argument("--pin", action="store_true",
+                    help="one core per process (taskset): this process (local engine and coordinator) on CPU 0, "
+                         "the workers on CPU 1, so each computes with one kernel thread and the coordinator may "
+                         "poll while its worker computes, as with a worker on a machine of its own; default off")
     ap.add_argument("--in-netns", default=None, help=argparse.SUPPRESS)  # set when re-run inside namespace a
     args = ap.parse_args(argv)
     if args.netns and args.in_netns is None:
         return run_in_netns(argv if argv is not None else sys.argv[1:])
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = str(args.threads)
+    if args.pin:  # before the engine is imported: its kernel threads follow this process's CPUs
+        os.sched_setaffinity(0, {0})
 
     import random
 
@@ -284,6 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.in_netns:
         where = {"netns": NS_B, "listen": ADDR_B}
         host = ADDR_A
+    if args.pin:
+        where["cpus"] = "1"
     procs = [spawn_worker(mesh, tmp, [str(path)], **where) for _ in range(max(counts, default=0))]
     setups = [(n, v, "lane") for n in counts for v in (VARIANTS if n == 1 else VARIANTS[:1])] if "lane" in paths else []
     if "quic" in paths and 1 in counts:
@@ -298,6 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     ex = coord.executor(path, "on")
                     coord.wait_paths(procs[:n], over)
                     ex.config = dataclasses.replace(ex.config, **variant[1])
+                    if args.pin:  # its own CPU set is one core, but the worker has the other one to itself
+                        ex._cores = os.cpu_count() or 1
                     local, remote = measure(model, ex, prompt, args, local_prefill)
                 finally:
                     coord.close()
@@ -311,7 +326,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nQwen3-MoE mid-size ({CONFIG['num_hidden_layers']} sparse layers, {CONFIG['num_experts']} experts, "
           f"top-{CONFIG['num_experts_per_tok']}), prompt {args.prompt}, decode {args.decode}, "
           f"{args.threads} BLAS thread(s)/process, "
-          f"{'two network namespaces over a veth pair, MTU 1500' if args.in_netns else 'loopback'}; medians of {args.rounds} rounds "
+          f"{'two network namespaces over a veth pair, MTU 1500' if args.in_netns else 'loopback'}"
+          f"{', pinned: this process (local and coordinator) on CPU 0, workers on CPU 1' if args.pin else ''}; "
+          f"medians of {args.rounds} rounds "
           f"(ratios: median (lowest-highest))\n")
     print("| setup | prefill tok/s | prefill vs local | decode tok/s | decode vs local | decode step ms "
           "| per-layer overhead ms | RTT ms back-to-back | overhead / RTT | RTT ms in decode "

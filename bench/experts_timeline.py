@@ -1,7 +1,7 @@
 """Where a delegated decode layer's time goes, with one worker: a timeline across both processes.
 
     python bench/experts_timeline.py [--dir DIR] [--decode 64] [--rounds 3] [--echo 200] [--path lane|quic]
-                                     [--no-warm] [--no-poll]
+                                     [--no-warm] [--no-poll] [--pin]
 
 Uses bench/experts.py's mid-size checkpoint and harness: one worker process (``tests/experts_node.py``) and
 the coordinator in this process, over the data lane (default; TLS over TCP, as a daemon uses) or QUIC on
@@ -217,9 +217,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the expert streams' path: the data lane (default) or QUIC")
     ap.add_argument("--no-warm", action="store_true", help="the coordinator does not warm the next layer (default: it warms where its policy says)")
     ap.add_argument("--no-poll", action="store_true", help="neither side polls (default: both poll where a core is free)")
+    ap.add_argument("--pin", action="store_true",
+                    help="as bench/experts.py --pin: this process on CPU 0, the worker on CPU 1 (default off)")
     args = ap.parse_args(argv)
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[var] = "1"
+    if args.pin:  # before the engine is imported: its kernel threads follow this process's CPUs
+        os.sched_setaffinity(0, {0})
 
     import numpy as np
     import structlog
@@ -242,7 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rec = experts_trace.Recorder()
     rec.on = False
     experts_trace.install(rec)
-    worker = spawn_worker(mesh, tmp, [str(path)], trace=str(trace_file), lane=args.path == "lane")
+    worker = spawn_worker(mesh, tmp, [str(path)], trace=str(trace_file), lane=args.path == "lane",
+                          cpus="1" if args.pin else None)
     variant = {"warm": not args.no_warm, **({"poll_s": 0.0} if args.no_poll else {})}
     windows: dict[str, list[tuple[float, float]]] = {"echo": [], "decode": [], "local": []}
     try:
@@ -253,6 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ex = coord.executor(path, "on")
                 coord.wait_paths([worker], args.path)
                 ex.config = dataclasses.replace(ex.config, **variant)
+                if args.pin:  # its own CPU set is one core, but the worker has the other one to itself
+                    ex._cores = os.cpu_count() or 1
                 node = next(iter(ex.links))
                 cache = model.new_cache()
                 out = model.forward(prompt, cache, executor=ex)[-1]

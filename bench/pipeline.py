@@ -1,7 +1,7 @@
 """Pipeline benchmark: one model split over 2 and 3 stage processes against the same model on one node.
 
     python bench/pipeline.py [--dir DIR] [--rounds 3] [--prompt 256] [--decode 64] [--concurrency 8] [--threads 1]
-                             [--large-layers 24]
+                             [--large-layers 24] [--python PYTHON]
 
 Checkpoint: the engine benchmark's mid-size Qwen3-MoE (hidden 768, 8 layers, 16 experts of width 384,
 top-4, vocab 8192, fp32; ``bench/experts.py``'s numpy writer) with the tiny model's tokenizer, in --dir
@@ -22,10 +22,15 @@ the same decode (the serving node's pings: a KEEPALIVE the stage echoes; status 
 for reference, QUIC's smoothed round trip. The path column says what carried the stage streams (``lane``
 when the data lane was up, else ``quic``). Peak RSS (VmHWM) of every stage process against the bytes of
 the weights it holds, and of both processes of a 2-stage split of the same checkpoint grown to
---large-layers layers (1.6 GB at 24), where the daemon's fixed ~90 MB weighs less. Recovery: a stream of
-200 tokens on the 2-stage setup, the stage killed with SIGKILL after 20 tokens; the longest gap between two
-tokens is the recovery time (the serving node then runs all layers itself). Every pipelined
-reply is checked equal to the local one. Medians over rounds with [min, max]. Prints a Markdown table
+--large-layers layers (1.6 GB at 24), where the daemon's fixed ~90 MB weighs less; the idle daemon
+(a stage of the same checkpoint that is never planned) is measured too. ``--python`` runs the nodes with
+another interpreter: a fresh venv with meshd installed the README way (``pip install .``, or
+``pip install '.[fast]'``) gives the figures a user gets, without the dev environment's extra packages.
+Recovery: a stream of 200 tokens on the 2-stage setup, the stage killed with SIGKILL after 20 tokens; the
+longest gap between two tokens is the recovery time (the serving node then runs all layers itself). Every pipelined
+reply is checked equal to the local one. During the concurrent streams, the CPU time of every process of
+the setup over the wall time (1.0: one core all the time) shows where the idle time is. Medians over
+rounds with [min, max]. Prints a Markdown table
 and a JSON line.
 """
 
@@ -51,6 +56,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+PYTHON = sys.executable  # what runs the nodes (--python: e.g. a venv with meshd installed the README way)
 
 
 class Node:
@@ -66,7 +72,7 @@ class Node:
         self.err = open(state.parent / f"{state.name}.stderr", "wb")
         self.proc = subprocess.Popen(
             [
-                sys.executable,
+                PYTHON,
                 "-m",
                 "meshd",
                 "serve",
@@ -84,6 +90,7 @@ class Node:
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=self.err,
+            cwd=state if PYTHON != sys.executable else None,  # not a source tree: the installed meshd
         )
         deadline = time.monotonic() + 120
         while True:
@@ -101,7 +108,7 @@ class Node:
 
     def status(self) -> dict[str, Any]:
         out = subprocess.run(
-            [sys.executable, "-m", "meshd", "status", "--json", "--state-dir", str(self.state)],
+            [PYTHON, "-m", "meshd", "status", "--json", "--state-dir", str(self.state)],
             capture_output=True,
             timeout=30,
             check=True,
@@ -110,12 +117,18 @@ class Node:
 
     def invite(self) -> str:
         return subprocess.run(
-            [sys.executable, "-m", "meshd", "invite", "--uses", "4", "--state-dir", str(self.state)],
+            [PYTHON, "-m", "meshd", "invite", "--uses", "4", "--state-dir", str(self.state)],
             capture_output=True,
             text=True,
             timeout=30,
             check=True,
         ).stdout.strip()
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system, every thread) this process has used so far."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def peak_mb(self) -> float:
         with open(f"/proc/{self.proc.pid}/status") as f:
@@ -325,7 +338,15 @@ def main() -> int:
         help="also measure peak RSS of a 2-stage split of the checkpoint grown to this many layers "
         "(default 24: 1.6 GB; 0 skips it)",
     )
+    ap.add_argument(
+        "--python",
+        default=sys.executable,
+        help="interpreter that runs the nodes, e.g. a fresh venv's bin/python after `pip install .` or "
+        "`pip install '.[fast]'` (default: this one)",
+    )
     args = ap.parse_args()
+    global PYTHON
+    PYTHON = args.python
 
     import random
 
@@ -335,7 +356,7 @@ def main() -> int:
     from engine.pipeline.layout import fingerprint, need_of
     from engine.tiny import create_tiny
 
-    base = args.dir or Path(tempfile.mkdtemp(prefix="pipeline-bench-"))
+    base = (args.dir or Path(tempfile.mkdtemp(prefix="pipeline-bench-"))).resolve()
     ck = create(base / "mid")
     if not (ck / "tokenizer.json").exists():
         tiny = create_tiny(base / "tiny")
@@ -357,8 +378,8 @@ def main() -> int:
     try:
         states = base / f"nodes-{os.getpid()}"
         idle = Node(
-            states / "idle", ["--stage", "tiny"], args.threads
-        )  # a stage never planned: the process alone
+            states / "idle", ["--stage", str(ck)], args.threads
+        )  # a stage of the same checkpoint, never planned (it is alone): the process without layers
         nodes.append(idle)
         local = Node(states / "local", ["--model", f"m={ck}"], args.threads)
         nodes.append(local)
@@ -397,6 +418,14 @@ def main() -> int:
             }
             for k in setups
         }
+        # CPU busy during the concurrent streams (1.0: one core all the time): where the idle time is
+        busy_of = {"local": [local], "2 stages": [s2, st2], "3 stages": [s3, st3a, st3b]}
+        labels = {
+            "local": ["node"],
+            "2 stages": ["serving", "stage 4-7"],
+            "3 stages": ["serving", "stage 3-5", "stage 6-7"],
+        }
+        busy: dict[str, list[float]] = {}
         paths: dict[str, set[str]] = {}
         errors: list[str] = []
         mismatches: list[str] = []
@@ -428,7 +457,12 @@ def main() -> int:
                             rtt = _rtt_ms(srv, node)
                             if rtt is not None:
                                 res[name]["rtt_ms"].append(rtt)
+                    procs = busy_of[name]
+                    c0, w0 = [n.cpu_s() for n in procs], time.perf_counter()
                     res[name]["decodeN"].append(concurrent_tps(api, short, args.decode))
+                    wall = time.perf_counter() - w0
+                    for i, n in enumerate(procs):  # the share of the wall time each process was on a CPU
+                        busy.setdefault(f"{name}: {labels[name][i]}", []).append((n.cpu_s() - c0[i]) / wall)
                 except RuntimeError as e:  # a stream error: counted, the run goes on
                     errors.append(f"round {rnd + 1} {name}: {e}")
                     for key in ("prefill", "decode1", "decodeN"):  # keep rounds aligned for the ratios
@@ -509,6 +543,8 @@ def main() -> int:
             _med(res[name]["rtt_ms"]) if res[name]["rtt_ms"] else "-",
         ]
         print("| " + " | ".join(row) + " |")
+    print(f"\nCPU busy during the {args.concurrency} concurrent streams (cores; 1 = one core all the time):")
+    print("; ".join(f"{k} {_med(v)}" for k, v in busy.items()))
     print(
         f"\n| process | peak RSS MB | weights held MB | ratio | ratio after the idle daemon's {idle_mb:.1f} MB |"
     )
@@ -535,6 +571,7 @@ def main() -> int:
                 "recovery_s": recovery_s,
                 "paths": {k: sorted(v) for k, v in paths.items()},
                 "replan_ms": last_ms,
+                "busy": busy,
             }
         )
     )

@@ -15,6 +15,12 @@ sequence (``batching="auto"`` compares measured step times; ``"always"`` and ``"
 Events come from ``engine.generate.DecodeState``, the same state machine ``generate`` uses, so a
 request's tokens do not depend on what else is running (given a model whose batched step equals its
 single step). A model exception ends the affected requests with an ``error`` event.
+
+A model with ``start_one``/``finish_one`` (a pipeline, ``engine.pipeline.client.PipelinedModel``) decodes
+several sequences rolling instead: each sequence always has one step in flight, and a step takes the
+oldest sequence's result, samples it, emits it and starts that sequence's next step at once, so the
+stages never wait for the slowest sequence of a step (no bubble between steps). Every sequence still runs
+its own single-token step: the bits are those of a lone run.
 """
 
 from __future__ import annotations
@@ -140,6 +146,7 @@ class _Seq:
     cache: Any = None
     prefilled: int = 0  # prompt tokens already in the cache
     prefill_s: float = 0.0
+    inflight: Any = None  # a rolling decode step started and not yet taken (``model.start_one``)
 
 
 class Scheduler:
@@ -242,6 +249,7 @@ class Scheduler:
         s.handle.stats.finish_reason = ev.finish_reason
         s.handle._push(ev)
         s.handle._push(_END)
+        s.inflight = None  # a step still in flight is dropped with its cache (which frees it everywhere)
         s.cache = None
         with self._lock:
             if s in self._running:
@@ -336,6 +344,10 @@ class Scheduler:
         if not live:
             return
         self.steps += 1
+        if (self.batching != "never" and getattr(self.model, "start_one", None) is not None
+                and (len(live) > 1 or live[0].inflight is not None)):
+            self._decode_rolling(live)
+            return
         if len(live) == 1 or not self._use_batch(len(live)):
             for s in live:  # one single-token forward each; events go out as soon as each is ready
                 if s.handle.cancelled:
@@ -367,3 +379,30 @@ class Scheduler:
         for s, ev in zip(live, events):
             s.handle.stats.decode_s += dt
             self._emit(s, ev)
+
+    def _decode_rolling(self, live: list[_Seq]) -> None:
+        """One rolling decode step (see the module docstring): for each sequence, oldest step first, take
+        its step in flight (if any), emit its token, and start its next step while more than one sequence
+        runs (a lone sequence takes the plain path: its step waits at once, and may poll)."""
+        self.batched_steps += 1
+        for s in live:
+            if s.handle.cancelled:
+                self._end(s, s.state.cancelled())  # type: ignore[union-attr]
+                continue
+            t0 = time.perf_counter()
+            try:
+                if s.inflight is not None:
+                    pending, s.inflight = s.inflight, None
+                    logits = self.model.finish_one(pending, self.executor)
+                    ev = s.state.step(logits)  # type: ignore[union-attr]
+                    t1 = time.perf_counter()
+                    s.handle.stats.decode_s += t1 - t0
+                    t0 = t1
+                    if not self._emit(s, ev):
+                        continue
+                if len(live) > 1:
+                    tok = s.state.last_token  # type: ignore[union-attr]
+                    s.inflight = self.model.start_one(tok, s.cache, self.executor)
+                    s.handle.stats.decode_s += time.perf_counter() - t0
+            except Exception as e:  # a model failure must reach the client, not kill the thread
+                self._fail([s], e)

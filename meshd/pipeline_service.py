@@ -531,7 +531,7 @@ class PipelineService:
 
     async def open_stream(self, node_id: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Any:
         """A PIPELINE stream to ``node_id``, connecting through its advertised addresses if needed."""
-        from meshd.experts_service import _parse_addr
+        from meshd.mesh.links import parse_addr  # membership's (loaded already), not the experts service's
         from transport.streams import StreamType
 
         loop = asyncio.get_running_loop()
@@ -543,7 +543,7 @@ class PipelineService:
             and self._membership is not None
         ):
             rec = self._membership.record(node_id)
-            addrs = [a for a in (_parse_addr(x) for x in getattr(rec, "addrs", ())) if a is not None]
+            addrs = [a for a in (parse_addr(x) for x in getattr(rec, "addrs", ())) if a is not None]
             if addrs:
                 self._kept.add(node_id)
                 self.transport.keep_connected(node_id, addrs)
@@ -619,11 +619,13 @@ def _find_membership(daemon: Any) -> Any:
 
 def _experts_for(daemon: Any) -> Any:
     """For a stage that delegates its routed experts (``--remote-experts``): part -> its executor."""
+    cfg = getattr(daemon, "config", None)
+    if getattr(cfg, "remote_experts", "off") == "off":
+        return None  # before the import: a stage that does not delegate never loads the experts code
     from meshd.experts_service import experts_of
 
     experts = experts_of(daemon)
-    cfg = getattr(daemon, "config", None)
-    if experts is None or getattr(cfg, "remote_experts", "off") == "off":
+    if experts is None:
         return None
 
     async def make(part: Any) -> Any:

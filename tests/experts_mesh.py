@@ -63,9 +63,10 @@ class WorkerProc:
             self.proc.stdout.close()
 
 
-def spawn_worker(mesh: MeshFixture, tmp: Path, specs: list[str], netns: str | None = None, **extra: Any) -> WorkerProc:
-    """Start tests/experts_node.py (in network namespace ``netns`` if given); returns once it listens.
-    Raises RuntimeError with its error line."""
+def spawn_worker(mesh: MeshFixture, tmp: Path, specs: list[str], netns: str | None = None, cpus: str | None = None,
+                 **extra: Any) -> WorkerProc:
+    """Start tests/experts_node.py (in network namespace ``netns`` if given; confined to the CPU list ``cpus``,
+    e.g. ``"1"``, with taskset if given); returns once it listens. Raises RuntimeError with its error line."""
     ident = NodeIdentity.generate()
     creds = mesh.member(ident)
     cfg = {"key": ident.private_bytes().hex(), "genesis": base64.b64encode(creds.genesis.encoded).decode(),
@@ -73,6 +74,8 @@ def spawn_worker(mesh: MeshFixture, tmp: Path, specs: list[str], netns: str | No
     path = tmp / f"node-{ident.node_id[:8]}.json"
     path.write_text(json.dumps(cfg))
     argv = [sys.executable, str(NODE_SCRIPT), str(path)]
+    if cpus is not None:
+        argv = ["taskset", "-c", cpus, *argv]
     if netns is not None:
         argv = ["ip", "netns", "exec", netns, *argv]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE,

@@ -110,7 +110,7 @@ class ExpertFfnCounter:
 
         monkeypatch.setattr(moe_mod, "expert_ffn", counted)
         monkeypatch.setattr(moe_mod, "expert_ffn_many", counted_many)
-        monkeypatch.setattr(general_mod, "expert_ffn", counted)  # the local fallback
+        monkeypatch.setattr(general_mod, "expert_ffn_many", counted_many)  # the local fallback
 
 
 @pytest.mark.parametrize("n_workers", [1, 2, 3])

@@ -185,6 +185,47 @@ def test_concurrent_sequences_through_the_scheduler_match_local_one_by_one(
         sched.close()
 
 
+def test_rolling_decode_starts_a_sequence_while_others_are_on_the_stages(tiny: Path, lt: LoopThread) -> None:
+    """Several sequences decode rolling: a sequence's next step starts as soon as its own result is in,
+    while the other sequences' steps are still out (no step boundary where every stage idles), and every
+    request's output is still the one it gets alone on a local model."""
+    from engine.scheduler import Scheduler
+
+    model, tok = Model.load(tiny), Tokenizer.load(tiny)
+    prompts = [tok.encode(p) for p in ("one two", "the mesh holds", "a b c d")]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = [_run(model, tok, params, ids)[0] for ids in prompts]
+    prov = InprocProvider(lt, model, tiny, [[("local", 0, 1), ("s1", 2, 3)]])
+    pm = prov.pipelined()
+    out: dict[int, int] = {}  # sequence -> steps out now
+    done: dict[int, int] = {}  # sequence -> steps taken
+    overlapped = []  # (sequence, others out) at each start of a sequence's second or later step
+    start, finish = pm.start_one, pm.finish_one
+
+    def start_one(tok_id, cache, executor=None):  # type: ignore[no-untyped-def]
+        if done.get(cache.seq):
+            overlapped.append(sum(n for s, n in out.items() if s != cache.seq))
+        out[cache.seq] = out.get(cache.seq, 0) + 1
+        return start(tok_id, cache, executor)
+
+    def finish_one(pending, executor=None):  # type: ignore[no-untyped-def]
+        out[pending.cache.seq] -= 1
+        done[pending.cache.seq] = done.get(pending.cache.seq, 0) + 1
+        return finish(pending, executor)
+
+    pm.start_one, pm.finish_one = start_one, finish_one  # type: ignore[method-assign]
+    sched = Scheduler(pm, tok, 8, batching="always")
+    try:
+        handles = [sched.submit(ids, params) for ids in prompts]
+        got = [[e.token_id for e in h] for h in handles]
+    finally:
+        sched.close()
+    assert got == want
+    assert max(out.values()) <= 1  # one step out per sequence at most
+    # in steady state (all three decoding) a sequence restarts while both others are out
+    assert overlapped.count(2) >= 10, overlapped
+
+
 def _sched_run(model, tok, ids, params, chunk, kill=None):  # type: ignore[no-untyped-def]
     from engine.scheduler import Scheduler
 

@@ -27,7 +27,7 @@ import structlog
 from engine.experts import planning, rpc
 from engine.experts.link import ExpertsUnavailable, WorkerFailed
 from engine.experts.ownership import OwnershipMap
-from engine.moe import WorkItem, expert_ffn
+from engine.moe import WorkItem, expert_ffn_many
 from engine import limits
 
 log = structlog.get_logger(__name__)
@@ -61,9 +61,10 @@ class GeneralPath:
                   local: list[int]) -> None:
         if self._local_weights is None:
             raise ExpertsUnavailable(f"layer {layer}: no local expert weights to fall back on")
-        for i in local:
-            expert, rows = work[i]
-            results[i] = expert_ffn(x[rows], *self._local_weights(layer, expert))
+        weights = self._local_weights
+        outs = expert_ffn_many([(x[work[i][1]], *weights(layer, work[i][0])) for i in local])  # as the local executor
+        for i, out in zip(local, outs):
+            results[i] = out
         with self._stats_lock:
             self.stats.items_local += len(local)
             self.stats.local_fallback_layers += 1

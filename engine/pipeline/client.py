@@ -26,6 +26,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -364,6 +365,40 @@ class PipelinedModel:
             "remote_ms_avg": round(self.decode_remote_s / n * 1e3, 3),
         }
 
+    def start_one(self, tok: int, cache: PipeCache, executor: Any = None) -> Pending:
+        """Start one decode step of one sequence (token ``tok``): this node's layers, then the activations go
+        on to the stages and this returns without waiting for them (the scheduler's rolling decode computes
+        other sequences meanwhile). Take the result with ``finish_one``; until then nothing else may run on
+        this cache. A step that needs recovery first (or a run with no stages) runs at once, blocking."""
+        return self._start(tok, cache, executor, False)
+
+    def finish_one(self, pending: Pending, executor: Any = None) -> np.ndarray:
+        """The logits [V] of a step from ``start_one``; a stage that failed meanwhile is recovered from
+        (re-plan, replay) and the step runs again, so the result is the same either way."""
+        if pending.fut is None:
+            return pending.logits  # type: ignore[return-value]
+        cache = pending.cache
+        try:
+            logits = pending.fut.result(timeout=limits.OPEN_TIMEOUT_S * 2)
+        except StageFailed:
+            return self.forward(pending.arr, cache, executor, last_only=True)[-1]
+        cache.local.length = pending.past + 1
+        cache.history.append(pending.arr)
+        return logits[-1]  # type: ignore[no-any-return]
+
+    def _start(self, tok: int, cache: PipeCache, executor: Any, wait: bool) -> Pending:
+        arr = self.model._check_ids([int(tok)])
+        if cache.run.dead or cache.replay or not cache.run.links or cache.inflight:
+            return Pending(cache, arr, -1, None, self.forward(arr, cache, executor, last_only=True)[-1])
+        local, past = cache.run.local, cache.local.length
+        x = self.model.embed(arr)
+        if local.layers:
+            cache.local.reserve(past + 1)
+            x = drive(local.span_steps(x, cache.local, past), executor or local.local_executor, local.warm)
+        if trace.ON:
+            trace.mark("S.submit")
+        return Pending(cache, arr, past, self._remote(cache.run, x, cache.seq, past, True, wait))
+
     def forward_batch(
         self, ids: Sequence[int] | np.ndarray, caches: Sequence[PipeCache], executor: Any = None
     ) -> np.ndarray:
@@ -375,33 +410,18 @@ class PipelinedModel:
             raise ValueError(f"{len(ids)} ids for {len(caches)} caches")
         if len({id(c) for c in caches}) != len(caches):
             raise ValueError("each sequence needs its own cache")
-        started: list[tuple[PipeCache, np.ndarray, int, Any]] = []
-        for i, (tok, cache) in enumerate(zip(ids, caches)):
-            arr = self.model._check_ids([int(tok)])
-            if cache.run.dead or cache.replay or not cache.run.links or cache.inflight:
-                started.append((cache, arr, -1, None))  # the plain path (recovers, or all local)
-                continue
-            local, past = cache.run.local, cache.local.length
-            x = self.model.embed(arr)
-            if local.layers:
-                cache.local.reserve(past + 1)
-                x = drive(
-                    local.span_steps(x, cache.local, past), executor or local.local_executor, local.warm
-                )
-            if trace.ON:
-                trace.mark("S.submit")
-            wait = i == len(caches) - 1  # after the last one this thread only waits: its loop may poll
-            started.append((cache, arr, past, self._remote(cache.run, x, cache.seq, past, True, wait)))
-        rows = []
-        for cache, arr, past, fut in started:
-            if fut is not None:
-                try:
-                    logits = fut.result(timeout=limits.OPEN_TIMEOUT_S * 2)
-                    cache.local.length = past + 1
-                    cache.history.append(arr)
-                    rows.append(logits[-1])
-                    continue
-                except StageFailed:
-                    pass  # the plain path below re-plans and replays, the step runs again
-            rows.append(self.forward(arr, cache, executor, last_only=True)[-1])
-        return np.stack(rows)
+        last = len(caches) - 1  # after the last one this thread only waits: its loop may poll
+        started = [self._start(int(t), c, executor, i == last) for i, (t, c) in enumerate(zip(ids, caches))]
+        return np.stack([self.finish_one(p, executor) for p in started])
+
+
+@dataclass
+class Pending:
+    """A decode step of one sequence in flight (``PipelinedModel.start_one``): the future of the stages'
+    logits, or the logits themselves when the step ran at once."""
+
+    cache: PipeCache
+    arr: np.ndarray
+    past: int
+    fut: concurrent.futures.Future[Any] | None
+    logits: np.ndarray | None = None
