@@ -1,15 +1,18 @@
-"""Decode A/B of the compiled decode step (engine/dense.py) against the path without it, in one process.
+"""Decode A/B/C of the compiled decode step (engine/dense.py), with and without the decode plan
+(engine/decode_plan.py), against the path without either, in one process.
 
     python bench/decode_step.py [--dir /tmp/compact-bench] [--variants fp32,bf16,Q8_0,Q4_K_M] [--threads 2]
         [--rounds 6] [--steps 40]
 
 Uses the checkpoints ``bench/engine.py`` writes into ``--dir`` (run that first). For each variant a subprocess
 (BLAS/OpenMP threads and ``MESHD_KERNEL_THREADS`` from ``--threads``) loads the model, prefills 64 tokens and
-then alternates, ``--rounds`` times, a block of ``--steps`` greedy decode steps with the compiled step on
-(A: fp32 kernel, compiled attention/norms/routing/SwiGLU) and off (B: BLAS and numpy, the engine's path
-without the ``fast`` extra), each block after 5 untimed steps; the cache is kept between 100 and 200
-positions. Same process, same weights in memory, same pages: the ratio holds even on a busy machine, the
-absolute figures less so. Prints the median ms/token of each side with every round, and the ratio.
+then alternates, ``--rounds`` times, a block of ``--steps`` greedy decode steps on each side: the planned
+step (P: ``engine.decode_plan``, what ``Model.forward`` of one token runs), the compiled step through the
+general pass (A: fp32 kernel, compiled attention/norms/routing/SwiGLU; ``MESHD_DECODE_PLAN=0``) and neither
+(B: BLAS and numpy, the engine's path without the ``fast`` extra), each block after 5 untimed steps; the
+cache is kept between 100 and 200 positions. Same process, same weights in memory, same pages: the ratios
+hold even on a busy machine, the absolute figures less so. Prints the median ms/token of each side with
+every round, and the ratios.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ def _side(path: str, rounds: int, steps: int) -> dict:
     step = m._step
     cache = m.new_cache(1024)
     tok = int(np.argmax(m.forward(list(range(10, 74)), cache)[-1]))
+    tok = int(np.argmax(m.forward([tok], cache)[-1]))  # makes the plan (if the model takes it)
+    plan = m._plan
 
     def run(n: int) -> float:
         nonlocal tok
@@ -51,14 +56,15 @@ def _side(path: str, rounds: int, steps: int) -> dict:
                 cache.truncate(100)
         return float(np.median(ts)) * 1e3
 
-    res: dict[str, list[float]] = {"on": [], "off": []}
+    res: dict[str, list[float]] = {"plan": [], "on": [], "off": []}
     for _ in range(rounds):
-        for side in ("on", "off"):
-            dense._mod = mod if side == "on" else None
-            m._step = step if side == "on" else False
+        for side in ("plan", "on", "off"):
+            dense._mod = mod if side != "off" else None
+            m._step = step if side != "off" else False
+            m._plan = plan if side == "plan" else False
             run(5)
             res[side].append(run(steps))
-    return {"compiled": mod is not None and step, **res}
+    return {"compiled": mod is not None and step, "planned": type(plan).__name__ == "DecodePlan", **res}
 
 
 def main() -> None:
@@ -79,16 +85,17 @@ def main() -> None:
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "MESHD_KERNEL_THREADS"):
         env[var] = str(args.threads)
     print(f"threads={args.threads} rounds={args.rounds} steps={args.steps} load average {os.getloadavg()[0]:.1f}")
-    print("| weights | compiled step ms/token | without ms/token | gain |")
-    print("| --- | --- | --- | --- |")
+    print("| weights | planned step ms/token | compiled step ms/token | without ms/token | plan gain | step gain |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for v in [x for x in args.variants.split(",") if x]:
         path = str(Path(args.dir) / FILES[v])
         out = subprocess.run([sys.executable, __file__, "--side", path, "--rounds", str(args.rounds), "--steps",
                               str(args.steps)], env=env, capture_output=True, text=True, check=True)
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        a, b = statistics.median(r["on"]), statistics.median(r["off"])
+        p, a, b = statistics.median(r["plan"]), statistics.median(r["on"]), statistics.median(r["off"])
         rounds = lambda xs: " ".join(f"{x:.2f}" for x in xs)  # noqa: E731
-        print(f"| {v} | {a:.2f} [{rounds(r['on'])}] | {b:.2f} [{rounds(r['off'])}] | {b / a:.2f}x |")
+        print(f"| {v} | {p:.2f} [{rounds(r['plan'])}] | {a:.2f} [{rounds(r['on'])}] | {b:.2f} [{rounds(r['off'])}]"
+              f" | {a / p:.2f}x | {b / a:.2f}x |")
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 

@@ -15,7 +15,9 @@ spinning. Every subprocess gets the same OMP/OPENBLAS/MKL thread counts and torc
 ``set_num_threads``; both sides get the same prompt (the same 256 token ids: the checkpoint has no
 tokenizer, so ids stand in for the text) and are warmed up the same way (one untimed prefill and decode).
 Each side reports the median and range of ``--rounds`` rounds of prefill (256 tokens) and decode (64
-greedy steps). The bandwidth probe (its own subprocess, same threads) reads a 1 GiB buffer, far larger
+greedy steps). A prefill computes the logits of its last position only, on both sides, as serving does
+(``engine.generate.forward_last``: ``last_only=True``; transformers' ``generate`` passes ``logits_to_keep=1``
+likewise): the other 255 rows of logits are 8 MiB no server keeps. The bandwidth probe (its own subprocess, same threads) reads a 1 GiB buffer, far larger
 than the caches, with one reader thread per core, and keeps the best of five passes. The bandwidth row
 divides the weight bytes one decoded token reads (every non-expert matrix, top-k of the E experts of each
 sparse layer, one embedding row) by that bandwidth: the decode speed memory allows.
@@ -162,7 +164,7 @@ class _EngineSide:
         self.load_s = time.perf_counter() - t0
         self.prompt = _prompt(PROMPT_LEN, 1)
         t0 = time.perf_counter()
-        self.model.forward(self.prompt, self.model.new_cache(512))  # faults the mapping in
+        self.model.forward(self.prompt, self.model.new_cache(512), last_only=True)  # faults the mapping in
         self.cold_prefill_s = time.perf_counter() - t0
         # right after a prefill: file-backed pages (the weights' mapping) vs anonymous memory (KV cache,
         # activations, allocator), the two parts of the peak
@@ -172,12 +174,12 @@ class _EngineSide:
     def prefill(self) -> float:
         cache = self.model.new_cache(512)
         t0 = time.perf_counter()
-        self.model.forward(self.prompt, cache)
+        self.model.forward(self.prompt, cache, last_only=True)
         return time.perf_counter() - t0
 
     def decode(self) -> float:
         cache = self.model.new_cache(512)
-        tok = int(self.model.forward(self.prompt, cache)[-1].argmax())
+        tok = int(self.model.forward(self.prompt, cache, last_only=True)[-1].argmax())
         t0 = time.perf_counter()
         for _ in range(DECODE_LEN):
             tok = int(self.model.forward([tok], cache)[-1].argmax())
@@ -186,7 +188,8 @@ class _EngineSide:
     def batch(self, b: int) -> float:
         m = self.model
         caches = [m.new_cache(BATCH_CTX + BATCH_STEPS + 1) for _ in range(b)]
-        toks = [int(m.forward(_prompt(BATCH_CTX, 100 + s), c)[-1].argmax()) for s, c in enumerate(caches)]
+        toks = [int(m.forward(_prompt(BATCH_CTX, 100 + s), c, last_only=True)[-1].argmax())
+                for s, c in enumerate(caches)]
         t0 = time.perf_counter()
         for _ in range(BATCH_STEPS):
             toks = [int(t) for t in m.forward_batch(toks, caches).argmax(axis=-1)]
@@ -212,17 +215,17 @@ class _TorchSide:
         self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         self.prompt = torch.tensor([_prompt(PROMPT_LEN, 1)])
         with torch.inference_mode():
-            self.model(self.prompt, use_cache=True)
+            self.model(self.prompt, use_cache=True, logits_to_keep=1)
 
     def prefill(self) -> float:
         with self.torch.inference_mode():
             t0 = time.perf_counter()
-            self.model(self.prompt, use_cache=True)
+            self.model(self.prompt, use_cache=True, logits_to_keep=1)
             return time.perf_counter() - t0
 
     def decode(self) -> float:
         with self.torch.inference_mode():
-            out = self.model(self.prompt, use_cache=True)
+            out = self.model(self.prompt, use_cache=True, logits_to_keep=1)
             past = out.past_key_values
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
             t0 = time.perf_counter()
@@ -448,8 +451,8 @@ def main() -> None:
     lines.append("")
     lines.append("peak RSS / file: VmHWM of the engine process minus its RSS before loading (runtime and kernels"
                  " already imported), over the files' size; it includes the KV cache and activations of a"
-                 " 256-token prefill (all 256 positions' logits: 8 MiB); mapped / anon: file-backed pages (the"
-                 " weights' mapping) and anonymous memory (KV cache 8 MiB, activations, allocator) grown by the"
+                 " 256-token prefill (logits of its last position only); mapped / anon: file-backed pages (the"
+                 " weights' mapping) and anonymous memory (KV cache pages written, activations, allocator) grown by the"
                  " first prefill")
     sys.stdout.write("\n".join(lines) + "\n")
     if tmp is not None:

@@ -164,36 +164,113 @@ def attend_one(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm: np.ndarray, 
     sc = np.empty((g, n), dtype=np.float32)
     acc = np.empty((g, vd), dtype=np.float32)
     tot = np.empty(g, dtype=np.float32)
+    kbits = np.empty(n, dtype=np.int32)
     for h in range(nkv):
-        qh = q[h * g : (h + 1) * g]
-        for j in range(n):  # each cached key is read once for the g query heads sharing it
-            kj = kc[h, lo + j]
-            for a in range(g):
-                s = np.float32(0.0)
-                for i in range(hd):
-                    s += qh[a, i] * kj[i]
-                sc[a, j] = s * np.float32(scale)
-        for a in range(g):
-            m = sc[a, 0]
-            for j in range(1, n):
-                m = max(m, sc[a, j])
-            t = np.float32(0.0)
-            for j in range(n):
-                e = np.exp(sc[a, j] - m)
-                sc[a, j] = e
-                t += e
-            tot[a] = t
-        acc[:] = 0.0
-        for j in range(n):  # each cached value is read once for the g heads
-            vj = vc[h, lo + j]
-            for a in range(g):
-                p = sc[a, j]
-                for i in range(vd):
-                    acc[a, i] += p * vj[i]
+        _scores(q, kc, h, g, lo, n, scale, sc)
+        _softmax_rows(sc, g, n, tot, kbits)
+        _weighted_values(vc, h, g, lo, n, sc, acc)
         for a in range(g):
             o = (h * g + a) * vd
             for i in range(vd):
                 out[o + i] = acc[a, i] / tot[a]
+
+
+@njit(**_OPTS)
+def _scores(q: np.ndarray, kc: np.ndarray, h: int, g: int, lo: int, n: int, scale: float, sc: np.ndarray) -> None:
+    """sc[a, j] = q[h * g + a] . kc[h, lo + j] * scale for the g query heads of KV head h: four cached keys
+    per pass (four independent sums per query head; each key row read once for the g heads)."""
+    hd = q.shape[1]
+    j = 0
+    while j + 4 <= n:
+        for a in range(g):
+            s0 = s1 = s2 = s3 = np.float32(0.0)
+            for i in range(hd):
+                qa = q[h * g + a, i]
+                s0 += qa * kc[h, lo + j, i]
+                s1 += qa * kc[h, lo + j + 1, i]
+                s2 += qa * kc[h, lo + j + 2, i]
+                s3 += qa * kc[h, lo + j + 3, i]
+            sc[a, j] = s0 * np.float32(scale)
+            sc[a, j + 1] = s1 * np.float32(scale)
+            sc[a, j + 2] = s2 * np.float32(scale)
+            sc[a, j + 3] = s3 * np.float32(scale)
+        j += 4
+    while j < n:
+        for a in range(g):
+            s = np.float32(0.0)
+            for i in range(hd):
+                s += q[h * g + a, i] * kc[h, lo + j, i]
+            sc[a, j] = s * np.float32(scale)
+        j += 1
+
+
+@njit(**_OPTS)
+def _softmax_rows(sc: np.ndarray, g: int, n: int, tot: np.ndarray, kbits: np.ndarray) -> None:
+    """In place, rows 0..g-1 of sc [g, >= n]: ``exp(s - max)`` over the first n, and each row's sum into tot.
+
+    exp in two loops LLVM vectorises (numba's ``np.exp`` is a scalar libm call per score here, ~3 ns): 2^k * p(r)
+    with k = round(x / ln 2), r = x - k ln 2 (Cody-Waite, two constants) and Cephes' degree-7 polynomial
+    for expf, 2^k assembled as float bits in ``kbits`` (int32 [>= n]); x is clamped at -87 (2^k stays a normal
+    float; exp(-87) ~ 1.6e-38 next to a row sum of at least 1). Relative error ~3e-7 over [-87, 0]."""
+    kf = kbits.view(np.float32)
+    for a in range(g):
+        m = sc[a, 0]
+        for j in range(1, n):
+            m = max(m, sc[a, j])
+        for j in range(n):
+            x = max(sc[a, j] - m, np.float32(-87.0))
+            k = np.floor(x * np.float32(1.44269504) + np.float32(0.5))
+            r = x - k * np.float32(0.693359375)
+            r = r - k * np.float32(-2.12194440e-4)
+            p = np.float32(1.9875691500e-4)
+            p = p * r + np.float32(1.3981999507e-3)
+            p = p * r + np.float32(8.3334519073e-3)
+            p = p * r + np.float32(4.1665795894e-2)
+            p = p * r + np.float32(1.6666665459e-1)
+            p = p * r + np.float32(5.0000001201e-1)
+            sc[a, j] = p * r * r + r + np.float32(1.0)
+            kbits[j] = (np.int32(k) + np.int32(127)) << 23
+        t = np.float32(0.0)
+        for j in range(n):
+            e = sc[a, j] * kf[j]
+            sc[a, j] = e
+            t += e
+        tot[a] = t
+
+
+@njit(**_OPTS)
+def _weighted_values(vc: np.ndarray, h: int, g: int, lo: int, n: int, p: np.ndarray, acc: np.ndarray) -> None:
+    """acc[a] = sum_j p[a, j] * vc[h, lo + j] for the g query heads of KV head h, four cached values per pass
+    (a quarter of the accumulator loads and stores)."""
+    vd = acc.shape[1]
+    acc[:] = 0.0
+    j = 0
+    while j + 4 <= n:
+        for a in range(g):
+            p0, p1, p2, p3 = p[a, j], p[a, j + 1], p[a, j + 2], p[a, j + 3]
+            for i in range(vd):
+                acc[a, i] += ((p0 * vc[h, lo + j, i] + p1 * vc[h, lo + j + 1, i])
+                              + (p2 * vc[h, lo + j + 2, i] + p3 * vc[h, lo + j + 3, i]))
+        j += 4
+    while j < n:
+        for a in range(g):
+            pa = p[a, j]
+            for i in range(vd):
+                acc[a, i] += pa * vc[h, lo + j, i]
+        j += 1
+
+
+@njit(cache=True, nogil=True, boundscheck=False)  # no fastmath: engine.moe.combine's roundings exactly
+def combine_add(x: np.ndarray, weights: np.ndarray, experts: np.ndarray, y: np.ndarray) -> None:
+    """One token's routed-experts output added to its residual, as ``engine.moe.combine`` and the pass's
+    ``x += out`` compute it: ``acc = 0; acc += weights[j] * y[experts[j]]`` for slots j = 0..k-1 in order, then
+    ``x += acc``. x [1, D], weights [k] fp32, experts [k] int64, y [E, 1, D] (expert e's output in y[e])."""
+    d = x.shape[1]
+    for i in range(d):
+        acc = np.float32(0.0)
+        for j in range(experts.shape[0]):
+            acc = acc + weights[j] * y[experts[j], 0, i]
+        x[0, i] = x[0, i] + acc
 
 
 @intrinsic
@@ -236,6 +313,7 @@ def warm() -> None:
     q, k, c = np.zeros((2, 4), dtype=np.float32), np.zeros((1, 4), dtype=np.float32), np.zeros((1, 2, 4), dtype=np.float32)
     cs = q[0, :2]
     swiglu(x, x.copy())
+    combine_add(x, np.zeros(2, dtype=np.float32), np.zeros(2, dtype=np.int64), np.zeros((1, 1, 16), dtype=np.float32))
     route_one(x[0], True, np.empty(2, dtype=np.int64), np.empty(2, dtype=np.float32))
     # norm weights: read-only views of a file mapping (fp32 and GGUF), or widened copies (bf16/f16), or none
     for ro in (True, False):

@@ -47,6 +47,13 @@ DENSE_ROUND_MAX_PRODUCTS = 16
 # job tables of fp32 product rounds kept per distinct set of shapes (engine.dense): a model has a handful; the bound
 # keeps a long-lived process that loads many models from growing it (dropped all at once when reached)
 DENSE_MAX_PLANS = 1024
+# a KV cache of at least this many bytes (all layers, keys and values) is one anonymous memory mapping (engine.model.
+# KVCache): untouched capacity stays zero pages, not resident; smaller ones (tests' models) stay ordinary arrays
+KV_MAP_MIN_BYTES = 1 << 20
+# rows a prefill's routed layer runs through its local experts per group (engine.moe.local_executor): bounds the
+# gathered rows and gate/up activations alive at once to ~rows * (D + 2I) * 4 bytes (1.5 MiB for D 768, I 384)
+# instead of the whole layer's T * top_k rows; a decode step (a few rows) is always one group, one kernel round
+EXPERT_GROUP_ROWS = 256
 # GGUF reading (engine/gguf_file.py)
 GGUF_MAX_SPLITS = 256  # files of one split GGUF set (-00001-of-0000N.gguf); published sets use < 100
 GGUF_MAX_VOCAB = 1 << 20  # tokens in tokenizer.ggml.tokens; the largest published vocabularies are ~260 Ki

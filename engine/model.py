@@ -18,7 +18,10 @@ with the executor, which may run the layers on another thread (the remote execut
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
+import threading
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,12 +32,13 @@ import structlog
 from . import dense, families
 from .checkpoint import Checkpoint, ProgressFn, TensorRef, load_checkpoint
 from .config import ModelConfig
+from .decode_plan import DecodePlan
 from .deepseek import route_sigmoid
 from .dense import matmul, matmul_many
 from .dense import warm as warm_dense
 from .fp8 import Fp8Tensor
 from .gguf_file import is_gguf, load_gguf
-from .limits import KERNEL_MAX_ROWS
+from .limits import KERNEL_MAX_ROWS, KV_MAP_MIN_BYTES
 from .loader import _Loader, _widened  # noqa: F401 - engine.mla takes _Loader from here
 from .moe import (ExpertExecutor, ForwardSteps, RoutedCall, drive, expert_ffn, local_executor, make_routing, route,
                   silu)
@@ -48,13 +52,30 @@ _NONE = np.zeros(0, dtype=F32)  # an absent q/k norm, for the compiled attention
 WARM_MAX_BYTES = 8 << 20  # ``Model.warm`` reads at most this per layer (~0.6 ms of memory reads)
 
 
+def _zeros(shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
+    """Zeroed fp32 arrays of these shapes. From ``KV_MAP_MIN_BYTES`` up they are views of one anonymous memory
+    mapping: its pages are zero and take no memory until written, so a cache's resident size follows the
+    positions written, not its capacity (an allocator's zeroed heap block is written, all of it, up front)."""
+    total = sum(math.prod(sh) for sh in shapes)
+    if total * 4 < KV_MAP_MIN_BYTES:
+        return [np.zeros(sh, dtype=F32) for sh in shapes]
+    buf = np.frombuffer(mmap.mmap(-1, total * 4), dtype=F32)
+    out, a = [], 0
+    for sh in shapes:
+        n = math.prod(sh)
+        out.append(buf[a : a + n].reshape(sh))
+        a += n
+    return out
+
+
 class KVCache:
     """Keys and values of one sequence, per layer ``[KV, capacity, hd]`` (values ``v_dim`` wide if given);
     ``length`` positions are valid. Latent attention (engine/mla.py) keeps its latent in ``k`` and its
     shared rope key in ``v``.
 
     Capacity grows by doubling. A forward pass writes its positions first and advances ``length`` only
-    when it completes, so a failed step leaves the cache as it was.
+    when it completes, so a failed step leaves the cache as it was. The arrays are zero pages that become
+    resident as positions are written (``_zeros``), so capacity beyond the sequence costs address space only.
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int = 256,
@@ -62,8 +83,12 @@ class KVCache:
         self.length = 0
         self.first_layer = first_layer  # a pipeline stage's cache holds layers first_layer.. only
         self._shape = (kv_heads, head_dim, head_dim if v_dim is None else v_dim)
-        self.k = [np.zeros((kv_heads, capacity, head_dim), dtype=F32) for _ in range(num_layers)]
-        self.v = [np.zeros((kv_heads, capacity, self._shape[2]), dtype=F32) for _ in range(num_layers)]
+        self.k, self.v = self._alloc(num_layers, capacity)
+
+    def _alloc(self, num_layers: int, capacity: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        kvh, kd, vd = self._shape
+        arrs = _zeros([(kvh, capacity, kd)] * num_layers + [(kvh, capacity, vd)] * num_layers)
+        return arrs[:num_layers], arrs[num_layers:]
 
     @property
     def capacity(self) -> int:
@@ -74,13 +99,10 @@ class KVCache:
         cap = self.capacity
         if n <= cap:
             return
-        new = max(n, 2 * cap)
-        kvh, kd, vd = self._shape
-        for store, hd in ((self.k, kd), (self.v, vd)):
-            for i, old in enumerate(store):
-                grown = np.zeros((kvh, new, hd), dtype=F32)
-                grown[:, : self.length] = old[:, : self.length]
-                store[i] = grown
+        k, v = self._alloc(len(self.k), max(n, 2 * cap))
+        for new, old in zip((*k, *v), (*self.k, *self.v)):
+            new[:, : self.length] = old[:, : self.length]
+        self.k, self.v = k, v
 
     def truncate(self, n: int) -> None:
         """Forget positions from n on (e.g. to reuse a shared prompt prefix)."""
@@ -148,6 +170,10 @@ class Model:
         # decode attention (one new position per sequence) compiled: engine.dense.step_kernels
         self._step = dense.step_kernels(config.hidden_size, config.num_heads, config.head_dim, config.qk_norm,
                                         config.clip_qkv)
+        # one sequence's one-token decode through the local executor: engine.decode_plan (same bits, less
+        # Python), made on first use; MESHD_DECODE_PLAN=0 keeps the general pass (A/B benchmarks)
+        self._plan: DecodePlan | None | bool = os.environ.get("MESHD_DECODE_PLAN", "1") != "0" and self._step
+        self._plan_lock = threading.Lock()
 
     # ----- loading -----------------------------------------------------------------------------------
     @classmethod
@@ -332,6 +358,20 @@ class Model:
         ``last_only`` returns only the last position's logits ([1, V]), skipping the output head for the
         others (a prefill that only needs the next token).
         """
+        if self._plan is not False and (executor is None or executor is self._local):
+            arr = self._check_ids(ids)
+            if arr.shape[0] == 1 and self._plan_lock.acquire(blocking=False):
+                try:
+                    if self._plan is True:
+                        self._plan = DecodePlan.make(self) or False
+                    if self._plan:
+                        cache.reserve(cache.length + 1)
+                        logits = self._plan.step(arr, cache)
+                        cache.length += 1
+                        return logits
+                finally:
+                    self._plan_lock.release()
+            ids = arr
         return drive(self.forward_steps(ids, cache, last_only=last_only), executor or self._local, self.warm)
 
     def forward_steps(self, ids: Sequence[int] | np.ndarray, cache: KVCache, *,

@@ -41,6 +41,7 @@ from typing import Protocol
 import numpy as np
 
 from .dense import matmul_many, swiglu, swiglu_compiled
+from .limits import EXPERT_GROUP_ROWS
 
 # One work item: (expert index, ascending row indices into x).
 WorkItem = tuple[int, np.ndarray]
@@ -128,10 +129,21 @@ def make_routing(experts: np.ndarray, weights: np.ndarray) -> Routing:
 
 
 def local_executor(weights: ExpertWeightsFn) -> ExpertExecutor:
-    """An executor that runs every work item in this process with ``expert_ffn``."""
+    """An executor that runs every work item in this process with ``expert_ffn``.
+
+    A prefill's work list runs in groups of about ``EXPERT_GROUP_ROWS`` rows (each item whole, in order), so
+    the gathered rows and gate/up activations alive at once stay bounded; each item's products and SwiGLU
+    are the same operations on the same rows whatever group it is in, so the outputs are the same bits."""
 
     def run(layer: int, x: np.ndarray, work: Sequence[WorkItem]) -> list[np.ndarray]:
-        return expert_ffn_many([(x[rows], *weights(layer, expert)) for expert, rows in work])
+        out: list[np.ndarray] = []
+        a = rows_in_group = 0
+        for b, (_, rows) in enumerate(work):
+            rows_in_group += len(rows)
+            if rows_in_group >= EXPERT_GROUP_ROWS or b == len(work) - 1:
+                out += expert_ffn_many([(x[r], *weights(layer, e)) for e, r in work[a : b + 1]])
+                a, rows_in_group = b + 1, 0
+        return out
 
     return run
 

@@ -1,0 +1,304 @@
+"""One sequence's decode step (one new token) planned once per model: the same operations as
+``Model.forward`` on one token, in the same order on the same arrays' values, with less Python in between.
+
+``Model.forward`` of one token through the local executor spends about as long in Python between the
+compiled calls as in the weight products (the profile in docs/engine-model.md). The plan removes most
+of it, without changing an operation:
+
+- Work buffers are allocated once per model (hidden state, normed rows, q/k/v, attention output, the
+  routed experts' gate/up/down outputs), so each product's kernel table (``engine.kernel_pool.table``: the
+  addresses of x, the stored weight and out) is built once too. A layer's q/k/v round, its o-projection
+  and every expert's gate/up and down products are prebuilt table rows; a token's expert round is the
+  chosen experts' rows concatenated (one numpy take).
+- The routed experts' combination and the residual add are one compiled call (``dense_kernels.
+  combine_add``: ``acc = 0; acc += w_j * y_j`` in slot order, then ``x += acc``, with no fastmath, so the
+  same fp32 roundings as ``engine.moe.combine`` and the pass's ``x += out``).
+
+Everything else is the function the general pass calls: ``dense.rmsnorm``'s kernel, ``attend_one``,
+``route_one``, the compiled SwiGLU, ``dense.matmul`` for the router and the output head. So the logits are
+the general pass's bits (tested), and a pipeline stage or an expert worker, which run the general pass,
+still compute exactly what the local pass does. A model (or a round) the plan does not cover runs the
+general pass: pipeline stages, batched decode, prefill, remote executors, latent attention, sigmoid routers,
+shared experts, biases, and products that are not all on the packed kernels or all on the fp32 kernel.
+
+Not thread-safe by itself: ``Model`` holds a lock and lets a second concurrent caller take the general
+pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import dense
+from .limits import KERNEL_MAX_ROWS, KERNEL_POOL_MIN_WEIGHTS
+from .fp8 import Fp8Tensor
+from .moe import expert_ffn, make_routing, run_block
+from .quant import Packed
+
+if TYPE_CHECKING:
+    from .model import KVCache, Layer, Model
+
+F32 = np.float32
+_NONE = np.zeros(0, dtype=F32)
+
+
+def _packed_ops() -> tuple[Any, Any] | None:
+    """(engine.kernels, engine.kernel_pool) when the packed kernels are there and have what the plan uses."""
+    try:
+        from . import kernel_pool, kernels
+    except ImportError:  # pragma: no cover - no numba
+        return None
+    if not kernels.AVAILABLE:
+        return None
+    need = (hasattr(kernel_pool, "table") and hasattr(kernel_pool, "run_table_serial")
+            and hasattr(kernels, "_get_pool") and hasattr(kernels, "TYPES"))
+    return (kernels, kernel_pool) if need else None
+
+
+class Round:
+    """Products ``out = x @ w.T`` over fixed buffers, run together as the general pass would run them:
+    packed kernel products as one kernel-pool round from a prebuilt table, fp32 kernel products as one
+    ``engine.dense`` round, anything else through ``dense.matmul_many`` (the general pass's own call) and
+    copied into the buffers."""
+
+    __slots__ = ("run",)
+
+    def __init__(self, run: Callable[[], None]) -> None:
+        self.run = run
+
+    @staticmethod
+    def build(products: list[tuple[np.ndarray, object, np.ndarray]]) -> Round:
+        rows = table_rows(products)
+        if rows is not None:
+            tbl, total, keep, weights = rows
+            return Round(_table_runner(tbl, total, keep, weights))
+        prods = list(products)
+        f32_run = getattr(dense, "_run", None)
+        if f32_run is not None and all(dense._f32_kernel(x, w) for x, w, _ in prods):
+            return Round(lambda: f32_run(prods))
+
+        def general() -> None:
+            for (_, _, out), got in zip(prods, dense.matmul_many([(x, w) for x, w, _ in prods])):
+                out[...] = got
+        return Round(general)
+
+
+def _f32_in_tables() -> bool:
+    """Whether fp32 kernel products run in ``engine.kernel_pool``'s rounds (an ``"F32"`` row type of
+    ``engine.kernels``) rather than in ``engine.dense``'s own pool (``dense._run``): then they take table rows
+    too, in the same rounds as packed products, as ``dense.matmul_many`` runs them."""
+    if hasattr(dense, "_run"):
+        return False  # (and an fp32 model does not import the packed kernels here)
+    ops = _packed_ops()
+    return ops is not None and "F32" in getattr(ops[0], "ROW_TYPES", ())
+
+
+def table_rows(products: list[tuple[np.ndarray, object, np.ndarray]]) -> tuple[np.ndarray, int, list, int] | None:
+    """The kernel-pool table of products (x, weight, out), or None if any is not on a kernel the pool runs:
+    a Packed weight of a kernel type with at most ``KERNEL_MAX_ROWS`` rows (``engine.quant``'s rule), or an fp32
+    weight on the fp32 kernel (``engine.dense``'s rule) when the pool runs those."""
+    if not all(type(w) is Packed for _, w, _ in products) and not _f32_in_tables():
+        return None
+    ops = _packed_ops()
+    if ops is None:
+        return None
+    kernels, kernel_pool = ops
+    prods = []
+    for x, w, out in products:
+        if not (x.dtype == F32 and x.flags.c_contiguous and out.flags.c_contiguous):
+            return None
+        if type(w) is Packed and w.qtype in kernels.TYPES and x.shape[0] <= KERNEL_MAX_ROWS:
+            prods.append((x, w.qtype, w.data, out))
+        elif type(w) is not Packed and dense._f32_kernel(x, w):
+            prods.append((x, "F32", w, out))
+        else:
+            return None
+    tbl, total, keep, weights = kernel_pool.table(prods)
+    return tbl, total, [prods, keep], weights
+
+
+def _table_runner(tbl: np.ndarray, total: int, keep: object, weights: int) -> Callable[[], None]:
+    kernels, kernel_pool = _packed_ops()  # type: ignore[misc]
+    if weights >= KERNEL_POOL_MIN_WEIGHTS:
+        def run() -> None:
+            pool = kernels._get_pool()
+            if pool is None:
+                kernel_pool.run_table_serial(tbl, total)
+            else:
+                pool.run_table(tbl, total, keep)
+        return run
+    return lambda: kernel_pool.run_table_serial(tbl, total)
+
+
+class _LayerPlan:
+    __slots__ = ("layer", "qkv", "o", "gu_rows", "gu_chunks", "gu_weights", "down_rows", "down_chunks",
+                 "down_weights", "dense_mlp", "q_norm", "k_norm", "f32_experts",
+                 "general_experts")
+
+    def __init__(self, layer: Layer) -> None:
+        self.layer = layer
+        self.q_norm = _NONE if layer.q_norm is None else layer.q_norm
+        self.k_norm = _NONE if layer.k_norm is None else layer.k_norm
+        self.dense_mlp = not layer.sparse
+        self.f32_experts = False  # the routed experts' products on engine.dense's fp32 kernel
+        self.general_experts = False  # the routed experts through the local executor, as the general pass
+
+
+class DecodePlan:
+    """The planned one-token decode step of ``model`` (see the module docstring); :meth:`make` returns None
+    when the model is not covered."""
+
+    def __init__(self, model: Model) -> None:
+        c = model.config
+        self.model = model
+        d, hd = c.hidden_size, c.head_dim
+        self.eps = c.rms_norm_eps
+        self.top_k = c.top_k
+        self.norm_topk = c.norm_topk_prob
+        self.x = np.zeros((1, d), dtype=F32)  # the residual stream
+        self.h = np.zeros((1, d), dtype=F32)  # normed rows: attention's and the MLP's input
+        self.q = np.zeros((1, c.num_heads * hd), dtype=F32)
+        self.k = np.zeros((1, c.num_kv_heads * hd), dtype=F32)
+        self.v = np.zeros((1, c.num_kv_heads * hd), dtype=F32)
+        self.q3 = self.q.reshape(c.num_heads, hd)
+        self.k3 = self.k.reshape(c.num_kv_heads, hd)
+        self.v3 = self.v.reshape(c.num_kv_heads, hd)
+        self.att = np.zeros((1, c.num_heads * hd), dtype=F32)
+        self.att1 = self.att[0]
+        self.o = np.zeros((1, d), dtype=F32)
+        e, inter = max(1, c.num_experts), max(1, c.moe_intermediate_size)
+        self.g = np.zeros((e, 1, inter), dtype=F32)  # routed experts' gate outputs (then SwiGLU), by expert
+        self.u = np.zeros((e, 1, inter), dtype=F32)
+        self.y = np.zeros((e, 1, d), dtype=F32)  # routed experts' outputs, by expert
+        self.layers: list[_LayerPlan] = []
+        self.packed = False  # some layer's experts run from prebuilt kernel-pool table rows
+        self.keep: list[object] = []
+
+    @classmethod
+    def make(cls, model: Model) -> DecodePlan | None:
+        """The plan of ``model``, or None (the general pass then runs every step)."""
+        from .model import Model
+
+        c = model.config
+        if type(model) is not Model:  # a subclass (latent attention) has its own pieces
+            return None
+        if not model._step or c.router is not None or c.mla is not None or model.lm_head is None:
+            return None
+        plan = cls(model)
+        for layer in model.layers:
+            lp = plan._plan_layer(layer)
+            if lp is None:
+                return None
+            plan.layers.append(lp)
+        return plan
+
+    def _plan_layer(self, layer: Layer) -> _LayerPlan | None:
+        if any(b is not None for b in (layer.q_bias, layer.k_bias, layer.v_bias, layer.o_bias)):
+            return None
+        lp = _LayerPlan(layer)
+        qkv = Round.build([(self.h, layer.q, self.q), (self.h, layer.k, self.k), (self.h, layer.v, self.v)])
+        o = Round.build([(self.att, layer.o, self.o)])
+        lp.qkv, lp.o = qkv, o
+        if not layer.sparse:
+            return lp if layer.gate_bias is None else None
+        if layer.shared is not None or not layer.experts:
+            return None
+        if all(dense.swiglu_compiled(self.h, gate) and dense._f32_kernel(self.h, gate) and dense._f32_kernel(self.h, up)
+               and dense._f32_kernel(self.g[0], down) for gate, up, down in layer.experts) and hasattr(dense, "_run"):
+            lp.f32_experts = True
+            return lp
+        if any(isinstance(a, Fp8Tensor) for w in layer.experts for a in w):
+            lp.general_experts = True
+            return lp
+        gu_rows, gu_chunks, down_rows, down_chunks = [], [], [], []
+        gu_weights = down_weights = 0
+        for ex, (gate, up, down) in enumerate(layer.experts):
+            if not dense.swiglu_compiled(self.h, gate):
+                lp.general_experts = True
+                return lp
+            gu = table_rows([(self.h, gate, self.g[ex]), (self.h, up, self.u[ex])])
+            dn = table_rows([(self.g[ex], down, self.y[ex])])
+            if gu is None or dn is None:
+                lp.general_experts = True
+                return lp
+            self.keep += (gu[2], dn[2])  # arrays the rows point into (table() may copy an odd view)
+            gu_rows.append(gu[0])
+            gu_chunks.append(gu[1])
+            down_rows.append(dn[0])
+            down_chunks.append(dn[1])
+            gu_weights, down_weights = gu[3], dn[3]
+        lp.gu_rows = np.stack(gu_rows)  # [E, 2, cols]
+        lp.gu_chunks = gu_chunks
+        lp.down_rows = np.stack(down_rows)  # [E, 1, cols]
+        lp.down_chunks = down_chunks
+        lp.gu_weights, lp.down_weights = gu_weights, down_weights
+        self.packed = True
+        return lp
+
+    def step(self, token: np.ndarray, cache: KVCache) -> np.ndarray:
+        """Logits [1, V] of one token (int64 [1], checked by the caller) after the cache's positions; writes
+        its keys and values at ``cache.length`` (room reserved by the caller) and leaves ``length`` to it."""
+        m = self.model
+        c = m.config
+        ops = _packed_ops() if self.packed else None
+        kernel_pool, pool = (ops[1], ops[0]._get_pool()) if ops is not None else (None, None)
+        mod = dense._kernels()
+        rms, attend, swiglu, combine_add = mod.rmsnorm_rows, mod.attend_one, mod.swiglu, mod.combine_add
+        pos = cache.length
+        cos, sin = m.rope.span(pos, pos + 1)
+        cos, sin = cos[0], sin[0]
+        window = c.sliding_window
+        lo = 0 if window is None else max(0, pos - window + 1)
+        x, h, eps = self.x, self.h, self.eps
+        x[:] = m.embed(token)
+        q3, k3, v3, att1 = self.q3, self.k3, self.v3, self.att1
+        g, u, y = self.g, self.u, self.y
+        scale = m.scale
+        f32_run = getattr(dense, "_run", None)
+        for j, lp in enumerate(self.layers):
+            layer = lp.layer
+            rms(x, layer.attn_norm, eps, h)
+            lp.qkv.run()
+            i = j + m.first_layer - cache.first_layer
+            attend(q3, k3, v3, lp.q_norm, lp.k_norm, eps, cos, sin, cache.k[i], cache.v[i], pos, lo, scale, att1)
+            lp.o.run()
+            x += self.o
+            rms(x, layer.mlp_norm, eps, h)
+            if lp.dense_mlp:
+                x += expert_ffn(h, layer.gate, layer.up, layer.down)
+                continue
+            logits = dense.matmul(h, layer.router)
+            experts, weights = dense.route_one(logits[0], self.top_k, self.norm_topk)
+            sel = experts[0]
+            slots = sel.tolist()
+            if lp.general_experts:
+                x += run_block(m.local_executor, j + m.first_layer, h, make_routing(experts, weights))
+                continue
+            if lp.f32_experts:  # engine.dense's rounds, as expert_ffn_many runs them
+                ex = layer.experts
+                f32_run([p for e in slots for p in ((h, ex[e][0], g[e]), (h, ex[e][1], u[e]))])
+                for e in slots:
+                    swiglu(g[e], u[e])
+                f32_run([(g[e], ex[e][2], y[e]) for e in slots])
+                combine_add(x, weights[0], sel, y)
+                continue
+            _run_rows(kernel_pool, pool, lp.gu_rows[sel].reshape(-1, lp.gu_rows.shape[2]),
+                      sum(lp.gu_chunks[e] for e in slots), lp.gu_weights * len(slots))
+            for e in slots:
+                swiglu(g[e], u[e])
+            _run_rows(kernel_pool, pool, lp.down_rows[sel].reshape(-1, lp.down_rows.shape[2]),
+                      sum(lp.down_chunks[e] for e in slots), lp.down_weights * len(slots))
+            combine_add(x, weights[0], sel, y)
+        rms(x, m.norm, eps, h)
+        return dense.matmul(h, m.lm_head)
+
+
+def _run_rows(kernel_pool: Any, pool: Any, tbl: np.ndarray, total: int, weights: int) -> None:
+    """One kernel round of prebuilt table rows (their arrays are the plan's, alive as long as it is)."""
+    if pool is None or weights < KERNEL_POOL_MIN_WEIGHTS:
+        kernel_pool.run_table_serial(tbl, total)
+    else:
+        pool.run_table(tbl, total, None)

@@ -1,0 +1,141 @@
+"""engine.decode_plan: the planned one-token decode step gives the general pass's bits (logits and KV cache) on
+every weight form it plans differently (fp32 kernel rounds, packed kernel-pool tables, a dense MLP layer), and
+models it does not cover keep the general pass; a prefill's routed experts run in bounded groups with the same
+bits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import dense
+from engine.decode_plan import DecodePlan
+from engine.model import KVCache, Model
+
+needs_numba = pytest.mark.skipif(dense._kernels() is None, reason="numba not installed (the [fast] extra)")
+
+
+def _make(path: Path, dense_layers: tuple[int, ...]) -> Path:
+    from experts_util import make_moe_checkpoint
+
+    # big enough for the compiled step (q 512x512) and the fp32/packed kernels
+    return make_moe_checkpoint(path, family="qwen3_moe", layers=3, experts=8, hidden=512, inter=512, top_k=4,
+                               vocab=96, seed=5, dense_layers=dense_layers)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _make(tmp_path_factory.mktemp("plan") / "src", (0,))  # layer 0 a dense MLP
+
+
+@pytest.fixture(scope="module")
+def sparse_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _make(tmp_path_factory.mktemp("plan") / "sparse", ())  # what the GGUF export writes: every layer routed
+
+
+def _decode(model: Model, steps: int) -> tuple[list[bytes], list[bytes]]:
+    cache = model.new_cache(4)  # grows during the decode: the plan follows the cache's arrays
+    out = [model.forward([3, 17, 40, 2, 88], cache).tobytes()]
+    tok = 11
+    for _ in range(steps):
+        lg = model.forward(np.array([tok]), cache)
+        out.append(lg.tobytes())
+        tok = int(np.argmax(lg[-1]))
+    kv = [a[:, : cache.length].tobytes() for a in (*cache.k, *cache.v)]
+    return out, kv
+
+
+def _both(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Model, Model]:
+    planned = Model.load(path)
+    monkeypatch.setenv("MESHD_DECODE_PLAN", "0")
+    general = Model.load(path)
+    monkeypatch.delenv("MESHD_DECODE_PLAN")
+    assert general._plan is False
+    return planned, general
+
+
+@needs_numba
+@pytest.mark.parametrize("form", ["F32", "Q8_0", "Q4_K_M", "BF16"])
+def test_plan_gives_the_general_pass_bits(form: str, checkpoint: Path, sparse_checkpoint: Path, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    path = checkpoint
+    if form != "F32":
+        from engine.gguf_export import export_gguf
+
+        path = tmp_path / f"m-{form}.gguf"
+        export_gguf(sparse_checkpoint, path, form)
+    planned, general = _both(path, monkeypatch)
+    got_logits, got_kv = _decode(planned, 12)
+    assert isinstance(planned._plan, DecodePlan)  # the decode steps above took the plan
+    sparse = [lp for lp in planned._plan.layers if not lp.dense_mlp]
+    assert not any(lp.general_experts for lp in sparse)  # experts on the fp32 rounds or prebuilt table rows
+    if form == "F32":
+        assert len(sparse) == 2 and planned._plan.layers[0].dense_mlp
+    else:
+        assert planned._plan.packed
+    want_logits, want_kv = _decode(general, 12)
+    assert general._plan is False
+    assert got_logits == want_logits
+    assert got_kv == want_kv
+
+
+@needs_numba
+def test_plan_is_not_taken_for_batches_executors_or_test_sized_models(checkpoint: Path, tmp_path: Path) -> None:
+    from experts_util import make_moe_checkpoint
+
+    model = Model.load(checkpoint)
+    c1, c2 = model.new_cache(), model.new_cache()
+    model.forward([1, 2], c1)
+    assert model._plan is True  # a prefill does not make the plan
+    calls = []
+
+    def executor(layer: int, x: np.ndarray, work: list) -> list[np.ndarray]:
+        calls.append(layer)
+        return model.local_executor(layer, x, work)
+
+    a = model.forward([4], c1, executor=executor)
+    assert calls == [1, 2] and model._plan is True  # another executor: the general pass, every routed layer
+    model.forward_batch([4, 5], [c1, c2])
+    assert model._plan is True
+    from engine.generate import forward_last
+
+    b = forward_last(model, [4], _fresh_after(model, [1, 2]))  # what generate and the scheduler call
+    assert isinstance(model._plan, DecodePlan) and b.tobytes() == a[-1].tobytes()
+    small = Model.load(make_moe_checkpoint(tmp_path / "small", hidden=64, inter=32))
+    small.forward([1], small.new_cache())
+    assert small._plan is False  # test-sized: no compiled step, no plan
+
+
+def _fresh_after(model: Model, prompt: list[int]) -> KVCache:
+    cache = model.new_cache()
+    model.forward(prompt, cache)
+    return cache
+
+
+def test_prefill_experts_in_groups_give_the_same_bits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The local executor runs a prefill's work list in groups of EXPERT_GROUP_ROWS rows (bounded activations);
+    every item is computed on the same rows as in one call, so the logits are the same bits."""
+    from experts_util import make_moe_checkpoint
+
+    from engine import moe
+
+    model = Model.load(make_moe_checkpoint(tmp_path / "m", layers=2, experts=8, top_k=3, vocab=64))
+    prompt = list(np.random.default_rng(0).integers(0, 64, 40))
+    calls: list[int] = []
+    many = moe.expert_ffn_many
+
+    def counted(items: list) -> list:
+        calls.append(len(items))
+        return many(items)
+
+    monkeypatch.setattr(moe, "expert_ffn_many", counted)
+    monkeypatch.setattr(moe, "EXPERT_GROUP_ROWS", 1 << 30)
+    whole = model.forward(prompt, model.new_cache())
+    assert calls == [8, 8]  # one call per layer
+    calls.clear()
+    monkeypatch.setattr(moe, "EXPERT_GROUP_ROWS", 20)
+    grouped = model.forward(prompt, model.new_cache())
+    assert len(calls) > 2 and sum(calls) == 16
+    assert grouped.tobytes() == whole.tobytes()
