@@ -4,8 +4,11 @@ reference (transformers with the GGUF's weights dequantized by ``gguf.quants``, 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -97,3 +100,33 @@ def reference_dir(src: Path, gguf_path: Path, out: Path) -> Path:
         if (src / f).is_file():
             shutil.copy(src / f, out / f)
     return out
+
+
+_DECODE = r"""
+import hashlib, sys
+from engine import dense
+from engine.model import Model
+m = Model.load(sys.argv[1])
+if sys.argv[2] == "f32-kernel":  # the check is void unless fp32 products take the compiled kernel
+    assert dense.uses_kernel([m.layers[0].q])
+c = m.new_cache(32)
+h = hashlib.sha256()
+logits = m.forward([1, 5, 9, 3, 7], c)
+h.update(logits.tobytes())
+tok = int(logits[-1].argmax())
+for _ in range(5):
+    logits = m.forward([tok], c)
+    h.update(logits.tobytes())
+    tok = int(logits[-1].argmax())
+print(h.hexdigest())
+"""
+
+
+def decode_hash(path: Path, f32_kernel: bool = False, **env: str) -> str:
+    """sha256 of the logits of a 5-token prefill and 5 greedy decode steps on ``path``, in a fresh interpreter
+    with ``env`` added (``MESHD_KERNEL_THREADS``, ``MESHD_KERNELS``); ``f32_kernel`` first asserts that the fp32
+    products take the compiled kernel."""
+    p = subprocess.run([sys.executable, "-c", _DECODE, str(path), "f32-kernel" if f32_kernel else "-"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p.stdout.strip().splitlines()[-1]

@@ -18,6 +18,7 @@ pytest.importorskip("gguf")
 
 from engine import kernels, quant  # noqa: E402
 from engine.gguf_export import export_gguf, quantize  # noqa: E402
+from gguf_helpers import decode_hash  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not kernels.AVAILABLE, reason="numba (the fast extra) not installed")
 
@@ -90,30 +91,6 @@ def test_gemm_many_equals_one_gemm_each() -> None:
         np.testing.assert_array_equal(got, quant.matmul(x, w))
 
 
-_DECODE = r"""
-import hashlib, sys
-from engine.model import Model
-m = Model.load(sys.argv[1])
-c = m.new_cache(32)
-h = hashlib.sha256()
-logits = m.forward([1, 5, 9, 3, 7], c)
-h.update(logits.tobytes())
-tok = int(logits[-1].argmax())
-for _ in range(5):
-    logits = m.forward([tok], c)
-    h.update(logits.tobytes())
-    tok = int(logits[-1].argmax())
-print(h.hexdigest())
-"""
-
-
-def _decode_hash(path: Path, **env: str) -> str:
-    p = subprocess.run([sys.executable, "-c", _DECODE, str(path)], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, **env})
-    assert p.returncode == 0, p.stderr[-2000:]
-    return p.stdout.strip().splitlines()[-1]
-
-
 @pytest.fixture(scope="module")
 def wide_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Q4_K_M GGUF whose products are big enough (1 Mi weights) for the kernel threads to split them."""
@@ -128,15 +105,15 @@ def wide_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_decode_bytes_do_not_depend_on_the_kernel_thread_count(wide_gguf: Path) -> None:
-    one = _decode_hash(wide_gguf, MESHD_KERNEL_THREADS="1")
-    assert _decode_hash(wide_gguf, MESHD_KERNEL_THREADS="2") == one
-    assert _decode_hash(wide_gguf, MESHD_KERNEL_THREADS="3") == one
+    one = decode_hash(wide_gguf, MESHD_KERNEL_THREADS="1")
+    assert decode_hash(wide_gguf, MESHD_KERNEL_THREADS="2") == one
+    assert decode_hash(wide_gguf, MESHD_KERNEL_THREADS="3") == one
 
 
 def test_kernels_can_be_turned_off(wide_gguf: Path) -> None:
     """MESHD_KERNELS=numpy takes the numpy tiles (what a node without numba computes): other bits, the same
     values within rounding."""
-    assert _decode_hash(wide_gguf, MESHD_KERNELS="numpy") != _decode_hash(wide_gguf)
+    assert decode_hash(wide_gguf, MESHD_KERNELS="numpy") != decode_hash(wide_gguf)
     probe = "from engine import kernels; print(kernels.AVAILABLE)"
     p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "MESHD_KERNELS": "numpy"})

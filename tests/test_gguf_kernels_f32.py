@@ -5,9 +5,6 @@ the kernel thread count. Skipped without numba."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +14,7 @@ import pytest
 from engine import dense, kernels, quant
 from engine.gguf_export import quantize
 from engine.limits import DENSE_KERNEL_MIN_WEIGHTS
+from gguf_helpers import decode_hash
 
 pytestmark = pytest.mark.skipif(not kernels.AVAILABLE or dense._kernels() is None,
                                 reason="numba (the fast extra) not installed")
@@ -85,40 +83,14 @@ def test_a_mixed_round_gives_each_products_bits() -> None:
     assert got[2].tobytes() == (x1 @ small.T).tobytes()
 
 
-_DECODE = r"""
-import hashlib, sys
-from engine import dense
-from engine.model import Model
-m = Model.load(sys.argv[1])
-assert dense.uses_kernel([m.layers[0].q])
-c = m.new_cache(32)
-h = hashlib.sha256()
-logits = m.forward([1, 5, 9, 3, 7], c)
-h.update(logits.tobytes())
-tok = int(logits[-1].argmax())
-for _ in range(5):
-    logits = m.forward([tok], c)
-    h.update(logits.tobytes())
-    tok = int(logits[-1].argmax())
-print(h.hexdigest())
-"""
-
-
-def _decode_hash(path: Path, **env: str) -> str:
-    p = subprocess.run([sys.executable, "-c", _DECODE, str(path)], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, **env})
-    assert p.returncode == 0, p.stderr[-2000:]
-    return p.stdout.strip().splitlines()[-1]
-
-
 def test_fp32_decode_bytes_do_not_depend_on_the_kernel_thread_count(tmp_path: Path) -> None:
     from experts_util import make_moe_checkpoint
 
     src = make_moe_checkpoint(tmp_path / "src", family="qwen3_moe", layers=2, experts=4, hidden=1024, inter=512,
                               top_k=2, vocab=256)
-    one = _decode_hash(src, MESHD_KERNEL_THREADS="1")
-    assert _decode_hash(src, MESHD_KERNEL_THREADS="2") == one
-    assert _decode_hash(src, MESHD_KERNEL_THREADS="3") == one
+    one = decode_hash(src, True, MESHD_KERNEL_THREADS="1")
+    assert decode_hash(src, True, MESHD_KERNEL_THREADS="2") == one
+    assert decode_hash(src, True, MESHD_KERNEL_THREADS="3") == one
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
