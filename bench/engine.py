@@ -325,6 +325,12 @@ def _spawn(kind: str, path: Path, threads: int, rounds: int) -> dict:
     env = dict(os.environ)
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "MESHD_KERNEL_THREADS"):
         env[var] = str(threads)
+    # the BLAS thread timeout the daemon gives itself (engine/__init__.py; meshd imports it before numpy), for
+    # every side: numpy is imported before engine in a side's process, so it is set here
+    sys.path.insert(0, str(ROOT))
+    from engine import BLAS_THREAD_TIMEOUT
+
+    env.setdefault("OPENBLAS_THREAD_TIMEOUT", BLAS_THREAD_TIMEOUT)
     cmd = [sys.executable, __file__, "--worker", kind, "--dir", str(path), "--threads", str(threads),
            "--rounds", str(rounds)]
     p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, check=False)
