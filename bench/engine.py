@@ -1,7 +1,7 @@
 """Engine benchmark: numpy engine (fp32, bf16, GGUF Q8_0 and Q4_K_M) vs transformers (torch CPU) on a
 mid-size Qwen3-MoE it creates, plus the machine's memory read bandwidth measured in the same run.
 
-    python bench/engine.py [--threads 2] [--rounds 5] [--dir DIR] [--no-ref] [--variants fp32,bf16,Q8_0,Q4_K_M]
+    python bench/engine.py [--threads 2] [--rounds 15] [--dir DIR] [--no-ref] [--variants fp32,bf16,Q8_0,Q4_K_M]
         [--arch qwen3_moe|glm4_moe|deepseek_v3]
 
 Checkpoint: Qwen3-MoE, hidden 768, 8 layers, 12 heads over 4 KV heads, head_dim 64, 16 experts of
@@ -9,16 +9,22 @@ width 384 with top-4, vocab 8192, fp32 (written once into --dir, default a temp 
 safetensors copy and GGUF Q8_0 / Q4_K_M files (``engine.gguf_export``; the experts' down projections have
 rows of 384, not whole 256-blocks, so Q4_K_M stores them Q8_0 as llama.cpp falls back for such shapes).
 
-Fairness: every side runs in its own subprocess, one after the other: while one is timed no other
-benchmark process is alive (the previous one has exited), so no idle side keeps BLAS/OpenMP threads
-spinning. Every subprocess gets the same OMP/OPENBLAS/MKL thread counts and torch the same
-``set_num_threads``; both sides get the same prompt (the same 256 token ids: the checkpoint has no
-tokenizer, so ids stand in for the text) and are warmed up the same way (one untimed prefill and decode).
-Each side reports the median and range of ``--rounds`` rounds of prefill (256 tokens) and decode (64
-greedy steps). A prefill computes the logits of its last position only, on both sides, as serving does
+Fairness: every side (transformers, each engine form, the bandwidth probe) runs in its own subprocess, loaded
+and warmed up once (one untimed prefill and decode, the same on every side), one load at a time. Then
+``--rounds`` rounds: in each, every side in turn runs one timed prefill (256 tokens) and one decode (64
+greedy steps after a 256-token prefill), the next round starting one side later, so every side meets the
+VM's drift alike. A side not being timed is blocked reading its stdin; each command starts ``SETTLE_S``
+after the previous one, so spinning helpers (the kernel pool's 200 us, OpenBLAS's 2**20 cycles with the
+daemon's ``OPENBLAS_THREAD_TIMEOUT``, which every side gets) have gone to sleep, and the run reports the CPU
+time all other sides used while one was timed (``/proc/PID/task/*/schedstat``): the check that they were idle.
+Every subprocess gets the same OMP/OPENBLAS/MKL thread counts and torch the same ``set_num_threads``; both
+sides get the same prompt (the same 256 token ids: the checkpoint has no tokenizer, so ids stand in for the
+text). Ratios (vs transformers, vs our fp32, of the bandwidth limit) are taken within each round, where the
+two sides ran seconds apart, and reported as their median [min-max] over rounds; tok/s as median [min-max].
+A prefill computes the logits of its last position only, on both sides, as serving does
 (``engine.generate.forward_last``: ``last_only=True``; transformers' ``generate`` passes ``logits_to_keep=1``
 likewise): the other 255 rows of logits are 8 MiB no server keeps. The bandwidth probe (its own subprocess, same threads) reads a 1 GiB buffer, far larger
-than the caches, with one reader thread per core, and keeps the best of five passes. The bandwidth row
+than the caches, with one reader thread per core, best of three passes each round. The bandwidth row
 divides the weight bytes one decoded token reads (every non-expert matrix, top-k of the E experts of each
 sparse layer, one embedding row) by that bandwidth: the decode speed memory allows.
 
@@ -46,6 +52,9 @@ PROMPT_LEN = 256
 DECODE_LEN = 64
 BATCH_CTX = 64
 BATCH_STEPS = 32
+ROUNDS = 15
+BATCHES = (1, 4, 8)  # the fp32 side's concurrent sequences (forward_batch) rows
+SETTLE_S = 0.05  # pause before each timed command: spinning helper threads (200 us) and BLAS (2**20 cycles) sleep
 CONFIG = dict(
     vocab_size=8192, hidden_size=768, intermediate_size=2048, moe_intermediate_size=384,
     num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4, head_dim=64,
@@ -241,8 +250,8 @@ class _TorchSide:
 
 
 
-def _bandwidth(threads: int) -> dict:
-    """Memory read bandwidth: ``threads`` readers over a 1 GiB buffer, best of five passes (GB/s), for two
+def _bandwidth(threads: int, buf: "np.ndarray", passes: int = 3) -> dict:  # noqa: F821
+    """Memory read bandwidth: ``threads`` readers over ``buf`` (1 GiB), best of ``passes`` passes (GB/s), for two
     streaming reads that are not compute-bound (a 32-bit integer max, and BLAS ``sdot`` of the buffer with
     itself); the larger is the machine's figure. (A float32 ``sum``, used before, is pairwise summation:
     it measured ~24 GB/s where these read ~38 GB/s on the development VM, so it understated the limit.)"""
@@ -250,13 +259,12 @@ def _bandwidth(threads: int) -> dict:
 
     import numpy as np
 
-    buf = np.ones(1 << 28, dtype=np.float32)  # 1 GiB, written once so every page is resident
     parts = np.array_split(buf, threads)
     probes = {"max_u32": lambda a: a.view(np.uint32).max(), "sdot": lambda a: np.dot(a, a)}
     out: dict = {}
     for name, fn in probes.items():
         best = 0.0
-        for _ in range(5):
+        for _ in range(passes):
             barrier = threading.Barrier(threads + 1)
 
             def read(a: np.ndarray, fn=fn) -> None:  # noqa: ANN001
@@ -298,45 +306,114 @@ def _active_bytes(model) -> int:
     return total
 
 
-def _run_side(kind: str, path: Path, threads: int, rounds: int) -> dict:
-    """Inside a worker process: warm up, time ``rounds`` prefill and decode rounds, report."""
+class _BandwidthSide:
+    """The memory read bandwidth probe as a side: its 1 GiB buffer is allocated once, every round reads it."""
+
+    def __init__(self, path: Path, threads: int) -> None:
+        import numpy as np
+
+        self.threads = threads
+        self.buf = np.ones(1 << 28, dtype=np.float32)  # 1 GiB, written once so every page is resident
+
+    def probe(self) -> dict:
+        return _bandwidth(self.threads, self.buf)
+
+    def info(self) -> dict:
+        return {"peak_rss_mb": _peak_mb()}
+
+
+def _serve(kind: str, path: Path, threads: int, proto) -> None:  # noqa: ANN001
+    """Inside a side's process: load, warm up (one untimed prefill and decode, the same on every side), then
+    run the parent's commands one at a time (one JSON line in, one out) until stdin closes. Between commands
+    the process blocks on its stdin: nothing of it runs while another side is timed (the parent checks)."""
     if kind == "bandwidth":
-        return _bandwidth(threads)
-    side = _TorchSide(path, threads) if kind == "torch" else _EngineSide(path, threads)
-    side.prefill()  # warm-up, untimed, the same on every side
-    side.decode()
-    out: dict = {"prefill": [], "decode": []}
-    for _ in range(rounds):
-        out["prefill"].append(side.prefill())
-        out["decode"].append(side.decode())
-    if kind == "engine-fp32":
-        for b in (1, 4, 8):
-            out[f"batch{b}"] = [side.batch(b) for _ in range(max(1, rounds // 2))]
-    out["info"] = side.info()
-    if kind != "torch":
-        out["info"]["active_bytes"] = _active_bytes(side.model)
-        out["info"]["file_bytes"] = sum(Path(f).stat().st_size for f in
+        side = _BandwidthSide(path, threads)
+        side.probe()
+    else:
+        side = _TorchSide(path, threads) if kind == "torch" else _EngineSide(path, threads)
+        side.prefill()
+        side.decode()
+        if kind == "engine-fp32":
+            for b in BATCHES:
+                side.batch(b)
+    proto.write(json.dumps({"ready": True}) + "\n")
+    proto.flush()
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "info":
+            out = side.info()
+            if kind.startswith("engine-"):
+                out["active_bytes"] = _active_bytes(side.model)
+                out["file_bytes"] = sum(Path(f).stat().st_size for f in
                                         ([path] if path.is_file() else path.glob("*.safetensors")))
+        else:
+            out = {"r": getattr(side, op)(*cmd.get("args", ()))}
+        proto.write(json.dumps(out) + "\n")
+        proto.flush()
+
+
+class _Proc:
+    """One side's process, alive for the whole run, driven one command at a time."""
+
+    def __init__(self, kind: str, path: Path, threads: int) -> None:
+        env = dict(os.environ)
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "MESHD_KERNEL_THREADS"):
+            env[var] = str(threads)
+        # the BLAS thread timeout the daemon gives itself (engine/__init__.py; meshd imports it before numpy),
+        # for every side: numpy is imported before engine in a side's process, so it is set here
+        sys.path.insert(0, str(ROOT))
+        from engine import BLAS_THREAD_TIMEOUT
+
+        env.setdefault("OPENBLAS_THREAD_TIMEOUT", BLAS_THREAD_TIMEOUT)
+        self.kind = kind
+        cmd = [sys.executable, __file__, "--worker", kind, "--dir", str(path), "--threads", str(threads)]
+        self.p = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, text=True)
+        self._read()  # ready: loaded and warmed up
+
+    def _read(self) -> dict:
+        line = self.p.stdout.readline() if self.p.stdout else ""
+        if not line:
+            raise RuntimeError(f"benchmark side {self.kind} failed (exit {self.p.wait()})")
+        return json.loads(line)
+
+    def call(self, op: str, *args: object) -> dict:
+        assert self.p.stdin is not None
+        self.p.stdin.write(json.dumps({"op": op, "args": args}) + "\n")
+        self.p.stdin.flush()
+        return self._read()
+
+    def cpu_ns(self) -> int:
+        """CPU time of all of this process's threads so far (ns; /proc/PID/task/*/schedstat)."""
+        total = 0
+        for t in Path(f"/proc/{self.p.pid}/task").iterdir():
+            try:
+                total += int((t / "schedstat").read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue
+        return total
+
+    def close(self) -> None:
+        if self.p.stdin is not None:
+            self.p.stdin.close()
+        self.p.wait()
+
+
+def _timed(procs: dict[str, _Proc], name: str, idle: dict[str, list[float]], op: str, *args: object) -> dict:
+    """Run one command on side ``name`` after the others have had ``SETTLE_S`` to go quiet; add to
+    ``idle[name]`` [wall seconds, CPU seconds every other side used meanwhile]."""
+    time.sleep(SETTLE_S)
+    others = [p for k, p in procs.items() if k != name]
+    before = [p.cpu_ns() for p in others]
+    t0 = time.perf_counter()
+    out = procs[name].call(op, *args)
+    wall = time.perf_counter() - t0
+    used = sum(p.cpu_ns() - b for p, b in zip(others, before)) / 1e9
+    acc = idle.setdefault(name, [0.0, 0.0])
+    acc[0] += wall
+    acc[1] += used
     return out
-
-
-def _spawn(kind: str, path: Path, threads: int, rounds: int) -> dict:
-    """Run one side in a fresh subprocess and wait for it to exit (nothing else of ours is alive meanwhile)."""
-    env = dict(os.environ)
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "MESHD_KERNEL_THREADS"):
-        env[var] = str(threads)
-    # the BLAS thread timeout the daemon gives itself (engine/__init__.py; meshd imports it before numpy), for
-    # every side: numpy is imported before engine in a side's process, so it is set here
-    sys.path.insert(0, str(ROOT))
-    from engine import BLAS_THREAD_TIMEOUT
-
-    env.setdefault("OPENBLAS_THREAD_TIMEOUT", BLAS_THREAD_TIMEOUT)
-    cmd = [sys.executable, __file__, "--worker", kind, "--dir", str(path), "--threads", str(threads),
-           "--rounds", str(rounds)]
-    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, check=False)
-    if p.returncode != 0 or not p.stdout.strip():
-        raise RuntimeError(f"benchmark side {kind} failed (exit {p.returncode})")
-    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def _variants(path: Path, wanted: list[str]) -> dict[str, Path]:
@@ -376,7 +453,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="BLAS/OpenMP/torch threads and engine kernel threads (MESHD_KERNEL_THREADS) of every side (default 2)")
     ap.add_argument("--dir", type=Path, default=None, help="checkpoint dir (created if empty; default a temp dir)")
     ap.add_argument("--no-ref", action="store_true", help="skip transformers")
-    ap.add_argument("--rounds", type=int, default=5, help="timed rounds per side; median and range reported (default 5)")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds (every side once per round, in turn); median and range reported (default {ROUNDS})")
     ap.add_argument("--variants", default="fp32,bf16,Q8_0,Q4_K_M",
                     help="engine weight forms to run (default fp32,bf16,Q8_0,Q4_K_M)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -387,8 +464,7 @@ def main() -> None:
         out = os.fdopen(os.dup(1), "w")
         os.dup2(2, 1)
         sys.stdout = sys.stderr
-        out.write(json.dumps(_run_side(args.worker, args.dir, args.threads, args.rounds)) + "\n")
-        out.flush()
+        _serve(args.worker, args.dir, args.threads, out)
         return
     tmp = None
     path = args.dir
@@ -402,25 +478,66 @@ def main() -> None:
     subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]);"
                     " from engine import dense, kernels; kernels.warm(); dense.warm_step()", str(ROOT)], check=False)
     load0 = os.getloadavg()[0]
-    res: dict[str, dict] = {"bandwidth": _spawn("bandwidth", path, args.threads, 1)}
+    t_start = time.perf_counter()
+    kinds = {"bandwidth": "bandwidth"}
     if not args.no_ref:
-        res["torch"] = _spawn("torch", path, args.threads, args.rounds)
-    for v, p in variants.items():
-        res[v] = _spawn(f"engine-{v}", p, args.threads, args.rounds)
-    bw = res["bandwidth"]["read_gb_s"]
+        kinds["torch"] = "torch"
+    kinds.update({v: f"engine-{v}" for v in variants})
+    procs: dict[str, _Proc] = {}
+    try:
+        for name, kind in kinds.items():  # one at a time, so every load and warm-up runs alone too
+            procs[name] = _Proc(kind, variants.get(name, path), args.threads)
+        t_loaded = time.perf_counter()
+        res: dict[str, dict] = {name: {"prefill": [], "decode": [], "probe": []} for name in procs}
+        idle: dict[str, list[float]] = {}
+        loads = [load0]
+        names = list(procs)
+        for r in range(args.rounds):
+            for name in names[r % len(names):] + names[: r % len(names)]:  # each round starts one side later
+                if name == "bandwidth":
+                    res[name]["probe"].append(_timed(procs, name, idle, "probe")["r"])
+                    continue
+                res[name]["prefill"].append(_timed(procs, name, idle, "prefill")["r"])
+                res[name]["decode"].append(_timed(procs, name, idle, "decode")["r"])
+                if name == "fp32":
+                    for b in BATCHES:
+                        res[name].setdefault(f"batch{b}", []).append(_timed(procs, name, idle, "batch", b)["r"])
+            loads.append(os.getloadavg()[0])
+        for name, proc in procs.items():
+            res[name]["info"] = proc.call("info")
+    finally:
+        for proc in procs.values():
+            proc.close()
+    bws = [x["read_gb_s"] for x in res["bandwidth"]["probe"]]
+    bw = _med(bws)
 
     def rate(r: dict, key: str, n: int) -> tuple[float, float, float]:
         xs = [n / t for t in r[key]]
         return _med(xs), min(xs), max(xs)
 
+    def paired(num: dict, den: dict, key: str) -> str:
+        """Median [min-max] over rounds of den's time over num's time in the same round (num's speed-up)."""
+        xs = [d / n for n, d in zip(num[key], den[key])]
+        return f"{_med(xs):.2f}x [{min(xs):.2f}-{max(xs):.2f}]"
+
+    idle_wall = sum(w for w, _ in idle.values())
+    idle_cpu = sum(c for _, c in idle.values())
+    worst = max(idle.items(), key=lambda kv: kv[1][1] / max(kv[1][0], 1e-9))
     info0 = next(iter(res[v]["info"] for v in variants)) if variants else {}
+    bwp = res["bandwidth"]["probe"]
     lines = [
-        f"sides run one after another in their own subprocesses (none alive while another is timed);"
-        f" rounds={args.rounds}, median [min-max]; load average {load0:.1f} -> {os.getloadavg()[0]:.1f}",
+        f"every side in its own process, all loaded once, then {args.rounds} rounds; in a round each side runs a"
+        f" prefill and a decode (the fp32 side also its batches), one side at a time, each round starting one side"
+        f" later; median [min-max] over rounds; a ratio is taken within each round, then its median [min-max];"
+        f" load average {load0:.1f} -> {os.getloadavg()[0]:.1f} (max {max(loads):.1f});"
+        f" loads {t_loaded - t_start:.0f} s, rounds {time.perf_counter() - t_loaded:.0f} s",
+        f"idle sides: while one side was timed ({idle_wall:.1f} s in all) the others used {idle_cpu * 1e3:.0f} ms of CPU"
+        f" ({idle_cpu / max(idle_wall, 1e-9):.2%}; most while {worst[0]} was timed:"
+        f" {worst[1][1] / max(worst[1][0], 1e-9):.2%}); each command starts {SETTLE_S * 1e3:.0f} ms after the previous",
         f"threads={args.threads} BLAS kernel={info0.get('blas', '?')} numpy={info0.get('numpy', '?')}"
         + (f" torch={res['torch']['info']['torch']} transformers={res['torch']['info']['transformers']}"
-           if "torch" in res else "") + f"; memory read bandwidth {bw:.1f} GB/s"
-        f" (max u32 {res['bandwidth']['max_u32']:.1f}, sdot {res['bandwidth']['sdot']:.1f})",
+           if "torch" in res else "") + f"; memory read bandwidth {bw:.1f} GB/s [{min(bws):.1f}-{max(bws):.1f}]"
+        f" (max u32 {_med([x['max_u32'] for x in bwp]):.1f}, sdot {_med([x['sdot'] for x in bwp]):.1f})",
         f"compiled kernels: {'numba, ' + str(info0.get('kernel_threads')) + ' threads' if info0.get('kernel_threads') else 'not installed (numpy tiles)'};"
         f" numba runtime {info0.get('kernels_mb', 0):.0f} MiB per process (fixed, not counted in peak RSS / file)",
         "",
@@ -439,18 +556,19 @@ def main() -> None:
         r = res[v]
         pm, pl, ph = rate(r, "prefill", PROMPT_LEN)
         dm, dl, dh = rate(r, "decode", DECODE_LEN)
-        vs_ref_p = f"{pm / rate(ref, 'prefill', PROMPT_LEN)[0]:.2f}x" if ref else "-"
-        vs_ref_d = f"{dm / rate(ref, 'decode', DECODE_LEN)[0]:.2f}x" if ref else "-"
-        vs_fp32 = f"{dm / rate(fp32, 'decode', DECODE_LEN)[0]:.2f}x" if fp32 else "-"
-        limit = bw * 1e9 / r["info"]["active_bytes"]
+        vs_ref_p = paired(r, ref, "prefill") if ref else "-"
+        vs_ref_d = paired(r, ref, "decode") if ref else "-"
+        vs_fp32 = paired(r, fp32, "decode") if fp32 and v != "fp32" else "1.00x" if fp32 else "-"
+        act = r["info"]["active_bytes"]
+        of = [DECODE_LEN / t / (g * 1e9 / act) for t, g in zip(r["decode"], bws)]
         rss = r["info"]["peak_rss_mb"] - r["info"]["rss_before_load_mb"]
         fmb = r["info"]["file_bytes"] / 2**20
         lines.append(f"| {v} ({fmb:.0f} MiB) | {pm:.0f} [{pl:.0f}-{ph:.0f}] | {vs_ref_p} | {dm:.1f} [{dl:.1f}-{dh:.1f}]"
-                     f" | {vs_ref_d} | {vs_fp32} | {limit:.0f} ({r['info']['active_bytes'] / 2**20:.0f} MiB/token)"
-                     f" | {dm / limit:.2f} | {rss:.0f} MiB ({rss / fmb:.2f}x; mapped {r['info']['rss_file_mb']:.0f},"
-                     f" anon {r['info']['rss_anon_mb']:.0f}) |")
+                     f" | {vs_ref_d} | {vs_fp32} | {bw * 1e9 / act:.0f} ({act / 2**20:.0f} MiB/token)"
+                     f" | {_med(of):.2f} [{min(of):.2f}-{max(of):.2f}] | {rss:.0f} MiB ({rss / fmb:.2f}x;"
+                     f" mapped {r['info']['rss_file_mb']:.0f}, anon {r['info']['rss_anon_mb']:.0f}) |")
     if fp32 is not None:
-        for b in (1, 4, 8):
+        for b in BATCHES:
             m, lo, hi = rate(fp32, f"batch{b}", b * BATCH_STEPS)
             lines.append(f"| fp32, {b} concurrent (forward_batch, ctx {BATCH_CTX}) | | | {m:.1f} [{lo:.1f}-{hi:.1f}]"
                          f" | | | | | |")
