@@ -142,10 +142,13 @@ def test_attention_query_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     q = RNG.standard_normal((t, 6, hd)).astype(np.float32)
     k = RNG.standard_normal((2, past + t, hd)).astype(np.float32)
     v = RNG.standard_normal((2, past + t, hd)).astype(np.float32)
-    whole = attention(q, k, v, past, hd**-0.5, 6)
-    monkeypatch.setattr(ops, "ATTENTION_QUERY_BLOCK", 3)
-    np.testing.assert_allclose(attention(q, k, v, past, hd**-0.5, 6), whole, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(whole, naive_attention(q, k, v, past, hd**-0.5, 6), rtol=1e-5, atol=1e-5)
+    for window in (6, None):  # a sliding window masks every block in full; causal only the new keys' columns
+        monkeypatch.setattr(ops, "ATTENTION_QUERY_BLOCK", 256)
+        whole = attention(q, k, v, past, hd**-0.5, window)
+        np.testing.assert_allclose(whole, naive_attention(q, k, v, past, hd**-0.5, window), rtol=1e-5, atol=1e-5)
+        for block in (3, 1):
+            monkeypatch.setattr(ops, "ATTENTION_QUERY_BLOCK", block)
+            np.testing.assert_allclose(attention(q, k, v, past, hd**-0.5, window), whole, rtol=1e-6, atol=1e-6)
 
 
 # ----- checkpoint reader ------------------------------------------------------------------------------
