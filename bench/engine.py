@@ -453,7 +453,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2, help="BLAS/OpenMP/torch threads and engine kernel threads (MESHD_KERNEL_THREADS) of every side (default 2)")
     ap.add_argument("--dir", type=Path, default=None, help="checkpoint dir (created if empty; default a temp dir)")
-    ap.add_argument("--no-ref", action="store_true", help="skip transformers")
+    ap.add_argument("--no-ref", action="store_true", help="skip the transformers side (default: run it)")
     ap.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds (every side once per round, in turn); median and range reported (default {ROUNDS})")
     ap.add_argument("--variants", default="fp32,bf16,Q8_0,Q4_K_M",
                     help="engine weight forms to run (default fp32,bf16,Q8_0,Q4_K_M)")
