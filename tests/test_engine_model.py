@@ -151,6 +151,24 @@ def test_attention_query_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
             np.testing.assert_allclose(attention(q, k, v, past, hd**-0.5, window), whole, rtol=1e-6, atol=1e-6)
 
 
+def test_one_token_ids_checked_like_any(tiny: Path) -> None:
+    """A decode step's id (a one-element list or int64 array: checked without numpy's reductions) is refused
+    out of range or of a non-integer type with the same one-line errors, and a good one decodes the same."""
+    m = Model.load(tiny)
+    for bad, msg in (([40], "out of range"), ([-1], "out of range"), (np.array([40]), "out of range"),
+                     (np.array([-3]), "out of range"), ([True], "integers"), ([2.0], "integers"),
+                     (np.array([2.0]), "integers"), ([], "integers")):
+        with pytest.raises(ValueError, match=msg):
+            m.forward(bad, m.new_cache())
+    outs = []
+    for ids in ([3], np.array([3]), np.array([3], dtype=np.int32), (3,)):
+        cache = m.new_cache()
+        m.forward([1, 2], cache)
+        outs.append(m.forward(ids, cache))
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
+
+
 # ----- checkpoint reader ------------------------------------------------------------------------------
 def test_reader_dtypes_and_zero_copy(tmp_path: Path) -> None:
     a = RNG.standard_normal((3, 5)).astype(np.float32)
