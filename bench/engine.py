@@ -55,7 +55,7 @@ BATCH_STEPS = 32
 ROUNDS = 15
 BATCHES = (1, 4, 8)  # the fp32 side's concurrent sequences (forward_batch) rows
 BATCH_EVERY = 3  # ... timed in every third round (not a target; they take as long as the rest of a round)
-SETTLE_S = 0.05  # pause before each timed command: spinning helper threads (200 us) and BLAS (2**20 cycles) sleep
+SETTLE_S = 0.05  # pause before each timed command: spinning helpers (200 us) and BLAS (2**20 cycles) sleep
 CONFIG = dict(
     vocab_size=8192, hidden_size=768, intermediate_size=2048, moe_intermediate_size=384,
     num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4, head_dim=64,
@@ -252,7 +252,8 @@ class _TorchSide:
 
 
 def _bandwidth(threads: int, buf: "np.ndarray", passes: int = 3) -> dict:  # noqa: F821
-    """Memory read bandwidth: ``threads`` readers over ``buf`` (1 GiB), best of ``passes`` passes (GB/s), for two
+    """Memory read bandwidth: ``threads`` readers over ``buf`` (1 GiB), best of ``passes`` passes (GB/s), for
+    two
     streaming reads that are not compute-bound (a 32-bit integer max, and BLAS ``sdot`` of the buffer with
     itself); the larger is the machine's figure. (A float32 ``sum``, used before, is pairwise summation:
     it measured ~24 GB/s where these read ~38 GB/s on the development VM, so it understated the limit.)"""
@@ -454,7 +455,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="BLAS/OpenMP/torch threads and engine kernel threads (MESHD_KERNEL_THREADS) of every side (default 2)")
     ap.add_argument("--dir", type=Path, default=None, help="checkpoint dir (created if empty; default a temp dir)")
     ap.add_argument("--no-ref", action="store_true", help="skip the transformers side (default: run it)")
-    ap.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds (every side once per round, in turn); median and range reported (default {ROUNDS})")
+    ap.add_argument("--rounds", type=int, default=ROUNDS,
+                    help=f"rounds (every side once per round, in turn); median and range reported (default {ROUNDS})")
     ap.add_argument("--variants", default="fp32,bf16,Q8_0,Q4_K_M",
                     help="engine weight forms to run (default fp32,bf16,Q8_0,Q4_K_M)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -502,7 +504,8 @@ def main() -> None:
                 res[name]["decode"].append(_timed(procs, name, idle, "decode")["r"])
                 if name == "fp32" and r % BATCH_EVERY == 0:
                     for b in BATCHES:
-                        res[name].setdefault(f"batch{b}", []).append(_timed(procs, name, idle, "batch", b)["r"])
+                        t = _timed(procs, name, idle, "batch", b)["r"]
+                        res[name].setdefault(f"batch{b}", []).append(t)
             loads.append(os.getloadavg()[0])
         for name, proc in procs.items():
             res[name]["info"] = proc.call("info")
@@ -527,14 +530,15 @@ def main() -> None:
     info0 = next(iter(res[v]["info"] for v in variants)) if variants else {}
     bwp = res["bandwidth"]["probe"]
     lines = [
-        f"every side in its own process, all loaded once, then {args.rounds} rounds; in a round each side runs a"
-        f" prefill and a decode (the fp32 side also its batches, every {BATCH_EVERY}rd round), one side at a time, each round starting one side"
-        f" later; median [min-max] over rounds; a ratio is taken within each round, then its median [min-max];"
-        f" load average {load0:.1f} -> {os.getloadavg()[0]:.1f} (max {max(loads):.1f});"
-        f" loads {t_loaded - t_start:.0f} s, rounds {time.perf_counter() - t_loaded:.0f} s",
-        f"idle sides: while one side was timed ({idle_wall:.1f} s in all) the others used {idle_cpu * 1e3:.0f} ms of CPU"
-        f" ({idle_cpu / max(idle_wall, 1e-9):.2%}; most while {worst[0]} was timed:"
-        f" {worst[1][1] / max(worst[1][0], 1e-9):.2%}); each command starts {SETTLE_S * 1e3:.0f} ms after the previous",
+        f"every side in its own process, all loaded once, then {args.rounds} rounds; in a round each side runs"
+        f" a prefill and a decode (the fp32 side also its batches, every {BATCH_EVERY}rd round), one side at a"
+        f" time, each round starting one side later; median [min-max] over rounds; a ratio is taken within each"
+        f" round, then its median [min-max]; load average {load0:.1f} -> {os.getloadavg()[0]:.1f}"
+        f" (max {max(loads):.1f}); loads {t_loaded - t_start:.0f} s, rounds {time.perf_counter() - t_loaded:.0f} s",
+        f"idle sides: while one side was timed ({idle_wall:.1f} s in all) the others used"
+        f" {idle_cpu * 1e3:.0f} ms of CPU ({idle_cpu / max(idle_wall, 1e-9):.2%}; most while {worst[0]} was"
+        f" timed: {worst[1][1] / max(worst[1][0], 1e-9):.2%}); each command starts {SETTLE_S * 1e3:.0f} ms"
+        f" after the previous",
         f"threads={args.threads} BLAS kernel={info0.get('blas', '?')} numpy={info0.get('numpy', '?')}"
         + (f" torch={res['torch']['info']['torch']} transformers={res['torch']['info']['transformers']}"
            if "torch" in res else "") + f"; memory read bandwidth {bw:.1f} GB/s [{min(bws):.1f}-{max(bws):.1f}]"

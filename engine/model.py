@@ -344,7 +344,8 @@ class Model:
     def _check_ids(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         # a decode step's one token (a list from a caller, an int64 array from engine.generate.forward_last):
         # the checks below without numpy's reductions, ~8 us cheaper
-        if type(ids) is list and len(ids) == 1 and type(ids[0]) is int and 0 <= ids[0] < self.config.vocab_size:
+        if (type(ids) is list and len(ids) == 1 and type(ids[0]) is int
+                and 0 <= ids[0] < self.config.vocab_size):
             return np.array(ids, dtype=np.int64)
         if (type(ids) is np.ndarray and ids.shape == (1,) and ids.dtype == np.int64
                 and 0 <= ids[0] < self.config.vocab_size):

@@ -145,10 +145,12 @@ def test_attention_query_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     for window in (6, None):  # a sliding window masks every block in full; causal only the new keys' columns
         monkeypatch.setattr(ops, "ATTENTION_QUERY_BLOCK", 256)
         whole = attention(q, k, v, past, hd**-0.5, window)
-        np.testing.assert_allclose(whole, naive_attention(q, k, v, past, hd**-0.5, window), rtol=1e-5, atol=1e-5)
+        naive = naive_attention(q, k, v, past, hd**-0.5, window)
+        np.testing.assert_allclose(whole, naive, rtol=1e-5, atol=1e-5)
         for block in (3, 1):
             monkeypatch.setattr(ops, "ATTENTION_QUERY_BLOCK", block)
-            np.testing.assert_allclose(attention(q, k, v, past, hd**-0.5, window), whole, rtol=1e-6, atol=1e-6)
+            got = attention(q, k, v, past, hd**-0.5, window)
+            np.testing.assert_allclose(got, whole, rtol=1e-6, atol=1e-6)
 
 
 def test_one_token_ids_checked_like_any(tiny: Path) -> None:
