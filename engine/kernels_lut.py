@@ -154,25 +154,45 @@ def _scale_floats(typingctx, words, d, dmin, f):  # noqa: ANN001, ANN202
     return types.none(words, d, dmin, f), codegen
 
 
+@njit(inline="always")
+def _q4_chunk(accp, lut, c: int, qa: int, xb: int) -> None:  # noqa: ANN001
+    # chunk c of a block: low nibbles of its 32 bytes are sub-block 2c (lanes 0-31), high ones 2c+1 (32-63)
+    _lut_lo(accp, 0, lut, 32 * c, qa, xb)
+    _lut_lo(accp, 16, lut, 32 * c, qa + 16, xb + 64)
+    _lut_hi(accp, 32, lut, 32 * c + 16, qa, xb + 128)
+    _lut_hi(accp, 48, lut, 32 * c + 16, qa + 16, xb + 192)
+
+
 @njit(**kernels._opts)
 def q4_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
-    """``engine.kernels._q45_k`` for Q4_K (five=False), bit for bit, through per-sub-block tables."""
+    """``engine.kernels._q45_k`` for Q4_K (five=False), bit for bit, through per-sub-block tables. Up to four
+    activation rows share a block's tables (each row has its own lanes, updated as a lone row's would be)."""
     t, k = x.shape
-    accp = kernels._stack_f32(64)
-    acc = numba.carray(accp, 64)
+    a0p = kernels._stack_f32(64)
+    a1p = kernels._stack_f32(64)
+    a2p = kernels._stack_f32(64)
+    a3p = kernels._stack_f32(64)
+    a0, a1, a2, a3 = (numba.carray(a0p, 64), numba.carray(a1p, 64), numba.carray(a2p, 64),
+                      numba.carray(a3p, 64))
     lut = kernels._stack_f32(128)  # sub-block j's 16 weights at lut[16 j]
     fp = kernels._stack_f32(16)  # d * scale, then dmin * min
     f = numba.carray(fp, 16)
     wp = kernels._stack_u32(4)
     words = numba.carray(wp, 4)
     xa = x.ctypes.data
+    xr = k * 4  # bytes per activation row
     rb = w.shape[1]
     for r in range(r0, r1):
         row = w[r]
         ra = w.ctypes.data + r * rb
-        for s in range(t):
-            kernels._zero(acc, 64)
-            xs = xa + s * k * 4
+        s0 = 0
+        while s0 < t:
+            g = min(4, t - s0)
+            kernels._zero(a0, 64)
+            kernels._zero(a1, 64)
+            kernels._zero(a2, 64)
+            kernels._zero(a3, 64)
+            xs = xa + s0 * xr
             for b in range(k // 256):
                 o = b * 144
                 kernels._k_scale_words(row, o + 4, words)
@@ -182,11 +202,21 @@ def q4_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int
                 for c in range(4):
                     qa = ra + o + 16 + c * 32
                     xb = xs + (b * 256 + c * 64) * 4
-                    _lut_lo(accp, 0, lut, 32 * c, qa, xb)
-                    _lut_lo(accp, 16, lut, 32 * c, qa + 16, xb + 64)
-                    _lut_hi(accp, 32, lut, 32 * c + 16, qa, xb + 128)
-                    _lut_hi(accp, 48, lut, 32 * c + 16, qa + 16, xb + 192)
-            out[s, r] = kernels._total(acc, 64)
+                    _q4_chunk(a0p, lut, c, qa, xb)
+                    if g > 1:
+                        _q4_chunk(a1p, lut, c, qa, xb + xr)
+                    if g > 2:
+                        _q4_chunk(a2p, lut, c, qa, xb + 2 * xr)
+                    if g > 3:
+                        _q4_chunk(a3p, lut, c, qa, xb + 3 * xr)
+            out[s0, r] = kernels._total(a0, 64)
+            if g > 1:
+                out[s0 + 1, r] = kernels._total(a1, 64)
+            if g > 2:
+                out[s0 + 2, r] = kernels._total(a2, 64)
+            if g > 3:
+                out[s0 + 3, r] = kernels._total(a3, 64)
+            s0 += g
 
 
 @njit(**kernels._opts)
