@@ -12,8 +12,9 @@ product has the same single rounding, so the bits are ``_q45_k``'s (tests/test_g
 bit for bit). The block's sixteen 6-bit scales and mins become ``d * scale`` / ``dmin * min`` in one vector
 multiply instead of sixteen scalar conversions and multiplies.
 
-``vpermps`` over a 16-entry table is an AVX-512 instruction: ``AVAILABLE`` is False on other CPUs (or with
-``MESHD_KERNELS_LUT=0``), and the pool keeps ``_q45_k``.
+``vpermps`` over a 16-entry table is an AVX-512 instruction: ``AVAILABLE`` is False on other CPUs, when numba
+compiles for a named CPU (``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES``), or with ``MESHD_KERNELS_LUT=0``; the pool
+then keeps ``_q45_k``/``_q6_k``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from numba.extending import intrinsic
 from . import kernels
 from .kernels import _bits
 
+# numba compiles for this host's CPU unless NUMBA_CPU_NAME says otherwise (a portable cache: then no AVX-512)
 AVAILABLE = (kernels.AVAILABLE and bool(binding.get_host_cpu_features().get("avx512f"))
+             and numba.config.CPU_NAME in (None, "host") and not numba.config.CPU_FEATURES
              and os.environ.get("MESHD_KERNELS_LUT", "1") != "0")
 
 _F = ir.FloatType()
