@@ -33,6 +33,7 @@ import numpy as np
 import structlog
 
 from engine.latency import LATENCY_BUCKETS_S  # noqa: F401 - re-exported
+from engine.decode_plan import forward_span
 from engine.moe import drive
 from engine.pipeline import limits, trace, wire
 from engine.pipeline.link import StageFailed, StageLink, StageStats  # noqa: F401 - re-exported
@@ -299,8 +300,7 @@ class PipelinedModel:
         local, past, t = run.local, cache.local.length, arr.shape[0]
         x = self.model.embed(arr)
         if local.layers:
-            cache.local.reserve(past + t)
-            x = drive(local.span_steps(x, cache.local, past), executor or local.local_executor, local.warm)
+            x = _local_layers(local, x, cache.local, past, executor)[0]
         cache.inflight.append(self.provider.submit(run.forward(x, cache.seq, past, True)))
         cache.local.length = past + t
         cache.history.append(arr)
@@ -326,8 +326,10 @@ class PipelinedModel:
         t0 = time.perf_counter()
         x = self.model.embed(arr)  # [T, D]
         if local.layers:
-            cache.local.reserve(past + t)
-            x = drive(local.span_steps(x, cache.local, past), executor or local.local_executor, local.warm)
+            x, done = _local_layers(local, x, cache.local, past, executor, not run.links)
+            if done:  # no stages: the plan ended in this node's head
+                cache.local.length = past + t
+                return x
         if run.links:
             t1 = time.perf_counter()
             if trace.ON and t == 1:
@@ -393,8 +395,7 @@ class PipelinedModel:
         local, past = cache.run.local, cache.local.length
         x = self.model.embed(arr)
         if local.layers:
-            cache.local.reserve(past + 1)
-            x = drive(local.span_steps(x, cache.local, past), executor or local.local_executor, local.warm)
+            x = _local_layers(local, x, cache.local, past, executor)[0]
         if trace.ON:
             trace.mark("S.submit")
         return Pending(cache, arr, past, self._remote(cache.run, x, cache.seq, past, True, wait))
@@ -413,6 +414,20 @@ class PipelinedModel:
         last = len(caches) - 1  # after the last one this thread only waits: its loop may poll
         started = [self._start(int(t), c, executor, i == last) for i, (t, c) in enumerate(zip(ids, caches))]
         return np.stack([self.finish_one(p, executor) for p in started])
+
+
+def _local_layers(local: Any, x: np.ndarray, cache: Any, past: int, executor: Any,
+                  head: bool = False) -> tuple[np.ndarray, bool]:
+    """This node's layer range over x [T, D] at positions past.. (room reserved here, ``length`` left to the
+    caller): a one-token step through the decode plan's layer-range form when it applies, else the general
+    pass; same bits. -> (hidden states, False), or with ``head`` (a run with no stages: this node holds the
+    head) possibly (the plan's logits [1, V], True)."""
+    if x.shape[0] == 1:
+        out = forward_span(local, x, cache, executor, head)
+        if out is not None:
+            return out, head
+    cache.reserve(past + x.shape[0])
+    return drive(local.span_steps(x, cache, past), executor or local.local_executor, local.warm), False
 
 
 @dataclass

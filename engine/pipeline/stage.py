@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from engine.decode_plan import forward_span
 from engine.moe import drive
 from engine.pipeline import limits, trace, wire
 from transport import poll
@@ -366,12 +367,19 @@ class StageHost:
         with self._lock:
             caches = self._caches(part, f, now)
         ex = executor or part.local_executor
+        logits = part.lm_head is not None
+        planned = None
         if len(f.spans) == 1:
             s, cache = f.spans[0], caches[0]
-            cache.reserve(s.start + s.count)
-            x = drive(part.span_steps(f.x, cache, s.start), ex, part.warm)
+            if s.count == 1 and executor is None:  # a one-token step: the decode plan's layer-range form
+                planned = forward_span(part, f.x, cache, None, logits)
+            if planned is None:
+                cache.reserve(s.start + s.count)
+                x = drive(part.span_steps(f.x, cache, s.start), ex, part.warm)
+            else:
+                x = planned
             cache.length = s.start + s.count
-            if f.last_only and part.lm_head is not None:
+            if f.last_only and logits:
                 x = x[-1:]
         else:
             for c in caches:
@@ -380,8 +388,7 @@ class StageHost:
             x = drive(part.span_batch_steps(f.x, caches, pos), ex, part.warm)
             for c in caches:
                 c.length += 1
-        logits = part.lm_head is not None
-        if logits:
+        if logits and planned is None:
             x = part.logits(x)
         dt = time.perf_counter() - t0
         if trace.ON and f.x.shape[0] == 1:
