@@ -38,6 +38,7 @@ from engine.moe import drive
 from engine.pipeline import limits, trace, wire
 from engine.pipeline.link import StageFailed, StageLink, StageStats  # noqa: F401 - re-exported
 from engine.pipeline.planner import Plan
+from engine.pipeline.stage import SERIAL, serial_if
 
 log = structlog.get_logger(__name__)
 
@@ -248,6 +249,8 @@ class PipelinedModel:
         self.decode_steps = 0
         self.decode_local_s = 0.0
         self.decode_remote_s = 0.0
+        self._out: list[concurrent.futures.Future[Any]] = []  # steps start_one put on the stages (scheduler
+        # thread; the ones still there decide whether this node's own layers run single-threaded)
 
     def new_cache(self, capacity: int = 256) -> PipeCache:
         return PipeCache(self.provider, self.provider.current())
@@ -394,11 +397,15 @@ class PipelinedModel:
             return Pending(cache, arr, -1, None, self.forward(arr, cache, executor, last_only=True)[-1])
         local, past = cache.run.local, cache.local.length
         x = self.model.embed(arr)
-        if local.layers:
-            x = _local_layers(local, x, cache.local, past, executor)[0]
+        self._out = [f for f in self._out if not f.done()]
+        if local.layers:  # another sequence's step on the stages: both processes compute (limits)
+            with serial_if(SERIAL and bool(self._out)):
+                x = _local_layers(local, x, cache.local, past, executor)[0]
         if trace.ON:
             trace.mark("S.submit")
-        return Pending(cache, arr, past, self._remote(cache.run, x, cache.seq, past, True, wait))
+        fut = self._remote(cache.run, x, cache.seq, past, True, wait)
+        self._out.append(fut)
+        return Pending(cache, arr, past, fut)
 
     def forward_batch(
         self, ids: Sequence[int] | np.ndarray, caches: Sequence[PipeCache], executor: Any = None
