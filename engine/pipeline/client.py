@@ -22,6 +22,7 @@ import concurrent.futures
 import contextlib
 import itertools
 import os
+import sys
 import threading
 import time
 import weakref
@@ -69,10 +70,15 @@ class Run:
         except RuntimeError:
             self.loop = None
         # decode steps poll for what comes next (this node for a result, each stage for its next step)
-        # only while every pipeline process on this machine has a core of its own: polling keeps a core
-        # busy, and one the stages or this node's layers need is not free (stages elsewhere use theirs)
+        # only while every pipeline process on this machine has the cores its step computes on to itself:
+        # polling keeps a core busy, and one the stages or this node's layers need is not free (stages
+        # elsewhere use theirs). A step on the compiled kernels computes on the kernel pool's threads (all
+        # cores by default), so then nothing is left to poll on: polling there took a core from the other
+        # process's pool (measured, docs/pipeline.md session 5). MESHD_PIPELINE_POLL=0/1: never/always (A/B)
         here = sum(1 for link in links if getattr(link.channel, "on_loopback", False))
-        self.polling = self.loop is not None and here + 1 <= _cores()
+        force = os.environ.get("MESHD_PIPELINE_POLL", "")
+        fits = (here + 1) * _compute_threads() <= _cores() if force not in ("0", "1") else force == "1"
+        self.polling = self.loop is not None and fits
 
     def new_seq(self) -> int:
         seq = next(self._seq_ids)
@@ -181,6 +187,19 @@ class Run:
 def _cores() -> int:
     affinity = getattr(os, "sched_getaffinity", None)
     return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+
+
+def _compute_threads() -> int:
+    """Threads one decode step of this process computes on: the compiled kernels' pool when they are loaded
+    (a stage on the same machine runs the same install), else 1 (numpy's BLAS, one thread in a node that
+    shares its cores: the benchmark's setting)."""
+    kernels = sys.modules.get("engine.kernels")
+    if kernels is None or not getattr(kernels, "AVAILABLE", False):
+        return 1
+    try:
+        return max(1, int(kernels.threads()))
+    except Exception:  # noqa: BLE001 - an older kernels module: assume one thread
+        return 1
 
 
 def _wrong_kind(last: bool) -> str:
