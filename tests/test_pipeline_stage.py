@@ -224,3 +224,33 @@ def test_a_step_runs_single_threaded_while_another_sequence_stepped_just_before(
 
     asyncio.run(main())
     assert seen == [False, True, True, False]
+
+
+def test_decode_steps_poll_only_where_every_process_has_the_cores_it_computes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run polls (serving node for a result, stages via FLAG_POLL) only when the pipeline processes on this
+    machine times the threads a step computes on fit the cores: not with 2-thread kernel pools on 2 cores."""
+    from types import SimpleNamespace
+
+    from engine.pipeline import client
+
+    links = [SimpleNamespace(channel=SimpleNamespace(on_loopback=True))]
+
+    def polling(cores: int, threads: int, force: str | None = None) -> bool:
+        monkeypatch.setattr(client, "_cores", lambda: cores)
+        monkeypatch.setattr(client, "_compute_threads", lambda: threads)
+        if force is None:
+            monkeypatch.delenv("MESHD_PIPELINE_POLL", raising=False)
+        else:
+            monkeypatch.setenv("MESHD_PIPELINE_POLL", force)
+
+        async def make() -> bool:
+            return client.Run(1, None, None, links).polling  # type: ignore[arg-type]
+
+        return asyncio.run(make())
+
+    assert polling(2, 1) and polling(4, 2)
+    assert not polling(2, 2) and not polling(3, 2) and not polling(1, 1)
+    assert polling(2, 2, "1") and not polling(2, 1, "0")
+    assert not client.Run(1, None, None, links).polling  # type: ignore[arg-type]  # no loop: never
