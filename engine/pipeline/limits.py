@@ -49,4 +49,5 @@ CROWDED_WINDOW_S = 0.025  # a one-token step runs its kernel products on its own
 #   out on the stages (on the serving node): with several sequences in flight both pipeline processes
 #   compute at once, and each process's 2-thread kernel pool would fight the other's for the cores; a lone
 #   sequence keeps the pool. Same bits either way. A sequence of a rolling decode steps every few ms to
-#   tens of ms; a lone stream's steps are its own. ``MESHD_PIPELINE_SERIAL=0`` keeps the pool always (A/B)
+#   tens of ms; a lone stream's steps are its own. Only with ``MESHD_PIPELINE_SERIAL=1``: off by default,
+#   since two runs on the loaded VM (session 5, docs/pipeline.md) did not show a gain for 8 streams

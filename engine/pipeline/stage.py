@@ -437,7 +437,7 @@ class StageHost:
         return caches
 
 
-SERIAL = os.environ.get("MESHD_PIPELINE_SERIAL", "1") != "0"  # see limits.CROWDED_WINDOW_S
+SERIAL = os.environ.get("MESHD_PIPELINE_SERIAL", "0") == "1"  # off by default: see limits.CROWDED_WINDOW_S
 
 
 def serial_if(crowded: bool) -> Any:
