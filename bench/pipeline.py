@@ -354,7 +354,7 @@ def main() -> int:
         default=[],
         metavar="NAME=VALUE[,NAME=VALUE]",
         help="also run a 2-stage setup whose two processes have these environment variables (A/B in one run, "
-        "e.g. MESHD_DECODE_PLAN=0 or MESHD_PIPELINE_SERIAL=0; repeatable; default: none)",
+        "e.g. MESHD_DECODE_PLAN=0,MESHD_PIPELINE_POLL=1 or MESHD_PIPELINE_SERIAL=1; repeatable; default: none)",
     )
     args = ap.parse_args()
     global PYTHON

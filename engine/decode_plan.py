@@ -16,8 +16,8 @@ of it, without changing an operation:
 
 Everything else is the function the general pass calls: ``dense.rmsnorm``'s kernel, ``attend_one``,
 ``route_one``, the compiled SwiGLU, ``dense.matmul`` for the router and the output head. So the logits are
-the general pass's bits (tested), and a pipeline stage or an expert worker, which run the general pass,
-still compute exactly what the local pass does. A model (or a round) the plan does not cover runs the
+the general pass's bits (tested), and a pipeline stage (which runs the plan's layer-range form, below) or an
+expert worker (the general pass) still computes exactly what the local pass does. A model (or a round) the plan does not cover runs the
 general pass: batched decode, prefill, remote executors, latent attention, sigmoid routers,
 shared experts, biases, and products that are not all on the packed kernels or all on the fp32 kernel.
 
