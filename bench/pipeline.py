@@ -31,7 +31,8 @@ Recovery: a stream of 200 tokens on the 2-stage setup, the stage killed with SIG
 longest gap between two tokens is the recovery time (the serving node then runs all layers itself). Every pipelined
 reply is checked equal to the local one. ``--variant ENV=VALUE[,ENV=VALUE]`` (repeatable) adds a 2-stage
 setup whose two processes run with that environment (e.g. ``MESHD_DECODE_PLAN=0,MESHD_PIPELINE_POLL=1``:
-session 4's behaviour; ``MESHD_PIPELINE_SERIAL=1``), in the same rounds: an A/B in one run. During the concurrent streams, the CPU time of every process of
+session 4's behaviour; ``MESHD_PIPELINE_SERIAL=1``), in the same rounds: an A/B in one run.
+During the concurrent streams, the CPU time of every process of
 the setup over the wall time (1.0: one core all the time) shows where the idle time is. Medians over
 rounds with [min, max]. Prints a Markdown table
 and a JSON line.
@@ -63,7 +64,9 @@ PYTHON = sys.executable  # what runs the nodes (--python: e.g. a venv with meshd
 
 
 class Node:
-    def __init__(self, state: Path, args: list[str], threads: int, extra_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, state: Path, args: list[str], threads: int, extra_env: dict[str, str] | None = None
+    ) -> None:
         state.mkdir(parents=True, exist_ok=True)
         env = {
             **os.environ,
@@ -353,8 +356,9 @@ def main() -> int:
         action="append",
         default=[],
         metavar="NAME=VALUE[,NAME=VALUE]",
-        help="also run a 2-stage setup whose two processes have these environment variables (A/B in one run, "
-        "e.g. MESHD_DECODE_PLAN=0,MESHD_PIPELINE_POLL=1 or MESHD_PIPELINE_SERIAL=1; repeatable; default: none)",
+        help="also run a 2-stage setup whose two processes have these environment variables (A/B in one "
+        "run, e.g. MESHD_DECODE_PLAN=0,MESHD_PIPELINE_POLL=1 or MESHD_PIPELINE_SERIAL=1; repeatable; "
+        "default: none)",
     )
     args = ap.parse_args()
     global PYTHON

@@ -1,12 +1,12 @@
-"""A pipeline part's one-token step in one process: the decode plan's layer-range form against the general pass.
+"""A pipeline part's one-token step in one process: the decode plan's layer-range form vs the general pass.
 
     python bench/pipeline_span.py [--dir DIR] [--rounds 8] [--steps 8]
 
 bench/pipeline.py's mid-size checkpoint (written to --dir if missing). The two parts of its 2-stage split,
 the serving node's layers 0-3 and the stage's 4-7 + head, each as ``Model.part`` views of one loaded model,
 after a 256-position prefill: per round, ``--steps`` one-token steps through ``decode_plan.forward_span``
-(with the kernel pool, and inside ``kernels.single_threaded()``) and through ``span_steps`` (+ ``logits``), the
-three sides alternating on their own caches. Prints the median step time per side over rounds [min, max].
+(with the kernel pool, and inside ``kernels.single_threaded()``) and through ``span_steps`` (+ ``logits``),
+the three sides alternating on their own caches. Prints the median step time per side over rounds [min, max].
 Needs numba (the ``[fast]`` extra): without it there is no plan and the script says so.
 """
 

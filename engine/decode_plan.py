@@ -17,9 +17,10 @@ of it, without changing an operation:
 Everything else is the function the general pass calls: ``dense.rmsnorm``'s kernel, ``attend_one``,
 ``route_one``, the compiled SwiGLU, ``dense.matmul`` for the router and the output head. So the logits are
 the general pass's bits (tested), and a pipeline stage (which runs the plan's layer-range form, below) or an
-expert worker (the general pass) still computes exactly what the local pass does. A model (or a round) the plan does not cover runs the
-general pass: batched decode, prefill, remote executors, latent attention, sigmoid routers,
-shared experts, biases, and products that are not all on the packed kernels or all on the fp32 kernel.
+expert worker (the general pass) still computes exactly what the local pass does. A model (or a round) the
+plan does not cover runs the general pass: batched decode, prefill, remote executors, latent attention,
+sigmoid routers, shared experts, biases, and products that are not all on the packed kernels or all on the
+fp32 kernel.
 
 Layer ranges: a pipeline part (``Model.part``, or a stage's ``Model.load(layers=...)``) is planned the same
 way; :func:`forward_span` runs one row of hidden state through its layers (``DecodePlan.span``), ending in the
@@ -334,7 +335,9 @@ def forward_span(model: Model, x: np.ndarray, cache: KVCache, executor: object =
     keeps it; reserves the cache's room, leaves ``length`` to the caller. None when the plan is not taken
     (more than one row, another executor than the local one, a model the plan does not cover, a second
     thread in the plan at once): the caller then runs the general pass (``span_steps``), same bits."""
-    if model._plan is False or x.shape[0] != 1 or (executor is not None and executor is not model.local_executor):
+    if model._plan is False or x.shape[0] != 1:
+        return None
+    if executor is not None and executor is not model.local_executor:
         return None
     if not model._plan_lock.acquire(blocking=False):
         return None

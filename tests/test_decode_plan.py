@@ -164,7 +164,7 @@ def test_layer_range_plan_gives_span_steps_bits(form: str, checkpoint: Path, spa
     d = full.config.hidden_size
     rows = [rng.standard_normal((1, d)).astype(np.float32) for _ in range(6)]
     prompt = rng.standard_normal((4, d)).astype(np.float32)
-    for first, last, own in [(0, 0, False), (1, 2, False), (0, 2, False), (1, 2, True)]:  # own: a stage's load
+    for first, last, own in [(0, 0, False), (1, 2, False), (0, 2, False), (1, 2, True)]:  # own: a stage's
         planned, general = ((Model.load(path, layers=(first, last)) if own else full.part(first, last))
                             for _ in range(2))
         general._plan = False

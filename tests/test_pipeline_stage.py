@@ -198,8 +198,8 @@ def test_decode_steps_answered_in_the_read_callback_and_poll_only_when_asked(tin
 def test_a_step_runs_single_threaded_while_another_sequence_stepped_just_before(
     tiny: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """limits.CROWDED_WINDOW_S: a one-token step whose stage saw another sequence's step within the window runs
-    its products in ``kernels.single_threaded()``; a lone sequence's steps and prefill chunks do not."""
+    """limits.CROWDED_WINDOW_S: a one-token step whose stage saw another sequence's step within the window
+    runs its products in ``kernels.single_threaded()``; a lone sequence's steps and prefill chunks do not."""
     from engine.pipeline import stage
 
     model = Model.load(tiny)
