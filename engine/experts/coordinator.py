@@ -49,7 +49,7 @@ from functools import partial
 import numpy as np
 import structlog
 
-from engine.experts import planning, rpc
+from engine.experts import decode_steps, planning, rpc
 from engine.experts.channel import ByteChannel
 from engine.experts.general import GeneralPath
 from engine.experts.layout import MoeLayout
@@ -58,7 +58,7 @@ from engine.experts.link import (LATENCY_BUCKETS_S, ExpertsUnavailable, LinkStat
 from engine.experts.ownership import OwnershipMap, WorkerInfo, build_map
 from engine.experts.passes import LoopPasses
 from engine.experts.planning import FastCall, FastSend
-from engine.moe import ExpertWeightsFn, Routing, WorkItem, combine, slot_positions, weighted_sum
+from engine.moe import ExpertWeightsFn, ForwardSteps, Routing, WorkItem, combine, slot_positions, weighted_sum
 from engine import limits
 from transport import poll
 
@@ -296,6 +296,12 @@ class RemoteExecutor(LoopPasses, GeneralPath):
             assert isinstance(snd.reply, rpc.ExpertReply)  # noqa: S101 - no routing: v1 requests only
             planning.fill(layer, work, snd.items, snd.reply, out)
         return [r for r in out if r is not None]
+
+    @staticmethod
+    def decode_steps(model: object, ids: object, cache: object) -> ForwardSteps | None:
+        """``Model.forward``'s hook: a one-token pass as the coordinator's planned steps (prebuilt buffers and
+        kernel tables, ``engine.experts.decode_steps``), or None for the general pass. Same bits."""
+        return decode_steps.decode_steps(model, ids, cache)  # type: ignore[arg-type]
 
     def run_routed(self, layer: int, x: np.ndarray, routing: Routing) -> np.ndarray:
         """The ``RoutedExecutor`` extension: [T, D] fp32, bit for bit ``combine(routing, self(...), T, D)``.
