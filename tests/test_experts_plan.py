@@ -92,6 +92,7 @@ def test_remote_decode_runs_the_plan_and_gives_the_local_bits(checkpoint: Path, 
     st = ex.status()
     assert st["passes_on_loop"] >= STEPS and st["items_local"] == 0
     assert worker.stats.requests == (1 + STEPS) * 2  # 2 routed layers per pass, all delegated
+    assert next(iter(worker._plans.values())).used == STEPS * 2  # each one-token request on prebuilt rows
     lt.run(ex.close())
 
 
@@ -115,3 +116,28 @@ def test_a_busy_plan_or_a_model_it_does_not_cover_takes_the_general_pass(checkpo
     monkeypatch.setenv("MESHD_DECODE_PLAN", "0")
     assert decode_steps.RemoteDecodePlan.make(model) is None
     lt.run(ex.close())
+
+
+@pytest.mark.parametrize("dtype", ["F32", "BF16"])
+def test_the_worker_plan_gives_compute_requests_bits(tmp_path: Path, dtype: str) -> None:
+    from engine.experts import planning, worker
+
+    path = make_moe_checkpoint(tmp_path / "m", layers=2, experts=8, hidden=512, inter=384, top_k=4, dtype=dtype)
+    shard = load_shard(str(path) + "@0-1/0-5")  # experts 6 and 7 not held: such a request is not planned
+    w = ExpertWorker([shard], [model_fingerprint(path)])
+    plan = next(iter(w._plans.values()))
+    rng = np.random.default_rng(3)
+    for layer, experts in ((0, (1, 3, 4, 5)), (1, (0, 2, 3, 5)), (1, (0, 1)), (0, (2, 3, 4, 5))):
+        x = rng.standard_normal((1, 512), dtype=np.float32)
+        work = [(e, np.zeros(1, dtype=np.int64)) for e in experts]
+        req = planning.request(layer, x, work, list(range(len(work))))
+        want = worker.compute_request(shard.weights, req)
+        out = np.full_like(want, np.nan)
+        used = plan.used
+        assert plan.compute(layer, req.x, req.groups(), out) and plan.used == used + 1
+        assert out.tobytes() == want.tobytes()
+    x = rng.standard_normal((2, 512), dtype=np.float32)  # two rows: not planned
+    req = planning.request(0, x, [(1, np.array([0, 1]))], [0])
+    assert not plan.compute(0, req.x, req.groups(), np.empty((2, 512), dtype=np.float32))
+    req = planning.request(0, x[:1], [(6, np.zeros(1, dtype=np.int64))], [0])  # not held here
+    assert not plan.compute(0, req.x, req.groups(), np.empty((1, 512), dtype=np.float32))
