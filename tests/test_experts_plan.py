@@ -55,7 +55,9 @@ def _decode(model: Model, executor: object = None) -> tuple[list[bytes], list[by
     return out, [a[:, : cache.length].tobytes() for a in (*cache.k, *cache.v)]
 
 
-def _executor(lt: LoopThread, path: Path) -> tuple[RemoteExecutor, ExpertWorker]:
+def _executor(lt: LoopThread, path: Path, packet: int | None = None) -> tuple[RemoteExecutor, ExpertWorker]:
+    """An executor with one in-process worker over a socket pair; ``packet``: the channel's datagram size (as
+    the lane's or QUIC's; a decode reply then comes back raw, as on loopback), else it combines every token."""
     fp = model_fingerprint(path)
     shard = load_shard(str(path))
     worker = ExpertWorker([shard], [fp])
@@ -63,6 +65,8 @@ def _executor(lt: LoopThread, path: Path) -> tuple[RemoteExecutor, ExpertWorker]
 
     async def go() -> None:
         a, b = await socketpair_channels()
+        if packet is not None:
+            a.max_datagram_bytes = packet  # type: ignore[attr-defined]
         task = asyncio.get_running_loop().create_task(worker.serve(b, "coordinator"))
         _TASKS.add(task)
         task.add_done_callback(_TASKS.discard)
@@ -72,11 +76,12 @@ def _executor(lt: LoopThread, path: Path) -> tuple[RemoteExecutor, ExpertWorker]
     return ex, worker
 
 
+@pytest.mark.parametrize("packet", [None, 16384])
 def test_remote_decode_runs_the_plan_and_gives_the_local_bits(checkpoint: Path, lt: LoopThread,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+                                                              monkeypatch: pytest.MonkeyPatch, packet: int | None) -> None:
     model = Model.load(checkpoint)
     want = _decode(model)  # the local planned step (itself the general pass's bits: tests/test_decode_plan.py)
-    ex, worker = _executor(lt, checkpoint)
+    ex, worker = _executor(lt, checkpoint, packet)
     runs: list[int] = []
     real = decode_steps.RemoteDecodePlan.steps
 
@@ -91,6 +96,9 @@ def test_remote_decode_runs_the_plan_and_gives_the_local_bits(checkpoint: Path, 
     assert got[1] == want[1]  # the KV cache
     st = ex.status()
     assert st["passes_on_loop"] >= STEPS and st["items_local"] == 0
+    # one-token layers combined by the worker (no packet size), or sent raw and combined here (16 KiB packets:
+    # combining saves no packet); the prompt's rows are combined by the worker either way
+    assert st["rows_combined"] == 2 * len(PROMPT) + (0 if packet else STEPS * 2)
     assert worker.stats.requests == (1 + STEPS) * 2  # 2 routed layers per pass, all delegated
     assert next(iter(worker._plans.values())).used == STEPS * 2  # each one-token request on prebuilt rows
     lt.run(ex.close())
