@@ -21,6 +21,7 @@ from typing import Any
 PROMPTS = ["hello mesh", "tell me about rivers", "count: one two", "quick brown fox", "pipes and lanes"]
 MAX_TOKENS = 8
 REQUEST_LIMIT_S = 30.0  # a request not finished by then is a hang (the invariant's limit)
+READY_LIMIT_S = 30.0  # how long the references wait for the client to list every model
 
 
 class Out:
@@ -118,6 +119,11 @@ def main() -> None:
     stop_at = time.monotonic() + duration
 
     if load:
+        # the references need a quiet, complete mesh: the test waits for membership to agree, but a client's
+        # route to a model arrives with that model's advertisement, which can trail membership under load
+        listed_by = time.monotonic() + READY_LIMIT_S
+        while (models(port) or []) != ["solo", "tiny"] and time.monotonic() < listed_by:
+            time.sleep(0.2)
         for model in ("tiny", "solo"):
             for prompt in PROMPTS:
                 r = request(port, model, prompt, chat=False, stream=False)
