@@ -1,7 +1,8 @@
 """Compiled decode kernels (engine/kernels.py, the ``fast`` extra) against the numpy tiles they replace and
 against an earlier revision's kernels (``--baseline``), all in one run.
 
-    python bench/kernels.py [--rounds 200] [--baseline 5a404c5] [--main 8a5eab4]
+    python bench/kernels.py [--rounds 200] [--baseline 5a404c5] [--main 8a5eab4] [--only 5,6] [--alternations 5]
+        [--decode /tmp/compact-bench/model-Q4_K_M.gguf]
 
 Table 1, for every packed type on the two product shapes of the engine benchmark's checkpoint (1536x768,
 1024x1024) with 1 and 8 activation rows: G weights/s (weights of the matrix per second of one call, whatever
@@ -23,6 +24,16 @@ called alone, and the same products through ``--main``'s engine/dense.py (its ow
 loaded with ``git show``) against this tree's (the kernel threads' pool, one round for fp32 and packed alike):
 one product of 1 and 8 rows over a set of matrices larger than the caches (memory, not compute: GB/s), and one
 decode layer's fp32 products as the engine issues them (4 rounds).
+
+Table 5 (session 5), the K-quant kernels this tree runs on AVX-512 (engine/kernels_lut.py: per-sub-block tables
+and a permute per 16 weights) against the generic ones of engine/kernels.py (what every other CPU runs; the same
+bits), called directly on one thread, 1 and 8 activation rows, weights in cache; the two sides alternate
+``--alternations`` times (each ``--rounds`` calls) and the table gives the median and range of those medians.
+
+Table 6 (with ``--decode PATH``, e.g. ``/tmp/compact-bench/model-Q4_K_M.gguf`` written by bench/engine.py): a
+whole planned decode of that GGUF checkpoint in this process, the generic K-quant kernels against the lookup ones
+(the kernel threads' table entries switched, the decode plan rebuilt), ``--alternations`` blocks of 40 steps each
+after a 64-token prompt (the cache kept between 100 and 200 positions): ms per token, median and range.
 
 Median and range of ``--rounds`` timed calls, each side warmed up the same (20 calls) and timed alone (one
 process, one side at a time). The baseline is the revision's engine/kernels.py, loaded with ``git show``
@@ -249,6 +260,81 @@ def f32(rounds: int, old: ModuleType | None, rng: np.random.Generator) -> None:
           f" {f'{base[0] / new[0]:.2f}x' if base else '-'} |")
 
 
+def lookup(rounds: int, alternations: int, rng: np.random.Generator) -> None:
+    try:
+        from engine import kernels_lut
+    except ImportError:
+        kernels_lut = None  # type: ignore[assignment]
+    if kernels_lut is None or not kernels_lut.AVAILABLE:
+        print("lookup kernels: not available on this CPU (no AVX-512)")
+        return
+    generic = {"Q4_K": lambda x, d, o, n: kernels._q45_k(x, d, o, kernels.HALF, 0, n, False),
+               "Q5_K": lambda x, d, o, n: kernels._q45_k(x, d, o, kernels.HALF, 0, n, True),
+               "Q6_K": lambda x, d, o, n: kernels._q6_k(x, d, o, kernels.HALF, 0, n)}
+    print("| type | shape | rows | generic, 1 thread | lookup, 1 thread | lookup/generic |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for qtype, old in generic.items():
+        new = getattr(kernels_lut, qtype.lower())
+        for n, k in ((1536, 768), (1024, 1024)):
+            w = rng.standard_normal((n, k)).astype(np.float32)
+            data = quant.packed(quantize(w, qtype), qtype, (n, k)).data
+            for t in (1, 8):
+                x = rng.standard_normal((t, k)).astype(np.float32)
+                out = np.empty((t, n), dtype=np.float32)
+                got: dict[str, list[float]] = {"generic": [], "lookup": []}
+                for _ in range(alternations):
+                    got["generic"].append(_time(lambda: old(x, data, out, n), rounds)[0])
+                    got["lookup"].append(_time(lambda: new(x, data, out, kernels.HALF, 0, n), rounds)[0])
+
+                def g(v: list[float]) -> str:
+                    return f"{n * k / statistics.median(v) / 1e9:.2f} [{n * k / max(v) / 1e9:.2f}-{n * k / min(v) / 1e9:.2f}]"
+
+                ratio = statistics.median(got["generic"]) / statistics.median(got["lookup"])
+                print(f"| {qtype} | {n}x{k} | {t} | {g(got['generic'])} | {g(got['lookup'])} | {ratio:.2f}x |")
+
+
+def decode(path: str, alternations: int) -> None:
+    from engine import kernel_pool
+    from engine.model import Model
+
+    if not hasattr(kernel_pool, "_c_q4_k_lut"):
+        print("lookup kernels: not available on this CPU (no AVX-512)")
+        return
+    m = Model.load(path)
+    cache = m.new_cache(1024)
+    tok = int(np.argmax(m.forward(list(range(10, 74)), cache)[-1]))
+    sides = {name: {q: int(getattr(kernel_pool, f"_c_{q.lower()}{suffix}").address) for q in ("Q4_K", "Q5_K", "Q6_K")}
+             for name, suffix in (("generic", ""), ("lookup", "_lut"))}
+
+    def run(n: int) -> float:
+        nonlocal tok
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            logits = m.forward([tok], cache)
+            ts.append(time.perf_counter() - t0)
+            tok = int(np.argmax(logits[-1]))
+            if cache.length > 200:
+                cache.truncate(100)
+        return statistics.median(ts) * 1e3
+
+    got: dict[str, list[float]] = {name: [] for name in sides}
+    try:
+        for _ in range(alternations):
+            for name, addrs in sides.items():
+                kernel_pool._ADDR.update(addrs)
+                m._plan = True  # rebuilt on the next step, with these kernels in its tables
+                run(5)
+                got[name].append(run(40))
+    finally:
+        kernel_pool._ADDR.update(sides["lookup"])
+    g, lk = statistics.median(got["generic"]), statistics.median(got["lookup"])
+    print(f"| {Path(path).name} | generic ms/token | lookup ms/token | generic/lookup |")
+    print("| --- | --- | --- | --- |")
+    print(f"| decode ({type(m._plan).__name__}) | {g:.3f} [{min(got['generic']):.3f}-{max(got['generic']):.3f}] |"
+          f" {lk:.3f} [{min(got['lookup']):.3f}-{max(got['lookup']):.3f}] | {g / lk:.3f}x |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=200, help="timed calls per side (default 200)")
@@ -258,21 +344,32 @@ def main() -> None:
                     help="git revision whose engine/dense.py (fp32 products on its own thread) table 4 compares"
                          f" against; '' for none (default {MAIN})")
     ap.add_argument("--only", default="", help="run only these tables, e.g. '4' or '1,2' (default all)")
+    ap.add_argument("--alternations", type=int, default=5,
+                    help="tables 5 and 6: times the generic and lookup kernels alternate (default 5)")
+    ap.add_argument("--decode", default="",
+                    help="table 6: a GGUF checkpoint to decode with either kernels, e.g."
+                         " /tmp/compact-bench/model-Q4_K_M.gguf (default none: table 6 left out)")
     args = ap.parse_args()
     if not kernels.AVAILABLE:
         sys.exit("numba is not installed (pip install 'meshd[fast]'): nothing to compare")
     kernels.warm()
-    only = {int(v) for v in args.only.split(",") if v.strip()} or {1, 2, 3, 4}
+    only = {int(v) for v in args.only.split(",") if v.strip()} or {1, 2, 3, 4, 5, 6}
     base = _baseline(args.baseline) if only & {1, 2} else None
     rng = np.random.default_rng(0)
     print(f"kernel threads {kernels.threads()}; baseline {args.baseline or '-'}; G weights/s, median [min-max] of"
           f" {args.rounds} calls")
-    for i, (fn, extra) in enumerate(((products, base), (layer, base), (dequant, None), (f32, None)), 1):
+    tables = ((products, base), (layer, base), (dequant, None), (f32, None), (lookup, None), (decode, None))
+    for i, (fn, extra) in enumerate(tables, 1):
         if i not in only:
             continue
         print()
         if i == 4:
             f32(args.rounds, _main_dense(args.main), rng)
+        elif i == 5:
+            lookup(args.rounds, args.alternations, rng)
+        elif i == 6:
+            if args.decode:
+                decode(args.decode, args.alternations)
         elif extra is None:
             fn(args.rounds, rng)
         else:

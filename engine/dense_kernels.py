@@ -14,12 +14,7 @@ differ from BLAS by rounding, ~1e-7 relative), the same on every machine running
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
 from numba import njit
-from numba.core import cgutils, types
-from numba.extending import intrinsic
-
-from .limits import DENSE_ROUND_MAX_PRODUCTS
 
 _OPTS = dict(cache=True, fastmath=True, nogil=True, boundscheck=False, error_model="numpy")
 
@@ -273,43 +268,11 @@ def combine_add(x: np.ndarray, weights: np.ndarray, experts: np.ndarray, y: np.n
         x[0, i] = x[0, i] + acc
 
 
-@intrinsic
-def _claim(typingctx, counter):  # noqa: ANN001, ANN202 - numba intrinsic
-    """``counter[0]`` before adding 1 to it, atomically (an int64 array shared by the threads of a round)."""
-    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [context.get_constant(types.intp, 0)])
-        return builder.atomic_rmw("add", ptr, ir.Constant(ir.IntType(64), 1), "seq_cst")
-
-    return types.int64(counter), codegen
-
-
-@njit(**_OPTS)
-def run_jobs(xs: tuple, ws: tuple, outs: tuple, jobs: np.ndarray, counter: np.ndarray) -> None:
-    """Claim jobs (rows ``jobs[i, 1]:jobs[i, 2]`` of product ``jobs[i, 0]``: ``outs[p] = xs[p] @ ws[p].T``) one at
-    a time through ``counter`` until none are left; any number of threads may run this on the same round."""
-    n = jobs.shape[0]
-    while True:
-        i = _claim(counter)
-        if i >= n:
-            break
-        p = jobs[i, 0]
-        f32_rows(xs[p], ws[p], outs[p], jobs[i, 1], jobs[i, 2])
-
-
 def warm() -> None:
     """Load (or compile once into numba's cache) every kernel here."""
     x = np.zeros((1, 16), dtype=np.float32)
     out = np.empty((1, 9), dtype=np.float32)
     f32_rows(x, np.zeros((9, 16), dtype=np.float32), out, 0, 9)
-    w = np.zeros((9, 16), dtype=np.float32)
-    jobs = np.array([[0, 0, 9]], dtype=np.int64)
-    w.setflags(write=False)  # a model's weights are read-only views of the file mapping
-    n = 1
-    while n <= DENSE_ROUND_MAX_PRODUCTS:  # rounds of 1-16 products, padded to a power of two (engine.dense._run)
-        run_jobs((x,) * n, (w,) * n, (out,) * n, jobs, np.zeros(1, dtype=np.int64))
-        n *= 2
     q, k, c = np.zeros((2, 4), dtype=np.float32), np.zeros((1, 4), dtype=np.float32), np.zeros((1, 2, 4), dtype=np.float32)
     cs = q[0, :2]
     swiglu(x, x.copy())

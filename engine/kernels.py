@@ -16,7 +16,8 @@ the claiming and waiting happen in compiled code with the GIL released). Every r
 whichever thread computes it, so the thread count never changes a bit. Claiming rather than assigning keeps a
 loaded machine safe: a helper that has not been scheduled yet simply gets nothing, and the caller never waits
 for work it could do itself. IEEE halves (block scales) are read through a 65536-entry
-table (``HALF``, 256 KiB: stays in L2), exact for every pattern.
+table (``HALF``, 256 KiB: stays in L2), exact for every pattern. On AVX-512 CPUs the kernel threads run
+engine/kernels_lut.py's Q4_K/Q5_K/Q6_K kernels instead of ``_q45_k``/``_q6_k``: the same bits, fewer operations.
 """
 
 from __future__ import annotations

@@ -36,17 +36,6 @@ KERNEL_MAX_THREADS = 8
 # smallest matrix of a published model (and the bench's 256x768 k/v), above the test-sized models' (at most 128 Ki
 # weights), which keep BLAS and never import numba (nor compile it, ~10-25 s once per machine, while a daemon starts)
 DENSE_KERNEL_MIN_WEIGHTS = 160 * 1024
-# fp32 decode products are shared with a helper thread (engine.dense) in chunks of about this many weights (256 KiB,
-# ~7 us at ~37 GB/s; claiming one is an atomic add, so small chunks only even out the two threads' ends)
-DENSE_CHUNK_WEIGHTS = 64 * 1024
-# a round of fp32 decode products smaller than this runs on the calling thread alone (waking the helper costs ~10-20 us)
-DENSE_POOL_MIN_WEIGHTS = 512 * 1024
-# fp32 decode products per compiled round at most (a power of two: numba compiles one round function per padded count,
-# engine.dense_kernels.warm loads them all): 16 is gate and up of 8 experts, the largest top-k we know; more: several rounds
-DENSE_ROUND_MAX_PRODUCTS = 16
-# job tables of fp32 product rounds kept per distinct set of shapes (engine.dense): a model has a handful; the bound
-# keeps a long-lived process that loads many models from growing it (dropped all at once when reached)
-DENSE_MAX_PLANS = 1024
 # a KV cache of at least this many bytes (all layers, keys and values) is one anonymous memory mapping (engine.model.
 # KVCache): untouched capacity stays zero pages, not resident; smaller ones (tests' models) stay ordinary arrays
 KV_MAP_MIN_BYTES = 1 << 20

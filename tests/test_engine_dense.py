@@ -49,22 +49,6 @@ def test_bits_do_not_depend_on_rows_in_the_call_or_the_split() -> None:
 
 
 @needs_numba
-def test_bits_do_not_depend_on_the_round() -> None:
-    """A product computed in any of the compiled round variants (1-16 products, any slot) has the bits of the
-    kernel called alone: a worker's round holds other products than the local pass's."""
-    w, x = _rand((203, 300), 9), _rand((2, 300), 10)
-    w.setflags(write=False)
-    alone = np.empty((2, 203), dtype=np.float32)
-    kern.f32_rows(x, w, alone, 0, 203)
-    for n in (1, 2, 4, 8, 16):
-        for slot in range(n):
-            outs = tuple(np.zeros((2, 203), dtype=np.float32) for _ in range(n))
-            kern.run_jobs((x,) * n, (w,) * n, outs, np.array([[slot, 0, 203]], dtype=np.int64),
-                          np.zeros(1, dtype=np.int64))
-            assert outs[slot].tobytes() == alone.tobytes(), (n, slot)
-
-
-@needs_numba
 def test_dispatch_rule() -> None:
     side = math.isqrt(DENSE_KERNEL_MIN_WEIGHTS - 1) + 1
     big, small = _rand((side, side), 5), _rand((side // 2, side), 6)
