@@ -2,6 +2,7 @@
 
     python bench/pipeline.py [--dir DIR] [--rounds 3] [--prompt 256] [--decode 64] [--concurrency 8] [--threads 1]
                              [--large-layers 24] [--python PYTHON]
+                             [--variant NAME=VALUE[,NAME=VALUE]]
 
 Checkpoint: the engine benchmark's mid-size Qwen3-MoE (hidden 768, 8 layers, 16 experts of width 384,
 top-4, vocab 8192, fp32; ``bench/experts.py``'s numpy writer) with the tiny model's tokenizer, in --dir
@@ -28,7 +29,10 @@ another interpreter: a fresh venv with meshd installed the README way (``pip ins
 ``pip install '.[fast]'``) gives the figures a user gets, without the dev environment's extra packages.
 Recovery: a stream of 200 tokens on the 2-stage setup, the stage killed with SIGKILL after 20 tokens; the
 longest gap between two tokens is the recovery time (the serving node then runs all layers itself). Every pipelined
-reply is checked equal to the local one. During the concurrent streams, the CPU time of every process of
+reply is checked equal to the local one. ``--variant ENV=VALUE[,ENV=VALUE]`` (repeatable) adds a 2-stage
+setup whose two processes run with that environment (e.g. ``MESHD_DECODE_PLAN=0,MESHD_PIPELINE_POLL=1``:
+session 4's behaviour; ``MESHD_PIPELINE_SERIAL=1``), in the same rounds: an A/B in one run.
+During the concurrent streams, the CPU time of every process of
 the setup over the wall time (1.0: one core all the time) shows where the idle time is. Medians over
 rounds with [min, max]. Prints a Markdown table
 and a JSON line.
@@ -60,10 +64,13 @@ PYTHON = sys.executable  # what runs the nodes (--python: e.g. a venv with meshd
 
 
 class Node:
-    def __init__(self, state: Path, args: list[str], threads: int) -> None:
+    def __init__(
+        self, state: Path, args: list[str], threads: int, extra_env: dict[str, str] | None = None
+    ) -> None:
         state.mkdir(parents=True, exist_ok=True)
         env = {
             **os.environ,
+            **(extra_env or {}),
             "OPENBLAS_NUM_THREADS": str(threads),
             "OMP_NUM_THREADS": str(threads),
             "MKL_NUM_THREADS": str(threads),
@@ -344,6 +351,15 @@ def main() -> int:
         help="interpreter that runs the nodes, e.g. a fresh venv's bin/python after `pip install .` or "
         "`pip install '.[fast]'` (default: this one)",
     )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE[,NAME=VALUE]",
+        help="also run a 2-stage setup whose two processes have these environment variables (A/B in one "
+        "run, e.g. MESHD_DECODE_PLAN=0,MESHD_PIPELINE_POLL=1 or MESHD_PIPELINE_SERIAL=1; repeatable; "
+        "default: none)",
+    )
     args = ap.parse_args()
     global PYTHON
     PYTHON = args.python
@@ -393,7 +409,15 @@ def main() -> int:
         st3a = Node(states / "st3a", ["--stage", f"{ck}@3-5", "--join", tok3], args.threads)
         st3b = Node(states / "st3b", ["--stage", f"{ck}@6-7", "--join", tok3], args.threads)
         nodes += [st3a, st3b]
-        for srv, want in ((s2, 2), (s3, 3)):
+        variants: dict[str, tuple[Node, Node]] = {}
+        for k, spec in enumerate(args.variant):
+            env = dict(kv.split("=", 1) for kv in spec.split(","))
+            vs = Node(states / f"v{k}", ["--model", f"m={ck}", "--pipeline", "on"], args.threads, env)
+            nodes.append(vs)
+            vst = Node(states / f"v{k}st", ["--stage", f"{ck}@4-7", "--join", vs.invite()], args.threads, env)
+            nodes.append(vst)
+            variants[f"2 stages {spec}"] = (vs, vst)
+        for srv, want in ((s2, 2), (s3, 3), *((v[0], 2) for v in variants.values())):
             deadline = time.monotonic() + 120
             while True:
                 plan = srv.status()["services"]["pipeline"]["pipeline"]["models"]["m"].get("plan")
@@ -402,7 +426,7 @@ def main() -> int:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"no {want}-stage plan: {plan}")
                 time.sleep(0.5)
-        setups = {"local": local, "2 stages": s2, "3 stages": s3}
+        setups = {"local": local, "2 stages": s2, "3 stages": s3, **{k: v[0] for k, v in variants.items()}}
         for srv in setups.values():  # warm-up: page in the weights, the same for every side
             prefill_tps(srv.run["api"], prompt)
             decode_tps(srv.run["api"], short[0], 8)
@@ -419,11 +443,13 @@ def main() -> int:
             for k in setups
         }
         # CPU busy during the concurrent streams (1.0: one core all the time): where the idle time is
-        busy_of = {"local": [local], "2 stages": [s2, st2], "3 stages": [s3, st3a, st3b]}
+        busy_of = {"local": [local], "2 stages": [s2, st2], "3 stages": [s3, st3a, st3b],
+                   **{k: list(v) for k, v in variants.items()}}
         labels = {
             "local": ["node"],
             "2 stages": ["serving", "stage 4-7"],
             "3 stages": ["serving", "stage 3-5", "stage 6-7"],
+            **{k: ["serving", "stage 4-7"] for k in variants},
         }
         busy: dict[str, list[float]] = {}
         paths: dict[str, set[str]] = {}

@@ -16,10 +16,17 @@ of it, without changing an operation:
 
 Everything else is the function the general pass calls: ``dense.rmsnorm``'s kernel, ``attend_one``,
 ``route_one``, the compiled SwiGLU, ``dense.matmul`` for the router and the output head. So the logits are
-the general pass's bits (tested), and a pipeline stage or an expert worker, which run the general pass,
-still compute exactly what the local pass does. A model (or a round) the plan does not cover runs the
-general pass: pipeline stages, batched decode, prefill, remote executors, latent attention, sigmoid routers,
-shared experts, biases, and products that are not all on the packed kernels or all on the fp32 kernel.
+the general pass's bits (tested), and a pipeline stage (which runs the plan's layer-range form, below) or an
+expert worker (the general pass) still computes exactly what the local pass does. A model (or a round) the
+plan does not cover runs the general pass: batched decode, prefill, remote executors, latent attention,
+sigmoid routers, shared experts, biases, and products that are not all on the packed kernels or all on the
+fp32 kernel.
+
+Layer ranges: a pipeline part (``Model.part``, or a stage's ``Model.load(layers=...)``) is planned the same
+way; :func:`forward_span` runs one row of hidden state through its layers (``DecodePlan.span``), ending in the
+hidden state or, on the part holding the head, the logits: a stage's one-token step and the serving node's
+own range, with the bits of ``Model.span_steps`` (tested in tests/test_decode_plan.py). Inside
+``kernels.single_threaded()`` the plan's products stay on the calling thread too (same bits).
 
 Not thread-safe by itself: ``Model`` holds a lock and lets a second concurrent caller take the general
 pass.
@@ -125,7 +132,7 @@ def _table_runner(tbl: np.ndarray, total: int, keep: object, weights: int) -> Ca
     if weights >= KERNEL_POOL_MIN_WEIGHTS:
         def run() -> None:
             pool = kernels._get_pool()
-            if pool is None:
+            if pool is None or _serial(kernels):
                 kernel_pool.run_table_serial(tbl, total)
             else:
                 pool.run_table(tbl, total, keep)
@@ -185,8 +192,8 @@ class DecodePlan:
         c = model.config
         if type(model) is not Model:  # a subclass (latent attention) has its own pieces
             return None
-        if not model._step or c.router is not None or c.mla is not None or model.lm_head is None:
-            return None
+        if not model._step or c.router is not None or c.mla is not None:
+            return None  # (a part without the output head is planned too: its layer-range form, ``span``)
         plan = cls(model)
         for layer in model.layers:
             lp = plan._plan_layer(layer)
@@ -242,9 +249,37 @@ class DecodePlan:
         """Logits [1, V] of one token (int64 [1], checked by the caller) after the cache's positions; writes
         its keys and values at ``cache.length`` (room reserved by the caller) and leaves ``length`` to it."""
         m = self.model
+        if m.lm_head is None:
+            raise ValueError("this pipeline stage does not hold the output head")
+        self.x[:] = m.embed(token)
+        self._layers(cache)
+        return self._head()
+
+    def span(self, x: np.ndarray, cache: KVCache, logits: bool = False) -> np.ndarray:
+        """The layer-range form (a pipeline stage's or the serving node's own range): hidden state x [1, D]
+        through this model's layers at position ``cache.length`` -> the hidden state after them [1, D] (a new
+        array), or with ``logits`` the final norm and output head's logits [1, V] (the model must hold them).
+        The same operations as ``Model.span_steps`` (then ``Model.logits``) on one row through the local
+        executor, so the same bits; writes the keys and values, leaves ``cache.length`` to the caller."""
+        if logits and self.model.lm_head is None:
+            raise ValueError("this pipeline stage does not hold the output head")
+        self.x[:] = x
+        self._layers(cache)
+        return self._head() if logits else self.x.copy()
+
+    def _head(self) -> np.ndarray:
+        m = self.model
+        dense._kernels().rmsnorm_rows(self.x, m.norm, self.eps, self.h)
+        return dense.matmul(self.h, m.lm_head)
+
+    def _layers(self, cache: KVCache) -> None:
+        """Every planned layer over ``self.x`` (in place) at position ``cache.length``."""
+        m = self.model
         c = m.config
         ops = _packed_ops() if self.packed else None
         kernel_pool, pool = (ops[1], ops[0]._get_pool()) if ops is not None else (None, None)
+        if pool is not None and _serial(ops[0]):  # kernels.single_threaded(): this thread's products alone
+            pool = None
         mod = dense._kernels()
         rms, attend, swiglu, combine_add = mod.rmsnorm_rows, mod.attend_one, mod.swiglu, mod.combine_add
         pos = cache.length
@@ -253,7 +288,6 @@ class DecodePlan:
         window = c.sliding_window
         lo = 0 if window is None else max(0, pos - window + 1)
         x, h, eps = self.x, self.h, self.eps
-        x[:] = m.embed(token)
         q3, k3, v3, att1 = self.q3, self.k3, self.v3, self.att1
         g, u, y = self.g, self.u, self.y
         scale = m.scale
@@ -292,8 +326,37 @@ class DecodePlan:
             _run_rows(kernel_pool, pool, lp.down_rows[sel].reshape(-1, lp.down_rows.shape[2]),
                       sum(lp.down_chunks[e] for e in slots), lp.down_weights * len(slots))
             combine_add(x, weights[0], sel, y)
-        rms(x, m.norm, eps, h)
-        return dense.matmul(h, m.lm_head)
+
+
+def forward_span(model: Model, x: np.ndarray, cache: KVCache, executor: object = None,
+                 logits: bool = False) -> np.ndarray | None:
+    """``DecodePlan.span`` of ``model`` (a pipeline part: any layer range, with or without the head) for one
+    row x [1, D] at ``cache.length``, the plan made on first use and kept on the model as ``Model.forward``
+    keeps it; reserves the cache's room, leaves ``length`` to the caller. None when the plan is not taken
+    (more than one row, another executor than the local one, a model the plan does not cover, a second
+    thread in the plan at once): the caller then runs the general pass (``span_steps``), same bits."""
+    if model._plan is False or x.shape[0] != 1:
+        return None
+    if executor is not None and executor is not model.local_executor:
+        return None
+    if not model._plan_lock.acquire(blocking=False):
+        return None
+    try:
+        if model._plan is True:
+            model._plan = DecodePlan.make(model) or False
+        plan = model._plan
+        if not plan:
+            return None
+        cache.reserve(cache.length + 1)
+        return plan.span(x, cache, logits)  # type: ignore[union-attr]
+    finally:
+        model._plan_lock.release()
+
+
+def _serial(kernels: Any) -> bool:
+    """Whether this thread is inside ``kernels.single_threaded()`` (its products then skip the pool)."""
+    local = getattr(kernels, "_local", None)
+    return bool(getattr(local, "serial", 0))
 
 
 def _run_rows(kernel_pool: Any, pool: Any, tbl: np.ndarray, total: int, weights: int) -> None:

@@ -5,6 +5,7 @@ bits."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -139,3 +140,52 @@ def test_prefill_experts_in_groups_give_the_same_bits(tmp_path: Path, monkeypatc
     grouped = model.forward(prompt, model.new_cache())
     assert len(calls) > 2 and sum(calls) == 16
     assert grouped.tobytes() == whole.tobytes()
+
+
+@needs_numba
+@pytest.mark.parametrize("form", ["F32", "Q4_K_M"])
+def test_layer_range_plan_gives_span_steps_bits(form: str, checkpoint: Path, sparse_checkpoint: Path,
+                                                tmp_path: Path) -> None:
+    """The plan's layer-range form (a pipeline stage's one-token step, the serving node's own range): hidden
+    rows through layers first..last, ending in the hidden state or (the part with the head) the logits, with
+    the bits of ``span_steps`` (+ ``logits``) and the same KV cache; also inside ``single_threaded()``."""
+    from engine import kernels
+    from engine.decode_plan import forward_span
+    from engine.moe import drive
+
+    path = checkpoint
+    if form != "F32":
+        from engine.gguf_export import export_gguf
+
+        path = tmp_path / f"m-{form}.gguf"
+        export_gguf(sparse_checkpoint, path, form)
+    full = Model.load(path)
+    rng = np.random.default_rng(3)
+    d = full.config.hidden_size
+    rows = [rng.standard_normal((1, d)).astype(np.float32) for _ in range(6)]
+    prompt = rng.standard_normal((4, d)).astype(np.float32)
+    for first, last, own in [(0, 0, False), (1, 2, False), (0, 2, False), (1, 2, True)]:  # own: a stage's
+        planned, general = ((Model.load(path, layers=(first, last)) if own else full.part(first, last))
+                            for _ in range(2))
+        general._plan = False
+        head = planned.lm_head is not None
+        caches = [m.new_cache(4) for m in (planned, general)]
+        for m, c in zip((planned, general), caches):  # a prefill chunk first (general pass on both)
+            c.reserve(4)
+            drive(m.span_steps(prompt, c, 0), m.local_executor, m.warm)
+            c.length = 4
+        for n, x in enumerate(rows):
+            with kernels.single_threaded() if n % 2 else contextlib.nullcontext():
+                got = forward_span(planned, x, caches[0], None, head)
+            assert got is not None and isinstance(planned._plan, DecodePlan)
+            c = caches[1]
+            c.reserve(c.length + 1)
+            want = drive(general.span_steps(x, c, c.length), general.local_executor, general.warm)
+            if head:
+                want = general.logits(want)
+            for cc in caches:
+                cc.length += 1
+            assert got.tobytes() == want.tobytes(), (first, last, own, n)
+        got_kv, want_kv = ([a[:, : cc.length].tobytes() for a in (*cc.k, *cc.v)] for cc in caches)
+        assert got_kv == want_kv
+    assert forward_span(planned, rows[0], caches[0], executor=lambda *a: None) is None  # another executor

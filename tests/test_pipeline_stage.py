@@ -193,3 +193,64 @@ def test_decode_steps_answered_in_the_read_callback_and_poll_only_when_asked(tin
         assert host.live() == 0
 
     asyncio.run(main())
+
+
+def test_a_step_runs_single_threaded_while_another_sequence_stepped_just_before(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """limits.CROWDED_WINDOW_S: a one-token step whose stage saw another sequence's step within the window
+    runs its products in ``kernels.single_threaded()``; a lone sequence's steps and prefill chunks do not."""
+    from engine.pipeline import stage
+
+    model = Model.load(tiny)
+    seen: list[bool] = []
+    real = stage.serial_if
+    monkeypatch.setattr(stage, "serial_if", lambda crowded: seen.append(crowded) or real(crowded))
+    monkeypatch.setattr(stage, "SERIAL", True)
+
+    async def main() -> None:
+        host = StageHost(tiny, fingerprint(tiny))
+        link, task, _ = await _pair(host)
+        await link.open(7, fingerprint(tiny), 4)
+        monkeypatch.setattr(limits, "CROWDED_WINDOW_S", 60.0)
+        await link.call(wire.Forward(7, 0, (wire.SeqSpan(1, 0, 2),), _x(model, [1, 2]), True))  # a chunk
+        await link.call(wire.Forward(7, 0, (wire.SeqSpan(1, 2, 1),), _x(model, [3]), True))  # alone
+        await link.call(wire.Forward(7, 0, (wire.SeqSpan(2, 0, 1),), _x(model, [4]), True))  # 1 just stepped
+        await link.call(wire.Forward(7, 0, (wire.SeqSpan(1, 3, 1),), _x(model, [5]), True))
+        monkeypatch.setattr(limits, "CROWDED_WINDOW_S", 0.0)
+        await link.call(wire.Forward(7, 0, (wire.SeqSpan(1, 4, 1),), _x(model, [6]), True))  # 2 long ago
+        link.close("done")
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(main())
+    assert seen == [False, True, True, False]
+
+
+def test_decode_steps_poll_only_where_every_process_has_the_cores_it_computes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run polls (serving node for a result, stages via FLAG_POLL) only when the pipeline processes on this
+    machine times the threads a step computes on fit the cores: not with 2-thread kernel pools on 2 cores."""
+    from types import SimpleNamespace
+
+    from engine.pipeline import client
+
+    links = [SimpleNamespace(channel=SimpleNamespace(on_loopback=True))]
+
+    def polling(cores: int, threads: int, force: str | None = None) -> bool:
+        monkeypatch.setattr(client, "_cores", lambda: cores)
+        monkeypatch.setattr(client, "_compute_threads", lambda: threads)
+        if force is None:
+            monkeypatch.delenv("MESHD_PIPELINE_POLL", raising=False)
+        else:
+            monkeypatch.setenv("MESHD_PIPELINE_POLL", force)
+
+        async def make() -> bool:
+            return client.Run(1, None, None, links).polling  # type: ignore[arg-type]
+
+        return asyncio.run(make())
+
+    assert polling(2, 1) and polling(4, 2)
+    assert not polling(2, 2) and not polling(3, 2) and not polling(1, 1)
+    assert polling(2, 2, "1") and not polling(2, 1, "0")
+    assert not client.Run(1, None, None, links).polling  # type: ignore[arg-type]  # no loop: never

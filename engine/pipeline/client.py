@@ -22,6 +22,7 @@ import concurrent.futures
 import contextlib
 import itertools
 import os
+import sys
 import threading
 import time
 import weakref
@@ -33,10 +34,12 @@ import numpy as np
 import structlog
 
 from engine.latency import LATENCY_BUCKETS_S  # noqa: F401 - re-exported
+from engine.decode_plan import forward_span
 from engine.moe import drive
 from engine.pipeline import limits, trace, wire
 from engine.pipeline.link import StageFailed, StageLink, StageStats  # noqa: F401 - re-exported
 from engine.pipeline.planner import Plan
+from engine.pipeline.stage import SERIAL, serial_if
 
 log = structlog.get_logger(__name__)
 
@@ -67,10 +70,15 @@ class Run:
         except RuntimeError:
             self.loop = None
         # decode steps poll for what comes next (this node for a result, each stage for its next step)
-        # only while every pipeline process on this machine has a core of its own: polling keeps a core
-        # busy, and one the stages or this node's layers need is not free (stages elsewhere use theirs)
+        # only while every pipeline process on this machine has the cores its step computes on to itself:
+        # polling keeps a core busy, and one the stages or this node's layers need is not free (stages
+        # elsewhere use theirs). A step on the compiled kernels computes on the kernel pool's threads (all
+        # cores by default), so then nothing is left to poll on: polling there took a core from the other
+        # process's pool (measured, docs/pipeline.md session 5). MESHD_PIPELINE_POLL=0/1: never/always (A/B)
         here = sum(1 for link in links if getattr(link.channel, "on_loopback", False))
-        self.polling = self.loop is not None and here + 1 <= _cores()
+        force = os.environ.get("MESHD_PIPELINE_POLL", "")
+        fits = (here + 1) * _compute_threads() <= _cores() if force not in ("0", "1") else force == "1"
+        self.polling = self.loop is not None and fits
 
     def new_seq(self) -> int:
         seq = next(self._seq_ids)
@@ -181,6 +189,19 @@ def _cores() -> int:
     return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
 
 
+def _compute_threads() -> int:
+    """Threads one decode step of this process computes on: the compiled kernels' pool when they are loaded
+    (a stage on the same machine runs the same install), else 1 (numpy's BLAS, one thread in a node that
+    shares its cores: the benchmark's setting)."""
+    kernels = sys.modules.get("engine.kernels")
+    if kernels is None or not getattr(kernels, "AVAILABLE", False):
+        return 1
+    try:
+        return max(1, int(kernels.threads()))
+    except Exception:  # noqa: BLE001 - an older kernels module: assume one thread
+        return 1
+
+
 def _wrong_kind(last: bool) -> str:
     return "answered hidden states where logits were due" if last else "answered logits from a middle stage"
 
@@ -247,6 +268,8 @@ class PipelinedModel:
         self.decode_steps = 0
         self.decode_local_s = 0.0
         self.decode_remote_s = 0.0
+        self._out: list[concurrent.futures.Future[Any]] = []  # steps start_one put on the stages (scheduler
+        # thread; the ones still there decide whether this node's own layers run single-threaded)
 
     def new_cache(self, capacity: int = 256) -> PipeCache:
         return PipeCache(self.provider, self.provider.current())
@@ -299,8 +322,7 @@ class PipelinedModel:
         local, past, t = run.local, cache.local.length, arr.shape[0]
         x = self.model.embed(arr)
         if local.layers:
-            cache.local.reserve(past + t)
-            x = drive(local.span_steps(x, cache.local, past), executor or local.local_executor, local.warm)
+            x = _local_layers(local, x, cache.local, past, executor)[0]
         cache.inflight.append(self.provider.submit(run.forward(x, cache.seq, past, True)))
         cache.local.length = past + t
         cache.history.append(arr)
@@ -326,8 +348,10 @@ class PipelinedModel:
         t0 = time.perf_counter()
         x = self.model.embed(arr)  # [T, D]
         if local.layers:
-            cache.local.reserve(past + t)
-            x = drive(local.span_steps(x, cache.local, past), executor or local.local_executor, local.warm)
+            x, done = _local_layers(local, x, cache.local, past, executor, not run.links)
+            if done:  # no stages: the plan ended in this node's head
+                cache.local.length = past + t
+                return x
         if run.links:
             t1 = time.perf_counter()
             if trace.ON and t == 1:
@@ -392,12 +416,15 @@ class PipelinedModel:
             return Pending(cache, arr, -1, None, self.forward(arr, cache, executor, last_only=True)[-1])
         local, past = cache.run.local, cache.local.length
         x = self.model.embed(arr)
-        if local.layers:
-            cache.local.reserve(past + 1)
-            x = drive(local.span_steps(x, cache.local, past), executor or local.local_executor, local.warm)
+        self._out = [f for f in self._out if not f.done()]
+        if local.layers:  # another sequence's step on the stages: both processes compute (limits)
+            with serial_if(SERIAL and bool(self._out)):
+                x = _local_layers(local, x, cache.local, past, executor)[0]
         if trace.ON:
             trace.mark("S.submit")
-        return Pending(cache, arr, past, self._remote(cache.run, x, cache.seq, past, True, wait))
+        fut = self._remote(cache.run, x, cache.seq, past, True, wait)
+        self._out.append(fut)
+        return Pending(cache, arr, past, fut)
 
     def forward_batch(
         self, ids: Sequence[int] | np.ndarray, caches: Sequence[PipeCache], executor: Any = None
@@ -413,6 +440,20 @@ class PipelinedModel:
         last = len(caches) - 1  # after the last one this thread only waits: its loop may poll
         started = [self._start(int(t), c, executor, i == last) for i, (t, c) in enumerate(zip(ids, caches))]
         return np.stack([self.finish_one(p, executor) for p in started])
+
+
+def _local_layers(local: Any, x: np.ndarray, cache: Any, past: int, executor: Any,
+                  head: bool = False) -> tuple[np.ndarray, bool]:
+    """This node's layer range over x [T, D] at positions past.. (room reserved here, ``length`` left to the
+    caller): a one-token step through the decode plan's layer-range form when it applies, else the general
+    pass; same bits. -> (hidden states, False), or with ``head`` (a run with no stages: this node holds the
+    head) possibly (the plan's logits [1, V], True)."""
+    if x.shape[0] == 1:
+        out = forward_span(local, x, cache, executor, head)
+        if out is not None:
+            return out, head
+    cache.reserve(past + x.shape[0])
+    return drive(local.span_steps(x, cache, past), executor or local.local_executor, local.warm), False
 
 
 @dataclass

@@ -44,3 +44,10 @@ POLL_EMA = 0.2  # weight of the newest wait in that moving average
 HANDOFF_WAIT_S = 0.0005  # in a micro-batched decode step the scheduler thread waits this long at most for the
 #   loop to write a sequence's frame before it computes the next one (the loop needs the GIL to send; about
 #   0.2 ms when a core is free; on a machine with no core to spare it computes on instead of waiting)
+CROWDED_WINDOW_S = 0.025  # a one-token step runs its kernel products on its own thread only
+#   (``kernels.single_threaded()``) while another sequence stepped this recently (on a stage) or has a step
+#   out on the stages (on the serving node): with several sequences in flight both pipeline processes
+#   compute at once, and each process's 2-thread kernel pool would fight the other's for the cores; a lone
+#   sequence keeps the pool. Same bits either way. A sequence of a rolling decode steps every few ms to
+#   tens of ms; a lone stream's steps are its own. Only with ``MESHD_PIPELINE_SERIAL=1``: off by default,
+#   since two runs on the loaded VM (session 5, docs/pipeline.md) did not show a gain for 8 streams

@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +33,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from engine.decode_plan import forward_span
 from engine.moe import drive
 from engine.pipeline import limits, trace, wire
 from transport import poll
@@ -365,13 +368,22 @@ class StageHost:
         now = time.monotonic()
         with self._lock:
             caches = self._caches(part, f, now)
+            crowded = f.x.shape[0] == 1 and SERIAL and self._crowded(now)
         ex = executor or part.local_executor
+        logits = part.lm_head is not None
+        planned = None
         if len(f.spans) == 1:
             s, cache = f.spans[0], caches[0]
-            cache.reserve(s.start + s.count)
-            x = drive(part.span_steps(f.x, cache, s.start), ex, part.warm)
+            if s.count == 1 and executor is None:  # a one-token step: the decode plan's layer-range form
+                with serial_if(crowded):
+                    planned = forward_span(part, f.x, cache, None, logits)
+            if planned is None:
+                cache.reserve(s.start + s.count)
+                x = drive(part.span_steps(f.x, cache, s.start), ex, part.warm)
+            else:
+                x = planned
             cache.length = s.start + s.count
-            if f.last_only and part.lm_head is not None:
+            if f.last_only and logits:
                 x = x[-1:]
         else:
             for c in caches:
@@ -380,8 +392,7 @@ class StageHost:
             x = drive(part.span_batch_steps(f.x, caches, pos), ex, part.warm)
             for c in caches:
                 c.length += 1
-        logits = part.lm_head is not None
-        if logits:
+        if logits and planned is None:
             x = part.logits(x)
         dt = time.perf_counter() - t0
         if trace.ON and f.x.shape[0] == 1:
@@ -389,6 +400,16 @@ class StageHost:
         self.steps += 1
         self.compute_s += dt
         return x, logits, int(dt * 1e6)
+
+    def _crowded(self, now: float) -> bool:
+        """Whether another sequence (any run) stepped within ``CROWDED_WINDOW_S`` (lock held)."""
+        n = 0
+        for entry in self.seqs.values():
+            if now - entry.used < limits.CROWDED_WINDOW_S:
+                n += 1
+                if n > 1:
+                    return True
+        return False
 
     def _caches(self, part: Any, f: wire.Forward, now: float) -> list[Any]:
         caches = []
@@ -414,6 +435,18 @@ class StageHost:
             entry.used = now
             caches.append(entry.cache)
         return caches
+
+
+SERIAL = os.environ.get("MESHD_PIPELINE_SERIAL", "0") == "1"  # off by default: see limits.CROWDED_WINDOW_S
+
+
+def serial_if(crowded: bool) -> Any:
+    """``kernels.single_threaded()`` when ``crowded`` (and the kernels are loaded at all: without them no
+    product uses a pool), else a no-op context."""
+    kernels = sys.modules.get("engine.kernels")
+    if crowded and kernels is not None and hasattr(kernels, "single_threaded"):
+        return kernels.single_threaded()
+    return contextlib.nullcontext()
 
 
 def _load_part(path: Path, first: int, last: int) -> Any:
