@@ -1,7 +1,7 @@
 """Expert-workers benchmark: local engine vs routed experts on 1, 2, 3 worker processes over the data lane.
 
     python bench/experts.py [--dir DIR] [--threads 1] [--workers 1,2,3] [--prompt 64] [--decode 64] [--rounds 3]
-                            [--paths lane,quic] [--netns] [--pin]
+                            [--paths lane,quic] [--netns] [--pin] [--no-tcp]
 
 Expert streams go over the data lane (``transport.lane``: TLS over TCP, as a daemon does by default); with
 ``--paths lane,quic`` (the default) the 1-worker setup also runs over QUIC alone, in the same rounds. By
@@ -36,7 +36,11 @@ highest round. The workers' own compute time per request (as they report it) is 
 local experts' time per layer (the local executor timed in a fourth decode run), the decode ratio an ideal
 delegation would reach (local step with the local experts replaced by the round trip in decode plus the
 worker's compute: no hand-offs, dispatch or combine; 1 worker) and the per-layer overhead the 0.85x target
-leaves. Prints a Markdown
+leaves. With 1 worker, a plain TCP echo process (no TLS, no framing: 4 KB each way over a socket, both ends
+plain Python sleeping in select, next to the workers: same namespace, same CPU with ``--pin``) gives the
+machine's floor: its round trip back to back and in decode (before each sparse layer of a local decode, as the
+lane's echo), and "TCP floor vs local", the ratio a delegation would reach if a layer cost nothing but that
+round trip over local (``--no-tcp`` skips it). Prints a Markdown
 table and a JSON line. Workers are ``tests/experts_node.py`` processes (real MeshTransport + ExpertsService).
 """
 
@@ -128,6 +132,96 @@ class EchoProbe:
         return self.inner(layer, x, work)
 
 
+# How long either end of the TCP probe spins on its socket before it sleeps. 0: both sleep (a wake-up each way).
+# Spinning both ends naively (no yielding when preempted, unlike transport.poll) beside the kernel pool's spinning
+# helper put three spinners on two cores: the probe then measured the scheduler's time slice (~3 ms), not TCP.
+POLL_S = 0.0
+
+
+def _recv_exactly(sock: Any, buf: Any, poll_s: float) -> None:
+    """Fill ``buf`` from a non-blocking ``sock``: spin on it for up to ``poll_s``, then sleep in select."""
+    import select
+
+    view, got, t0 = memoryview(buf), 0, time.perf_counter()
+    while got < len(buf):
+        try:
+            n = sock.recv_into(view[got:])
+        except BlockingIOError:
+            if time.perf_counter() - t0 > poll_s:
+                select.select([sock], [], [])
+            continue
+        if n == 0:
+            raise ConnectionError("tcp probe: peer closed")
+        got += n
+
+
+def tcp_echo_server(host: str) -> int:
+    """``--tcp-echo``: serve one TCP connection, echoing 4 KB messages (a plain Python process answering at once):
+    the floor under any delegated layer between two processes. Prints its port."""
+    import socket
+
+    srv = socket.create_server((host, 0))
+    print(srv.getsockname()[1], flush=True)
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn.setblocking(False)
+    buf = bytearray(4096)
+    try:
+        while True:
+            _recv_exactly(conn, buf, POLL_S)
+            _send_all(conn, buf)
+    except (ConnectionError, OSError):
+        return 0
+
+
+def _send_all(sock: Any, data: Any) -> None:
+    view, sent = memoryview(data), 0
+    while sent < len(data):
+        try:
+            sent += sock.send(view[sent:])
+        except BlockingIOError:
+            import select
+
+            select.select([], [sock], [])
+
+
+class TcpProbe:
+    """The local executor, but before each sparse layer one 4 KB message goes to a plain TCP echo process and back
+    (both ends plain Python, TCP_NODELAY, sleeping in select until data is there): the round trip between two
+    processes on this machine at the moments a delegated layer would go out. No TLS, no framing, no expert
+    work: the floor under any delegation over a socket."""
+
+    def __init__(self, inner: Any, sock: Any) -> None:
+        self.inner, self.sock = inner, sock
+        self.payload, self.buf = os.urandom(4096), bytearray(4096)
+        self.rtts: list[float] = []
+
+    def rtt(self) -> float:
+        t0 = time.perf_counter()
+        _send_all(self.sock, self.payload)
+        _recv_exactly(self.sock, self.buf, POLL_S)
+        return time.perf_counter() - t0
+
+    def __call__(self, layer: int, x: Any, work: Any) -> Any:
+        self.rtts.append(self.rtt())
+        return self.inner(layer, x, work)
+
+
+def start_tcp_echo(host: str, prefix: list[str]) -> tuple[Any, Any]:
+    """(the echo process, a connected non-blocking socket to it)."""
+    import socket
+    import subprocess
+
+    proc = subprocess.Popen([*prefix, sys.executable, __file__, "--tcp-echo", host], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None
+    port = int(proc.stdout.readline())
+    sock = socket.create_connection((host, port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setblocking(False)
+    return proc, sock
+
+
 class TimedLocal:
     """The local executor, timed: seconds per routed-layer call (the experts' share of a local decode step)."""
 
@@ -181,11 +275,15 @@ def decode(model: Any, runs: dict[str, Any], prompt: list[int], steps: int,
     return {"times": times, "logits": logits}
 
 
-def measure(model: Any, ex: Any, prompt: list[int], args: Any, local_prefill: float) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One round with the workers ``ex`` has: (the local row, the remote row)."""
+def measure(model: Any, ex: Any, prompt: list[int], args: Any, local_prefill: float,
+            tcp: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One round with the workers ``ex`` has: (the local row, the remote row). ``tcp``: a socket to the TCP echo
+    process (its round trip back to back and in decode go into the remote row)."""
     sparse = len(model.sparse_layers)
     payload = os.urandom(4096)
     rtts = [ex.echo_rtt(node, payload, polled=True) for node in ex.links for _ in range(args.echo)]
+    tcp_probe = TcpProbe(model.local_executor, tcp) if tcp is not None else None
+    tcp_b2b = [tcp_probe.rtt() for _ in range(args.echo)] if tcp_probe is not None else []
     slept = [ex.echo_rtt(node, payload) for node in ex.links for _ in range(args.echo)]
     remote_prefill = prefill(model, ex, prompt)
     probe = EchoProbe(model.local_executor, ex, payload)
@@ -195,8 +293,12 @@ def measure(model: Any, ex: Any, prompt: list[int], args: Any, local_prefill: fl
         for st in ex.link_stats.values():
             st.__init__()  # count the decode steps only
 
-    res = decode(model, {"local": model.local_executor, "timed": timed, "echo": probe, "remote": ex}, prompt,
-                 args.decode, {"timed": timed.seconds.clear, "echo": probe.rtts.clear, "remote": reset})
+    runs: dict[str, Any] = {"local": model.local_executor, "timed": timed, "echo": probe}
+    hooks: dict[str, Any] = {"timed": timed.seconds.clear, "echo": probe.rtts.clear, "remote": reset}
+    if tcp_probe is not None:
+        runs["tcp"], hooks["tcp"] = tcp_probe, tcp_probe.rtts.clear
+    runs["remote"] = ex
+    res = decode(model, runs, prompt, args.decode, hooks)
     t = res["times"]
     calls = sum(st.calls for st in ex.link_stats.values())
     overhead = (statistics.median(t["remote"]) - statistics.median(t["local"])) / sparse * 1e3
@@ -223,6 +325,13 @@ def measure(model: Any, ex: Any, prompt: list[int], args: Any, local_prefill: fl
               if n == 1 else None,
               # the per-layer overhead the 0.85x target leaves
               "overhead_budget_ms": (local_step / 0.85 - local_step) / sparse,
+              **({"tcp_rtt_ms": statistics.median(tcp_b2b) * 1e3,
+                  "tcp_rtt_decode_ms": statistics.median(tcp_probe.rtts) * 1e3,
+                  # a delegation costing nothing but a plain TCP round trip per layer, the worker computing
+                  # the experts in the local experts' time: the machine's floor, an upper bound on the ratio
+                  "floor_vs_local": local_step / (local_step + sparse * statistics.median(tcp_probe.rtts) * 1e3),
+                  "overhead_tcp_rtts_decode": overhead / (statistics.median(tcp_probe.rtts) * 1e3)}
+                 if tcp_probe is not None and tcp_probe.rtts else {}),
               "decode_reply_kb": sum(st.bytes_in for st in ex.link_stats.values()) / max(calls, 1) / 1024,
               "passes_on_loop": ex.stats.passes_on_loop,
               "bit_exact": res["logits"]["remote"] == res["logits"]["local"]}
@@ -240,7 +349,7 @@ def summarize(name: str, rounds: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         elif key != "setup":
             row[key] = statistics.median(values)
-            if key in ("overhead_rtts", "overhead_rtts_decode", "decode_vs_local"):
+            if key in ("overhead_rtts", "overhead_rtts_decode", "decode_vs_local", "floor_vs_local"):
                 row[key + "_range"] = [min(values), max(values)]
     return row
 
@@ -263,8 +372,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="one core per process (taskset): this process (local engine and coordinator) on CPU 0, "
                          "the workers on CPU 1, so each computes with one kernel thread and the coordinator may "
                          "poll while its worker computes, as with a worker on a machine of its own; default off")
+    ap.add_argument("--no-tcp", action="store_true",
+                    help="skip the plain TCP echo process (the round-trip floor; default: measured with 1 worker)")
     ap.add_argument("--in-netns", default=None, help=argparse.SUPPRESS)  # set when re-run inside namespace a
+    ap.add_argument("--tcp-echo", default=None, help=argparse.SUPPRESS)  # run as the TCP echo process
     args = ap.parse_args(argv)
+    if args.tcp_echo is not None:
+        return tcp_echo_server(args.tcp_echo)
     if args.netns and args.in_netns is None:
         return run_in_netns(argv if argv is not None else sys.argv[1:])
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -302,6 +416,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "quic" in paths and 1 in counts:
         setups.append((1, VARIANTS[0], "quic"))
     runs: dict[str, list[dict[str, Any]]] = {}  # setup -> one row per round
+    tcp_proc, tcp_sock = None, None
+    if not args.no_tcp and 1 in counts:  # beside the workers: in their namespace, on their CPU
+        prefix = (["ip", "netns", "exec", NS_B] if args.in_netns else []) + (["taskset", "-c", "1"] if args.pin else [])
+        tcp_proc, tcp_sock = start_tcp_echo(ADDR_B if args.in_netns else "127.0.0.1", prefix)
     try:
         for _ in range(args.rounds):
             for n, variant, over in setups:
@@ -313,7 +431,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     ex.config = dataclasses.replace(ex.config, **variant[1])
                     if args.pin:  # its own CPU set is one core, but the worker has the other one to itself
                         ex._cores = os.cpu_count() or 1
-                    local, remote = measure(model, ex, prompt, args, local_prefill)
+                    local, remote = measure(model, ex, prompt, args, local_prefill,
+                                            tcp_sock if n == 1 and variant is VARIANTS[0] else None)
                 finally:
                     coord.close()
                 remote["setup"] += variant[0] + f" ({over})"
@@ -322,6 +441,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for p in procs:
             p.stop()
+        if tcp_proc is not None:
+            tcp_sock.close()
+            tcp_proc.wait(10)
     rows = [summarize(name, rounds) for name, rounds in runs.items()]
     print(f"\nQwen3-MoE mid-size ({CONFIG['num_hidden_layers']} sparse layers, {CONFIG['num_experts']} experts, "
           f"top-{CONFIG['num_experts_per_tok']}), prompt {args.prompt}, decode {args.decode}, "
@@ -334,8 +456,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           "| per-layer overhead ms | RTT ms back-to-back | overhead / RTT | RTT ms in decode "
           "| overhead / RTT in decode | RTT ms back-to-back, sleeping | worker compute ms/request "
           "| decode reply KB/request | local experts ms/layer | ideal vs local | overhead budget ms (0.85x) "
+          "| TCP RTT ms back-to-back | TCP RTT ms in decode | overhead / TCP RTT in decode | TCP floor vs local "
           "| bit-exact |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         def f(key: str, fmt: str = "{:.2f}") -> str:
             if key not in row:
@@ -349,7 +472,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{f('rtt_decode_ms', '{:.3f}')} | {f('overhead_rtts_decode')} | "
               f"{f('rtt_4k_sleeping_ms', '{:.3f}')} | {f('worker_compute_ms', '{:.3f}')} | {f('decode_reply_kb', '{:.1f}')} | "
               f"{f('local_experts_ms', '{:.3f}')} | {f('ideal_vs_local')} | {f('overhead_budget_ms', '{:.3f}')} | "
-              f"{row.get('bit_exact', '-')} |")
+              f"{f('tcp_rtt_ms', '{:.3f}')} | {f('tcp_rtt_decode_ms', '{:.3f}')} | {f('overhead_tcp_rtts_decode')} | "
+              f"{f('floor_vs_local')} | {row.get('bit_exact', '-')} |")
     print(json.dumps({"rows": rows}))
     return 0
 

@@ -380,7 +380,11 @@ class Model:
                 finally:
                     self._plan_lock.release()
             ids = arr
-        return drive(self.forward_steps(ids, cache, last_only=last_only), executor or self._local, self.warm)
+        planned = getattr(executor, "decode_steps", None)  # a remote executor's planned one-token step
+        steps = planned(self, ids, cache) if planned is not None else None
+        if steps is None:
+            steps = self.forward_steps(ids, cache, last_only=last_only)
+        return drive(steps, executor or self._local, self.warm)
 
     def forward_steps(self, ids: Sequence[int] | np.ndarray, cache: KVCache, *,
                       last_only: bool = False) -> ForwardSteps:

@@ -1,7 +1,7 @@
 """Timestamps where a delegated layer's request and reply pass, for bench/experts_timeline.py.
 
 ``install(recorder)`` wraps, in this process: the coordinator's ``RemoteExecutor._fast_dispatch`` and
-``_fast_reply``, the loop-driven pass's ``_step_resume`` and ``Model.warm``, the worker's ``compute_request``;
+``_fast_reply``, the loop-driven pass's ``_step_resume`` and ``Model.warm``, the worker's ``compute_request`` and ``WorkerPlan.compute``;
 for QUIC aioquic's ``QuicConnection.receive_datagram`` and ``datagrams_to_send``, and asyncio's datagram
 transport ``sendto`` (on the call and on its return); for the data lane the message handed to the lane
 (``LaneConnection._send``, "out0"), the TLS records' socket write (asyncio's socket transport ``write``:
@@ -157,6 +157,9 @@ def install(rec: Recorder) -> None:
     _wrap(sslproto.SSLProtocol, "buffer_updated", tls_in)
     _wrap(LaneConnection, "data_received", lane_in)
     _wrap(worker, "compute_request", compute)
+    from engine.experts.worker_plan import WorkerPlan
+
+    _wrap(WorkerPlan, "compute", compute)  # a one-token request on prebuilt rows (compute_request otherwise)
     _wrap(Model, "warm", around("warm"))
     _wrap(coordinator.RemoteExecutor, "_step_resume", mark("resume"))
     _wrap(coordinator.RemoteExecutor, "_wait_for_loop", around("wait"))  # the engine thread's hand-off

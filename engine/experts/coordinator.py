@@ -49,7 +49,7 @@ from functools import partial
 import numpy as np
 import structlog
 
-from engine.experts import planning, rpc
+from engine.experts import decode_steps, planning, rpc
 from engine.experts.channel import ByteChannel
 from engine.experts.general import GeneralPath
 from engine.experts.layout import MoeLayout
@@ -58,7 +58,7 @@ from engine.experts.link import (LATENCY_BUCKETS_S, ExpertsUnavailable, LinkStat
 from engine.experts.ownership import OwnershipMap, WorkerInfo, build_map
 from engine.experts.passes import LoopPasses
 from engine.experts.planning import FastCall, FastSend
-from engine.moe import ExpertWeightsFn, Routing, WorkItem, combine, slot_positions, weighted_sum
+from engine.moe import ExpertWeightsFn, ForwardSteps, Routing, WorkItem, combine
 from engine import limits
 from transport import poll
 
@@ -297,6 +297,12 @@ class RemoteExecutor(LoopPasses, GeneralPath):
             planning.fill(layer, work, snd.items, snd.reply, out)
         return [r for r in out if r is not None]
 
+    @staticmethod
+    def decode_steps(model: object, ids: object, cache: object) -> ForwardSteps | None:
+        """``Model.forward``'s hook: a one-token pass as the coordinator's planned steps (prebuilt buffers and
+        kernel tables, ``engine.experts.decode_steps``), or None for the general pass. Same bits."""
+        return decode_steps.decode_steps(model, ids, cache)  # type: ignore[arg-type]
+
     def run_routed(self, layer: int, x: np.ndarray, routing: Routing) -> np.ndarray:
         """The ``RoutedExecutor`` extension: [T, D] fp32, bit for bit ``combine(routing, self(...), T, D)``.
 
@@ -311,35 +317,7 @@ class RemoteExecutor(LoopPasses, GeneralPath):
             return combine(routing, results, t, d)
         return self._assemble(routing, sends, t, d)
 
-    @staticmethod
-    def _assemble(routing: Routing, sends: list[FastSend], t: int, d: int) -> np.ndarray:
-        """A fast-path layer's output [T, D] from its replies: combined rows as the workers sent them, the
-        other tokens combined here from raw outputs (``weighted_sum``, slot order)."""
-        k = routing.experts.shape[1]
-        y = np.empty((t * k, d), dtype=np.float32)  # [T * k, D]: row t * k + j is token t's slot j output
-        if all(snd.combined is None for snd in sends):  # no worker combined (a decode step on loopback)
-            for snd in sends:
-                assert snd.reply is not None  # noqa: S101 - settled without error: every reply is in
-                y[np.concatenate([slot_positions(routing, i) for i in snd.items])] = snd.reply.out
-            return weighted_sum(routing.weights, y.reshape(t, k, d))
-        if len(sends) == 1 and len(sends[0].combined) == t:  # one worker combined every token (a decode step)
-            assert sends[0].reply is not None  # noqa: S101 - settled without error: every reply is in
-            return np.array(sends[0].reply.combined, dtype=np.float32)  # rows 0..T-1 in order; a writable copy
-        out = np.empty((t, d), dtype=np.float32)  # [T, D]
-        split = np.ones(t, dtype=bool)  # tokens combined here, from raw outputs
-        for snd in sends:
-            assert snd.reply is not None  # noqa: S101 - settled without error: every reply is in
-            pos = np.concatenate([slot_positions(routing, i) for i in snd.items])  # request pair order
-            if snd.combined is not None:
-                assert isinstance(snd.reply, rpc.ExpertCombinedReply)  # noqa: S101 - checked by answers()
-                out[snd.combined] = snd.reply.combined
-                split[snd.combined] = False
-                pos = pos[snd.raw_mask]
-            y[pos] = snd.reply.out
-        rows = np.flatnonzero(split)
-        if len(rows):
-            out[rows] = weighted_sum(routing.weights[rows], y.reshape(t, k, d)[rows])
-        return out
+    _assemble = staticmethod(planning.assemble)  # a fast-path layer's output from its replies
 
     def _check_thread(self) -> None:
         try:

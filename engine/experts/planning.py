@@ -19,7 +19,7 @@ import numpy as np
 
 from engine.experts import rpc
 from engine.experts.link import WorkerLink
-from engine.moe import Routing, WorkItem
+from engine.moe import Routing, WorkItem, slot_positions, weighted_sum
 from engine import limits
 from transport.poll import Poller
 
@@ -214,3 +214,45 @@ class FastCall:
         else:
             assert self.lock is not None  # noqa: S101 - made with the call when there is no on_settle
             self.lock.release()
+
+
+def assemble(routing: Routing, sends: list[FastSend], t: int, d: int) -> np.ndarray:
+    """A fast-path layer's output [T, D] from its replies: combined rows as the workers sent them, the
+    other tokens combined here from raw outputs (``weighted_sum``, slot order)."""
+    k = routing.experts.shape[1]
+    raw = all(snd.combined is None for snd in sends)
+    if t == 1 and raw and routing.positions is not None:  # one token sent raw (a decode step on loopback)
+        slot: list[np.ndarray] = [None] * k  # type: ignore[list-item]  # slot j's output row [1, D]
+        for snd in sends:
+            assert snd.reply is not None  # noqa: S101 - settled without error: every reply is in
+            rows = snd.reply.out
+            for r, i in enumerate(snd.items):
+                slot[int(routing.positions[i][0])] = rows[r:r + 1]
+        acc = np.zeros((1, d), dtype=np.float32)  # weighted_sum's operations, without gathering Y
+        for j in range(k):
+            acc += routing.weights[:, j, None] * slot[j]
+        return acc
+    y = np.empty((t * k, d), dtype=np.float32)  # [T * k, D]: row t * k + j is token t's slot j output
+    if raw:  # no worker combined
+        for snd in sends:
+            assert snd.reply is not None  # noqa: S101 - settled without error: every reply is in
+            y[np.concatenate([slot_positions(routing, i) for i in snd.items])] = snd.reply.out
+        return weighted_sum(routing.weights, y.reshape(t, k, d))
+    if len(sends) == 1 and len(sends[0].combined) == t:  # one worker combined every token (a decode step)
+        assert sends[0].reply is not None  # noqa: S101 - settled without error: every reply is in
+        return np.array(sends[0].reply.combined, dtype=np.float32)  # rows 0..T-1 in order; a writable copy
+    out = np.empty((t, d), dtype=np.float32)  # [T, D]
+    split = np.ones(t, dtype=bool)  # tokens combined here, from raw outputs
+    for snd in sends:
+        assert snd.reply is not None  # noqa: S101 - settled without error: every reply is in
+        pos = np.concatenate([slot_positions(routing, i) for i in snd.items])  # request pair order
+        if snd.combined is not None:
+            assert isinstance(snd.reply, rpc.ExpertCombinedReply)  # noqa: S101 - checked by answers()
+            out[snd.combined] = snd.reply.combined
+            split[snd.combined] = False
+            pos = pos[snd.raw_mask]
+        y[pos] = snd.reply.out
+    rows = np.flatnonzero(split)
+    if len(rows):
+        out[rows] = weighted_sum(routing.weights[rows], y.reshape(t, k, d)[rows])
+    return out

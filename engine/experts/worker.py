@@ -15,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -27,6 +29,7 @@ import structlog
 from engine.experts import rpc
 from engine.experts.channel import ByteChannel
 from engine.experts.shard import ExpertShard
+from engine.experts.worker_plan import WorkerPlan
 from engine.moe import ExpertWeightsFn, expert_ffn_many, weighted_sum
 from engine import limits
 from transport import poll
@@ -130,6 +133,13 @@ class ExpertWorker:
             for key in s.tensors:
                 held.setdefault(key, s)
         self._weights = {fp: self._make_weights(held) for fp, held in self._held.items()}
+        # one-token requests on prebuilt kernel rows (engine.experts.worker_plan); MESHD_DECODE_PLAN=0: never
+        self._plans: dict[bytes, WorkerPlan] = {}
+        if os.environ.get("MESHD_DECODE_PLAN", "1") != "0":
+            for fp, held in self._held.items():
+                lay = self._by_fp[fp][0].layout
+                self._plans[fp] = WorkerPlan(self._weights[fp], lay.hidden_size, lay.intermediate_size,
+                                             lay.num_experts, partial(_holds, held), partial(_fp8, held))
         self.capacity = capacity
         self.max_message_bytes = max_message_bytes
         self.protocol_max = min(protocol_max, rpc.PROTOCOL_MAX)
@@ -198,10 +208,13 @@ class ExpertWorker:
         flops = req.pairs.shape[0] * layout.hidden_size * layout.intermediate_size * 6
         return flops <= INLINE_MAX_FLOPS and self._reply_hook is None
 
-    def _compute(self, weights: ExpertWeightsFn, req: AnyRequest,
-                 groups: list[tuple[int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray | None]:
-        """(outputs of the pairs sent raw, the combined rows or None for a v1 request)."""
-        out = compute_request(weights, req, groups)
+    def _compute(self, weights: ExpertWeightsFn, req: AnyRequest, groups: list[tuple[int, np.ndarray]],
+                 plan: WorkerPlan | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """(outputs of the pairs sent raw, the combined rows or None for a v1 request). ``plan``: try its
+        prebuilt rows first (a one-token request)."""
+        out = np.empty((req.pairs.shape[0], req.x.shape[1]), dtype=np.float32)
+        if plan is None or not plan.compute(req.layer, req.x, groups, out):
+            compute_request(weights, req, groups, out)
         if self._reply_hook is not None:
             self._reply_hook(req.layer, out)  # runs in the compute thread, like the computation
         if isinstance(req, rpc.ExpertCombineRequest):
@@ -226,6 +239,15 @@ class ExpertWorker:
         st.compute_s += dt
         for expert, rows in groups:
             st.expert_rows[(req.layer, expert)] = st.expert_rows.get((req.layer, expert), 0) + len(rows)
+
+
+def _holds(held: dict[tuple[int, int], ExpertShard], layer: int, expert: int) -> bool:
+    return (layer, expert) in held
+
+
+def _fp8(held: dict[tuple[int, int], ExpertShard], layer: int, expert: int) -> bool:
+    """Whether a held expert is FP8 with block scales (dequantized per use: not for prebuilt rows)."""
+    return (layer, expert) in held[(layer, expert)].scales
 
 
 class _Session:
@@ -398,9 +420,11 @@ class _Session:
         try:
             if in_place:
                 buf = rpc.ReplyBuffer(req.layer, req.pairs.shape[0], req.x.shape[1], rid)
-                compute_request(weights, req, groups, buf.out)
+                plan = w._plans.get(fp)
+                if plan is None or not plan.compute(req.layer, req.x, groups, buf.out):
+                    compute_request(weights, req, groups, buf.out)
             else:
-                result = w._compute(weights, req, groups)
+                result = w._compute(weights, req, groups, w._plans.get(fp))
         except Exception as e:  # noqa: BLE001 - answered as a typed error
             return self._compute_failed(req, e, rid)
         dt = time.perf_counter() - t0
