@@ -154,9 +154,9 @@ class _LayerPlan:
         self.general_experts = False  # the routed experts through the local executor, as the general pass
 
 
-class DecodePlan:
-    """The planned one-token decode step of ``model`` (see the module docstring); :meth:`make` returns None
-    when the model is not covered."""
+class OneRowBuffers:
+    """The work buffers of a one-token step over ``model``'s layers, allocated once (kernel tables point at them):
+    the residual stream, the normed rows, q/k/v (and their per-head views), attention's output, o-proj's."""
 
     def __init__(self, model: Model) -> None:
         c = model.config
@@ -166,7 +166,7 @@ class DecodePlan:
         self.top_k = c.top_k
         self.norm_topk = c.norm_topk_prob
         self.x = np.zeros((1, d), dtype=F32)  # the residual stream
-        self.h = np.zeros((1, d), dtype=F32)  # normed rows: attention's and the MLP's input
+        self.h = np.zeros((1, d), dtype=F32)  # normed rows: attention's and the MLP's input (what is sent)
         self.q = np.zeros((1, c.num_heads * hd), dtype=F32)
         self.k = np.zeros((1, c.num_kv_heads * hd), dtype=F32)
         self.v = np.zeros((1, c.num_kv_heads * hd), dtype=F32)
@@ -174,8 +174,18 @@ class DecodePlan:
         self.k3 = self.k.reshape(c.num_kv_heads, hd)
         self.v3 = self.v.reshape(c.num_kv_heads, hd)
         self.att = np.zeros((1, c.num_heads * hd), dtype=F32)
-        self.att1 = self.att[0]
         self.o = np.zeros((1, d), dtype=F32)
+
+
+class DecodePlan(OneRowBuffers):
+    """The planned one-token decode step of ``model`` (see the module docstring); :meth:`make` returns None
+    when the model is not covered."""
+
+    def __init__(self, model: Model) -> None:
+        super().__init__(model)
+        c = model.config
+        d = c.hidden_size
+        self.att1 = self.att[0]
         e, inter = max(1, c.num_experts), max(1, c.moe_intermediate_size)
         self.g = np.zeros((e, 1, inter), dtype=F32)  # routed experts' gate outputs (then SwiGLU), by expert
         self.u = np.zeros((e, 1, inter), dtype=F32)

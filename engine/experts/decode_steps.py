@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine import dense
-from engine.decode_plan import Round
+from engine.decode_plan import OneRowBuffers, Round
 from engine.moe import ForwardSteps, expert_ffn, make_routing
 
 if TYPE_CHECKING:
@@ -55,26 +55,12 @@ class _Layer:
         self.sparse = bool(layer.sparse)  # type: ignore[attr-defined]
 
 
-class RemoteDecodePlan:
+class RemoteDecodePlan(OneRowBuffers):
     """The planned one-token step of ``model`` with its routed experts left to the executor (module docstring);
     :meth:`make` returns None when the model is not covered."""
 
     def __init__(self, model: Model) -> None:
-        c = model.config
-        self.model = model
-        d, hd = c.hidden_size, c.head_dim
-        self.eps = c.rms_norm_eps
-        self.top_k, self.norm_topk = c.top_k, c.norm_topk_prob
-        self.x = np.zeros((1, d), dtype=F32)  # the residual stream
-        self.h = np.zeros((1, d), dtype=F32)  # normed rows: attention's input, then the MLP's (what is sent)
-        self.q = np.zeros((1, c.num_heads * hd), dtype=F32)
-        self.k = np.zeros((1, c.num_kv_heads * hd), dtype=F32)
-        self.v = np.zeros((1, c.num_kv_heads * hd), dtype=F32)
-        self.q3 = self.q.reshape(c.num_heads, hd)
-        self.k3 = self.k.reshape(c.num_kv_heads, hd)
-        self.v3 = self.v.reshape(c.num_kv_heads, hd)
-        self.att = np.zeros((1, c.num_heads * hd), dtype=F32)
-        self.o = np.zeros((1, d), dtype=F32)
+        super().__init__(model)
         self.layers: list[_Layer] = []
         self.busy = threading.Lock()
 
