@@ -52,17 +52,28 @@ F32 = np.float32
 _NONE = np.zeros(0, dtype=F32)
 
 
-def _packed_ops() -> tuple[Any, Any] | None:
-    """(engine.kernels, engine.kernel_pool) when the packed kernels are there and have what the plan uses."""
+def packed_ops() -> tuple[Any, Any] | None:
+    """(engine.kernels, engine.kernel_pool) when the compiled kernels are there (numba, the ``[fast]`` extra)."""
     try:
         from . import kernel_pool, kernels
     except ImportError:  # pragma: no cover - no numba
         return None
-    if not kernels.AVAILABLE:
-        return None
-    need = (hasattr(kernel_pool, "table") and hasattr(kernel_pool, "run_table_serial")
-            and hasattr(kernels, "_get_pool") and hasattr(kernels, "TYPES"))
-    return (kernels, kernel_pool) if need else None
+    return (kernels, kernel_pool) if kernels.AVAILABLE else None
+
+
+def pool_of(kernels: Any) -> Any:
+    """The kernel threads' pool this thread may use now: None inside ``kernels.single_threaded()``."""
+    return None if kernels.is_single_threaded() else kernels._get_pool()
+
+
+def run_rows(kernel_pool: Any, pool: Any, tbl: np.ndarray, total: int, weights: int, keep: object = None) -> None:
+    """One kernel round of prebuilt table rows (their arrays kept alive by the caller), decided as
+    ``kernels.run_products`` decides: on ``pool`` (``pool_of``) when the round is big enough to share, else on
+    this thread."""
+    if pool is None or weights < KERNEL_POOL_MIN_WEIGHTS:
+        kernel_pool.run_table_serial(tbl, total)
+    else:
+        pool.run_table(tbl, total, keep)
 
 
 class Round:
@@ -99,7 +110,7 @@ def _f32_in_tables() -> bool:
     too, in the same rounds as packed products, as ``dense.matmul_many`` runs them."""
     if hasattr(dense, "_run"):
         return False  # (and an fp32 model does not import the packed kernels here)
-    ops = _packed_ops()
+    ops = packed_ops()
     return ops is not None and "F32" in getattr(ops[0], "ROW_TYPES", ())
 
 
@@ -109,7 +120,7 @@ def table_rows(products: list[tuple[np.ndarray, object, np.ndarray]]) -> tuple[n
     weight on the fp32 kernel (``engine.dense``'s rule) when the pool runs those."""
     if not all(type(w) is Packed for _, w, _ in products) and not _f32_in_tables():
         return None
-    ops = _packed_ops()
+    ops = packed_ops()
     if ops is None:
         return None
     kernels, kernel_pool = ops
@@ -128,16 +139,10 @@ def table_rows(products: list[tuple[np.ndarray, object, np.ndarray]]) -> tuple[n
 
 
 def _table_runner(tbl: np.ndarray, total: int, keep: object, weights: int) -> Callable[[], None]:
-    kernels, kernel_pool = _packed_ops()  # type: ignore[misc]
-    if weights >= KERNEL_POOL_MIN_WEIGHTS:
-        def run() -> None:
-            pool = kernels._get_pool()
-            if pool is None or _serial(kernels):
-                kernel_pool.run_table_serial(tbl, total)
-            else:
-                pool.run_table(tbl, total, keep)
-        return run
-    return lambda: kernel_pool.run_table_serial(tbl, total)
+    kernels, kernel_pool = packed_ops()  # type: ignore[misc]
+    if weights < KERNEL_POOL_MIN_WEIGHTS:  # never shared: no pool to look up per run
+        return lambda: kernel_pool.run_table_serial(tbl, total)
+    return lambda: run_rows(kernel_pool, pool_of(kernels), tbl, total, weights, keep)
 
 
 class _LayerPlan:
@@ -286,10 +291,8 @@ class DecodePlan(OneRowBuffers):
         """Every planned layer over ``self.x`` (in place) at position ``cache.length``."""
         m = self.model
         c = m.config
-        ops = _packed_ops() if self.packed else None
-        kernel_pool, pool = (ops[1], ops[0]._get_pool()) if ops is not None else (None, None)
-        if pool is not None and _serial(ops[0]):  # kernels.single_threaded(): this thread's products alone
-            pool = None
+        ops = packed_ops() if self.packed else None
+        kernel_pool, pool = (ops[1], pool_of(ops[0])) if ops is not None else (None, None)
         mod = dense._kernels()
         rms, attend, swiglu, combine_add = mod.rmsnorm_rows, mod.attend_one, mod.swiglu, mod.combine_add
         pos = cache.length
@@ -329,23 +332,22 @@ class DecodePlan(OneRowBuffers):
                 f32_run([(g[e], ex[e][2], y[e]) for e in slots])
                 combine_add(x, weights[0], sel, y)
                 continue
-            _run_rows(kernel_pool, pool, lp.gu_rows[sel].reshape(-1, lp.gu_rows.shape[2]),
+            run_rows(kernel_pool, pool, lp.gu_rows[sel].reshape(-1, lp.gu_rows.shape[2]),
                       sum(lp.gu_chunks[e] for e in slots), lp.gu_weights * len(slots))
             for e in slots:
                 swiglu(g[e], u[e])
-            _run_rows(kernel_pool, pool, lp.down_rows[sel].reshape(-1, lp.down_rows.shape[2]),
+            run_rows(kernel_pool, pool, lp.down_rows[sel].reshape(-1, lp.down_rows.shape[2]),
                       sum(lp.down_chunks[e] for e in slots), lp.down_weights * len(slots))
             combine_add(x, weights[0], sel, y)
 
 
-def forward_span(model: Model, x: np.ndarray, cache: KVCache, executor: object = None,
-                 logits: bool = False) -> np.ndarray | None:
-    """``DecodePlan.span`` of ``model`` (a pipeline part: any layer range, with or without the head) for one
-    row x [1, D] at ``cache.length``, the plan made on first use and kept on the model as ``Model.forward``
-    keeps it; reserves the cache's room, leaves ``length`` to the caller. None when the plan is not taken
-    (more than one row, another executor than the local one, a model the plan does not cover, a second
-    thread in the plan at once): the caller then runs the general pass (``span_steps``), same bits."""
-    if model._plan is False or x.shape[0] != 1:
+def planned(model: Model, executor: object, rows: int, cache: KVCache,
+            run: Callable[[DecodePlan], np.ndarray]) -> np.ndarray | None:
+    """``run(plan)`` with ``model``'s plan (made on first use, kept on the model), room for one more position
+    reserved in ``cache`` (``length`` left to the caller); None when the plan is not taken: more than one row,
+    another executor than the local one, a model the plan does not cover, or a second thread in the plan at
+    once. The caller then runs the general pass, which has the same bits."""
+    if model._plan is False or rows != 1:
         return None
     if executor is not None and executor is not model.local_executor:
         return None
@@ -358,20 +360,14 @@ def forward_span(model: Model, x: np.ndarray, cache: KVCache, executor: object =
         if not plan:
             return None
         cache.reserve(cache.length + 1)
-        return plan.span(x, cache, logits)  # type: ignore[union-attr]
+        return run(plan)  # type: ignore[arg-type]
     finally:
         model._plan_lock.release()
 
 
-def _serial(kernels: Any) -> bool:
-    """Whether this thread is inside ``kernels.single_threaded()`` (its products then skip the pool)."""
-    local = getattr(kernels, "_local", None)
-    return bool(getattr(local, "serial", 0))
-
-
-def _run_rows(kernel_pool: Any, pool: Any, tbl: np.ndarray, total: int, weights: int) -> None:
-    """One kernel round of prebuilt table rows (their arrays are the plan's, alive as long as it is)."""
-    if pool is None or weights < KERNEL_POOL_MIN_WEIGHTS:
-        kernel_pool.run_table_serial(tbl, total)
-    else:
-        pool.run_table(tbl, total, None)
+def forward_span(model: Model, x: np.ndarray, cache: KVCache, executor: object = None,
+                 logits: bool = False) -> np.ndarray | None:
+    """``DecodePlan.span`` of ``model`` (a pipeline part: any layer range, with or without the head) for one
+    row x [1, D] at ``cache.length`` through :func:`planned`; None when the plan is not taken (the caller then
+    runs ``span_steps``, same bits)."""
+    return planned(model, executor, x.shape[0], cache, lambda plan: plan.span(x, cache, logits))

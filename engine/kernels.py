@@ -442,6 +442,11 @@ class single_threaded:  # noqa: N801 - used as ``with kernels.single_threaded():
         _local.serial -= 1
 
 
+def is_single_threaded() -> bool:
+    """Whether this thread is inside :class:`single_threaded` (its products then skip the pool)."""
+    return bool(getattr(_local, "serial", 0))
+
+
 def run_products(products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]]) -> None:
     """Compute each (x, qtype, data, out) product into its ``out`` (x and out C-contiguous fp32): one round of
     the kernel threads (engine.kernel_pool), each product cut into row chunks, when the round is big enough to
@@ -449,7 +454,7 @@ def run_products(products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]])
     way the same compiled code computes every row."""
     kp = _kernel_pool()
     tbl, total, keep, weights = kp.table(products)
-    pool = _get_pool() if weights >= KERNEL_POOL_MIN_WEIGHTS and not getattr(_local, "serial", 0) else None
+    pool = _get_pool() if weights >= KERNEL_POOL_MIN_WEIGHTS and not is_single_threaded() else None
     if pool is None:
         kp.run_table_serial(tbl, total)
     else:

@@ -32,7 +32,7 @@ import structlog
 from . import dense, families
 from .checkpoint import Checkpoint, ProgressFn, TensorRef, load_checkpoint
 from .config import ModelConfig
-from .decode_plan import DecodePlan
+from .decode_plan import DecodePlan, planned
 from .deepseek import route_sigmoid
 from .dense import matmul, matmul_many
 from .dense import warm as warm_dense
@@ -368,20 +368,13 @@ class Model:
         """
         if self._plan is not False and (executor is None or executor is self._local):
             arr = self._check_ids(ids)
-            if arr.shape[0] == 1 and self._plan_lock.acquire(blocking=False):
-                try:
-                    if self._plan is True:
-                        self._plan = DecodePlan.make(self) or False
-                    if self._plan:
-                        cache.reserve(cache.length + 1)
-                        logits = self._plan.step(arr, cache)
-                        cache.length += 1
-                        return logits
-                finally:
-                    self._plan_lock.release()
+            logits = planned(self, executor, arr.shape[0], cache, lambda plan: plan.step(arr, cache))
+            if logits is not None:
+                cache.length += 1
+                return logits
             ids = arr
-        planned = getattr(executor, "decode_steps", None)  # a remote executor's planned one-token step
-        steps = planned(self, ids, cache) if planned is not None else None
+        remote_plan = getattr(executor, "decode_steps", None)  # a remote executor's planned one-token step
+        steps = remote_plan(self, ids, cache) if remote_plan is not None else None
         if steps is None:
             steps = self.forward_steps(ids, cache, last_only=last_only)
         return drive(steps, executor or self._local, self.warm)

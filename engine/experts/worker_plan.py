@@ -26,20 +26,10 @@ from typing import Any
 import numpy as np
 
 from engine import dense
-from engine.decode_plan import table_rows
-from engine.limits import KERNEL_POOL_MIN_WEIGHTS
+from engine.decode_plan import packed_ops, pool_of, run_rows, table_rows
 
 F32 = np.float32
 WeightsFn = Callable[[int, int], tuple[Any, Any, Any]]
-
-
-def _ops() -> tuple[Any, Any] | None:
-    """(engine.kernels, engine.kernel_pool) when the compiled kernels are there."""
-    try:
-        from engine import kernel_pool, kernels
-    except ImportError:  # pragma: no cover - no numba
-        return None
-    return (kernels, kernel_pool) if kernels.AVAILABLE else None
 
 
 class _LayerRows:
@@ -111,22 +101,22 @@ class WorkerPlan:
             for e in sel:
                 if not 0 <= e < self.experts or rows.gu[e] is None:
                     return False
-            ops = _ops()
+            ops = packed_ops()
             if ops is None:
                 return False
             kernels, kernel_pool = ops
             mod = dense._kernels()
             swiglu = mod.swiglu  # type: ignore[union-attr]
             self.x[...] = x
-            serial = getattr(kernels._local, "serial", 0)
+            pool = pool_of(kernels)
             n = len(sel)
-            _run(kernels, kernel_pool, np.concatenate([rows.gu[e] for e in sel]),  # type: ignore[misc]
-                 sum(rows.gu_chunks[e] for e in sel), rows.gu_weights * n, serial)
+            run_rows(kernel_pool, pool, np.concatenate([rows.gu[e] for e in sel]),  # type: ignore[misc]
+                     sum(rows.gu_chunks[e] for e in sel), rows.gu_weights * n)
             g, u = self.g, self.u
             for e in sel:
                 swiglu(g[e], u[e])
-            _run(kernels, kernel_pool, np.concatenate([rows.down[e] for e in sel]),  # type: ignore[misc]
-                 sum(rows.down_chunks[e] for e in sel), rows.down_weights * n, serial)
+            run_rows(kernel_pool, pool, np.concatenate([rows.down[e] for e in sel]),  # type: ignore[misc]
+                     sum(rows.down_chunks[e] for e in sel), rows.down_weights * n)
             np.take(self.y, sel, axis=0, out=out)
             self.used += 1
             return True
@@ -137,12 +127,3 @@ class WorkerPlan:
 def _contiguous(w: object) -> bool:
     data = w if isinstance(w, np.ndarray) else getattr(w, "data", None)  # a Packed weight's stored bytes
     return isinstance(data, np.ndarray) and data.flags.c_contiguous
-
-
-def _run(kernels: Any, kernel_pool: Any, tbl: np.ndarray, total: int, weights: int, serial: int) -> None:
-    """One kernel round of prebuilt rows, on the pool as ``kernels.run_products`` would run it."""
-    pool = kernels._get_pool() if weights >= KERNEL_POOL_MIN_WEIGHTS and not serial else None
-    if pool is None:
-        kernel_pool.run_table_serial(tbl, total)
-    else:
-        pool.run_table(tbl, total, None)

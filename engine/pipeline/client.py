@@ -196,10 +196,7 @@ def _compute_threads() -> int:
     kernels = sys.modules.get("engine.kernels")
     if kernels is None or not getattr(kernels, "AVAILABLE", False):
         return 1
-    try:
-        return max(1, int(kernels.threads()))
-    except Exception:  # noqa: BLE001 - an older kernels module: assume one thread
-        return 1
+    return max(1, int(kernels.threads()))
 
 
 def _wrong_kind(last: bool) -> str:
