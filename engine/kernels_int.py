@@ -1,0 +1,473 @@
+"""Integer dot products for Q4_K decode products on AVX-512 VNNI (``vpdpbusd``: 64 u8 x s8 products per
+instruction), and their numpy reference (same bits).
+
+Numerics (``MESHD_KERNELS_INT``, engine/kernel_pool.py): each activation row is cut into 32-element blocks; a
+block with largest magnitude ``m = f * 2**E`` (``frexp``, ``0.5 <= f < 1``) becomes the integers
+``X = rint(x * 2**(ACT_BITS - E))`` (``|X| <= 2**ACT_BITS``; the error is at most ``2**(E - ACT_BITS - 1)``, i.e.
+``2**-20`` of the block's largest value), split into three signed bytes ``X = a0 * 2**14 + a1 * 2**7 + a2``. A
+Q4_K sub-block's ``T = sum(q_i * X_i)`` (``q`` the 4-bit codes) is then an exact integer (``|T| < 2**29``), and
+so is ``S = sum(X_i)``. The sub-block adds ``T * 2**(E - ACT_BITS) * (d * sc)`` and subtracts
+``S * 2**(E - ACT_BITS) * (dmin * m)``: each product is exact in float64 (at most 46 significant bits), so the only
+roundings are the two float64 additions per sub-block into one of eight float64 lanes (lane ``i`` of block ``b``
+takes sub-block ``SUB_ORDER[i]``), in block order; then the lanes are summed pairwise and rounded once to float32.
+Because every integer is exact and every float operation is written out (no contraction can change a product
+that is already exact), the bits do not depend on how the integers are computed: :func:`q4_k_ref` (numpy,
+int64 dot products) gives the same bits as the compiled kernel (tests/test_gguf_kernels_int.py), and a row's
+bits depend on nothing but its own activation row and weight row.
+
+These bits differ from the float kernels' (engine/kernels.py, engine/kernels_lut.py) by rounding: every node of
+a mesh must make the same choice (``MESHD_KERNELS_INT``, and a CPU with AVX-512 VNNI: ``AVAILABLE``), as it must
+for numba itself. A non-finite activation makes its block's scale NaN, so the row's outputs are NaN.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+ACT_BITS = 20  # |X| <= 2**20: three signed bytes (a0 within +-65), and Q4_K's |T| < 32 * 15 * 2**20 < 2**29
+TYPES = ("Q4_K", "Q6_K")  # the types with an integer kernel
+SUB_ORDER = (0, 2, 1, 3, 4, 6, 5, 7)  # sub-block of each float64 lane (the order the integer sums come out)
+
+
+def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Reference quantization of fp32 rows ``x`` [T, K] (K a multiple of 32): the integers X [T, K] (int64),
+    the power of two ``2**(E - ACT_BITS)`` of each 32-block [T, K/32] (float64; NaN for a non-finite block)."""
+    t, k = x.shape
+    xb = x.astype(np.float64).reshape(t, k // 32, 32)
+    m = np.abs(xb).max(axis=2)
+    finite = np.isfinite(xb).all(axis=2)
+    _, e = np.frexp(np.where(finite, m, 0.0))
+    e = e.astype(np.int64)
+    with np.errstate(invalid="ignore"):
+        xq = np.rint(np.ldexp(np.where(finite[..., None], xb, 0.0), (ACT_BITS - e)[..., None]))
+    p = np.ldexp(1.0, e - ACT_BITS)
+    p[~finite] = np.nan
+    return xq.reshape(t, k).astype(np.int64), p, finite
+
+
+def _total8(acc: np.ndarray) -> np.ndarray:
+    h = acc[..., 0:4] + acc[..., 4:8]
+    return ((h[..., 0] + h[..., 2]) + (h[..., 1] + h[..., 3])).astype(np.float32)
+
+
+def q6_k_ref(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x @ W.T`` for Q6_K rows ``w`` [N, K/256 * 210] (uint8), with the kernel's numerics, in numpy: [T, N].
+    Per 16-element sub-block ``(T - 32 * S) * 2**(E - ACT_BITS) * (d * sc)`` (``q`` the 6-bit codes 0..63, so
+    ``q - 32`` is the weight's integer) into float64 lane ``j`` of sixteen, in block order."""
+    t, k = x.shape
+    n = w.shape[0]
+    nb = k // 256
+    blk = w.reshape(n, nb, 210).astype(np.int64)
+    ql = blk[:, :, 0:128].reshape(n, nb, 2, 64)
+    qh = blk[:, :, 128:192].reshape(n, nb, 2, 32)
+    q = np.empty((n, nb, 2, 4, 32), dtype=np.int64)
+    q[:, :, :, 0] = (ql[..., :32] & 15) | ((qh & 3) << 4)
+    q[:, :, :, 1] = (ql[..., 32:] & 15) | (((qh >> 2) & 3) << 4)
+    q[:, :, :, 2] = (ql[..., :32] >> 4) | (((qh >> 4) & 3) << 4)
+    q[:, :, :, 3] = (ql[..., 32:] >> 4) | (((qh >> 6) & 3) << 4)
+    q = q.reshape(n, nb, 16, 16)
+    sc = w.reshape(n, nb, 210)[:, :, 192:208].view(np.int8).astype(np.float64)
+    d = w.reshape(n, nb, 210)[:, :, 208:210].copy().view(np.float16)[..., 0].astype(np.float64)
+    dsc = d[..., None] * sc  # exact
+    xq, p, _ = quantize_rows(x)
+    xs = xq.reshape(t, nb, 16, 16)
+    tt = np.einsum("nbjl,sbjl->snbj", q, xs) - 32 * xs.sum(axis=3)[:, None]  # exact int64
+    p16 = np.repeat(p, 2, axis=1).reshape(t, nb, 16)
+    acc = np.zeros((t, n, 16), dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        for b in range(nb):
+            acc = acc + (tt[:, :, b].astype(np.float64) * p16[:, None, b]) * dsc[None, :, b]
+    return _total8(acc[..., 0:8] + acc[..., 8:16])
+
+
+def q4_k_ref(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x @ W.T`` for Q4_K rows ``w`` [N, K/256 * 144] (uint8), with the kernel's numerics, in numpy: [T, N]."""
+    t, k = x.shape
+    n = w.shape[0]
+    nb = k // 256
+    blk = w.reshape(n, nb, 144)
+    d = blk[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    dmin = blk[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+    s12 = blk[:, :, 4:16].astype(np.int64)
+    sc = np.empty((n, nb, 8), dtype=np.int64)
+    mn = np.empty((n, nb, 8), dtype=np.int64)
+    sc[..., :4] = s12[..., 0:4] & 63
+    mn[..., :4] = s12[..., 4:8] & 63
+    sc[..., 4:] = (s12[..., 8:12] & 15) | ((s12[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (s12[..., 8:12] >> 4) | ((s12[..., 4:8] >> 6) << 4)
+    qs = blk[:, :, 16:144].reshape(n, nb, 4, 32).astype(np.int64)
+    q = np.empty((n, nb, 8, 32), dtype=np.int64)
+    q[:, :, 0::2] = qs & 15  # sub-block 2c: low nibbles of chunk c; 2c+1: high nibbles
+    q[:, :, 1::2] = qs >> 4
+    xq, p, _ = quantize_rows(x)
+    xs = xq.reshape(t, nb, 8, 32)
+    tt = np.einsum("nbjl,sbjl->snbj", q, xs)  # exact int64
+    ss = xs.sum(axis=3)  # [t, nb, 8]
+    pp = p.reshape(t, nb, 8)
+    dsc = d[..., None] * sc  # exact
+    dm = dmin[..., None] * mn
+    order = list(SUB_ORDER)
+    acc = np.zeros((t, n, 8), dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        for b in range(nb):
+            v = tt[:, :, b, order].astype(np.float64) * pp[:, None, b, order]
+            sv = ss[:, None, b, order].astype(np.float64) * pp[:, None, b, order]
+            acc = acc + v * dsc[None, :, b, order]
+            acc = acc - sv * dm[None, :, b, order]
+    return _total8(acc)
+
+
+try:
+    if os.environ.get("MESHD_KERNELS_INT", "1") == "0":
+        raise ImportError("disabled by MESHD_KERNELS_INT=0")
+    from . import kernels
+    if not kernels.AVAILABLE:
+        raise ImportError("no numba")
+    import numba
+    from llvmlite import binding, ir
+    from numba import njit
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    _feat = binding.get_host_cpu_features()
+    # llvm.x86.avx512.vpdpbusd.512 takes <64 x i8> operands in the LLVM numba 0.68 ships (22); only that form
+    # is written here
+    AVAILABLE = (bool(_feat.get("avx512vnni")) and bool(_feat.get("avx512bw"))
+                 and binding.llvm_version_info[0] >= 22
+                 and numba.config.CPU_NAME in (None, "host") and not numba.config.CPU_FEATURES)
+except ImportError:
+    AVAILABLE = False
+
+if AVAILABLE:
+    _I8 = ir.IntType(8)
+    _I32 = ir.IntType(32)
+    _D = ir.DoubleType()
+    _V64I8 = ir.VectorType(_I8, 64)
+    _V16I8 = ir.VectorType(_I8, 16)
+    _V16I32 = ir.VectorType(_I32, 16)
+    _V8I32 = ir.VectorType(_I32, 8)
+    _V8D = ir.VectorType(_D, 8)
+    _V16D = ir.VectorType(_D, 16)
+
+    def _fn(builder: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Type]) -> ir.Function:
+        return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+
+    def _at(builder: ir.IRBuilder, addr: ir.Value, off: int, vty: ir.Type) -> ir.Value:
+        a = builder.add(addr, ir.Constant(addr.type, off)) if off else addr
+        return builder.inttoptr(a, vty.as_pointer())
+
+    def _idx(vals: list[int]) -> ir.Constant:
+        return ir.Constant(ir.VectorType(_I32, len(vals)), vals)
+
+    @intrinsic
+    def _q4k_block(typingctx, accp, at, qa, la, scp, pa, sa):  # noqa: ANN001, ANN202
+        """One Q4_K block into one activation row's eight float64 lanes at ``accp[at:at+8]``: ``qa`` the block's 128 bytes
+        of codes, ``la`` its 768 limb bytes (4 registers x 3 limbs x 64), ``scp`` 16 doubles (d * sc, then
+        dmin * m, in SUB_ORDER), ``pa``/``sa`` 8 doubles each (2**(E - ACT_BITS) and S times it, SUB_ORDER)."""
+        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+            accp, at, qa, la, scp, pa, sa = args
+            dp = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", _V16I32, [_V16I32, _V64I8, _V64I8])
+            lo = ir.Constant(_V64I8, [15] * 64)
+            regs = []
+            for h in range(2):
+                v = builder.load(_at(builder, qa, 64 * h, _V64I8), align=1)
+                regs.append(builder.and_(v, lo))
+                regs.append(builder.and_(builder.lshr(v, ir.Constant(_V64I8, [4] * 64)), lo))
+            sums = []
+            seven = ir.Constant(_V16I32, [7] * 16)
+            for r, q in enumerate(regs):
+                acc = ir.Constant(_V16I32, [0] * 16)
+                for limb in range(3):
+                    a = builder.load(_at(builder, la, 192 * r + 64 * limb, _V64I8), align=1)
+                    if limb:
+                        acc = builder.shl(acc, seven)
+                    acc = builder.call(dp, [acc, q, a])
+                sums.append(acc)
+            even16 = _idx(list(range(0, 32, 2)))
+            odd16 = _idx(list(range(1, 32, 2)))
+
+            def pair(a: ir.Value, b: ir.Value) -> ir.Value:
+                return builder.add(builder.shuffle_vector(a, b, even16), builder.shuffle_vector(a, b, odd16))
+
+            f = pair(pair(sums[0], sums[1]), pair(sums[2], sums[3]))
+            g = builder.add(builder.shuffle_vector(f, f, _idx(list(range(0, 16, 2)))),
+                            builder.shuffle_vector(f, f, _idx(list(range(1, 16, 2)))))
+            tv = builder.sitofp(g, _V8D)
+            p = builder.load(builder.inttoptr(pa, _V8D.as_pointer()), align=8)
+            s = builder.load(builder.inttoptr(sa, _V8D.as_pointer()), align=8)
+            dsc = builder.load(builder.bitcast(scp, _V8D.as_pointer()), align=8)
+            dm = builder.load(builder.bitcast(builder.gep(scp, [ir.Constant(_I32, 8)]), _V8D.as_pointer()), align=8)
+            ap = builder.bitcast(builder.gep(accp, [at]), _V8D.as_pointer())
+            acc = builder.load(ap, align=8)
+            acc = builder.fadd(acc, builder.fmul(builder.fmul(tv, p), dsc))
+            acc = builder.fsub(acc, builder.fmul(s, dm))
+            builder.store(acc, ap, align=8)
+            return context.get_dummy_value()
+
+        return types.none(accp, at, qa, la, scp, pa, sa), codegen
+
+    @intrinsic
+    def _k_scales_f64(typingctx, words, d, dmin, out):  # noqa: ANN001, ANN202
+        """out[0:8] = d * scale[SUB_ORDER], out[8:16] = dmin * min[SUB_ORDER], from the 16 bytes at ``words``."""
+        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+            b = builder.load(builder.bitcast(args[0], _V16I8.as_pointer()), align=4)
+            order = list(SUB_ORDER) + [8 + j for j in SUB_ORDER]
+            b = builder.shuffle_vector(b, b, _idx(order))
+            v = builder.uitofp(builder.zext(b, _V16I32), _V16D)
+            d = builder.fpext(args[1], _D)
+            dmin = builder.fpext(args[2], _D)
+            one_d = builder.insert_element(ir.Constant(_V16D, ir.Undefined), d, ir.Constant(_I32, 0))
+            both = builder.insert_element(one_d, dmin, ir.Constant(_I32, 8))
+            both = builder.shuffle_vector(both, both, _idx([0] * 8 + [8] * 8))
+            builder.store(builder.fmul(v, both), builder.bitcast(args[3], _V16D.as_pointer()), align=8)
+            return context.get_dummy_value()
+
+        return types.none(words, d, dmin, out), codegen
+
+    @intrinsic
+    def _stack_f64(typingctx, n):  # noqa: ANN001, ANN202
+        if not isinstance(n, types.IntegerLiteral):
+            return None
+
+        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+            return cgutils.alloca_once(builder, _D, size=n.literal_value)
+
+        return types.CPointer(types.float64)(n), codegen
+
+    @intrinsic
+    def _q6k_block(typingctx, accp, at, qa, la, scp, pa, sa):  # noqa: ANN001, ANN202
+        """One Q6_K block into one activation row's sixteen float64 lanes at ``accp[at:at+16]``: ``qa`` the block (ql, qh),
+        ``la`` its 768 limb bytes (natural order: 4 registers x 3 limbs x 64), ``scp`` 16 doubles (d * sc),
+        ``pa`` 16 doubles (2**(E - ACT_BITS) of each sub-block's 32-block), ``sa`` 16 int32 (32 * S)."""
+        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+            accp, at, qa, la, scp, pa, sa = args
+            dp = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", _V16I32, [_V16I32, _V64I8, _V64I8])
+            v32 = ir.VectorType(_I8, 32)
+
+            def c8(v: int) -> ir.Constant:
+                return ir.Constant(_V64I8, [v] * 64)
+
+            regs = []
+            for h in range(2):
+                v = builder.load(_at(builder, qa, 64 * h, _V64I8), align=1)
+                q32 = builder.load(_at(builder, qa, 128 + 32 * h, v32), align=1)
+                # bytes 0-31 take bits 0-1 (low nibbles) / 4-5 (high), bytes 32-63 bits 2-3 / 6-7 of qh
+                qh = builder.shuffle_vector(q32, builder.lshr(q32, ir.Constant(v32, [2] * 32)), _idx(list(range(64))))
+                regs.append(builder.or_(builder.and_(v, c8(15)), builder.and_(builder.shl(qh, c8(4)), c8(48))))
+                regs.append(builder.or_(builder.and_(builder.lshr(v, c8(4)), c8(15)), builder.and_(qh, c8(48))))
+            seven = ir.Constant(_V16I32, [7] * 16)
+            sums = []
+            for r, q in enumerate(regs):
+                acc = ir.Constant(_V16I32, [0] * 16)
+                for limb in range(3):
+                    a = builder.load(_at(builder, la, 192 * r + 64 * limb, _V64I8), align=1)
+                    if limb:
+                        acc = builder.shl(acc, seven)
+                    acc = builder.call(dp, [acc, q, a])
+                sums.append(acc)
+            even16 = _idx(list(range(0, 32, 2)))
+            odd16 = _idx(list(range(1, 32, 2)))
+
+            def pair(a: ir.Value, b: ir.Value) -> ir.Value:
+                return builder.add(builder.shuffle_vector(a, b, even16), builder.shuffle_vector(a, b, odd16))
+
+            f = pair(pair(sums[0], sums[1]), pair(sums[2], sums[3]))  # sub-blocks 0..15
+            f = builder.sub(f, builder.load(builder.inttoptr(sa, _V16I32.as_pointer()), align=4))
+            tv = builder.sitofp(f, _V16D)
+            p = builder.load(builder.inttoptr(pa, _V16D.as_pointer()), align=8)
+            dsc = builder.load(builder.bitcast(scp, _V16D.as_pointer()), align=8)
+            ap = builder.bitcast(builder.gep(accp, [at]), _V16D.as_pointer())
+            builder.store(builder.fadd(builder.load(ap, align=8), builder.fmul(builder.fmul(tv, p), dsc)), ap,
+                          align=8)
+            return context.get_dummy_value()
+
+        return types.none(accp, at, qa, la, scp, pa, sa), codegen
+
+    @intrinsic
+    def _q6_scales_f64(typingctx, qa, d, out):  # noqa: ANN001, ANN202
+        """out[0:16] = d * scale[j] for the 16 signed bytes at address ``qa``."""
+        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+            b = builder.load(builder.inttoptr(args[0], _V16I8.as_pointer()), align=1)
+            v = builder.sitofp(builder.sext(b, _V16I32), _V16D)
+            one = builder.insert_element(ir.Constant(_V16D, ir.Undefined), builder.fpext(args[1], _D),
+                                         ir.Constant(_I32, 0))
+            d = builder.shuffle_vector(one, one, _idx([0] * 16))
+            builder.store(builder.fmul(v, d), builder.bitcast(args[2], _V16D.as_pointer()), align=8)
+            return context.get_dummy_value()
+
+        return types.none(qa, d, out), codegen
+
+    _nopts = dict(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+
+    @intrinsic
+    def _pow2(typingctx, n):  # noqa: ANN001, ANN202
+        """2.0 ** n as a float64 (n an int64 in the normal range: -1022..1023), by its bits."""
+        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+            i64 = ir.IntType(64)
+            bits = builder.shl(builder.add(args[0], ir.Constant(i64, 1023)), ir.Constant(i64, 52))
+            return builder.bitcast(bits, _D)
+
+        return types.float64(types.int64), codegen
+
+    @intrinsic
+    def _quant32(typingctx, xa, sc, la, sa):  # noqa: ANN001, ANN202
+        """The 32 floats at ``xa`` times ``sc``, rounded to the nearest integer (ties to even) X; its limbs
+        a0, a1, a2 (X = a0 * 2**14 + a1 * 2**7 + a2, a1 and a2 in -64..63) to ``la``, ``la + 64``, ``la + 128``;
+        the sums of X over the two halves to the int32 pair at ``sa``."""
+        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+            xa, sc, la, sa = args
+            v32f = ir.VectorType(ir.FloatType(), 32)
+            v32d = ir.VectorType(_D, 32)
+            v32i = ir.VectorType(_I32, 32)
+            v32b = ir.VectorType(_I8, 32)
+            x = builder.fpext(builder.load(builder.inttoptr(xa, v32f.as_pointer()), align=4), v32d)
+            one = builder.insert_element(ir.Constant(v32d, ir.Undefined), sc, ir.Constant(_I32, 0))
+            x = builder.fmul(x, builder.shuffle_vector(one, one, _idx([0] * 32)))
+            q = builder.fptosi(builder.call(_fn(builder, "llvm.rint.v32f64", v32d, [v32d]), [x]), v32i)
+
+            def c(v: int) -> ir.Constant:
+                return ir.Constant(v32i, [v] * 32)
+
+            a2 = builder.sub(builder.and_(builder.add(q, c(64)), c(127)), c(64))
+            q1 = builder.ashr(builder.sub(q, a2), c(7))
+            a1 = builder.sub(builder.and_(builder.add(q1, c(64)), c(127)), c(64))
+            a0 = builder.ashr(builder.sub(q1, a1), c(7))
+            for off, limb in ((0, a0), (64, a1), (128, a2)):
+                builder.store(builder.trunc(limb, v32b), _at(builder, la, off, v32b), align=1)
+            red = _fn(builder, "llvm.vector.reduce.add.v16i32", _I32, [_V16I32])
+            sp = builder.inttoptr(sa, _I32.as_pointer())
+            for h in range(2):
+                half = builder.shuffle_vector(q, q, _idx(list(range(16 * h, 16 * h + 16))))
+                builder.store(builder.call(red, [half]), builder.gep(sp, [ir.Constant(_I32, h)]), align=4)
+            return context.get_dummy_value()
+
+        return types.none(xa, sc, la, sa), codegen
+
+    @njit(**_nopts)
+    def _frexp_exp(mb: np.uint32) -> int:
+        """``frexp``'s exponent of the finite non-negative float32 with bits ``mb`` (0 for zero)."""
+        eb = np.int64(mb >> np.uint32(23))
+        if eb > 0:
+            return eb - 126
+        e = 0
+        mant = np.int64(mb)
+        while mant:
+            e += 1
+            mant >>= 1
+        return e - 149 if e else 0
+
+    @njit(**_nopts)
+    def quantize(x: np.ndarray, limbs: np.ndarray, p32: np.ndarray, s16: np.ndarray, perm: bool) -> None:
+        """Every row of ``x`` [T, K]: ``limbs[s]`` (K * 3 bytes: per 256-block four registers of three 64-byte
+        limbs; register r holds 32-blocks o[2r], o[2r + 1] with o = SUB_ORDER if ``perm`` else 0..7),
+        ``p32[s]`` (2**(E - ACT_BITS) per 32-block, NaN for a non-finite one) and ``s16[s]`` (sum of X per
+        16 elements). x must be C-contiguous."""
+        t, k = x.shape
+        xi = x.view(np.uint32)
+        xa = np.int64(x.ctypes.data)
+        la = np.int64(limbs.ctypes.data)
+        sa = np.int64(s16.ctypes.data)
+        zeros = np.zeros(32, dtype=np.float32)  # a non-finite block's stand-in (its scale is NaN)
+        za = np.int64(zeros.ctypes.data)
+        for s in range(t):
+            for j in range(k // 32):
+                b, sj = j // 8, j % 8
+                pos = SUB_ORDER[sj] if perm else sj  # SUB_ORDER is its own inverse
+                mb = np.uint32(0)
+                for i in range(32):
+                    mb = max(mb, xi[s, 32 * j + i] & np.uint32(0x7FFFFFFF))
+                finite = mb < np.uint32(0x7F800000)
+                e = _frexp_exp(mb) if finite else 0
+                sc = _pow2(ACT_BITS - e) if finite else 0.0
+                base = b * 768 + (pos // 2) * 192 + (pos % 2) * 32
+                _quant32(xa + (s * k + 32 * j) * 4 if finite else za, sc, la + s * k * 3 + base, sa + (s * (k // 16) + 2 * j) * 4)
+                p32[s, j] = _pow2(e - ACT_BITS) if finite else np.nan
+
+    @njit(**_nopts)
+    def q4_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
+        """Rows ``r0:r1`` of ``x @ W.T`` for Q4_K with the integer numerics (module docstring)."""
+        t, k = x.shape
+        nb = k // 256
+        limbs = np.empty((t, k * 3), dtype=np.int8)
+        p32 = np.empty((t, k // 32), dtype=np.float64)
+        s16 = np.empty((t, k // 16), dtype=np.int32)
+        quantize(x, limbs, p32, s16, True)
+        ps = np.empty((t, nb * 16), dtype=np.float64)  # per block: p, then S * p, in SUB_ORDER
+        for s in range(t):
+            for b in range(nb):
+                for i in range(8):
+                    j = b * 8 + SUB_ORDER[i]
+                    ps[s, b * 16 + i] = p32[s, j]
+                    ps[s, b * 16 + 8 + i] = np.float64(s16[s, 2 * j] + s16[s, 2 * j + 1]) * p32[s, j]
+        accp = _stack_f64(32)
+        acc = numba.carray(accp, 32)
+        scp = _stack_f64(16)
+        wp = kernels._stack_u32(4)
+        words = numba.carray(wp, 4)
+        la = limbs.ctypes.data
+        pa = ps.ctypes.data
+        rb = w.shape[1]
+        for r in range(r0, r1):
+            row = w[r]
+            ra = w.ctypes.data + r * rb
+            for i in range(8 * t):
+                acc[i] = 0.0
+            for b in range(nb):
+                o = b * 144
+                kernels._k_scale_words(row, o + 4, words)
+                _k_scales_f64(wp, kernels._h(tab, row, o), kernels._h(tab, row, o + 2), scp)
+                for s in range(t):
+                    _q4k_block(accp, 8 * s, ra + o + 16, la + s * k * 3 + b * 768, scp,
+                               pa + (s * nb * 16 + b * 16) * 8, pa + (s * nb * 16 + b * 16 + 8) * 8)
+            for s in range(t):
+                a = 8 * s
+                h0 = acc[a] + acc[a + 4]
+                h1 = acc[a + 1] + acc[a + 5]
+                h2 = acc[a + 2] + acc[a + 6]
+                h3 = acc[a + 3] + acc[a + 7]
+                out[s, r] = np.float32((h0 + h2) + (h1 + h3))
+
+    @njit(**_nopts)
+    def q6_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
+        """Rows ``r0:r1`` of ``x @ W.T`` for Q6_K with the integer numerics (:func:`q6_k_ref`)."""
+        t, k = x.shape
+        nb = k // 256
+        limbs = np.empty((t, k * 3), dtype=np.int8)
+        p32 = np.empty((t, k // 32), dtype=np.float64)
+        s16 = np.empty((t, k // 16), dtype=np.int32)
+        quantize(x, limbs, p32, s16, False)
+        p16 = np.empty((t, k // 16), dtype=np.float64)
+        for s in range(t):
+            for j in range(k // 16):
+                p16[s, j] = p32[s, j // 2]
+                s16[s, j] = 32 * s16[s, j]
+        accp = _stack_f64(64)
+        acc = numba.carray(accp, 64)
+        scp = _stack_f64(16)
+        la = limbs.ctypes.data
+        pa = p16.ctypes.data
+        sa = s16.ctypes.data
+        rb = w.shape[1]
+        for r in range(r0, r1):
+            row = w[r]
+            ra = w.ctypes.data + r * rb
+            for i in range(16 * t):
+                acc[i] = 0.0
+            for b in range(nb):
+                o = b * 210
+                _q6_scales_f64(ra + o + 192, kernels._h(tab, row, o + 208), scp)
+                for s in range(t):
+                    _q6k_block(accp, 16 * s, ra + o, la + s * k * 3 + b * 768, scp,
+                               pa + (s * nb + b) * 128, sa + (s * nb + b) * 64)
+            for s in range(t):
+                a = 16 * s
+                for i in range(8):
+                    acc[a + i] += acc[a + 8 + i]
+                h0 = acc[a] + acc[a + 4]
+                h1 = acc[a + 1] + acc[a + 5]
+                h2 = acc[a + 2] + acc[a + 6]
+                h3 = acc[a + 3] + acc[a + 7]
+                out[s, r] = np.float32((h0 + h2) + (h1 + h3))
