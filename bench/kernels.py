@@ -1,7 +1,7 @@
 """Compiled decode kernels (engine/kernels.py, the ``fast`` extra) against the numpy tiles they replace and
 against an earlier revision's kernels (``--baseline``), all in one run.
 
-    python bench/kernels.py [--rounds 200] [--baseline 5a404c5] [--main 8a5eab4] [--only 5,6] [--alternations 5]
+    python bench/kernels.py [--rounds 200] [--baseline 5a404c5] [--main 8a5eab4] [--only 7,8] [--alternations 5]
         [--decode /tmp/compact-bench/model-Q4_K_M.gguf]
 
 Table 1, for every packed type on the two product shapes of the engine benchmark's checkpoint (1536x768,
@@ -34,6 +34,12 @@ Table 6 (with ``--decode PATH``, e.g. ``/tmp/compact-bench/model-Q4_K_M.gguf`` w
 whole planned decode of that GGUF checkpoint in this process, the generic K-quant kernels against the lookup ones
 (the kernel threads' table entries switched, the decode plan rebuilt), ``--alternations`` blocks of 40 steps each
 after a 64-token prompt (the cache kept between 100 and 200 positions): ms per token, median and range.
+
+Table 7 (session 6), the integer Q4_K/Q6_K kernels (engine/kernels_int.py, AVX-512 VNNI) against the lookup ones,
+one thread, 1 and 4 activation rows, weights in cache: called directly over all rows, and through the kernel
+threads' table run serially (the pool's row chunks of KERNEL_CHUNK_WEIGHTS, and the integer kernels' quantization of
+the activations, once per run of the table).
+Table 8 (with ``--decode``): a whole planned decode, lookup against integer kernels, as table 6.
 
 Median and range of ``--rounds`` timed calls, each side warmed up the same (20 calls) and timed alone (one
 process, one side at a time). The baseline is the revision's engine/kernels.py, loaded with ``git show``
@@ -335,6 +341,96 @@ def decode(path: str, alternations: int) -> None:
           f" {lk:.3f} [{min(got['lookup']):.3f}-{max(got['lookup']):.3f}] | {g / lk:.3f}x |")
 
 
+def integer(rounds: int, alternations: int, rng: np.random.Generator) -> None:
+    """Table 7: engine/kernels_int.py against the lookup kernels, one thread, weights in cache; 'direct' is one
+    call over all rows, 'chunks' the kernel threads' table run serially (the pool's row chunks of
+    KERNEL_CHUNK_WEIGHTS, after the integer kernels' one quantization of the activations)."""
+    from engine import kernel_pool, kernels_int, kernels_lut
+
+    if not kernels_int.AVAILABLE:
+        print("integer kernels: not available (no AVX-512 VNNI, or MESHD_KERNELS_INT=0)")
+        return
+    print("| type | shape | rows | path | lookup, 1 thread | integer, 1 thread | integer/lookup |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    addr = {q: {"lookup": int(getattr(kernel_pool, f"_c_{q.lower()}_lut").address),
+                "integer": int(getattr(kernel_pool, f"_c_{q.lower()}_int").address)} for q in kernels_int.TYPES}
+    for qtype in kernels_int.TYPES:
+        for n, k in ((1536, 768), (1024, 1024)):
+            w = rng.standard_normal((n, k)).astype(np.float32)
+            data = quant.packed(quantize(w, qtype), qtype, (n, k)).data
+            for t in (1, 4):
+                x = rng.standard_normal((t, k)).astype(np.float32)
+                out = np.empty((t, n), dtype=np.float32)
+                tables = {}
+                for side in ("lookup", "integer"):
+                    kernel_pool._ADDR[qtype] = addr[qtype][side]
+                    tables[side] = kernel_pool.table([(x, qtype, data, out)])
+                kernel_pool._ADDR[qtype] = addr[qtype]["integer"]
+                for path in ("direct", "chunks"):
+                    got: dict[str, list[float]] = {"lookup": [], "integer": []}
+                    for _ in range(alternations):
+                        for side, mod in (("lookup", kernels_lut), ("integer", kernels_int)):
+                            if path == "direct":
+                                fn = getattr(mod, qtype.lower())
+                                got[side].append(_time(lambda: fn(x, data, out, kernels.HALF, 0, n), rounds)[0])
+                            else:
+                                tbl, total = tables[side][:2]
+                                got[side].append(_time(lambda: kernel_pool.run_table_serial(tbl, total), rounds)[0])
+
+                    def g(v: list[float]) -> str:
+                        return (f"{n * k * t / statistics.median(v) / 1e9:.2f}"
+                                f" [{n * k * t / max(v) / 1e9:.2f}-{n * k * t / min(v) / 1e9:.2f}]")
+
+                    ratio = statistics.median(got["lookup"]) / statistics.median(got["integer"])
+                    print(f"| {qtype} | {n}x{k} | {t} | {path} | {g(got['lookup'])} | {g(got['integer'])} |"
+                          f" {ratio:.2f}x |")
+
+
+def decode_int(path: str, alternations: int) -> None:
+    """Table 8: a whole planned decode of a GGUF checkpoint, the lookup kernels against the integer ones (the
+    kernel threads' Q4_K/Q6_K entries switched, the plan rebuilt), as table 6."""
+    from engine import kernel_pool, kernels_int
+    from engine.model import Model
+
+    if not kernels_int.AVAILABLE:
+        print("integer kernels: not available (no AVX-512 VNNI, or MESHD_KERNELS_INT=0)")
+        return
+    m = Model.load(path)
+    cache = m.new_cache(1024)
+    tok = int(np.argmax(m.forward(list(range(10, 74)), cache)[-1]))
+    sides = {name: {q: int(getattr(kernel_pool, f"_c_{q.lower()}{suffix}").address) for q in kernels_int.TYPES}
+             for name, suffix in (("lookup", "_lut"), ("integer", "_int"))}
+
+    def run(n: int) -> float:
+        nonlocal tok
+        ts = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            logits = m.forward([tok], cache)
+            ts.append(time.perf_counter() - t0)
+            tok = int(np.argmax(logits[-1]))
+            if cache.length > 200:
+                cache.truncate(100)
+        return statistics.median(ts) * 1e3
+
+    got: dict[str, list[float]] = {name: [] for name in sides}
+    try:
+        for _ in range(alternations):
+            for name, addrs in sides.items():
+                kernel_pool._ADDR.update(addrs)
+                m._plan = True  # rebuilt on the next step, with these kernels in its tables
+                run(5)
+                got[name].append(run(40))
+    finally:
+        kernel_pool._ADDR.update(sides["integer"])
+    lk, it = statistics.median(got["lookup"]), statistics.median(got["integer"])
+    print(f"| {Path(path).name} | lookup ms/token | integer ms/token | lookup/integer |")
+    print("| --- | --- | --- | --- |")
+    print(f"| decode ({type(m._plan).__name__}, {kernels.threads()} kernel threads) | {lk:.3f}"
+          f" [{min(got['lookup']):.3f}-{max(got['lookup']):.3f}] | {it:.3f} [{min(got['integer']):.3f}-"
+          f"{max(got['integer']):.3f}] | {lk / it:.3f}x |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=200, help="timed calls per side (default 200)")
@@ -345,20 +441,21 @@ def main() -> None:
                          f" against; '' for none (default {MAIN})")
     ap.add_argument("--only", default="", help="run only these tables, e.g. '4' or '1,2' (default all)")
     ap.add_argument("--alternations", type=int, default=5,
-                    help="tables 5 and 6: times the generic and lookup kernels alternate (default 5)")
+                    help="tables 5-8: times the two sides alternate (default 5)")
     ap.add_argument("--decode", default="",
-                    help="table 6: a GGUF checkpoint to decode with either kernels, e.g."
+                    help="tables 6 and 8: a GGUF checkpoint to decode with either kernels, e.g."
                          " /tmp/compact-bench/model-Q4_K_M.gguf (default none: table 6 left out)")
     args = ap.parse_args()
     if not kernels.AVAILABLE:
         sys.exit("numba is not installed (pip install 'meshd[fast]'): nothing to compare")
     kernels.warm()
-    only = {int(v) for v in args.only.split(",") if v.strip()} or {1, 2, 3, 4, 5, 6}
+    only = {int(v) for v in args.only.split(",") if v.strip()} or {1, 2, 3, 4, 5, 6, 7, 8}
     base = _baseline(args.baseline) if only & {1, 2} else None
     rng = np.random.default_rng(0)
     print(f"kernel threads {kernels.threads()}; baseline {args.baseline or '-'}; G weights/s, median [min-max] of"
           f" {args.rounds} calls")
-    tables = ((products, base), (layer, base), (dequant, None), (f32, None), (lookup, None), (decode, None))
+    tables = ((products, base), (layer, base), (dequant, None), (f32, None), (lookup, None), (decode, None),
+              (integer, None), (decode_int, None))
     for i, (fn, extra) in enumerate(tables, 1):
         if i not in only:
             continue
@@ -370,6 +467,11 @@ def main() -> None:
         elif i == 6:
             if args.decode:
                 decode(args.decode, args.alternations)
+        elif i == 7:
+            integer(args.rounds, args.alternations, rng)
+        elif i == 8:
+            if args.decode:
+                decode_int(args.decode, args.alternations)
         elif extra is None:
             fn(args.rounds, rng)
         else:

@@ -33,7 +33,10 @@ from numba.extending import intrinsic  # noqa: E402
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 GEN_SHIFT = 24  # low 24 bits of the word: the next chunk (a round has < 16 Mi chunks); high 39: the generation
-_COLS = 12  # kernel address, x, T, K, w, N, row bytes, out, chunks, rows per chunk, first row, end row
+# kernel address, x, T, K, w, N, row bytes, out, chunks, rows per chunk, first row, end row, and for the integer
+# kernels (engine/kernels_int.py) the address of x's quantized buffer (passed to the kernel instead of x) and the
+# layout to quantize x into it before the round (0 when another row of the table fills the same buffer)
+_COLS = 14
 _opts = dict(cache=True, nogil=True, boundscheck=False, error_model="numpy")
 
 
@@ -174,13 +177,14 @@ if kernels_lut.AVAILABLE:  # compiled only where the CPU has the instructions (A
 if kernels_int.AVAILABLE:  # AVX-512 VNNI: integer dot products on exactly quantized activations (other bits)
     @_cfunc
     def _c_q4_k_int(xa, t, k, wa, n, rb, oa, r0, r1, ha):  # noqa: ANN001, ANN202 - kernels_int.q4_k_ref's bits
-        kernels_int.q4_k(numba.carray(_f32p(xa), (t, k)), numba.carray(_u8p(wa), (n, rb)),
-                         numba.carray(_f32p(oa), (t, n)), numba.carray(_f32p(ha), (65536,)), r0, r1)
+        # xa: x's quantized buffer (kernels_int.prepare, before the round)
+        kernels_int.q4_k_buf(xa, t, k, numba.carray(_u8p(wa), (n, rb)), numba.carray(_f32p(oa), (t, n)),
+                             numba.carray(_f32p(ha), (65536,)), r0, r1)
 
     @_cfunc
     def _c_q6_k_int(xa, t, k, wa, n, rb, oa, r0, r1, ha):  # noqa: ANN001, ANN202 - kernels_int.q6_k_ref's bits
-        kernels_int.q6_k(numba.carray(_f32p(xa), (t, k)), numba.carray(_u8p(wa), (n, rb)),
-                         numba.carray(_f32p(oa), (t, n)), numba.carray(_f32p(ha), (65536,)), r0, r1)
+        kernels_int.q6_k_buf(xa, t, k, numba.carray(_u8p(wa), (n, rb)), numba.carray(_f32p(oa), (t, n)),
+                             numba.carray(_f32p(ha), (65536,)), r0, r1)
 
 
 @_cfunc
@@ -208,6 +212,9 @@ if kernels_lut.AVAILABLE:  # AVX-512: the table-lookup kernels (same bits, fewer
 if kernels_int.AVAILABLE:  # AVX-512 VNNI and MESHD_KERNELS_INT not 0: integer dot products (kernels_int's bits)
     _CFUNCS.update(Q4_K=_c_q4_k_int, Q6_K=_c_q6_k_int)
 _ADDR = {q: int(f.address) for q, f in _CFUNCS.items()}
+# kernel address -> the activation layout it reads (its table rows get a quantized buffer of x)
+_INT_LAYOUT = ({int(_c_q4_k_int.address): kernels_int.LAYOUT_Q4_K, int(_c_q6_k_int.address): kernels_int.LAYOUT_Q6_K}
+               if kernels_int.AVAILABLE else {})
 _HALF_ADDR = int(kernels.HALF.ctypes.data)  # the module's table lives as long as the process
 
 
@@ -232,7 +239,7 @@ def _chunk(table: np.ndarray, c: int, ha: int) -> None:
             continue
         r0 = table[p, 10] + c * table[p, 9]
         r1 = min(table[p, 11], r0 + table[p, 9])
-        _call_kernel(table[p, 0], table[p, 1], table[p, 2], table[p, 3], table[p, 4], table[p, 5], table[p, 6],
+        _call_kernel(table[p, 0], table[p, 12] if table[p, 12] else table[p, 1], table[p, 2], table[p, 3], table[p, 4], table[p, 5], table[p, 6],
                      table[p, 7], r0, r1, ha)
         return
 
@@ -313,9 +320,23 @@ def _publish(ctl: int, gen: int, tbl: np.ndarray, total: int) -> None:
     _store(ctl, gen << GEN_SHIFT)
 
 
+if kernels_int.AVAILABLE:
+    @njit(**_opts)
+    def _prepare(table: np.ndarray) -> None:
+        """Before a round: quantize each integer kernel row's x into its buffer (once per x and layout)."""
+        for p in range(table.shape[0]):
+            if table[p, 13]:
+                kernels_int.prepare(table[p, 13], table[p, 1], table[p, 2], table[p, 3], table[p, 12])
+else:
+    @njit(**_opts)
+    def _prepare(table: np.ndarray) -> None:
+        pass
+
+
 @njit(**_opts)
 def _serial(table: np.ndarray, ha: int, total: int) -> None:
-    """Every chunk of a round on this thread, in order."""
+    """Every chunk of a round on this thread, in order (after the integer kernels' activations)."""
+    _prepare(table)
     for c in range(total):
         _chunk(table, c, ha)
 
@@ -347,9 +368,22 @@ def table(products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]],
           rows_range: tuple[int, int] | None = None) -> tuple[np.ndarray, int, list, int]:
     """The round's table, its number of chunks, the arrays it points into beyond ``products`` (keep both alive
     through the round) and its number of weight-row products. x and out must be C-contiguous fp32 (the
-    caller's); the stored data is made C-contiguous here (a copy only for an odd view)."""
-    tbl = np.empty((len(products), _COLS), dtype=np.int64)
-    keep = []
+    caller's); the stored data is made C-contiguous here (a copy only for an odd view). Integer kernel rows get
+    a buffer for x's quantized form (one per x and layout, filled at the start of every run of the table), in
+    the same allocation as the table: a view of it, so the table alone keeps the buffers alive too."""
+    layouts = [_INT_LAYOUT.get(_ADDR[q], 0) for _, q, _, _ in products] if _INT_LAYOUT else []
+    bufs: dict[tuple[int, int], tuple[int, int]] = {}  # (id of x, layout) -> (offset in words, product index)
+    words = len(products) * _COLS
+    for i, layout in enumerate(layouts):
+        x = products[i][0]
+        if layout and (id(x), layout) not in bufs:
+            bufs[(id(x), layout)] = (words, i)
+            words += -(-kernels_int.buffer_bytes(x.shape[0], x.shape[1]) // 8)
+    store = np.empty(words, dtype=np.int64)
+    tbl = store[:len(products) * _COLS].reshape(len(products), _COLS)
+    tbl[:, 12:] = 0
+    keep: list = [store] if bufs else []
+    base = store.__array_interface__["data"][0] if bufs else 0
     total = 0
     weights = 0
     i = 0
@@ -363,6 +397,10 @@ def table(products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]],
             raise ValueError(f"F32 rows start on multiples of {kernels.F32_ROW_ALIGN}, not {a}")
         total += _fill(tbl, i, _ADDR[qtype], x, data, out, a, b, KERNEL_CHUNK_WEIGHTS,
                        kernels.F32_ROW_ALIGN if qtype == "F32" else 1)
+        if layouts and layouts[i]:
+            off, first = bufs[(id(x), layouts[i])]
+            tbl[i, 12] = base + 8 * off
+            tbl[i, 13] = layouts[i] if first == i else 0
         weights += x.size * (b - a)
         i += 1
     if total >> GEN_SHIFT:
@@ -388,6 +426,7 @@ def warm() -> None:
     tbl = np.zeros((0, _COLS), dtype=np.int64)
     _publish(int(ctl.ctypes.data), 1, tbl, 0)
     _work(int(ctl.ctypes.data), tbl, _HALF_ADDR, 1, 0, True)
+    _prepare(tbl)
     _helper_loop(int(ctl.ctypes.data), _HALF_ADDR, 1, 1)
     _spin(int(ctl.ctypes.data), 1, 1)
 
@@ -440,6 +479,7 @@ class Pool:
             self._gen += 1
             gen = self._gen
             self._keep = (tbl, keep)
+            _prepare(tbl)  # the integer kernels' activations, before any thread can claim a chunk
             _publish(self._addr, gen, tbl, total)
             if self._sleepers:
                 with self._cv:

@@ -30,6 +30,14 @@ import numpy as np
 ACT_BITS = 20  # |X| <= 2**20: three signed bytes (a0 within +-65), and Q4_K's |T| < 32 * 15 * 2**20 < 2**29
 TYPES = ("Q4_K", "Q6_K")  # the types with an integer kernel
 SUB_ORDER = (0, 2, 1, 3, 4, 6, 5, 7)  # sub-block of each float64 lane (the order the integer sums come out)
+LAYOUT_Q4_K = 1  # the activation buffers' layouts (engine/kernel_pool.py's table column 13)
+LAYOUT_Q6_K = 2
+LAYOUTS = {"Q4_K": LAYOUT_Q4_K, "Q6_K": LAYOUT_Q6_K}
+
+
+def buffer_bytes(t: int, k: int) -> int:
+    """Bytes of one activation buffer of t rows of k (any layout): k/16 doubles, k/16 int32, 3k limbs per row."""
+    return t * (k // 16 * 12 + 3 * k)
 
 
 def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -302,6 +310,21 @@ if AVAILABLE:
 
     _nopts = dict(cache=True, nogil=True, boundscheck=False, error_model="numpy")
 
+    def _ptr_intrinsic(nbty):  # noqa: ANN001, ANN202
+        @intrinsic
+        def ptr(typingctx, addr):  # noqa: ANN001, ANN202
+            def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+                return builder.inttoptr(args[0], context.get_value_type(types.CPointer(nbty)))
+
+            return types.CPointer(nbty)(types.int64), codegen
+
+        return ptr
+
+    _f32p = _ptr_intrinsic(types.float32)
+    _f64p = _ptr_intrinsic(types.float64)
+    _i32p = _ptr_intrinsic(types.int32)
+    _i8p = _ptr_intrinsic(types.int8)
+
     @intrinsic
     def _pow2(typingctx, n):  # noqa: ANN001, ANN202
         """2.0 ** n as a float64 (n an int64 in the normal range: -1022..1023), by its bits."""
@@ -387,28 +410,41 @@ if AVAILABLE:
                 p32[s, j] = _pow2(e - ACT_BITS) if finite else np.nan
 
     @njit(**_nopts)
-    def q4_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
-        """Rows ``r0:r1`` of ``x @ W.T`` for Q4_K with the integer numerics (module docstring)."""
-        t, k = x.shape
-        nb = k // 256
-        limbs = np.empty((t, k * 3), dtype=np.int8)
+    def prepare(layout: int, xa: int, t: int, k: int, buf: int) -> None:
+        """Quantize the fp32 rows at ``xa`` [t, k] into the buffer at ``buf`` (:func:`buffer_bytes`) for the
+        kernel of ``layout`` (LAYOUT_Q4_K or LAYOUT_Q6_K): first t * k / 16 doubles (Q4_K: per block 2**(E -
+        ACT_BITS) then S times it, SUB_ORDER; Q6_K: 2**(E - ACT_BITS) per 16-element sub-block), then t * k / 16
+        int32 (Q6_K: 32 * S per sub-block), then the t * k * 3 limb bytes."""
+        x = numba.carray(_f32p(xa), (t, k))
+        dbl = numba.carray(_f64p(buf), (t, k // 16))
+        s16 = numba.carray(_i32p(buf + t * k // 16 * 8), (t, k // 16))
+        limbs = numba.carray(_i8p(buf + t * k // 16 * 12), (t, 3 * k))
         p32 = np.empty((t, k // 32), dtype=np.float64)
-        s16 = np.empty((t, k // 16), dtype=np.int32)
-        quantize(x, limbs, p32, s16, True)
-        ps = np.empty((t, nb * 16), dtype=np.float64)  # per block: p, then S * p, in SUB_ORDER
+        quantize(x, limbs, p32, s16, layout == LAYOUT_Q4_K)
         for s in range(t):
-            for b in range(nb):
-                for i in range(8):
-                    j = b * 8 + SUB_ORDER[i]
-                    ps[s, b * 16 + i] = p32[s, j]
-                    ps[s, b * 16 + 8 + i] = np.float64(s16[s, 2 * j] + s16[s, 2 * j + 1]) * p32[s, j]
+            if layout == LAYOUT_Q4_K:
+                for b in range(k // 256):
+                    for i in range(8):
+                        j = b * 8 + SUB_ORDER[i]
+                        dbl[s, b * 16 + i] = p32[s, j]
+                        dbl[s, b * 16 + 8 + i] = np.float64(s16[s, 2 * j] + s16[s, 2 * j + 1]) * p32[s, j]
+            else:
+                for j in range(k // 16):
+                    dbl[s, j] = p32[s, j // 2]
+                    s16[s, j] = 32 * s16[s, j]
+
+    @njit(**_nopts)
+    def q4_k_buf(buf: int, t: int, k: int, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int,
+                 r1: int) -> None:
+        """Rows ``r0:r1`` of ``x @ W.T`` for Q4_K from x's buffer (:func:`prepare`, LAYOUT_Q4_K)."""
+        nb = k // 256
         accp = _stack_f64(32)
         acc = numba.carray(accp, 32)
         scp = _stack_f64(16)
         wp = kernels._stack_u32(4)
         words = numba.carray(wp, 4)
-        la = limbs.ctypes.data
-        pa = ps.ctypes.data
+        pa = buf
+        la = buf + t * k // 16 * 12
         rb = w.shape[1]
         for r in range(r0, r1):
             row = w[r]
@@ -431,25 +467,16 @@ if AVAILABLE:
                 out[s, r] = np.float32((h0 + h2) + (h1 + h3))
 
     @njit(**_nopts)
-    def q6_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
-        """Rows ``r0:r1`` of ``x @ W.T`` for Q6_K with the integer numerics (:func:`q6_k_ref`)."""
-        t, k = x.shape
+    def q6_k_buf(buf: int, t: int, k: int, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int,
+                 r1: int) -> None:
+        """Rows ``r0:r1`` of ``x @ W.T`` for Q6_K from x's buffer (:func:`prepare`, LAYOUT_Q6_K)."""
         nb = k // 256
-        limbs = np.empty((t, k * 3), dtype=np.int8)
-        p32 = np.empty((t, k // 32), dtype=np.float64)
-        s16 = np.empty((t, k // 16), dtype=np.int32)
-        quantize(x, limbs, p32, s16, False)
-        p16 = np.empty((t, k // 16), dtype=np.float64)
-        for s in range(t):
-            for j in range(k // 16):
-                p16[s, j] = p32[s, j // 2]
-                s16[s, j] = 32 * s16[s, j]
         accp = _stack_f64(64)
         acc = numba.carray(accp, 64)
         scp = _stack_f64(16)
-        la = limbs.ctypes.data
-        pa = p16.ctypes.data
-        sa = s16.ctypes.data
+        pa = buf
+        sa = buf + t * k // 16 * 8
+        la = buf + t * k // 16 * 12
         rb = w.shape[1]
         for r in range(r0, r1):
             row = w[r]
@@ -471,3 +498,19 @@ if AVAILABLE:
                 h2 = acc[a + 2] + acc[a + 6]
                 h3 = acc[a + 3] + acc[a + 7]
                 out[s, r] = np.float32((h0 + h2) + (h1 + h3))
+
+    def _direct(layout: int, kern, x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int,  # noqa: ANN001
+                r1: int) -> None:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        t, k = x.shape
+        buf = np.empty(-(-buffer_bytes(t, k) // 8), dtype=np.float64)
+        prepare(layout, x.ctypes.data, t, k, buf.ctypes.data)
+        kern(buf.ctypes.data, t, k, w, out, tab, r0, r1)
+
+    def q4_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
+        """Rows ``r0:r1`` of ``x @ W.T`` for Q4_K with the integer numerics (one call: quantize, then the rows)."""
+        _direct(LAYOUT_Q4_K, q4_k_buf, x, w, out, tab, r0, r1)
+
+    def q6_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
+        """Rows ``r0:r1`` of ``x @ W.T`` for Q6_K with the integer numerics (:func:`q6_k_ref`)."""
+        _direct(LAYOUT_Q6_K, q6_k_buf, x, w, out, tab, r0, r1)
