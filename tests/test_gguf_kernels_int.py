@@ -108,3 +108,33 @@ def test_switch_keeps_the_float_kernels() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
                          check=True).stdout.split()
     assert out == ["_c_q4_k_lut", "_c_q6_k_lut"]
+
+
+@needs_vnni
+def test_a_kept_table_quantizes_its_activations_on_every_run() -> None:
+    """The decode plan builds a table once and runs it every token with new activations in the same buffers:
+    each run quantizes them again (before any chunk), and the table alone keeps its quantization buffers."""
+    import gc
+
+    from engine import kernel_pool
+
+    q4, q6 = _weights("Q4_K", 300, 512, 7), _weights("Q6_K", 200, 512, 8)
+    x = _activations(1, 512, 1)
+    outs = [np.empty((1, 300), dtype=np.float32), np.empty((1, 300), dtype=np.float32),
+            np.empty((1, 200), dtype=np.float32)]
+    # q and k share x and a layout (one buffer), v another layout of the same x
+    prods = [(x, "Q4_K", q4.data, outs[0]), (x, "Q4_K", q4.data, outs[1]), (x, "Q6_K", q6.data, outs[2])]
+    tbl, total, keep, _ = kernel_pool.table(prods)
+    assert (tbl[:, 13] != 0).sum() == 2 and tbl[0, 12] == tbl[1, 12] != tbl[2, 12]
+    del keep
+    gc.collect()
+    pool = kernel_pool.Pool(1)
+    for step in range(3):
+        x[...] = _activations(1, 512, 10 + step)
+        if step == 1:
+            pool.run_table(tbl, total, prods)
+        else:
+            kernel_pool.run_table_serial(tbl, total)
+        assert outs[0].tobytes() == kernels_int.q4_k_ref(x, q4.data).tobytes()
+        assert outs[1].tobytes() == outs[0].tobytes()
+        assert outs[2].tobytes() == kernels_int.q6_k_ref(x, q6.data).tobytes()
