@@ -35,11 +35,12 @@ whole planned decode of that GGUF checkpoint in this process, the generic K-quan
 (the kernel threads' table entries switched, the decode plan rebuilt), ``--alternations`` blocks of 40 steps each
 after a 64-token prompt (the cache kept between 100 and 200 positions): ms per token, median and range.
 
-Table 7 (session 6), the integer Q4_K/Q6_K kernels (engine/kernels_int.py, AVX-512 VNNI) against the lookup ones,
+Table 7 (session 6), the integer Q4_K/Q6_K/Q8_0 kernels (engine/kernels_int.py, AVX-512 VNNI) against the float
+ones (the lookup kernels; Q8_0's of engine/kernels.py),
 one thread, 1 and 4 activation rows, weights in cache: called directly over all rows, and through the kernel
 threads' table run serially (the pool's row chunks of KERNEL_CHUNK_WEIGHTS, and the integer kernels' quantization of
 the activations, once per run of the table).
-Table 8 (with ``--decode``): a whole planned decode, lookup against integer kernels, as table 6.
+Table 8 (with ``--decode``): a whole planned decode, float (lookup) against integer kernels, as table 6.
 
 Median and range of ``--rounds`` timed calls, each side warmed up the same (20 calls) and timed alone (one
 process, one side at a time). The baseline is the revision's engine/kernels.py, loaded with ``git show``
@@ -350,9 +351,10 @@ def integer(rounds: int, alternations: int, rng: np.random.Generator) -> None:
     if not kernels_int.AVAILABLE:
         print("integer kernels: not available (no AVX-512 VNNI, or MESHD_KERNELS_INT=0)")
         return
-    print("| type | shape | rows | path | lookup, 1 thread | integer, 1 thread | integer/lookup |")
+    print("| type | shape | rows | path | float (lookup), 1 thread | integer, 1 thread | integer/float |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    addr = {q: {"lookup": int(getattr(kernel_pool, f"_c_{q.lower()}_lut").address),
+    float_fn = {"Q4_K": kernels_lut.q4_k, "Q6_K": kernels_lut.q6_k, "Q8_0": kernels._q8_0}
+    addr = {q: {"lookup": int(getattr(kernel_pool, f"_c_{q.lower()}{'' if q == 'Q8_0' else '_lut'}").address),
                 "integer": int(getattr(kernel_pool, f"_c_{q.lower()}_int").address)} for q in kernels_int.TYPES}
     for qtype in kernels_int.TYPES:
         for n, k in ((1536, 768), (1024, 1024)):
@@ -369,9 +371,8 @@ def integer(rounds: int, alternations: int, rng: np.random.Generator) -> None:
                 for path in ("direct", "chunks"):
                     got: dict[str, list[float]] = {"lookup": [], "integer": []}
                     for _ in range(alternations):
-                        for side, mod in (("lookup", kernels_lut), ("integer", kernels_int)):
+                        for side, fn in (("lookup", float_fn[qtype]), ("integer", getattr(kernels_int, qtype.lower()))):
                             if path == "direct":
-                                fn = getattr(mod, qtype.lower())
                                 got[side].append(_time(lambda: fn(x, data, out, kernels.HALF, 0, n), rounds)[0])
                             else:
                                 tbl, total = tables[side][:2]
@@ -398,7 +399,8 @@ def decode_int(path: str, alternations: int) -> None:
     m = Model.load(path)
     cache = m.new_cache(1024)
     tok = int(np.argmax(m.forward(list(range(10, 74)), cache)[-1]))
-    sides = {name: {q: int(getattr(kernel_pool, f"_c_{q.lower()}{suffix}").address) for q in kernels_int.TYPES}
+    sides = {name: {q: int(getattr(kernel_pool, f"_c_{q.lower()}{'' if suffix == '_lut' and q == 'Q8_0' else suffix}")
+                           .address) for q in kernels_int.TYPES}
              for name, suffix in (("lookup", "_lut"), ("integer", "_int"))}
 
     def run(n: int) -> float:

@@ -28,21 +28,28 @@ import os
 import numpy as np
 
 ACT_BITS = 20  # |X| <= 2**20: three signed bytes (a0 within +-65), and Q4_K's |T| < 32 * 15 * 2**20 < 2**29
-TYPES = ("Q4_K", "Q6_K")  # the types with an integer kernel
+TYPES = ("Q4_K", "Q6_K", "Q8_0")  # the types with an integer kernel
 SUB_ORDER = (0, 2, 1, 3, 4, 6, 5, 7)  # sub-block of each float64 lane (the order the integer sums come out)
 LAYOUT_Q4_K = 1  # the activation buffers' layouts (engine/kernel_pool.py's table column 13)
 LAYOUT_Q6_K = 2
-LAYOUTS = {"Q4_K": LAYOUT_Q4_K, "Q6_K": LAYOUT_Q6_K}
+LAYOUT_Q8_0 = 3  # unsigned limbs: X = (u0 - 64) * 2**14 + u1 * 2**7 + u2, |X| <= 2**20 - 1
+LAYOUTS = {"Q4_K": LAYOUT_Q4_K, "Q6_K": LAYOUT_Q6_K, "Q8_0": LAYOUT_Q8_0}
+
+
+def limb_stride(k: int) -> int:
+    """Limb bytes per activation row: three per element, K rounded up to whole 256-element groups."""
+    return (k + 255) // 256 * 768
 
 
 def buffer_bytes(t: int, k: int) -> int:
-    """Bytes of one activation buffer of t rows of k (any layout): k/16 doubles, k/16 int32, 3k limbs per row."""
-    return t * (k // 16 * 12 + 3 * k)
+    """Bytes of one activation buffer of t rows of k (any layout): k/16 doubles, k/16 int32, the limbs."""
+    return t * (k // 16 * 12 + limb_stride(k))
 
 
-def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def quantize_rows(x: np.ndarray, clamp: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Reference quantization of fp32 rows ``x`` [T, K] (K a multiple of 32): the integers X [T, K] (int64),
-    the power of two ``2**(E - ACT_BITS)`` of each 32-block [T, K/32] (float64; NaN for a non-finite block)."""
+    the power of two ``2**(E - ACT_BITS)`` of each 32-block [T, K/32] (float64; NaN for a non-finite block).
+    ``clamp`` (Q8_0): |X| <= 2**ACT_BITS - 1, so sixteen products with int8 codes stay below 2**31."""
     t, k = x.shape
     xb = x.astype(np.float64).reshape(t, k // 32, 32)
     m = np.abs(xb).max(axis=2)
@@ -51,6 +58,8 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     e = e.astype(np.int64)
     with np.errstate(invalid="ignore"):
         xq = np.rint(np.ldexp(np.where(finite[..., None], xb, 0.0), (ACT_BITS - e)[..., None]))
+    if clamp:
+        xq = np.clip(xq, 1 - (1 << ACT_BITS), (1 << ACT_BITS) - 1)
     p = np.ldexp(1.0, e - ACT_BITS)
     p[~finite] = np.nan
     return xq.reshape(t, k).astype(np.int64), p, finite
@@ -88,6 +97,35 @@ def q6_k_ref(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         for b in range(nb):
             acc = acc + (tt[:, :, b].astype(np.float64) * p16[:, None, b]) * dsc[None, :, b]
+    return _total8(acc[..., 0:8] + acc[..., 8:16])
+
+
+def q8_0_ref(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``x @ W.T`` for Q8_0 rows ``w`` [N, K/32 * 34] (uint8), with the kernel's numerics, in numpy: [T, N].
+    Per 16 elements ``T * 2**(E - ACT_BITS) * d`` into float64 lane ``j`` of sixteen per 256-element group (K
+    padded to whole groups with zero weights, activations, scales), in group order."""
+    t, k = x.shape
+    n = w.shape[0]
+    nb = k // 32
+    kp = (k + 255) // 256 * 256
+    blk = w.reshape(n, nb, 34)
+    q = np.zeros((n, kp), dtype=np.int64)
+    q[:, :k] = blk[:, :, 2:].view(np.int8).reshape(n, k)
+    d = np.zeros((n, kp // 32), dtype=np.float64)
+    d[:, :nb] = blk[:, :, 0:2].copy().view(np.float16)[..., 0]
+    xq, p, _ = quantize_rows(x, clamp=True)
+    xs = np.zeros((t, kp), dtype=np.int64)
+    xs[:, :k] = xq
+    pp = np.zeros((t, kp // 32))
+    pp[:, :nb] = p
+    tt = np.einsum("njl,sjl->snj", q.reshape(n, kp // 16, 16), xs.reshape(t, kp // 16, 16))  # exact int64
+    p16 = np.repeat(pp, 2, axis=1)
+    d16 = np.repeat(d, 2, axis=1)
+    acc = np.zeros((t, n, 16), dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        for g in range(kp // 256):
+            sl = slice(16 * g, 16 * g + 16)
+            acc = acc + (tt[:, :, sl].astype(np.float64) * p16[:, None, sl]) * d16[None, :, sl]
     return _total8(acc[..., 0:8] + acc[..., 8:16])
 
 
@@ -308,6 +346,56 @@ if AVAILABLE:
 
         return types.none(qa, d, out), codegen
 
+    @intrinsic
+    def _q80_group(typingctx, accp, at, ga, la, scp, pa, nblk):  # noqa: ANN001, ANN202
+        """Up to eight Q8_0 blocks (``nblk``, a literal) from address ``ga`` into one activation row's sixteen
+        float64 lanes at ``accp[at:at+16]``: ``la`` the group's 768 unsigned limb bytes, ``scp`` 16 doubles (each
+        block's d twice), ``pa`` 16 doubles (2**(E - ACT_BITS) per 16 elements). Missing blocks are zero weights
+        (their scales must be zero too)."""
+        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+            accp, at, ga, la, scp, pa, _ = args
+            n = nblk.literal_value
+            dp = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", _V16I32, [_V16I32, _V64I8, _V64I8])
+            v32 = ir.VectorType(_I8, 32)
+            zero32 = ir.Constant(v32, [0] * 32)
+            seven = ir.Constant(_V16I32, [7] * 16)
+            sums = []
+            for r in range(4):
+                if 2 * r >= n:
+                    sums.append(ir.Constant(_V16I32, [0] * 16))
+                    continue
+                lo = builder.load(_at(builder, ga, 34 * 2 * r + 2, v32), align=1)
+                hi = (builder.load(_at(builder, ga, 34 * (2 * r + 1) + 2, v32), align=1) if 2 * r + 1 < n
+                      else zero32)
+                q = builder.shuffle_vector(lo, hi, _idx(list(range(64))))
+                # start at -64 * sum(q) per lane: u0 carries X's top digit plus 64
+                acc = builder.sub(ir.Constant(_V16I32, [0] * 16),
+                                  builder.call(dp, [ir.Constant(_V16I32, [0] * 16), ir.Constant(_V64I8, [64] * 64), q]))
+                for limb in range(3):
+                    a = builder.load(_at(builder, la, 192 * r + 64 * limb, _V64I8), align=1)
+                    if limb:
+                        acc = builder.shl(acc, seven)
+                    acc = builder.call(dp, [acc, a, q])
+                sums.append(acc)
+            even16 = _idx(list(range(0, 32, 2)))
+            odd16 = _idx(list(range(1, 32, 2)))
+
+            def pair(a: ir.Value, b: ir.Value) -> ir.Value:
+                return builder.add(builder.shuffle_vector(a, b, even16), builder.shuffle_vector(a, b, odd16))
+
+            f = pair(pair(sums[0], sums[1]), pair(sums[2], sums[3]))  # 16-element sums, in order
+            tv = builder.sitofp(f, _V16D)
+            p = builder.load((builder.bitcast(pa, _V16D.as_pointer()) if isinstance(pa.type, ir.PointerType)
+                              else builder.inttoptr(pa, _V16D.as_pointer())), align=8)
+            d = builder.load(builder.bitcast(scp, _V16D.as_pointer()), align=8)
+            ap = builder.bitcast(builder.gep(accp, [at]), _V16D.as_pointer())
+            builder.store(builder.fadd(builder.load(ap, align=8), builder.fmul(builder.fmul(tv, p), d)), ap, align=8)
+            return context.get_dummy_value()
+
+        if not isinstance(nblk, types.IntegerLiteral):
+            return None
+        return types.none(accp, at, ga, la, scp, pa, nblk), codegen
+
     _nopts = dict(cache=True, nogil=True, boundscheck=False, error_model="numpy")
 
     def _ptr_intrinsic(nbty):  # noqa: ANN001, ANN202
@@ -335,39 +423,53 @@ if AVAILABLE:
 
         return types.float64(types.int64), codegen
 
-    @intrinsic
-    def _quant32(typingctx, xa, sc, la, sa):  # noqa: ANN001, ANN202
-        """The 32 floats at ``xa`` times ``sc``, rounded to the nearest integer (ties to even) X; its limbs
-        a0, a1, a2 (X = a0 * 2**14 + a1 * 2**7 + a2, a1 and a2 in -64..63) to ``la``, ``la + 64``, ``la + 128``;
-        the sums of X over the two halves to the int32 pair at ``sa``."""
-        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
-            xa, sc, la, sa = args
-            v32f = ir.VectorType(ir.FloatType(), 32)
-            v32d = ir.VectorType(_D, 32)
-            v32i = ir.VectorType(_I32, 32)
-            v32b = ir.VectorType(_I8, 32)
-            x = builder.fpext(builder.load(builder.inttoptr(xa, v32f.as_pointer()), align=4), v32d)
-            one = builder.insert_element(ir.Constant(v32d, ir.Undefined), sc, ir.Constant(_I32, 0))
-            x = builder.fmul(x, builder.shuffle_vector(one, one, _idx([0] * 32)))
-            q = builder.fptosi(builder.call(_fn(builder, "llvm.rint.v32f64", v32d, [v32d]), [x]), v32i)
+    def _quant32_intrinsic(unsigned: bool):  # noqa: ANN202
+        @intrinsic
+        def quant32(typingctx, xa, sc, la, sa):  # noqa: ANN001, ANN202
+            """The 32 floats at ``xa`` times ``sc``, rounded to the nearest integer (ties to even) X; its limbs to
+            ``la``, ``la + 64``, ``la + 128`` (signed: X = a0 * 2**14 + a1 * 2**7 + a2, a1 and a2 in -64..63;
+            unsigned (Q8_0): X clamped to +-(2**20 - 1), X = (u0 - 64) * 2**14 + u1 * 2**7 + u2); the sums of X
+            over the two halves to the int32 pair at ``sa``."""
+            def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+                xa, sc, la, sa = args
+                v32f = ir.VectorType(ir.FloatType(), 32)
+                v32d = ir.VectorType(_D, 32)
+                v32i = ir.VectorType(_I32, 32)
+                v32b = ir.VectorType(_I8, 32)
+                x = builder.fpext(builder.load(builder.inttoptr(xa, v32f.as_pointer()), align=4), v32d)
+                one = builder.insert_element(ir.Constant(v32d, ir.Undefined), sc, ir.Constant(_I32, 0))
+                x = builder.fmul(x, builder.shuffle_vector(one, one, _idx([0] * 32)))
+                q = builder.fptosi(builder.call(_fn(builder, "llvm.rint.v32f64", v32d, [v32d]), [x]), v32i)
 
-            def c(v: int) -> ir.Constant:
-                return ir.Constant(v32i, [v] * 32)
+                def c(v: int) -> ir.Constant:
+                    return ir.Constant(v32i, [v] * 32)
 
-            a2 = builder.sub(builder.and_(builder.add(q, c(64)), c(127)), c(64))
-            q1 = builder.ashr(builder.sub(q, a2), c(7))
-            a1 = builder.sub(builder.and_(builder.add(q1, c(64)), c(127)), c(64))
-            a0 = builder.ashr(builder.sub(q1, a1), c(7))
-            for off, limb in ((0, a0), (64, a1), (128, a2)):
-                builder.store(builder.trunc(limb, v32b), _at(builder, la, off, v32b), align=1)
-            red = _fn(builder, "llvm.vector.reduce.add.v16i32", _I32, [_V16I32])
-            sp = builder.inttoptr(sa, _I32.as_pointer())
-            for h in range(2):
-                half = builder.shuffle_vector(q, q, _idx(list(range(16 * h, 16 * h + 16))))
-                builder.store(builder.call(red, [half]), builder.gep(sp, [ir.Constant(_I32, h)]), align=4)
-            return context.get_dummy_value()
+                if unsigned:
+                    top = (1 << ACT_BITS) - 1
+                    q = builder.call(_fn(builder, "llvm.smin.v32i32", v32i, [v32i, v32i]), [q, c(top)])
+                    q = builder.call(_fn(builder, "llvm.smax.v32i32", v32i, [v32i, v32i]), [q, c(-top)])
+                    limbs = (builder.add(builder.ashr(q, c(14)), c(64)),
+                             builder.and_(builder.ashr(q, c(7)), c(127)), builder.and_(q, c(127)))
+                else:
+                    a2 = builder.sub(builder.and_(builder.add(q, c(64)), c(127)), c(64))
+                    q1 = builder.ashr(builder.sub(q, a2), c(7))
+                    a1 = builder.sub(builder.and_(builder.add(q1, c(64)), c(127)), c(64))
+                    limbs = (builder.ashr(builder.sub(q1, a1), c(7)), a1, a2)
+                for off, limb in zip((0, 64, 128), limbs):
+                    builder.store(builder.trunc(limb, v32b), _at(builder, la, off, v32b), align=1)
+                red = _fn(builder, "llvm.vector.reduce.add.v16i32", _I32, [_V16I32])
+                sp = builder.inttoptr(sa, _I32.as_pointer())
+                for h in range(2):
+                    half = builder.shuffle_vector(q, q, _idx(list(range(16 * h, 16 * h + 16))))
+                    builder.store(builder.call(red, [half]), builder.gep(sp, [ir.Constant(_I32, h)]), align=4)
+                return context.get_dummy_value()
 
-        return types.none(xa, sc, la, sa), codegen
+            return types.none(xa, sc, la, sa), codegen
+
+        return quant32
+
+    _quant32 = _quant32_intrinsic(False)
+    _quant32u = _quant32_intrinsic(True)
 
     @njit(**_nopts)
     def _frexp_exp(mb: np.uint32) -> int:
@@ -383,9 +485,11 @@ if AVAILABLE:
         return e - 149 if e else 0
 
     @njit(**_nopts)
-    def quantize(x: np.ndarray, limbs: np.ndarray, p32: np.ndarray, s16: np.ndarray, perm: bool) -> None:
-        """Every row of ``x`` [T, K]: ``limbs[s]`` (K * 3 bytes: per 256-block four registers of three 64-byte
-        limbs; register r holds 32-blocks o[2r], o[2r + 1] with o = SUB_ORDER if ``perm`` else 0..7),
+    def quantize(x: np.ndarray, limbs: np.ndarray, p32: np.ndarray, s16: np.ndarray, perm: bool,
+                 unsigned: bool) -> None:
+        """Every row of ``x`` [T, K]: ``limbs[s]`` (``limb_stride(K)`` bytes: per 256-block four registers of three
+        64-byte limbs; register r holds 32-blocks o[2r], o[2r + 1] with o = SUB_ORDER if ``perm`` else 0..7;
+        ``unsigned``: Q8_0's limbs),
         ``p32[s]`` (2**(E - ACT_BITS) per 32-block, NaN for a non-finite one) and ``s16[s]`` (sum of X per
         16 elements). x must be C-contiguous."""
         t, k = x.shape
@@ -393,6 +497,7 @@ if AVAILABLE:
         xa = np.int64(x.ctypes.data)
         la = np.int64(limbs.ctypes.data)
         sa = np.int64(s16.ctypes.data)
+        ls = limbs.shape[1]
         zeros = np.zeros(32, dtype=np.float32)  # a non-finite block's stand-in (its scale is NaN)
         za = np.int64(zeros.ctypes.data)
         for s in range(t):
@@ -406,7 +511,11 @@ if AVAILABLE:
                 e = _frexp_exp(mb) if finite else 0
                 sc = _pow2(ACT_BITS - e) if finite else 0.0
                 base = b * 768 + (pos // 2) * 192 + (pos % 2) * 32
-                _quant32(xa + (s * k + 32 * j) * 4 if finite else za, sc, la + s * k * 3 + base, sa + (s * (k // 16) + 2 * j) * 4)
+                xj = xa + (s * k + 32 * j) * 4 if finite else za
+                if unsigned:
+                    _quant32u(xj, sc, la + s * ls + base, sa + (s * (k // 16) + 2 * j) * 4)
+                else:
+                    _quant32(xj, sc, la + s * ls + base, sa + (s * (k // 16) + 2 * j) * 4)
                 p32[s, j] = _pow2(e - ACT_BITS) if finite else np.nan
 
     @njit(**_nopts)
@@ -418,9 +527,9 @@ if AVAILABLE:
         x = numba.carray(_f32p(xa), (t, k))
         dbl = numba.carray(_f64p(buf), (t, k // 16))
         s16 = numba.carray(_i32p(buf + t * k // 16 * 8), (t, k // 16))
-        limbs = numba.carray(_i8p(buf + t * k // 16 * 12), (t, 3 * k))
+        limbs = numba.carray(_i8p(buf + t * k // 16 * 12), (t, (k + 255) // 256 * 768))
         p32 = np.empty((t, k // 32), dtype=np.float64)
-        quantize(x, limbs, p32, s16, layout == LAYOUT_Q4_K)
+        quantize(x, limbs, p32, s16, layout == LAYOUT_Q4_K, layout == LAYOUT_Q8_0)
         for s in range(t):
             if layout == LAYOUT_Q4_K:
                 for b in range(k // 256):
@@ -428,7 +537,7 @@ if AVAILABLE:
                         j = b * 8 + SUB_ORDER[i]
                         dbl[s, b * 16 + i] = p32[s, j]
                         dbl[s, b * 16 + 8 + i] = np.float64(s16[s, 2 * j] + s16[s, 2 * j + 1]) * p32[s, j]
-            else:
+            else:  # Q6_K, Q8_0: the scale of each 16 elements (and Q6_K's 32 * S)
                 for j in range(k // 16):
                     dbl[s, j] = p32[s, j // 2]
                     s16[s, j] = 32 * s16[s, j]
@@ -445,6 +554,7 @@ if AVAILABLE:
         words = numba.carray(wp, 4)
         pa = buf
         la = buf + t * k // 16 * 12
+        ls = (k + 255) // 256 * 768  # limb_stride(k)
         rb = w.shape[1]
         for r in range(r0, r1):
             row = w[r]
@@ -456,7 +566,7 @@ if AVAILABLE:
                 kernels._k_scale_words(row, o + 4, words)
                 _k_scales_f64(wp, kernels._h(tab, row, o), kernels._h(tab, row, o + 2), scp)
                 for s in range(t):
-                    _q4k_block(accp, 8 * s, ra + o + 16, la + s * k * 3 + b * 768, scp,
+                    _q4k_block(accp, 8 * s, ra + o + 16, la + s * ls + b * 768, scp,
                                pa + (s * nb * 16 + b * 16) * 8, pa + (s * nb * 16 + b * 16 + 8) * 8)
             for s in range(t):
                 a = 8 * s
@@ -477,6 +587,7 @@ if AVAILABLE:
         pa = buf
         sa = buf + t * k // 16 * 8
         la = buf + t * k // 16 * 12
+        ls = (k + 255) // 256 * 768  # limb_stride(k)
         rb = w.shape[1]
         for r in range(r0, r1):
             row = w[r]
@@ -487,8 +598,70 @@ if AVAILABLE:
                 o = b * 210
                 _q6_scales_f64(ra + o + 192, kernels._h(tab, row, o + 208), scp)
                 for s in range(t):
-                    _q6k_block(accp, 16 * s, ra + o, la + s * k * 3 + b * 768, scp,
+                    _q6k_block(accp, 16 * s, ra + o, la + s * ls + b * 768, scp,
                                pa + (s * nb + b) * 128, sa + (s * nb + b) * 64)
+            for s in range(t):
+                a = 16 * s
+                for i in range(8):
+                    acc[a + i] += acc[a + 8 + i]
+                h0 = acc[a] + acc[a + 4]
+                h1 = acc[a + 1] + acc[a + 5]
+                h2 = acc[a + 2] + acc[a + 6]
+                h3 = acc[a + 3] + acc[a + 7]
+                out[s, r] = np.float32((h0 + h2) + (h1 + h3))
+
+    @njit(inline="always")
+    def _q80_tail(accp, at: int, ga: int, la: int, scp, pa: int, nblk: int) -> None:  # noqa: ANN001
+        if nblk == 1:
+            _q80_group(accp, at, ga, la, scp, pa, 1)
+        elif nblk == 2:
+            _q80_group(accp, at, ga, la, scp, pa, 2)
+        elif nblk == 3:
+            _q80_group(accp, at, ga, la, scp, pa, 3)
+        elif nblk == 4:
+            _q80_group(accp, at, ga, la, scp, pa, 4)
+        elif nblk == 5:
+            _q80_group(accp, at, ga, la, scp, pa, 5)
+        elif nblk == 6:
+            _q80_group(accp, at, ga, la, scp, pa, 6)
+        else:
+            _q80_group(accp, at, ga, la, scp, pa, 7)
+
+    @njit(**_nopts)
+    def q8_0_buf(buf: int, t: int, k: int, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int,
+                 r1: int) -> None:
+        """Rows ``r0:r1`` of ``x @ W.T`` for Q8_0 from x's buffer (:func:`prepare`, LAYOUT_Q8_0)."""
+        nb = k // 32
+        accp = _stack_f64(64)
+        acc = numba.carray(accp, 64)
+        scp = _stack_f64(16)
+        sc = numba.carray(scp, 16)
+        ptp = _stack_f64(16)  # a last partial group's scales, zero past its blocks
+        pt = numba.carray(ptp, 16)
+        p16 = numba.carray(_f64p(buf), (t, k // 16))
+        la = buf + t * k // 16 * 12
+        ls = (k + 255) // 256 * 768  # limb_stride(k)
+        rb = w.shape[1]
+        for r in range(r0, r1):
+            row = w[r]
+            ra = w.ctypes.data + r * rb
+            for i in range(16 * t):
+                acc[i] = 0.0
+            for g in range((nb + 7) // 8):
+                nblk = min(8, nb - 8 * g)
+                for i in range(8):
+                    v = np.float64(kernels._h(tab, row, 34 * (8 * g + i))) if i < nblk else 0.0
+                    sc[2 * i] = v
+                    sc[2 * i + 1] = v
+                ga = ra + 34 * 8 * g
+                for s in range(t):
+                    lg = la + s * ls + g * 768
+                    if nblk == 8:
+                        _q80_group(accp, 16 * s, ga, lg, scp, buf + (s * (k // 16) + 16 * g) * 8, 8)
+                    else:
+                        for i in range(16):
+                            pt[i] = p16[s, 16 * g + i] if i < 2 * nblk else 0.0
+                        _q80_tail(accp, 16 * s, ga, lg, scp, ptp, nblk)
             for s in range(t):
                 a = 16 * s
                 for i in range(8):
@@ -514,3 +687,7 @@ if AVAILABLE:
     def q6_k(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
         """Rows ``r0:r1`` of ``x @ W.T`` for Q6_K with the integer numerics (:func:`q6_k_ref`)."""
         _direct(LAYOUT_Q6_K, q6_k_buf, x, w, out, tab, r0, r1)
+
+    def q8_0(x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int, r1: int) -> None:
+        """Rows ``r0:r1`` of ``x @ W.T`` for Q8_0 with the integer numerics (:func:`q8_0_ref`)."""
+        _direct(LAYOUT_Q8_0, q8_0_buf, x, w, out, tab, r0, r1)

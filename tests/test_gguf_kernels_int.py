@@ -1,4 +1,4 @@
-"""Integer dot products for Q4_K/Q6_K decode products (engine/kernels_int.py, numba on AVX-512 VNNI): the
+"""Integer dot products for Q4_K/Q6_K/Q8_0 decode products (engine/kernels_int.py, numba on AVX-512 VNNI): the
 numpy reference of their numerics is within 1e-5 of the exact product (CI runs that part without numba), the
 compiled kernels give the reference's bits (so any CPU computing the same integers gets the same bits), a row's
 bits depend on nothing but its own rows, and the kernel threads take them unless ``MESHD_KERNELS_INT=0``."""
@@ -17,7 +17,7 @@ pytest.importorskip("gguf")
 from engine import kernels, kernels_int, quant  # noqa: E402
 from engine.gguf_export import quantize  # noqa: E402
 
-TYPES = ["Q4_K", "Q6_K"]
+TYPES = ["Q4_K", "Q6_K", "Q8_0"]
 needs_vnni = pytest.mark.skipif(not kernels_int.AVAILABLE, reason="numba (the fast extra) or AVX-512 VNNI missing")
 
 
@@ -61,7 +61,10 @@ def test_reference_is_within_1e_5_of_the_exact_product(qtype: str) -> None:
 def test_compiled_kernel_gives_the_reference_bits(qtype: str) -> None:
     kern = getattr(kernels_int, qtype.lower())
     ref = getattr(kernels_int, qtype.lower() + "_ref")
-    for n, k, t in ((37, 256, 1), (300, 768, 3), (64, 1024, 4)):
+    shapes = [(37, 256, 1), (300, 768, 3), (64, 1024, 4)]
+    if qtype == "Q8_0":  # rows of whole 32-blocks but not of 256-element groups (experts' 384-wide down rows)
+        shapes += [(50, 384, 2), (20, 416, 4), (9, 32, 1)]
+    for n, k, t in shapes:
         data = _weights(qtype, n, k, n).data
         x = _activations(t, k, k)
         want = ref(x, data)
@@ -103,11 +106,11 @@ def test_kernel_threads_run_the_integer_kernels(qtype: str, helpers: int) -> Non
 @needs_vnni
 def test_switch_keeps_the_float_kernels() -> None:
     code = ("from engine import kernel_pool as k; "
-            "print(k._CFUNCS['Q4_K'].__name__, k._CFUNCS['Q6_K'].__name__)")
+            "print(k._CFUNCS['Q4_K'].__name__, k._CFUNCS['Q6_K'].__name__, k._CFUNCS['Q8_0'].__name__)")
     env = {**os.environ, "MESHD_KERNELS_INT": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
                          check=True).stdout.split()
-    assert out == ["_c_q4_k_lut", "_c_q6_k_lut"]
+    assert out == ["_c_q4_k_lut", "_c_q6_k_lut", "_c_q8_0"]
 
 
 @needs_vnni
