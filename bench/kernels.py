@@ -364,10 +364,11 @@ def integer(rounds: int, alternations: int, rng: np.random.Generator) -> None:
                 x = rng.standard_normal((t, k)).astype(np.float32)
                 out = np.empty((t, n), dtype=np.float32)
                 tables = {}
+                was = kernel_pool._ADDR[qtype]
                 for side in ("lookup", "integer"):
                     kernel_pool._ADDR[qtype] = addr[qtype][side]
                     tables[side] = kernel_pool.table([(x, qtype, data, out)])
-                kernel_pool._ADDR[qtype] = addr[qtype]["integer"]
+                kernel_pool._ADDR[qtype] = was
                 for path in ("direct", "chunks"):
                     got: dict[str, list[float]] = {"lookup": [], "integer": []}
                     for _ in range(alternations):
@@ -400,7 +401,7 @@ def decode_int(path: str, alternations: int) -> None:
     cache = m.new_cache(1024)
     tok = int(np.argmax(m.forward(list(range(10, 74)), cache)[-1]))
     sides = {name: {q: int(getattr(kernel_pool, f"_c_{q.lower()}{'' if suffix == '_lut' and q == 'Q8_0' else suffix}")
-                           .address) for q in kernels_int.TYPES}
+                           .address) for q in kernels_int.POOL_TYPES}
              for name, suffix in (("lookup", "_lut"), ("integer", "_int"))}
 
     def run(n: int) -> float:

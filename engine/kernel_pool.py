@@ -215,7 +215,8 @@ _CFUNCS = {"F32": _c_f32, "BF16": _c_bf16, "Q8_0": _c_q8_0, "Q4_0": _c_q4_0, "Q4
 if kernels_lut.AVAILABLE:  # AVX-512: the table-lookup kernels (same bits, fewer operations per weight)
     _CFUNCS.update(Q4_K=_c_q4_k_lut, Q5_K=_c_q5_k_lut, Q6_K=_c_q6_k_lut)
 if kernels_int.AVAILABLE:  # AVX-512 VNNI and MESHD_KERNELS_INT not 0: integer dot products (kernels_int's bits)
-    _CFUNCS.update(Q4_K=_c_q4_k_int, Q6_K=_c_q6_k_int, Q8_0=_c_q8_0_int)
+    _CFUNCS.update({q: {"Q4_K": _c_q4_k_int, "Q6_K": _c_q6_k_int, "Q8_0": _c_q8_0_int}[q]
+                    for q in kernels_int.POOL_TYPES})
 _ADDR = {q: int(f.address) for q, f in _CFUNCS.items()}
 # kernel address -> the activation layout it reads (its table rows get a quantized buffer of x)
 _INT_LAYOUT = ({int(_c_q4_k_int.address): kernels_int.LAYOUT_Q4_K, int(_c_q6_k_int.address): kernels_int.LAYOUT_Q6_K,

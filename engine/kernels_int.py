@@ -29,6 +29,9 @@ import numpy as np
 
 ACT_BITS = 20  # |X| <= 2**20: three signed bytes (a0 within +-65), and Q4_K's |T| < 32 * 15 * 2**20 < 2**29
 TYPES = ("Q4_K", "Q6_K", "Q8_0")  # the types with an integer kernel
+# the ones the kernel threads use: Q8_0's integer kernel measured 0.66-0.87x engine/kernels.py's float one for one
+# activation row (1.0-1.2x for four), so decode keeps the float kernel (docs/kernels.md)
+POOL_TYPES = ("Q4_K", "Q6_K")
 SUB_ORDER = (0, 2, 1, 3, 4, 6, 5, 7)  # sub-block of each float64 lane (the order the integer sums come out)
 LAYOUT_Q4_K = 1  # the activation buffers' layouts (engine/kernel_pool.py's table column 13)
 LAYOUT_Q6_K = 2

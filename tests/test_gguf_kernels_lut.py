@@ -29,7 +29,7 @@ def _generic(qtype: str, x: np.ndarray, data: np.ndarray, out: np.ndarray) -> No
 def test_lookup_kernels_give_the_generic_kernels_bits(qtype: str) -> None:
     from engine import kernel_pool, kernels_int
 
-    integer = kernels_int.AVAILABLE and qtype in kernels_int.TYPES
+    integer = kernels_int.AVAILABLE and qtype in kernels_int.POOL_TYPES
     rng = np.random.default_rng(5)
     for n, k, t in ((37, 256, 1), (300, 768, 3), (64, 1024, 4)):
         # scales spanning orders of magnitude, and some all-zero and extreme blocks
