@@ -63,7 +63,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 # Setups run with 1 worker: (setup suffix, CoordinatorConfig changes); 2 and 3 workers run the first only.
-VARIANTS: list[tuple[str, dict[str, Any]]] = [("", {}), (", no poll", {"poll_s": 0.0}), (", no warm", {"warm": False})]
+# "no direct": the layer calls go over the lane's stream from the event loop (session 5's path), polling
+# and warming as configured; the default row makes them over the direct channel from the engine thread.
+VARIANTS: list[tuple[str, dict[str, Any]]] = [("", {}), (", no direct", {"direct": False}),
+                                              (", no direct, no poll", {"direct": False, "poll_s": 0.0})]
 
 CONFIG = dict(
     model_type="qwen3_moe", vocab_size=8192, hidden_size=768, intermediate_size=2048, moe_intermediate_size=384,
@@ -234,6 +237,21 @@ class TimedLocal:
         out = self.inner(layer, x, work)
         self.seconds.append(time.perf_counter() - t0)
         return out
+
+
+def wait_direct(coord: Any, ex: Any, want: bool) -> None:
+    """Every link with a direct channel (``want``; raises after 10 s), or none (closed here)."""
+    if not want:
+        for link in ex.links.values():
+            if link.direct is not None:
+                link.direct.close("bench: no direct")
+        return
+    deadline = time.monotonic() + 10
+    while not ex.all_direct():
+        if time.monotonic() > deadline:
+            raise RuntimeError("no direct channel to every worker within 10 s")
+        coord.probe()
+        time.sleep(0.05)
 
 
 def prefill(model: Any, executor: Any, prompt: list[int]) -> float:
@@ -429,6 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     ex = coord.executor(path, "on")
                     coord.wait_paths(procs[:n], over)
                     ex.config = dataclasses.replace(ex.config, **variant[1])
+                    wait_direct(coord, ex, ex.config.direct and over == "lane")
                     if args.pin:  # its own CPU set is one core, but the worker has the other one to itself
                         ex._cores = os.cpu_count() or 1
                     local, remote = measure(model, ex, prompt, args, local_prefill,
