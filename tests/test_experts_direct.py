@@ -51,7 +51,7 @@ def test_decode_over_the_direct_channel_is_byte_identical(tmp_path: Path, ckpt: 
     mesh = MeshFixture()
     procs.append(spawn_worker(mesh, tmp_path, [str(ckpt)]))
     w = procs[0]
-    coord = Coordinator(mesh, CoordinatorConfig(message_timeout_s=2.0, layer_timeout_s=5.0), lane=True)
+    coord = Coordinator(mesh, CoordinatorConfig(message_timeout_s=5.0, layer_timeout_s=10.0), lane=True)
     try:
         coord.connect(procs)
         model = Model.load(ckpt)
@@ -78,7 +78,7 @@ def test_decode_over_the_direct_channel_is_byte_identical(tmp_path: Path, ckpt: 
         got = _decode(model, ex, 30, at_third=kill)
         took = time.monotonic() - t0
         assert got == ref
-        assert took < 2.0, took  # the message timeout is 2 s: nothing waited for it
+        assert took < 4.0, took  # the message timeout is 5 s: nothing waited for it
         st = ex.status()
         assert ex.links[w.node_id].direct is None or ex.links[w.node_id].direct.closed
         assert st["items_local"] == 0 and st["workers"][w.node_id]["direct_calls"] > calls
