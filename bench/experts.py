@@ -445,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 try:
                     coord.connect(procs[:n])
                     ex = coord.executor(path, "on")
-                    coord.wait_paths(procs[:n], over, timeout_s=30.0)  # a lane under load can take a few redials
+                    coord.wait_paths(procs[:n], over, timeout_s=30.0)  # a loaded lane may take redials
                     ex.config = dataclasses.replace(ex.config, **variant[1])
                     wait_direct(coord, ex, ex.config.direct and over == "lane")
                     if args.pin:  # its own CPU set is one core, but the worker has the other one to itself

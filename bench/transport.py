@@ -14,9 +14,9 @@ stream per request, the RPC helper) and ping-pong on one long-lived stream. The 
 the same way on one EXPERT stream (its "rtt" is that stream's ping-pong; a lane has no per-request stream
 setup). With two processes, a direct channel beside the lane (``transport.lane_direct``: a blocking TLS socket
 written and read by a plain thread, as the expert decode path uses it) is measured too: round trips on one
-channel, bulk in 64 KiB messages on a fresh channel per run. Prints a table and the ratios to TCP. The QUIC variants try packet sizes (16 KiB exists only on
-loopback; 1350 B is what a LAN with MTU 1500 gets) and uvloop when it is installed (``pip install
-.[bench]``).
+channel, bulk in 64 KiB messages on a fresh channel per run. Prints a table and the ratios to TCP. The QUIC
+variants try packet sizes (16 KiB exists only on loopback; 1350 B is what a LAN with MTU 1500 gets) and uvloop
+when it is installed (``pip install .[bench]``).
 """
 
 from __future__ import annotations
@@ -221,7 +221,8 @@ async def _direct_client(lanes: object, peer: object, mb: int, n: int) -> dict[s
     from transport.lane_direct import SERVICE_PIPELINE
 
     echo = await lanes.dial_direct(peer, SERVICE_PIPELINE)  # type: ignore[attr-defined]
-    sinks = [await lanes.dial_direct(peer, SERVICE_PIPELINE) for _ in range(BULK["runs"])]  # type: ignore[attr-defined]
+    dial = lanes.dial_direct  # type: ignore[attr-defined]
+    sinks = [await dial(peer, SERVICE_PIPELINE) for _ in range(BULK["runs"])]
 
     def run() -> dict[str, float]:
         payload, blob = os.urandom(MSG), os.urandom(CHUNK)
@@ -326,7 +327,8 @@ def run_lane(tmp: Path, mb: int, n: int, inprocess: bool) -> dict[str, float]:
         return asyncio.run(both())
     proc = PeerProcess(peer_config(server_ident, server_creds, lane="127.0.0.1:0"), tmp)  # type: ignore[arg-type]
     try:
-        return asyncio.run(_lane_client(proc.addr, proc.node_id, client_creds, client_ident, mb, n, direct=True))
+        return asyncio.run(_lane_client(proc.addr, proc.node_id, client_creds, client_ident, mb, n,
+                                        direct=True))
     finally:
         proc.stop()
 

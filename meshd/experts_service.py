@@ -141,7 +141,8 @@ class ExpertsService:
                 from transport.lane_direct import SERVICE_EXPERTS
 
                 worker = self.worker
-                lanes.direct_handlers[SERVICE_EXPERTS] = lambda peer, ch: direct.serve(worker, peer.node_id, ch)
+                lanes.direct_handlers[SERVICE_EXPERTS] = \
+                    lambda peer, ch: direct.serve(worker, peer.node_id, ch)
         self._spawn(self._probe_loop())
 
     def _load_all(self) -> tuple[list[ExpertShard], list[bytes]]:
@@ -351,8 +352,8 @@ class ExpertsService:
         ex = c.executor
         link = ex.links.get(node)
         lanes = getattr(self.transport, "lane", None)
-        if (not direct.enabled() or not ex.config.direct or lanes is None or link is None or link.closed or link.ack is None
-                or (link.direct is not None and not link.direct.closed) or node in c.dialling
+        if (not direct.enabled() or not ex.config.direct or lanes is None or link is None or link.closed
+                or link.ack is None                or (link.direct is not None and not link.direct.closed) or node in c.dialling
                 or getattr(link.channel, "path", None) != PATH_LANE):
             return
         c.dialling.add(node)

@@ -76,7 +76,7 @@ def test_direct_channel_carries_messages_beside_the_lane_and_closes_with_the_mem
             p.lb._peer_down(p.peer_of_a)
             await asyncio.wait_for(reader, 5.0)
             assert time.monotonic() - t0 < 2.0
-            await wait_for(lambda: p.lb.status()["direct_channels"] == 0 and p.la.status()["direct_channels"] == 0)
+            await wait_for(lambda: p.lb.status()["direct_channels"] == p.la.status()["direct_channels"] == 0)
 
     asyncio.run(main())
 
@@ -140,8 +140,8 @@ def test_tls_terminating_proxy_is_refused_by_the_client() -> None:
             proxy = _TerminatingProxy(p.lb.address)
             try:
                 with pytest.raises(TransportError, match="not the peer's node key"):
-                    await asyncio.to_thread(lane_direct.dial, p.a.identity, p.peer_of_b.public_key, proxy.address,
-                                            SERVICE, lane_conn._client_context(), 3.0)
+                    await asyncio.to_thread(lane_direct.dial, p.a.identity, p.peer_of_b.public_key,
+                                            proxy.address, SERVICE, lane_conn._client_context(), 3.0)
                 assert served == []
             finally:
                 proxy.close()
@@ -168,8 +168,8 @@ def test_tls_terminating_proxy_is_refused_by_the_server_even_if_the_client_is_ca
             monkeypatch.setattr(lane_conn, "_cert_public_key", lambda der: p.peer_of_b.public_key)
             try:
                 with pytest.raises(TransportError):
-                    await asyncio.to_thread(lane_direct.dial, p.a.identity, p.peer_of_b.public_key, proxy.address,
-                                            SERVICE, lane_conn._client_context(), 3.0)
+                    await asyncio.to_thread(lane_direct.dial, p.a.identity, p.peer_of_b.public_key,
+                                            proxy.address, SERVICE, lane_conn._client_context(), 3.0)
                 await wait_for(lambda: p.lb.stats.get("direct_refused_proof", 0) >= 1)
                 assert proxy.relayed > 0  # the careless client's proof went through, and it failed
                 assert served == [] and p.lb.status()["direct_channels"] == 0

@@ -328,8 +328,8 @@ class LaneManager:
         log.info("direct_channel_down", peer=ch.peer_id, reason=ch.close_reason)
 
     async def dial_direct(self, peer: Any, service: int) -> lane_direct.DirectChannel:
-        """A direct channel to ``peer`` for ``service`` (``transport.lane_direct``), at the lane port it reports
-        over QUIC. Raises ``TransportError`` (no lane there, refused, not in time)."""
+        """A direct channel to ``peer`` for ``service`` (``transport.lane_direct``), at the lane port it
+        reports over QUIC. Raises ``TransportError`` (no lane there, refused, not in time)."""
         cfg = self.config
         if self._closing or peer.address is None or peer.path == PATH_RELAY:
             raise TransportError("no direct path to the peer")
@@ -337,8 +337,8 @@ class LaneManager:
         (port,) = struct.unpack(">H", reply[:2])
         if port == 0:
             raise TransportError("the peer has no lane")
-        ch = await asyncio.to_thread(lane_direct.dial, self.identity, peer.public_key, (peer.address[0], port),
-                                     service, self._client_ctx, cfg.connect_timeout_s)
+        ch = await asyncio.to_thread(lane_direct.dial, self.identity, peer.public_key,
+                                     (peer.address[0], port), service, self._client_ctx, cfg.connect_timeout_s)
         if self._closing or self.mesh.peer(peer.node_id) is not peer:
             ch.close("the member is gone")
             raise TransportError("the member disconnected")

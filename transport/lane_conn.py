@@ -118,7 +118,7 @@ class LaneConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._raw: asyncio.Transport | None = None  # server: the TCP transport while TLS is being set up
         self._source = source  # server: counted in the manager's pending caps until open or closed
-        self._sniff_cleanup: Any = None  # server: stops waiting for the first bytes (LaneManager._sniff_start)
+        self._sniff_cleanup: Any = None  # server: ends LaneManager._sniff_start's wait
         self._early = bytearray()  # auth bytes (and, server, bytes that beat the TLS transport's hand-over)
         self._nonce = os.urandom(lane_wire.NONCE_BYTES)
         self._pub_c = self._pub_s = self._nonce_c = self._nonce_s = self._cert_hash = b""

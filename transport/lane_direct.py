@@ -96,7 +96,8 @@ class DirectChannel:
             self._timeout = timeout
 
     def send(self, payload: bytes | bytearray | memoryview, timeout: float | None = None) -> None:
-        """Send one message (blocks until the kernel took it). Raises ``TransportError`` and closes on failure."""
+        """Send one message (blocks until the kernel took it). Raises ``TransportError`` and closes on
+        failure."""
         if self.closed:
             raise TransportError(f"direct channel closed: {self.close_reason}")
         n = len(payload)
@@ -213,7 +214,8 @@ def dial(identity: NodeIdentity, peer_public_key: bytes, address: tuple[str, int
         auth = _read_exact(tls, lane_wire.SERVER_AUTH_BYTES, deadline)
         nonce_s, sig_s = auth[: lane_wire.NONCE_BYTES], auth[lane_wire.NONCE_BYTES:]
         lane_wire.verify(peer_public_key, sig_s, False, pub_c, peer_public_key, nonce_c, nonce_s, chash, tag)
-        _send(tls, lane_wire.sign(identity, True, pub_c, peer_public_key, nonce_c, nonce_s, chash, tag), deadline)
+        sig_c = lane_wire.sign(identity, True, pub_c, peer_public_key, nonce_c, nonce_s, chash, tag)
+        _send(tls, sig_c, deadline)
         head = _read_exact(tls, 2, deadline)
         reason = _read_exact(tls, head[1], deadline).decode("utf-8", "replace") if head[1] else ""
         if head[0] != 0:

@@ -60,7 +60,8 @@ class DirectLink:
         self._rid = self._rid % 0xFFFFFFFF + 1
         return self._rid
 
-    def hello(self, fingerprint: bytes, layout: MoeLayout, expect_version: int, timeout_s: float) -> rpc.HelloAck:
+    def hello(self, fingerprint: bytes, layout: MoeLayout, expect_version: int,
+              timeout_s: float) -> rpc.HelloAck:
         """Blocking (a thread): bind the channel to ``fingerprint``; the worker must ack ``expect_version``
         (what the stream's link acked, which requests are built for). Raises ``DirectFailed``."""
         rid = self.next_id()
@@ -128,7 +129,8 @@ class DirectLink:
         if back is None:
             raise DirectFailed("the worker closed the direct channel")
         env = rpc.decode(back)
-        if not isinstance(env.message, rpc.EchoReply) or env.message.payload != payload or env.request_id != rid:
+        msg = env.message
+        if not isinstance(msg, rpc.EchoReply) or msg.payload != payload or env.request_id != rid:
             self.close("bad echo reply")
             raise DirectFailed("bad echo reply")
         return t1 - t0
@@ -172,7 +174,8 @@ def serve(worker: object, peer_id: str, channel: DirectChannel) -> None:
                 if fp is None:
                     raise rpc.ExpertProtocolError(rpc.ErrorCode.PROTOCOL, "expert_request before hello")
                 if isinstance(msg, rpc.ExpertCombineRequest) and version < 2:
-                    raise rpc.ExpertProtocolError(rpc.ErrorCode.PROTOCOL, f"combine request in protocol {version}")
+                    raise rpc.ExpertProtocolError(rpc.ErrorCode.PROTOCOL,
+                                                  f"combine request in protocol {version}")
                 channel.send(w.answer(fp, msg, rid, peer_max))
             else:
                 raise rpc.ExpertProtocolError(rpc.ErrorCode.PROTOCOL, f"unexpected {type(msg).__name__}")
@@ -198,7 +201,8 @@ class DirectPath:
                                         for snd in call.sends)
 
     def all_direct(self) -> bool:
-        """Whether every live link has a direct channel now (a decode pass then stays on its engine thread)."""
+        """Whether every live link has a direct channel now (a decode pass then stays on its engine
+        thread)."""
         links = [link for link in self.links.values() if not link.closed]
         return bool(links) and all(link.direct is not None and not link.direct.closed for link in links)
 

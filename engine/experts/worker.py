@@ -200,7 +200,8 @@ class ExpertWorker:
             log.info("experts_worker_refused_fingerprint", peer=peer, wanted=msg.fingerprint.hex()[:16])
             return rpc.ErrorMsg(
                 rpc.ErrorCode.FINGERPRINT_MISMATCH,
-                f"worker holds a different checkpoint: {held or 'none'}; asked for {msg.fingerprint.hex()[:16]}"), 0
+                f"worker holds a different checkpoint: {held or 'none'}; "
+                f"asked for {msg.fingerprint.hex()[:16]}"), 0
         return self._ack(msg.fingerprint, version), version
 
     def answer(self, fp: bytes, req: AnyRequest, rid: int, peer_max_bytes: int) -> bytes | bytearray:
