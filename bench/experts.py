@@ -22,14 +22,16 @@ three greedy decodes of --decode tokens run one after the other, the latter two 
 local; local with a 4 KB ECHO to a worker before each sparse layer (the transport's round trip "in decode",
 after the same compute gaps a delegated layer sees); remote. The per-layer delegation overhead is ((median
 remote step) - (median local step)) / (sparse layers): everything delegation adds to a decode step, thread
-hand-offs included. It is set against the round trip of a 4 KB ECHO on the same expert streams
-(``RemoteExecutor.echo_rtt``: sent from the loop and read in the read callback, as a layer call is, and
-polled for as a layer call is: ``polled=True``), measured in the same run both in decode and back to back (a
-tight loop); the back-to-back round trip of a sleeping echo (no polling on either side) is shown too. While a
-layer's experts are out, the coordinator polls for the replies and the worker then polls for its next
-request (``transport.poll``, with one loopback worker on two cores: not with two), and the coordinator warms
-the next layer's attention weights (``Model.warm``); the "1 worker, no poll" and "1 worker, no warm" rows are
-the same run without each, so the figures show what each adds. Every remote step's logits are checked
+hand-offs included. It is set against the round trip of a 4 KB ECHO the way a layer call goes
+(``RemoteExecutor.echo_rtt``: on the direct channel from this thread when one is up, as a decode layer's call
+is; otherwise sent from the loop and read in the read callback, polled for as a layer call is), measured in the
+same run both in decode and back to back (a tight loop); the back-to-back round trip of a sleeping echo is shown
+too. The default row makes each decode layer's call over the direct channel beside the lane
+(``engine.experts.direct``: the engine thread writes the request and reads the reply, nobody polls); the
+"1 worker, no direct" row is the session-5 path (the lane's stream, the pass run on the event loop, the
+coordinator polling for the replies and the worker for its next request with one loopback worker on two cores,
+and warming the next layer when no worker is on loopback), "no direct, no poll" the same without polling, so
+the figures show what each adds. Every remote step's logits are checked
 byte-equal to the local step's. The whole measurement is repeated --rounds times (a shared VM drifts by +-10%
 between runs); the table shows each figure's median over the rounds and, for the ratios, the lowest and
 highest round. The workers' own compute time per request (as they report it) is shown too, beside the
