@@ -15,9 +15,10 @@ or without numba: above ``KERNEL_MAX_ROWS`` rows its products go to BLAS, the ro
 rows and routing is numpy's softmax; docs/pipeline.md has the measurement.
 
 :meth:`BatchStep.make` returns None (callers then run lone steps) unless the decode plan covers the part
-and every product of the lone step runs on a compiled kernel (a BLAS product's row bits depend on the row
-count): numba installed, model-sized fp32 weights or kernel-typed packed ones, softmax-routed experts
-without shared experts or biases.
+with numba installed (softmax-routed experts without shared experts or biases, no latent attention). Products
+on a kernel in the lone step are one round over all rows; the others (weights too small for the fp32 kernel,
+stored types without one) run row by row with the lone step's one-row call, since a BLAS product's row bits
+depend on the row count.
 """
 
 from __future__ import annotations
@@ -47,10 +48,10 @@ def _kernel_entry(w: object, x1: np.ndarray) -> tuple[str, np.ndarray] | None:
 class BatchStep:
     """The batched one-token step of a model part (see the module docstring)."""
 
-    def __init__(self, model: Any, plan: DecodePlan, entries: dict[int, tuple[str, np.ndarray]]) -> None:
+    def __init__(self, model: Any, plan: DecodePlan, entries: dict[int, tuple[str, np.ndarray] | None]) -> None:
         self.model = model
         self.plan = plan
-        self._entries = entries  # id(weight) -> (row type, data)
+        self._entries = entries  # id(weight) -> (row type, data), or None: not on a kernel
         kernels, self._kp = packed_ops()  # type: ignore[misc]
         self._kernels = kernels
         self._mod = dense._kernels()
@@ -66,13 +67,10 @@ class BatchStep:
         c = model.config
         x1 = np.zeros((1, c.hidden_size), dtype=F32)
         g1 = np.zeros((1, max(1, c.moe_intermediate_size)), dtype=F32)
-        entries: dict[int, tuple[str, np.ndarray]] = {}
+        entries: dict[int, tuple[str, np.ndarray] | None] = {}
 
         def need(w: object, x: np.ndarray) -> bool:
-            e = _kernel_entry(w, x)
-            if e is None:
-                return False
-            entries[id(w)] = e
+            entries[id(w)] = _kernel_entry(w, x)
             return True
 
         a1 = np.zeros((1, c.num_heads * c.head_dim), dtype=F32)
@@ -96,10 +94,19 @@ class BatchStep:
         return cls(model, plan, entries)
 
     def _round(self, products: list[tuple[np.ndarray, object, np.ndarray]]) -> None:
-        """out = x @ w.T for every (x, w, out): one kernel round."""
-        prods = [(x, *self._entries[id(w)], out) for x, w, out in products]
-        tbl, total, keep, weights = self._kp.table(prods)
-        run_rows(self._kp, pool_of(self._kernels), tbl, total, weights, (prods, keep))
+        """out = x @ w.T for every (x, w, out): the kernel products in one round over all rows, any other
+        (a small weight the lone step multiplies with BLAS) row by row, as the lone step's one-row call."""
+        prods = []
+        for x, w, out in products:
+            entry = self._entries[id(w)]
+            if entry is not None:
+                prods.append((x, *entry, out))
+                continue
+            for r in range(x.shape[0]):
+                out[r] = dense.matmul(x[r : r + 1], w)[0]
+        if prods:
+            tbl, total, keep, weights = self._kp.table(prods)
+            run_rows(self._kp, pool_of(self._kernels), tbl, total, weights, (prods, keep))
 
     def run(self, x: np.ndarray, caches: Sequence[Any], logits: bool = False) -> np.ndarray:
         """Hidden states x [B, D] (row b: sequence b, at position ``caches[b].length``) through this part's
