@@ -390,7 +390,7 @@ class Scheduler:
         self.batched_steps += 1
         groups = getattr(self.model, "decode_groups", None)
         n = groups([s.cache for s in live]) if groups is not None else 0
-        size = -(-len(live) // n) if n > 1 else 0
+        size = -(-len(live) // n) if n > 0 else 0
         ready: list[_Seq] = []
         for s in live:
             if s.handle.cancelled:

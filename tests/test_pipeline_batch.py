@@ -123,8 +123,12 @@ def _run(model, tok, params, ids):  # type: ignore[no-untyped-def]
 
 
 @needs_numba
-def test_scheduler_steps_groups_and_each_request_matches_local(checkpoint: Path, lt: LoopThread) -> None:
+@pytest.mark.parametrize("groups", ["", "1"])  # one group per process; one group of every live sequence
+def test_scheduler_steps_groups_and_each_request_matches_local(checkpoint: Path, lt: LoopThread, groups: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.scheduler import Scheduler
+
+    monkeypatch.setenv("MESHD_PIPELINE_GROUPS", groups)
 
     model, tok = Model.load(checkpoint), Tokenizer.load(checkpoint)
     prompts = [tok.encode(p) for p in ("one two", "the mesh holds the layers of", "a", "seeded run", "b c")]
@@ -134,11 +138,11 @@ def test_scheduler_steps_groups_and_each_request_matches_local(checkpoint: Path,
     prov = InprocProvider(lt, model, checkpoint,
                           [[("local", 0, 0), ("s1", 1, 1), ("s2", 2, 2)], [("local", 0, 1), ("s3", 2, 2)]])
     pm = prov.pipelined()
-    groups: list[int] = []
+    sizes: list[int] = []
     start_many = pm.start_many
 
     def counted(toks, caches, executor=None):  # type: ignore[no-untyped-def]
-        groups.append(len(caches))
+        sizes.append(len(caches))
         return start_many(toks, caches, executor)
 
     pm.start_many = counted  # type: ignore[method-assign]
@@ -156,7 +160,11 @@ def test_scheduler_steps_groups_and_each_request_matches_local(checkpoint: Path,
     finally:
         sched.close()
     assert got == want
-    assert max(groups) >= 2 and groups.count(1) < len(groups) // 2, groups  # steps went out in groups
+    assert max(sizes) >= 2 and sizes.count(1) < len(sizes) // 2, sizes  # steps went out in groups
+    if groups == "1":  # all five sequences in one group while all five decode
+        assert max(sizes) == 5, sizes
+    else:  # 3 processes, then 2: groups of 2-3
+        assert max(sizes) <= 3, sizes
     assert prov.hosts["s3"].steps > 0
 
 

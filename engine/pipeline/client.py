@@ -81,6 +81,13 @@ class Run:
         force = os.environ.get("MESHD_PIPELINE_POLL", "")
         fits = (here + 1) * _compute_threads() <= _cores() if force not in ("0", "1") else force == "1"
         self.polling = self.loop is not None and fits
+        # batched decode steps go out in this many groups: one per process with cores of its own (while this
+        # node runs one group's layers, the stages work on the others); processes sharing this machine's
+        # cores (the same test as polling's) count as one, since two of them computing at once only split
+        # the cores (and each group gets fewer rows per weight read). MESHD_PIPELINE_GROUPS=N forces N (A/B)
+        shared = here if (here + 1) * _compute_threads() > _cores() else 0
+        forced = os.environ.get("MESHD_PIPELINE_GROUPS", "")
+        self.groups = int(forced) if forced.isdigit() and int(forced) > 0 else len(links) + 1 - shared
 
     def new_seq(self) -> int:
         seq = next(self._seq_ids)
@@ -426,16 +433,15 @@ class PipelinedModel:
 
     def decode_groups(self, caches: Sequence[PipeCache]) -> int:
         """In how many groups the scheduler's rolling decode should step the sequences of ``caches``
-        (``start_many``): one per pipeline process of their run (this node and each stage), so while this
-        node runs one group's layers the stages work on the others; 0 when steps are not batched (fewer than
-        two sequences, no numba: BLAS products are not row-invariant, ``MESHD_PIPELINE_BATCH=0``, a run with
-        no stages): each sequence steps alone."""
+        (``start_many``): ``Run.groups``, one per pipeline process with cores of its own; 0 when steps are not
+        batched (fewer than two sequences, no numba: BLAS products are not row-invariant,
+        ``MESHD_PIPELINE_BATCH=0``, a run with no stages): each sequence steps alone."""
         if len(caches) < 2 or not BATCH:
             return 0
         run = caches[0].run
         if run.dead or not run.links or batch_step(run.local) is None:
             return 0
-        return min(len(caches), len(run.links) + 1)
+        return min(len(caches), run.groups)
 
     def start_many(self, toks: Sequence[int], caches: Sequence[PipeCache], executor: Any = None) -> list[Pending]:
         """``start_one`` of several sequences as one batched step (``engine.pipeline.batch``): this node's layers
