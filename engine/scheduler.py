@@ -20,8 +20,8 @@ A model with ``start_one``/``finish_one`` (a pipeline, ``engine.pipeline.client.
 several sequences rolling instead: each sequence always has one step in flight, and a step takes the
 oldest sequence's result, samples it, emits it and starts that sequence's next step at once, so the
 stages never wait for the slowest sequence of a step (no bubble between steps). With ``decode_groups``/
-``start_many`` (a pipeline on the compiled kernels) the sequences step in groups, one batched step each; either
-way every sequence gets the bits of its lone run.
+``start_many`` (a pipeline on the compiled kernels) the sequences step in groups, one batched step each;
+either way every sequence gets the bits of its lone run.
 """
 
 from __future__ import annotations

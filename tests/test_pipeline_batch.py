@@ -1,8 +1,8 @@
-"""Batched decode steps on a pipeline (engine.pipeline.batch): with the compiled kernels every row of a batched
-step has its lone planned step's bits (logits and KV cache; fp32 with a dense layer, Q4_K_M), on a whole model
-and on a part; the scheduler's rolling decode steps the live sequences in groups, one per pipeline process,
-and each request's output is still its lone local run's, also across a stage failure; without a batch step a
-stage answers a multi-row decode frame row by row, with the same bits."""
+"""Batched decode steps on a pipeline (engine.pipeline.batch): with the compiled kernels every row of a
+batched step has its lone planned step's bits (logits and KV cache; fp32 with a dense layer, Q4_K_M), on a
+whole model and on a part; the scheduler's rolling decode steps the live sequences in groups, and each
+request's output is still its lone local run's, also across a stage failure; without a batch step a stage
+answers a multi-row decode frame row by row, with the same bits."""
 
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # big enough for the compiled step (q 512x512) and the kernels; layer 0 a dense MLP; tiny's tokenizer
     tiny = create_tiny(tmp_path_factory.mktemp("batch") / "tiny")
     vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
-    path = make_moe_checkpoint(tmp_path_factory.mktemp("batch") / "src", family="qwen3_moe", layers=3, experts=8,
-                               hidden=512, inter=512, top_k=4, vocab=vocab, seed=5, dense_layers=(0,))
+    path = make_moe_checkpoint(tmp_path_factory.mktemp("batch") / "src", family="qwen3_moe", layers=3,
+                               experts=8, hidden=512, inter=512, top_k=4, vocab=vocab, seed=5,
+                               dense_layers=(0,))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if (tiny / name).is_file():
             shutil.copy(tiny / name, path / name)
@@ -48,8 +49,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def sparse_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from experts_util import make_moe_checkpoint
 
-    return make_moe_checkpoint(tmp_path_factory.mktemp("batch") / "sparse", family="qwen3_moe", layers=3, experts=8,
-                               hidden=512, inter=512, top_k=4, vocab=96, seed=5, dense_layers=())
+    return make_moe_checkpoint(tmp_path_factory.mktemp("batch") / "sparse", family="qwen3_moe", layers=3,
+                               experts=8, hidden=512, inter=512, top_k=4, vocab=96, seed=5, dense_layers=())
 
 
 @pytest.fixture()

@@ -48,7 +48,8 @@ def _kernel_entry(w: object, x1: np.ndarray) -> tuple[str, np.ndarray] | None:
 class BatchStep:
     """The batched one-token step of a model part (see the module docstring)."""
 
-    def __init__(self, model: Any, plan: DecodePlan, entries: dict[int, tuple[str, np.ndarray] | None]) -> None:
+    def __init__(self, model: Any, plan: DecodePlan,
+                 entries: dict[int, tuple[str, np.ndarray] | None]) -> None:
         self.model = model
         self.plan = plan
         self._entries = entries  # id(weight) -> (row type, data), or None: not on a kernel
@@ -110,8 +111,8 @@ class BatchStep:
 
     def run(self, x: np.ndarray, caches: Sequence[Any], logits: bool = False) -> np.ndarray:
         """Hidden states x [B, D] (row b: sequence b, at position ``caches[b].length``) through this part's
-        layers -> [B, D], or with ``logits`` the final norm and head's [B, V]. Writes each row's keys and values
-        into its cache (room reserved here), leaves ``length`` to the caller."""
+        layers -> [B, D], or with ``logits`` the final norm and head's [B, V]. Writes each row's keys and
+        values into its cache (room reserved here), leaves ``length`` to the caller."""
         m, c = self.model, self.model.config
         if logits and m.lm_head is None:
             raise ValueError("this pipeline stage does not hold the output head")
@@ -135,7 +136,7 @@ class BatchStep:
         lo = [0 if window is None else max(0, p - window + 1) for p in pos]
         top_k, norm_topk = c.top_k, c.norm_topk_prob
         e_all = max(1, c.num_experts)
-        y = np.zeros((b, e_all, 1, d), dtype=F32)  # row r's output of expert e in y[r, e] (combine_add's form)
+        y = np.zeros((b, e_all, 1, d), dtype=F32)  # row r's output of expert e in y[r, e] (combine_add's)
         for j, lp in enumerate(self.plan.layers):
             layer = lp.layer
             rms(xs, layer.attn_norm, eps, h)
@@ -143,8 +144,8 @@ class BatchStep:
             for r, cache in enumerate(caches):
                 i = j + m.first_layer - cache.first_layer
                 cos, sin = rope[r]
-                attend(q[r].reshape(nh, hd), k[r].reshape(nkv, hd), v[r].reshape(nkv, hd), lp.q_norm, lp.k_norm,
-                       eps, cos[0], sin[0], cache.k[i], cache.v[i], pos[r], lo[r], m.scale, att[r])
+                attend(q[r].reshape(nh, hd), k[r].reshape(nkv, hd), v[r].reshape(nkv, hd), lp.q_norm,
+                       lp.k_norm, eps, cos[0], sin[0], cache.k[i], cache.v[i], pos[r], lo[r], m.scale, att[r])
             self._round([(att, layer.o, o)])
             xs += o
             rms(xs, layer.mlp_norm, eps, h)

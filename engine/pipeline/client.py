@@ -45,7 +45,7 @@ from engine.pipeline.stage import SERIAL, serial_if
 log = structlog.get_logger(__name__)
 
 MAX_RECOVERIES = 3  # re-plans one step may go through before it gives up
-BATCH = os.environ.get("MESHD_PIPELINE_BATCH", "1") != "0"  # batched decode steps (decode_groups); 0: lone (A/B)
+BATCH = os.environ.get("MESHD_PIPELINE_BATCH", "1") != "0"  # batched decode steps (decode_groups); 0: lone
 
 
 class PipelineUnavailable(Exception):
@@ -98,7 +98,7 @@ class Run:
         self, x: np.ndarray, span: tuple[wire.SeqSpan, ...], last_only: bool, first: int = 0
     ) -> np.ndarray:
         """Activations through every remote stage in order (loop thread), from link ``first`` on -> the last
-        stage's logits. ``span``: one sequence's positions, or one row per sequence (a batched decode step)."""
+        stage's logits. ``span``: one sequence's positions, or a row per sequence (a batched decode step)."""
         for i, link in enumerate(self.links[first:], first):
             last = i == len(self.links) - 1
             res = await link.call(wire.Forward(self.id, 0, span, x, last_only and last))
@@ -443,15 +443,20 @@ class PipelinedModel:
             return 0
         return min(len(caches), run.groups)
 
-    def start_many(self, toks: Sequence[int], caches: Sequence[PipeCache], executor: Any = None) -> list[Pending]:
-        """``start_one`` of several sequences as one batched step (``engine.pipeline.batch``): this node's layers
-        over all their rows at once, then one FORWARD with a row per sequence to each stage; every row has the
-        bits of its lone step. Take each sequence's result with ``finish_one``. Sequences that cannot join (on
-        another run, replaying, a prefill chunk still out, a run with no stages) step alone."""
+    def start_many(self, toks: Sequence[int], caches: Sequence[PipeCache],
+                   executor: Any = None) -> list[Pending]:
+        """``start_one`` of several sequences as one batched step (``engine.pipeline.batch``): this node's
+        layers over all their rows at once, then one FORWARD with a row per sequence to each stage; every row
+        has the bits of its lone step. Take each sequence's result with ``finish_one``. Sequences that cannot
+        join (on another run, replaying, a prefill chunk still out, a run with no stages, experts delegated
+        from this node) step alone."""
         if len(caches) != len(toks):
             raise ValueError(f"{len(toks)} tokens for {len(caches)} caches")
         run = caches[0].run if caches else None
-        step = batch_step(run.local) if run is not None and run.links and not run.dead else None
+        step = None
+        local_experts = run is not None and (executor is None or executor is run.local.local_executor)
+        if run is not None and run.links and not run.dead and local_experts:
+            step = batch_step(run.local)
         if step is None or len(caches) < 2 or any(c.run is not run or c.replay or c.inflight for c in caches):
             return [self._start(int(t), c, executor, False) for t, c in zip(toks, caches)]
         arrs = [self.model._check_ids([int(t)]) for t in toks]

@@ -388,7 +388,10 @@ class StageHost:
                 x = x[-1:]
         elif all(s.count == 1 for s in f.spans):  # a batched decode step: every row its lone step's bits
             step = batch_step(part) if executor is None else None
-            x = step.run(f.x, caches, logits) if step is not None else _lone_rows(part, executor, f.x, caches, logits)
+            if step is not None:
+                x = step.run(f.x, caches, logits)
+            else:
+                x = _lone_rows(part, executor, f.x, caches, logits)
             planned = x
             for c in caches:
                 c.length += 1
