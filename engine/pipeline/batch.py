@@ -136,7 +136,9 @@ class BatchStep:
         lo = [0 if window is None else max(0, p - window + 1) for p in pos]
         top_k, norm_topk = c.top_k, c.norm_topk_prob
         e_all = max(1, c.num_experts)
-        y = np.zeros((b, e_all, 1, d), dtype=F32)  # row r's output of expert e in y[r, e] (combine_add's)
+        # row r's output of expert e in y[r, e] (combine_add's form); only the chosen experts' slots are written
+        # and read, so the rest stays untouched (for many experts, pages never made resident)
+        y = np.empty((b, e_all, 1, d), dtype=F32)
         for j, lp in enumerate(self.plan.layers):
             layer = lp.layer
             rms(xs, layer.attn_norm, eps, h)
