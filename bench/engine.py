@@ -20,8 +20,9 @@ of its 64 decode steps (the probe, best of three passes as before, runs once, at
 so the two decodes a ratio compares ran interleaved over the same few seconds rather than one after
 the other (``--blocks 1``: each side's 64 steps in one block). A side not being timed is blocked reading its
 stdin; each command starts ``SETTLE_S`` after the previous one, so spinning helpers (the kernel pool's
-200 us, OpenBLAS's 2**20 cycles with the daemon's ``OPENBLAS_THREAD_TIMEOUT``, which every side gets) have gone to sleep, and the run reports the CPU
-time all other sides used while one was timed (``/proc/PID/task/*/schedstat``): the check that they were idle.
+200 us, OpenBLAS's 2**20 cycles with the daemon's ``OPENBLAS_THREAD_TIMEOUT``, which every side gets) have
+gone to sleep, and the run reports the CPU time all other sides used while one was timed
+(``/proc/PID/task/*/schedstat``): the check that they were idle.
 Every subprocess gets the same OMP/OPENBLAS/MKL thread counts and torch the same ``set_num_threads``; both
 sides get the same prompt (the same 256 token ids: the checkpoint has no tokenizer, so ids stand in for the
 text). Ratios (vs transformers, vs our fp32, of the bandwidth limit) are taken within each round, where the

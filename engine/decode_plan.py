@@ -258,11 +258,12 @@ class DecodePlan(OneRowBuffers):
         lp.gu_chunks = gu_chunks
         lp.down_rows = np.stack(down_rows)  # [E, 1, cols]
         lp.down_chunks = down_chunks
-        k = len(self.sel)  # a token's rounds: its experts' rows taken into fixed tables (np.take, no allocation)
+        k = len(self.sel)  # a token's rounds: its experts' rows taken into fixed tables (no allocation)
         lp.gu_take = np.empty((k,) + lp.gu_rows.shape[1:], dtype=lp.gu_rows.dtype)
         lp.down_take = np.empty((k,) + lp.down_rows.shape[1:], dtype=lp.down_rows.dtype)
-        lp.gu_tbl, lp.down_tbl = lp.gu_take.reshape(-1, lp.gu_rows.shape[2]), lp.down_take.reshape(-1, lp.down_rows.shape[2])
-        same = len(set(gu_chunks)) == 1 and len(set(down_chunks)) == 1  # (experts of one shape: always, in practice)
+        lp.gu_tbl = lp.gu_take.reshape(-1, lp.gu_rows.shape[2])
+        lp.down_tbl = lp.down_take.reshape(-1, lp.down_rows.shape[2])
+        same = len(set(gu_chunks)) == 1 and len(set(down_chunks)) == 1  # experts of one shape (all, really)
         lp.k_chunks = (gu_chunks[0] * k, down_chunks[0] * k) if same else None
         lp.gu_weights, lp.down_weights = gu_weights, down_weights
         self.packed = True
@@ -329,7 +330,8 @@ class DecodePlan(OneRowBuffers):
             logits = dense.matmul(h, layer.router)
             route(logits[0], norm_topk, sel, wts)  # dense.route_one's call, into the plan's buffers
             if lp.general_experts:
-                x += run_block(m.local_executor, j + m.first_layer, h, make_routing(sel[None].copy(), wts[None].copy()))
+                routing = make_routing(sel[None].copy(), wts[None].copy())
+                x += run_block(m.local_executor, j + m.first_layer, h, routing)
                 continue
             if lp.f32_experts:  # engine.dense's rounds, as expert_ffn_many runs them
                 ex = layer.experts
@@ -342,7 +344,8 @@ class DecodePlan(OneRowBuffers):
                 continue
             if lp.k_chunks is None:
                 slots = sel.tolist()
-                gu_total, down_total = sum(lp.gu_chunks[e] for e in slots), sum(lp.down_chunks[e] for e in slots)
+                gu_total = sum(lp.gu_chunks[e] for e in slots)
+                down_total = sum(lp.down_chunks[e] for e in slots)
             else:
                 gu_total, down_total = lp.k_chunks
             np.take(lp.gu_rows, sel, axis=0, out=lp.gu_take)

@@ -26,12 +26,12 @@ PREFETCH_AHEAD = 32  # attention: cached rows requested this many positions ahea
 @intrinsic
 def _prefetch(typingctx, addr):  # noqa: ANN001, ANN202 - numba intrinsic: a read hint, changes no value
     """LLVM's ``llvm.prefetch`` of the cache line at ``addr`` (read, keep in all levels): the next cached keys
-    and values are requested while the current ones are computed on (a no-op on CPUs without the instruction)."""
+    and values are requested while the current ones are computed on (a no-op where the CPU has none)."""
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
         i8p = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                            "llvm.prefetch.p0")
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
         builder.call(fn, [builder.inttoptr(args[0], i8p), ir.Constant(i32, 0), ir.Constant(i32, 3),
                           ir.Constant(i32, 1)])
         return context.get_dummy_value()
@@ -79,9 +79,9 @@ def f32_rows(x: np.ndarray, w: np.ndarray, out: np.ndarray, r0: int, r1: int) ->
 @njit(**_OPTS)
 def swiglu(g: np.ndarray, u: np.ndarray) -> None:
     """In place: g [T, I] = silu(g) * u = ``g / (1 + exp(-g)) * u``, exp as attention's softmax computes it (a
-    polynomial in two loops LLVM vectorises, see ``_softmax_rows``; numba's ``np.exp`` is a scalar libm call, ~3 us
-    of a 384-wide expert's 3.3), with -g clamped to [-87, 88] (2^k stays a normal float; beyond, silu is g or 0
-    to far below fp32's resolution of the output)."""
+    polynomial in two loops LLVM vectorises, see ``_softmax_rows``; numba's ``np.exp`` is a scalar libm call,
+    ~3 us of a 384-wide expert's 3.3), with -g clamped to [-87, 88] (2^k stays a normal float; beyond, silu is
+    g or 0 to far below fp32's resolution of the output)."""
     t, n = g.shape
     e = np.empty(n, dtype=np.float32)
     kbits = np.empty(n, dtype=np.int32)
@@ -107,8 +107,8 @@ def swiglu(g: np.ndarray, u: np.ndarray) -> None:
 
 @njit(**_OPTS)
 def swiglu_sel(g: np.ndarray, u: np.ndarray, sel: np.ndarray) -> None:
-    """``swiglu(g[e], u[e])`` for each e of sel in order (g, u [E, T, I]): a decode step's routed experts in one
-    call (the same kernel: the same bits)."""
+    """``swiglu(g[e], u[e])`` for each e of sel in order (g, u [E, T, I]): a decode step's routed experts in
+    one call (the same kernel: the same bits)."""
     for j in range(sel.shape[0]):
         swiglu(g[sel[j]], u[sel[j]])
 
@@ -240,7 +240,8 @@ def _prefetch_rows(addr: int, stride: int) -> None:
 
 
 @njit(**_OPTS)
-def _scores(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, h: int, g: int, lo: int, n: int, scale: float, sc: np.ndarray) -> None:
+def _scores(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, h: int, g: int, lo: int, n: int, scale: float,
+            sc: np.ndarray) -> None:
     """sc[a, j] = q[h * g + a] . kc[h, lo + j] * scale for the g query heads of KV head h: four cached keys
     per pass (four independent sums per query head; each key row read once for the g heads)."""
     hd = q.shape[1]
@@ -309,7 +310,8 @@ def _softmax_rows(sc: np.ndarray, g: int, n: int, tot: np.ndarray, kbits: np.nda
 
 
 @njit(**_OPTS)
-def _weighted_values(vc: np.ndarray, kc: np.ndarray, h: int, g: int, lo: int, n: int, p: np.ndarray, acc: np.ndarray) -> None:
+def _weighted_values(vc: np.ndarray, kc: np.ndarray, h: int, g: int, lo: int, n: int, p: np.ndarray,
+                     acc: np.ndarray) -> None:
     """acc[a] = sum_j p[a, j] * vc[h, lo + j] for the g query heads of KV head h, four cached values per pass
     (a quarter of the accumulator loads and stores)."""
     vd = acc.shape[1]
