@@ -198,6 +198,8 @@ class DecodePlan(OneRowBuffers):
         self.sel = np.zeros(max(1, c.top_k), dtype=np.int64)  # a token's routed experts, by slot (route_one)
         self.wts = np.zeros(max(1, c.top_k), dtype=F32)  # ... and their weights
         self.layers: list[_LayerPlan] = []
+        self.head: Round | None = None  # the output head's product into self.logits (a part without it: None)
+        self.logits = np.zeros((1, c.vocab_size if model.lm_head is not None else 1), dtype=F32)
         self.packed = False  # some layer's experts run from prebuilt kernel-pool table rows
         self.keep: list[object] = []
 
@@ -217,6 +219,8 @@ class DecodePlan(OneRowBuffers):
             if lp is None:
                 return None
             plan.layers.append(lp)
+        if model.lm_head is not None:  # prebuilt like every other product (no kernel table built per token)
+            plan.head = Round.build([(plan.h, model.lm_head, plan.logits)])
         return plan
 
     def _plan_layer(self, layer: Layer) -> _LayerPlan | None:
@@ -294,7 +298,10 @@ class DecodePlan(OneRowBuffers):
     def _head(self) -> np.ndarray:
         m = self.model
         dense._kernels().rmsnorm_rows(self.x, m.norm, self.eps, self.h)
-        return dense.matmul(self.h, m.lm_head)
+        if self.head is None:
+            return dense.matmul(self.h, m.lm_head)
+        self.head.run()
+        return self.logits.copy()  # (the caller keeps it past the next step)
 
     def _layers(self, cache: KVCache) -> None:
         """Every planned layer over ``self.x`` (in place) at position ``cache.length``."""
