@@ -1,7 +1,8 @@
 """Engine benchmark: numpy engine (fp32, bf16, GGUF Q8_0 and Q4_K_M) vs transformers (torch CPU) on a
 mid-size Qwen3-MoE it creates, plus the machine's memory read bandwidth measured in the same run.
 
-    python bench/engine.py [--threads 2] [--rounds 15] [--dir DIR] [--no-ref] [--variants fp32,bf16,Q8_0,Q4_K_M]
+    python bench/engine.py [--threads 2] [--rounds 15] [--blocks 4] [--dir DIR] [--no-ref]
+        [--variants fp32,bf16,Q8_0,Q4_K_M]
         [--arch qwen3_moe|glm4_moe|deepseek_v3]
 
 Checkpoint: Qwen3-MoE, hidden 768, 8 layers, 12 heads over 4 KV heads, head_dim 64, 16 experts of
@@ -13,10 +14,15 @@ Fairness: every side (transformers, each engine form, the bandwidth probe) runs 
 and warmed up once (one untimed prefill and decode, the same on every side), one load at a time. Then
 ``--rounds`` rounds: in each, every side in turn runs one timed prefill (256 tokens) and one decode (64
 greedy steps after a 256-token prefill), the next round starting one side later, so every side meets the
-VM's drift alike. A side not being timed is blocked reading its stdin; each command starts ``SETTLE_S``
-after the previous one, so spinning helpers (the kernel pool's 200 us, OpenBLAS's 2**20 cycles with the
-daemon's ``OPENBLAS_THREAD_TIMEOUT``, which every side gets) have gone to sleep, and the run reports the CPU
-time all other sides used while one was timed (``/proc/PID/task/*/schedstat``): the check that they were idle.
+VM's drift alike. The decodes are interleaved finer (``--blocks``, default 4): after the round's prefills
+every side prefills a fresh cache untimed, then the sides take turns block by block, each block the next 16
+of its 64 decode steps (the probe, best of three passes as before, runs once, at the middle block's turn),
+so the two decodes a ratio compares ran interleaved over the same few seconds rather than one after
+the other (``--blocks 1``: each side's 64 steps in one block). A side not being timed is blocked reading its
+stdin; each command starts ``SETTLE_S`` after the previous one, so spinning helpers (the kernel pool's
+200 us, OpenBLAS's 2**20 cycles with the daemon's ``OPENBLAS_THREAD_TIMEOUT``, which every side gets) have
+gone to sleep, and the run reports the CPU time all other sides used while one was timed
+(``/proc/PID/task/*/schedstat``): the check that they were idle.
 Every subprocess gets the same OMP/OPENBLAS/MKL thread counts and torch the same ``set_num_threads``; both
 sides get the same prompt (the same 256 token ids: the checkpoint has no tokenizer, so ids stand in for the
 text). Ratios (vs transformers, vs our fp32, of the bandwidth limit) are taken within each round, where the
@@ -53,6 +59,7 @@ DECODE_LEN = 64
 BATCH_CTX = 64
 BATCH_STEPS = 32
 ROUNDS = 15
+BLOCKS = 4  # a round's decodes are interleaved in blocks of DECODE_LEN / BLOCKS steps (--blocks)
 BATCHES = (1, 4, 8)  # the fp32 side's concurrent sequences (forward_batch) rows
 BATCH_EVERY = 3  # ... timed in every third round (not a target; they take as long as the rest of a round)
 SETTLE_S = 0.05  # pause before each timed command: spinning helpers (200 us) and BLAS (2**20 cycles) sleep
@@ -195,6 +202,22 @@ class _EngineSide:
             tok = int(self.model.forward([tok], cache)[-1].argmax())
         return time.perf_counter() - t0
 
+    def decode_begin(self) -> float:
+        """Untimed: a 256-token prefill into a new cache and the first token; ``decode_block`` continues."""
+        self.cache = self.model.new_cache(512)
+        self.tok = int(self.model.forward(self.prompt, self.cache, last_only=True)[-1].argmax())
+        return 0.0
+
+    def decode_block(self, n: int) -> float:
+        """The next ``n`` greedy decode steps after ``decode_begin`` (and earlier blocks), timed."""
+        tok, cache = self.tok, self.cache
+        t0 = time.perf_counter()
+        for _ in range(n):
+            tok = int(self.model.forward([tok], cache)[-1].argmax())
+        dt = time.perf_counter() - t0
+        self.tok = tok
+        return dt
+
     def batch(self, b: int) -> float:
         m = self.model
         caches = [m.new_cache(BATCH_CTX + BATCH_STEPS + 1) for _ in range(b)]
@@ -244,6 +267,24 @@ class _TorchSide:
                 past = out.past_key_values
                 tok = out.logits[:, -1].argmax(-1, keepdim=True)
             return time.perf_counter() - t0
+
+    def decode_begin(self) -> float:
+        with self.torch.inference_mode():
+            out = self.model(self.prompt, use_cache=True, logits_to_keep=1)
+            self.past, self.tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        return 0.0
+
+    def decode_block(self, n: int) -> float:
+        with self.torch.inference_mode():
+            past, tok = self.past, self.tok
+            t0 = time.perf_counter()
+            for _ in range(n):
+                out = self.model(tok, past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            dt = time.perf_counter() - t0
+            self.past, self.tok = past, tok
+            return dt
 
     def info(self) -> dict:
         return {"peak_rss_mb": _peak_mb(), "torch": self.torch.__version__,
@@ -459,6 +500,9 @@ def main() -> None:
                     help=f"rounds (every side once per round, in turn); median and range reported (default {ROUNDS})")
     ap.add_argument("--variants", default="fp32,bf16,Q8_0,Q4_K_M",
                     help="engine weight forms to run (default fp32,bf16,Q8_0,Q4_K_M)")
+    ap.add_argument("--blocks", type=int, default=BLOCKS,
+                    help=f"blocks each side's {DECODE_LEN} decode steps are split into, the sides taking"
+                         f" turns block by block, the bandwidth probe amid them (default {BLOCKS})")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--arch", choices=sorted(ARCHES), default="qwen3_moe",
                     help="model family of the checkpoint written when --dir has none (default: qwen3_moe)")
@@ -495,17 +539,33 @@ def main() -> None:
         idle: dict[str, list[float]] = {}
         loads = [load0]
         names = list(procs)
+        blocks = max(1, min(args.blocks, DECODE_LEN))
+        steps = [DECODE_LEN // blocks + (b < DECODE_LEN % blocks) for b in range(blocks)]
         for r in range(args.rounds):
-            for name in names[r % len(names):] + names[: r % len(names)]:  # each round starts one side later
+            order = names[r % len(names):] + names[: r % len(names)]  # each round starts one side later
+            for name in order:
                 if name == "bandwidth":
-                    res[name]["probe"].append(_timed(procs, name, idle, "probe")["r"])
                     continue
                 res[name]["prefill"].append(_timed(procs, name, idle, "prefill")["r"])
-                res[name]["decode"].append(_timed(procs, name, idle, "decode")["r"])
                 if name == "fp32" and r % BATCH_EVERY == 0:
                     for b in BATCHES:
                         t = _timed(procs, name, idle, "batch", b)["r"]
                         res[name].setdefault(f"batch{b}", []).append(t)
+            # decode: every side's 64 steps in blocks, the sides taking turns block by block (and the probe
+            # one pass per block), so the sides a ratio compares ran interleaved over the same few seconds
+            for name in order:
+                if name != "bandwidth":
+                    procs[name].call("decode_begin")
+            dec = {name: 0.0 for name in order}
+            for b, n in enumerate(steps):
+                for name in order[b % len(order):] + order[: b % len(order)]:
+                    if name != "bandwidth":
+                        dec[name] += _timed(procs, name, idle, "decode_block", n)["r"]
+                    elif b == len(steps) // 2:  # the probe once, amid the decodes it is compared with
+                        res[name]["probe"].append(_timed(procs, name, idle, "probe")["r"])
+            for name in order:
+                if name != "bandwidth":
+                    res[name]["decode"].append(dec[name])
             loads.append(os.getloadavg()[0])
         for name, proc in procs.items():
             res[name]["info"] = proc.call("info")
@@ -531,8 +591,10 @@ def main() -> None:
     bwp = res["bandwidth"]["probe"]
     lines = [
         f"every side in its own process, all loaded once, then {args.rounds} rounds; in a round each side runs"
-        f" a prefill and a decode (the fp32 side also its batches, every {BATCH_EVERY}rd round), one side at a"
-        f" time, each round starting one side later; median [min-max] over rounds; a ratio is taken within each"
+        f" a prefill (the fp32 side also its batches, every {BATCH_EVERY}rd round), one side at a time, each"
+        f" round starting one side later, then every side's {DECODE_LEN}-step decode in {blocks} blocks, the"
+        f" sides taking turns block by block (the probe at the middle block); median [min-max] over rounds;"
+        f" a ratio is taken within each"
         f" round, then its median [min-max]; load average {load0:.1f} -> {os.getloadavg()[0]:.1f}"
         f" (max {max(loads):.1f}); loads {t_loaded - t_start:.0f} s, rounds {time.perf_counter() - t_loaded:.0f} s",
         f"idle sides: while one side was timed ({idle_wall:.1f} s in all) the others used"

@@ -22,14 +22,16 @@ three greedy decodes of --decode tokens run one after the other, the latter two 
 local; local with a 4 KB ECHO to a worker before each sparse layer (the transport's round trip "in decode",
 after the same compute gaps a delegated layer sees); remote. The per-layer delegation overhead is ((median
 remote step) - (median local step)) / (sparse layers): everything delegation adds to a decode step, thread
-hand-offs included. It is set against the round trip of a 4 KB ECHO on the same expert streams
-(``RemoteExecutor.echo_rtt``: sent from the loop and read in the read callback, as a layer call is, and
-polled for as a layer call is: ``polled=True``), measured in the same run both in decode and back to back (a
-tight loop); the back-to-back round trip of a sleeping echo (no polling on either side) is shown too. While a
-layer's experts are out, the coordinator polls for the replies and the worker then polls for its next
-request (``transport.poll``, with one loopback worker on two cores: not with two), and the coordinator warms
-the next layer's attention weights (``Model.warm``); the "1 worker, no poll" and "1 worker, no warm" rows are
-the same run without each, so the figures show what each adds. Every remote step's logits are checked
+hand-offs included. It is set against the round trip of a 4 KB ECHO the way a layer call goes
+(``RemoteExecutor.echo_rtt``: on the direct channel from this thread when one is up, as a decode layer's call
+is; otherwise sent from the loop and read in the read callback, polled for as a layer call is), measured in the
+same run both in decode and back to back (a tight loop); the back-to-back round trip of a sleeping echo is shown
+too. The default row makes each decode layer's call over the direct channel beside the lane
+(``engine.experts.direct``: the engine thread writes the request and reads the reply, nobody polls); the
+"1 worker, no direct" row is the session-5 path (the lane's stream, the pass run on the event loop, the
+coordinator polling for the replies and the worker for its next request with one loopback worker on two cores,
+and warming the next layer when no worker is on loopback), "no direct, no poll" the same without polling, so
+the figures show what each adds. Every remote step's logits are checked
 byte-equal to the local step's. The whole measurement is repeated --rounds times (a shared VM drifts by +-10%
 between runs); the table shows each figure's median over the rounds and, for the ratios, the lowest and
 highest round. The workers' own compute time per request (as they report it) is shown too, beside the
@@ -63,7 +65,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 # Setups run with 1 worker: (setup suffix, CoordinatorConfig changes); 2 and 3 workers run the first only.
-VARIANTS: list[tuple[str, dict[str, Any]]] = [("", {}), (", no poll", {"poll_s": 0.0}), (", no warm", {"warm": False})]
+# "no direct": the layer calls go over the lane's stream from the event loop (session 5's path), polling
+# and warming as configured; the default row makes them over the direct channel from the engine thread.
+VARIANTS: list[tuple[str, dict[str, Any]]] = [("", {}), (", no direct", {"direct": False}),
+                                              (", no direct, no poll", {"direct": False, "poll_s": 0.0})]
 
 CONFIG = dict(
     model_type="qwen3_moe", vocab_size=8192, hidden_size=768, intermediate_size=2048, moe_intermediate_size=384,
@@ -234,6 +239,21 @@ class TimedLocal:
         out = self.inner(layer, x, work)
         self.seconds.append(time.perf_counter() - t0)
         return out
+
+
+def wait_direct(coord: Any, ex: Any, want: bool) -> None:
+    """Every link with a direct channel (``want``; raises after 10 s), or none (closed here)."""
+    if not want:
+        for link in ex.links.values():
+            if link.direct is not None:
+                link.direct.close("bench: no direct")
+        return
+    deadline = time.monotonic() + 10
+    while not ex.all_direct():
+        if time.monotonic() > deadline:
+            raise RuntimeError("no direct channel to every worker within 10 s")
+        coord.probe()
+        time.sleep(0.05)
 
 
 def prefill(model: Any, executor: Any, prompt: list[int]) -> float:
@@ -427,8 +447,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 try:
                     coord.connect(procs[:n])
                     ex = coord.executor(path, "on")
-                    coord.wait_paths(procs[:n], over)
+                    coord.wait_paths(procs[:n], over, timeout_s=30.0)  # a loaded lane may take redials
                     ex.config = dataclasses.replace(ex.config, **variant[1])
+                    wait_direct(coord, ex, ex.config.direct and over == "lane")
                     if args.pin:  # its own CPU set is one core, but the worker has the other one to itself
                         ex._cores = os.cpu_count() or 1
                     local, remote = measure(model, ex, prompt, args, local_prefill,

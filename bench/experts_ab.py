@@ -1,7 +1,11 @@
 """Paired A/B of the expert decode path: two checkouts, the same workload, interleaved in time.
 
     python bench/experts_ab.py A_CHECKOUT B_CHECKOUT [--blocks 40] [--steps 20] [--workers 1] [--dir DIR]
-                               [--path lane|quic]
+                               [--path lane|quic] [--a-env KEY=VALUE ...]
+
+``--a-env`` sets a variable in A's process only, so one checkout can be set against itself with a switch:
+``python bench/experts_ab.py . . --a-env MESHD_EXPERTS_DIRECT=0`` is the lane's stream path (A) against the
+direct channel (B).
 
 On a shared VM, runs made minutes apart drift by 10-20%, more than most changes to the decode path are
 worth. Here each checkout gets its own process (its code, its coordinator, its worker processes, the
@@ -89,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the checkpoint (written once)")
     ap.add_argument("--path", choices=("lane", "quic"), default="lane",
                     help="the expert streams' path (default lane: the data lane, as a daemon uses)")
+    ap.add_argument("--a-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="an environment variable for A's process only (repeatable; default none)")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child is not None:
@@ -102,9 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     kids: list[subprocess.Popen[str]] = []
     try:
         sparse = 0
-        for c in checkouts:  # one at a time: the first writes the checkpoint
+        import os
+
+        for n, c in enumerate(checkouts):  # one at a time: the first writes the checkpoint
+            env = dict(os.environ)
+            if n == 0:
+                env.update(kv.split("=", 1) for kv in args.a_env)
             kid = subprocess.Popen([sys.executable, str(HERE), "--child", str(c), "--workers", str(args.workers),
-                                    "--dir", str(args.dir), "--path", args.path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                    "--dir", str(args.dir), "--path", args.path], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True, env=env)
             kids.append(kid)
             assert kid.stdout is not None
             line = kid.stdout.readline()

@@ -252,7 +252,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     windows: dict[str, list[tuple[float, float]]] = {"echo": [], "decode": [], "local": []}
     try:
         for _ in range(args.rounds):
-            coord = Coordinator(mesh, lane=args.path == "lane")
+            from engine.experts.coordinator import CoordinatorConfig
+
+            # the timeline follows the stream path (loop callbacks, the lane's records): no direct channel
+            coord = Coordinator(mesh, CoordinatorConfig(direct=False), lane=args.path == "lane")
             try:
                 coord.connect([worker])
                 ex = coord.executor(path, "on")

@@ -31,7 +31,9 @@ Recovery: a stream of 200 tokens on the 2-stage setup, the stage killed with SIG
 longest gap between two tokens is the recovery time (the serving node then runs all layers itself). Every pipelined
 reply is checked equal to the local one. ``--variant ENV=VALUE[,ENV=VALUE]`` (repeatable) adds a 2-stage
 setup whose two processes run with that environment (e.g. ``MESHD_DECODE_PLAN=0,MESHD_PIPELINE_POLL=1``:
-session 4's behaviour; ``MESHD_PIPELINE_SERIAL=1``), in the same rounds: an A/B in one run.
+session 4's behaviour; ``MESHD_PIPELINE_SERIAL=1``; ``MESHD_PIPELINE_BATCH=0``: lone rolling steps as before
+session 6; ``MESHD_PIPELINE_GROUPS=2``: batched steps in two overlapping groups), in the same rounds: an A/B
+in one run.
 During the concurrent streams, the CPU time of every process of
 the setup over the wall time (1.0: one core all the time) shows where the idle time is. Medians over
 rounds with [min, max]. Prints a Markdown table

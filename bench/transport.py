@@ -12,9 +12,11 @@ p99 round trip of a 4 KiB request with a
 stream per request, the RPC helper) and ping-pong on one long-lived stream. The data lane
 (``transport.lane``: TLS 1.3 over TCP between two members, carrying EXPERT/PIPELINE streams) is measured
 the same way on one EXPERT stream (its "rtt" is that stream's ping-pong; a lane has no per-request stream
-setup). Prints a table and the ratios to TCP. The QUIC variants try packet sizes (16 KiB exists only on
-loopback; 1350 B is what a LAN with MTU 1500 gets) and uvloop when it is installed (``pip install
-.[bench]``).
+setup). With two processes, a direct channel beside the lane (``transport.lane_direct``: a blocking TLS socket
+written and read by a plain thread, as the expert decode path uses it) is measured too: round trips on one
+channel, bulk in 64 KiB messages on a fresh channel per run. Prints a table and the ratios to TCP. The QUIC
+variants try packet sizes (16 KiB exists only on loopback; 1350 B is what a LAN with MTU 1500 gets) and uvloop
+when it is installed (``pip install .[bench]``).
 """
 
 from __future__ import annotations
@@ -213,8 +215,50 @@ async def _quic_client(addr: tuple[str, int], node_id: str, creds: object, ident
         await mesh.close()
 
 
+async def _direct_client(lanes: object, peer: object, mb: int, n: int) -> dict[str, float]:
+    """A direct channel (``transport.lane_direct``) beside the lane: 4 KiB round trips written and read on a
+    plain thread (blocking TLS socket, no event loop), and bulk in CHUNK messages to a sink channel."""
+    from transport.lane_direct import SERVICE_PIPELINE
+
+    echo = await lanes.dial_direct(peer, SERVICE_PIPELINE)  # type: ignore[attr-defined]
+    dial = lanes.dial_direct  # type: ignore[attr-defined]
+    sinks = [await dial(peer, SERVICE_PIPELINE) for _ in range(BULK["runs"])]
+
+    def run() -> dict[str, float]:
+        payload, blob = os.urandom(MSG), os.urandom(CHUNK)
+        echo.send(b"echo")
+        for _ in range(50):  # warm up
+            echo.send(payload)
+            echo.recv()
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            echo.send(payload)
+            echo.recv()
+            times.append(time.perf_counter() - t0)
+        rates = []
+        for sink in sinks:
+            sink.send(b"sink")
+            sent, t0 = 0, time.perf_counter()
+            stop = t0 + BULK["seconds"]
+            while sent < mb * 1024 * 1024 and (sent == 0 or time.perf_counter() < stop):
+                sink.send(blob)
+                sent += CHUNK
+            sink.send(b"")
+            count = struct.unpack(">Q", sink.recv(30.0) or b"")[0]
+            rates.append(sent / (time.perf_counter() - t0) / 1e6)
+            assert count == sent, (count, sent)
+        return _summary(times, rates)
+
+    try:
+        return await asyncio.to_thread(run)
+    finally:
+        for ch in (echo, *sinks):
+            ch.close()
+
+
 async def _lane_client(addr: tuple[str, int], node_id: str, creds: object, ident: object, mb: int,
-                       n: int) -> dict[str, float]:
+                       n: int, direct: bool = False) -> dict[str, float]:
     from transport.lane import LaneManager
     from transport.quic import MeshTransport, StreamType
 
@@ -250,6 +294,8 @@ async def _lane_client(addr: tuple[str, int], node_id: str, creds: object, ident
 
         out = _summary(times, await _bulk(open_sink, mb))
         out["stream_rtt_median_us"] = out["rtt_median_us"]
+        if direct:
+            out["direct"] = await _direct_client(lanes, peer, mb, n)
         return out
     finally:
         await lanes.close()
@@ -281,7 +327,8 @@ def run_lane(tmp: Path, mb: int, n: int, inprocess: bool) -> dict[str, float]:
         return asyncio.run(both())
     proc = PeerProcess(peer_config(server_ident, server_creds, lane="127.0.0.1:0"), tmp)  # type: ignore[arg-type]
     try:
-        return asyncio.run(_lane_client(proc.addr, proc.node_id, client_creds, client_ident, mb, n))
+        return asyncio.run(_lane_client(proc.addr, proc.node_id, client_creds, client_ident, mb, n,
+                                        direct=True))
     finally:
         proc.stop()
 
@@ -416,7 +463,11 @@ def main() -> None:
             rows: list[tuple[str, dict[str, float]]] = []
             rows.append(("tcp", run_tcp(tmp, False, args.mb, args.rtt_n, inproc)))
             rows.append(("tls-tcp", run_tcp(tmp, True, args.mb, args.rtt_n, inproc)))
-            rows.append(("lane (tls-tcp, meshd)", run_lane(tmp, args.mb, args.rtt_n, inproc)))
+            lane = run_lane(tmp, args.mb, args.rtt_n, inproc)
+            direct = lane.pop("direct", None)
+            rows.append(("lane (tls-tcp, meshd)", lane))
+            if direct is not None:  # two processes only: the server end is tests/transport_peer.py's
+                rows.append(("lane direct channel", direct))
             for name, overrides, uv in variants:
                 rows.append((name, run_quic(tmp, args.mb, args.rtt_n, overrides, uv, inproc)))
             table(f"{mode} (client and server {'in one event loop' if inproc else 'in two processes'})", rows)

@@ -148,7 +148,7 @@ def _table_runner(tbl: np.ndarray, total: int, keep: object, weights: int) -> Ca
 class _LayerPlan:
     __slots__ = ("layer", "qkv", "o", "gu_rows", "gu_chunks", "gu_weights", "down_rows", "down_chunks",
                  "down_weights", "dense_mlp", "q_norm", "k_norm", "f32_experts",
-                 "general_experts")
+                 "general_experts", "gu_take", "down_take", "gu_tbl", "down_tbl", "k_chunks")
 
     def __init__(self, layer: Layer) -> None:
         self.layer = layer
@@ -195,7 +195,11 @@ class DecodePlan(OneRowBuffers):
         self.g = np.zeros((e, 1, inter), dtype=F32)  # routed experts' gate outputs (then SwiGLU), by expert
         self.u = np.zeros((e, 1, inter), dtype=F32)
         self.y = np.zeros((e, 1, d), dtype=F32)  # routed experts' outputs, by expert
+        self.sel = np.zeros(max(1, c.top_k), dtype=np.int64)  # a token's routed experts, by slot (route_one)
+        self.wts = np.zeros(max(1, c.top_k), dtype=F32)  # ... and their weights
         self.layers: list[_LayerPlan] = []
+        self.head: Round | None = None  # the output head's product into self.logits (a part without it: None)
+        self.logits = np.zeros((1, c.vocab_size if model.lm_head is not None else 1), dtype=F32)
         self.packed = False  # some layer's experts run from prebuilt kernel-pool table rows
         self.keep: list[object] = []
 
@@ -215,6 +219,8 @@ class DecodePlan(OneRowBuffers):
             if lp is None:
                 return None
             plan.layers.append(lp)
+        if model.lm_head is not None:  # prebuilt like every other product (no kernel table built per token)
+            plan.head = Round.build([(plan.h, model.lm_head, plan.logits)])
         return plan
 
     def _plan_layer(self, layer: Layer) -> _LayerPlan | None:
@@ -256,6 +262,13 @@ class DecodePlan(OneRowBuffers):
         lp.gu_chunks = gu_chunks
         lp.down_rows = np.stack(down_rows)  # [E, 1, cols]
         lp.down_chunks = down_chunks
+        k = len(self.sel)  # a token's rounds: its experts' rows taken into fixed tables (no allocation)
+        lp.gu_take = np.empty((k,) + lp.gu_rows.shape[1:], dtype=lp.gu_rows.dtype)
+        lp.down_take = np.empty((k,) + lp.down_rows.shape[1:], dtype=lp.down_rows.dtype)
+        lp.gu_tbl = lp.gu_take.reshape(-1, lp.gu_rows.shape[2])
+        lp.down_tbl = lp.down_take.reshape(-1, lp.down_rows.shape[2])
+        same = len(set(gu_chunks)) == 1 and len(set(down_chunks)) == 1  # experts of one shape (all, really)
+        lp.k_chunks = (gu_chunks[0] * k, down_chunks[0] * k) if same else None
         lp.gu_weights, lp.down_weights = gu_weights, down_weights
         self.packed = True
         return lp
@@ -285,7 +298,10 @@ class DecodePlan(OneRowBuffers):
     def _head(self) -> np.ndarray:
         m = self.model
         dense._kernels().rmsnorm_rows(self.x, m.norm, self.eps, self.h)
-        return dense.matmul(self.h, m.lm_head)
+        if self.head is None:
+            return dense.matmul(self.h, m.lm_head)
+        self.head.run()
+        return self.logits.copy()  # (the caller keeps it past the next step)
 
     def _layers(self, cache: KVCache) -> None:
         """Every planned layer over ``self.x`` (in place) at position ``cache.length``."""
@@ -294,15 +310,17 @@ class DecodePlan(OneRowBuffers):
         ops = packed_ops() if self.packed else None
         kernel_pool, pool = (ops[1], pool_of(ops[0])) if ops is not None else (None, None)
         mod = dense._kernels()
-        rms, attend, swiglu, combine_add = mod.rmsnorm_rows, mod.attend_one, mod.swiglu, mod.combine_add
+        rms, attend, add_rms, route = mod.rmsnorm_rows, mod.attend_one, mod.add_rmsnorm, mod.route_one
+        swiglu, swiglu_sel, combine_add = mod.swiglu, mod.swiglu_sel, mod.combine_add
         pos = cache.length
         cos, sin = m.rope.span(pos, pos + 1)
         cos, sin = cos[0], sin[0]
         window = c.sliding_window
         lo = 0 if window is None else max(0, pos - window + 1)
-        x, h, eps = self.x, self.h, self.eps
+        x, h, eps, o = self.x, self.h, self.eps, self.o
         q3, k3, v3, att1 = self.q3, self.k3, self.v3, self.att1
         g, u, y = self.g, self.u, self.y
+        sel, wts, norm_topk = self.sel, self.wts, self.norm_topk
         scale = m.scale
         f32_run = getattr(dense, "_run", None)
         for j, lp in enumerate(self.layers):
@@ -312,33 +330,37 @@ class DecodePlan(OneRowBuffers):
             i = j + m.first_layer - cache.first_layer
             attend(q3, k3, v3, lp.q_norm, lp.k_norm, eps, cos, sin, cache.k[i], cache.v[i], pos, lo, scale, att1)
             lp.o.run()
-            x += self.o
-            rms(x, layer.mlp_norm, eps, h)
+            add_rms(x, o, layer.mlp_norm, eps, h)  # x += o; h = rmsnorm(x): the general pass's two steps
             if lp.dense_mlp:
                 x += expert_ffn(h, layer.gate, layer.up, layer.down)
                 continue
             logits = dense.matmul(h, layer.router)
-            experts, weights = dense.route_one(logits[0], self.top_k, self.norm_topk)
-            sel = experts[0]
-            slots = sel.tolist()
+            route(logits[0], norm_topk, sel, wts)  # dense.route_one's call, into the plan's buffers
             if lp.general_experts:
-                x += run_block(m.local_executor, j + m.first_layer, h, make_routing(experts, weights))
+                routing = make_routing(sel[None].copy(), wts[None].copy())
+                x += run_block(m.local_executor, j + m.first_layer, h, routing)
                 continue
             if lp.f32_experts:  # engine.dense's rounds, as expert_ffn_many runs them
                 ex = layer.experts
+                slots = sel.tolist()
                 f32_run([p for e in slots for p in ((h, ex[e][0], g[e]), (h, ex[e][1], u[e]))])
                 for e in slots:
                     swiglu(g[e], u[e])
                 f32_run([(g[e], ex[e][2], y[e]) for e in slots])
-                combine_add(x, weights[0], sel, y)
+                combine_add(x, wts, sel, y)
                 continue
-            run_rows(kernel_pool, pool, lp.gu_rows[sel].reshape(-1, lp.gu_rows.shape[2]),
-                      sum(lp.gu_chunks[e] for e in slots), lp.gu_weights * len(slots))
-            for e in slots:
-                swiglu(g[e], u[e])
-            run_rows(kernel_pool, pool, lp.down_rows[sel].reshape(-1, lp.down_rows.shape[2]),
-                      sum(lp.down_chunks[e] for e in slots), lp.down_weights * len(slots))
-            combine_add(x, weights[0], sel, y)
+            if lp.k_chunks is None:
+                slots = sel.tolist()
+                gu_total = sum(lp.gu_chunks[e] for e in slots)
+                down_total = sum(lp.down_chunks[e] for e in slots)
+            else:
+                gu_total, down_total = lp.k_chunks
+            np.take(lp.gu_rows, sel, axis=0, out=lp.gu_take)
+            run_rows(kernel_pool, pool, lp.gu_tbl, gu_total, lp.gu_weights * len(sel))
+            swiglu_sel(g, u, sel)
+            np.take(lp.down_rows, sel, axis=0, out=lp.down_take)
+            run_rows(kernel_pool, pool, lp.down_tbl, down_total, lp.down_weights * len(sel))
+            combine_add(x, wts, sel, y)
 
 
 def planned(model: Model, executor: object, rows: int, cache: KVCache,

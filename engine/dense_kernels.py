@@ -14,9 +14,29 @@ differ from BLAS by rounding, ~1e-7 relative), the same on every machine running
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
 from numba import njit
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 _OPTS = dict(cache=True, fastmath=True, nogil=True, boundscheck=False, error_model="numpy")
+PREFETCH_AHEAD = 32  # attention: cached rows requested this many positions ahead of the row being read
+
+
+@intrinsic
+def _prefetch(typingctx, addr):  # noqa: ANN001, ANN202 - numba intrinsic: a read hint, changes no value
+    """LLVM's ``llvm.prefetch`` of the cache line at ``addr`` (read, keep in all levels): the next cached keys
+    and values are requested while the current ones are computed on (a no-op where the CPU has none)."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        builder.call(fn, [builder.inttoptr(args[0], i8p), ir.Constant(i32, 0), ir.Constant(i32, 3),
+                          ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(types.int64), codegen
 
 
 @njit(**_OPTS)
@@ -58,12 +78,50 @@ def f32_rows(x: np.ndarray, w: np.ndarray, out: np.ndarray, r0: int, r1: int) ->
 
 @njit(**_OPTS)
 def swiglu(g: np.ndarray, u: np.ndarray) -> None:
-    """In place: g [T, I] = silu(g) * u = ``g / (1 + exp(-g)) * u``."""
+    """In place: g [T, I] = silu(g) * u = ``g / (1 + exp(-g)) * u``, exp as attention's softmax computes it (a
+    polynomial in two loops LLVM vectorises, see ``_softmax_rows``; numba's ``np.exp`` is a scalar libm call,
+    ~3 us of a 384-wide expert's 3.3), with -g clamped to [-87, 88] (2^k stays a normal float; beyond, silu is
+    g or 0 to far below fp32's resolution of the output)."""
     t, n = g.shape
+    e = np.empty(n, dtype=np.float32)
+    kbits = np.empty(n, dtype=np.int32)
+    kf = kbits.view(np.float32)
     for r in range(t):
         for i in range(n):
+            x = min(max(-g[r, i], np.float32(-87.0)), np.float32(88.0))
+            k = np.floor(x * np.float32(1.44269504) + np.float32(0.5))
+            f = x - k * np.float32(0.693359375)
+            f = f - k * np.float32(-2.12194440e-4)
+            p = np.float32(1.9875691500e-4)
+            p = p * f + np.float32(1.3981999507e-3)
+            p = p * f + np.float32(8.3334519073e-3)
+            p = p * f + np.float32(4.1665795894e-2)
+            p = p * f + np.float32(1.6666665459e-1)
+            p = p * f + np.float32(5.0000001201e-1)
+            e[i] = p * f * f + f + np.float32(1.0)
+            kbits[i] = (np.int32(k) + np.int32(127)) << 23
+        for i in range(n):
             a = g[r, i]
-            g[r, i] = a / (np.float32(1.0) + np.exp(-a)) * u[r, i]
+            g[r, i] = a / (np.float32(1.0) + e[i] * kf[i]) * u[r, i]
+
+
+@njit(**_OPTS)
+def swiglu_sel(g: np.ndarray, u: np.ndarray, sel: np.ndarray) -> None:
+    """``swiglu(g[e], u[e])`` for each e of sel in order (g, u [E, T, I]): a decode step's routed experts in
+    one call (the same kernel: the same bits)."""
+    for j in range(sel.shape[0]):
+        swiglu(g[sel[j]], u[sel[j]])
+
+
+@njit(**_OPTS)
+def add_rmsnorm(x: np.ndarray, o: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:
+    """``x += o`` (each element one fp32 add, as numpy's), then ``rmsnorm_rows(x, w, eps, out)``: the residual
+    add after attention and the MLP's norm in one call."""
+    t, n = x.shape
+    for r in range(t):
+        for i in range(n):
+            x[r, i] = x[r, i] + o[r, i]
+    rmsnorm_rows(x, w, eps, out)
 
 
 @njit(**_OPTS)
@@ -144,6 +202,9 @@ def attend_one(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm: np.ndarray, 
     nkv = k.shape[0]
     vd = v.shape[1]
     g = nh // nkv
+    ka, ks = kc.ctypes.data, kc.strides[1]
+    for j in range(lo, min(lo + PREFETCH_AHEAD, pos + 1), 4):  # the first KV head's first keys
+        _prefetch_rows(ka + j * ks, ks)
     if q_norm.size:
         _head_norm(q, q_norm, eps)
     if k_norm.size:
@@ -161,22 +222,37 @@ def attend_one(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm: np.ndarray, 
     tot = np.empty(g, dtype=np.float32)
     kbits = np.empty(n, dtype=np.int32)
     for h in range(nkv):
-        _scores(q, kc, h, g, lo, n, scale, sc)
+        _scores(q, kc, vc, h, g, lo, n, scale, sc)
         _softmax_rows(sc, g, n, tot, kbits)
-        _weighted_values(vc, h, g, lo, n, sc, acc)
+        _weighted_values(vc, kc, h, g, lo, n, sc, acc)
         for a in range(g):
             o = (h * g + a) * vd
             for i in range(vd):
                 out[o + i] = acc[a, i] / tot[a]
 
 
+@njit(inline="always")
+def _prefetch_rows(addr: int, stride: int) -> None:
+    """Request four consecutive cached rows (``stride`` bytes apart) starting at ``addr``, line by line."""
+    for r in range(4):
+        for b in range(0, stride, 64):
+            _prefetch(addr + r * stride + b)
+
+
 @njit(**_OPTS)
-def _scores(q: np.ndarray, kc: np.ndarray, h: int, g: int, lo: int, n: int, scale: float, sc: np.ndarray) -> None:
+def _scores(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, h: int, g: int, lo: int, n: int, scale: float,
+            sc: np.ndarray) -> None:
     """sc[a, j] = q[h * g + a] . kc[h, lo + j] * scale for the g query heads of KV head h: four cached keys
     per pass (four independent sums per query head; each key row read once for the g heads)."""
     hd = q.shape[1]
+    ka, va = kc.ctypes.data + h * kc.strides[0], vc.ctypes.data + h * vc.strides[0]
+    ks, vs = kc.strides[1], vc.strides[1]
+    cap = kc.shape[1]
     j = 0
     while j + 4 <= n:
+        if lo + j + PREFETCH_AHEAD + 4 <= cap:  # the keys a few passes ahead, this pass's values (read next)
+            _prefetch_rows(ka + (lo + j + PREFETCH_AHEAD) * ks, ks)
+        _prefetch_rows(va + (lo + j) * vs, vs)
         for a in range(g):
             s0 = s1 = s2 = s3 = np.float32(0.0)
             for i in range(hd):
@@ -234,13 +310,18 @@ def _softmax_rows(sc: np.ndarray, g: int, n: int, tot: np.ndarray, kbits: np.nda
 
 
 @njit(**_OPTS)
-def _weighted_values(vc: np.ndarray, h: int, g: int, lo: int, n: int, p: np.ndarray, acc: np.ndarray) -> None:
+def _weighted_values(vc: np.ndarray, kc: np.ndarray, h: int, g: int, lo: int, n: int, p: np.ndarray,
+                     acc: np.ndarray) -> None:
     """acc[a] = sum_j p[a, j] * vc[h, lo + j] for the g query heads of KV head h, four cached values per pass
     (a quarter of the accumulator loads and stores)."""
     vd = acc.shape[1]
     acc[:] = 0.0
+    ka, ks = kc.ctypes.data + (h + 1) * kc.strides[0], kc.strides[1]
+    nxt = h + 1 < kc.shape[0]
     j = 0
     while j + 4 <= n:
+        if nxt:  # the next KV head's keys, read right after these values
+            _prefetch_rows(ka + (lo + j) * ks, ks)
         for a in range(g):
             p0, p1, p2, p3 = p[a, j], p[a, j + 1], p[a, j + 2], p[a, j + 3]
             for i in range(vd):
@@ -276,6 +357,7 @@ def warm() -> None:
     q, k, c = np.zeros((2, 4), dtype=np.float32), np.zeros((1, 4), dtype=np.float32), np.zeros((1, 2, 4), dtype=np.float32)
     cs = q[0, :2]
     swiglu(x, x.copy())
+    swiglu_sel(x.reshape(1, 1, 16), x.reshape(1, 1, 16).copy(), np.zeros(1, dtype=np.int64))
     combine_add(x, np.zeros(2, dtype=np.float32), np.zeros(2, dtype=np.int64), np.zeros((1, 1, 16), dtype=np.float32))
     route_one(x[0], True, np.empty(2, dtype=np.int64), np.empty(2, dtype=np.float32))
     # norm weights: read-only views of a file mapping (fp32 and GGUF), or widened copies (bf16/f16), or none
@@ -283,5 +365,6 @@ def warm() -> None:
         v = np.zeros(16, dtype=np.float32)
         v.setflags(write=not ro)
         rmsnorm_rows(x, v, 1e-6, np.empty_like(x))
+        add_rmsnorm(x, x.copy(), v, 1e-6, np.empty_like(x))
         attend_one(q, k, k.copy(), v[:4], v[:4], 1e-6, cs, cs, c, c.copy(), 0, 0, 0.5, np.empty(8, np.float32))
         attend_one(q, k, k.copy(), v[:4], v[:0], 1e-6, cs, cs, c, c.copy(), 0, 0, 0.5, np.empty(8, np.float32))

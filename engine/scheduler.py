@@ -19,8 +19,9 @@ single step). A model exception ends the affected requests with an ``error`` eve
 A model with ``start_one``/``finish_one`` (a pipeline, ``engine.pipeline.client.PipelinedModel``) decodes
 several sequences rolling instead: each sequence always has one step in flight, and a step takes the
 oldest sequence's result, samples it, emits it and starts that sequence's next step at once, so the
-stages never wait for the slowest sequence of a step (no bubble between steps). Every sequence still runs
-its own single-token step: the bits are those of a lone run.
+stages never wait for the slowest sequence of a step (no bubble between steps). With ``decode_groups``/
+``start_many`` (a pipeline on the compiled kernels) the sequences step in groups, one batched step each;
+either way every sequence gets the bits of its lone run.
 """
 
 from __future__ import annotations
@@ -383,8 +384,15 @@ class Scheduler:
     def _decode_rolling(self, live: list[_Seq]) -> None:
         """One rolling decode step (see the module docstring): for each sequence, oldest step first, take
         its step in flight (if any), emit its token, and start its next step while more than one sequence
-        runs (a lone sequence takes the plain path: its step waits at once, and may poll)."""
+        runs (a lone sequence takes the plain path: its step waits at once, and may poll). A model that
+        batches steps (``decode_groups``, ``start_many``: a pipeline on the compiled kernels) gets them in
+        groups: each sequence taken joins the next group, which starts once it has its share of the live
+        sequences, so the groups roll through the processes as single sequences do."""
         self.batched_steps += 1
+        groups = getattr(self.model, "decode_groups", None)
+        n = groups([s.cache for s in live]) if groups is not None else 0
+        size = -(-len(live) // n) if n > 0 else 0
+        ready: list[_Seq] = []
         for s in live:
             if s.handle.cancelled:
                 self._end(s, s.state.cancelled())  # type: ignore[union-attr]
@@ -400,9 +408,30 @@ class Scheduler:
                     t0 = t1
                     if not self._emit(s, ev):
                         continue
-                if len(live) > 1:
+                if size:
+                    ready.append(s)
+                    if len(ready) >= size:
+                        self._start_group(ready)
+                        ready = []
+                elif len(live) > 1:
                     tok = s.state.last_token  # type: ignore[union-attr]
                     s.inflight = self.model.start_one(tok, s.cache, self.executor)
                     s.handle.stats.decode_s += time.perf_counter() - t0
             except Exception as e:  # a model failure must reach the client, not kill the thread
                 self._fail([s], e)
+        if ready:
+            self._start_group(ready)
+
+    def _start_group(self, group: list[_Seq]) -> None:
+        """One batched step of ``group`` (``model.start_many``); its time counts to each member's decode."""
+        t0 = time.perf_counter()
+        try:
+            started = self.model.start_many([s.state.last_token for s in group],  # type: ignore[union-attr]
+                                            [s.cache for s in group], self.executor)
+        except Exception as e:  # a model failure must reach the client, not kill the thread
+            self._fail(group, e)
+            return
+        dt = time.perf_counter() - t0
+        for s, pending in zip(group, started):
+            s.inflight = pending
+            s.handle.stats.decode_s += dt

@@ -29,6 +29,7 @@ from typing import Any
 
 import structlog
 
+from engine.experts import direct
 from engine.experts.coordinator import CoordinatorConfig, RemoteExecutor, WorkerRefused
 from engine.experts.fingerprint import model_fingerprint
 from engine.experts.rpc import ErrorCode
@@ -65,6 +66,7 @@ class _Coordinated:
     retry_at: dict[str, float] = field(default_factory=dict)  # node id -> loop time to probe again
     probing: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # node id -> hello in flight
     failures: dict[str, int] = field(default_factory=dict)  # node id -> unanswered hellos in a row
+    dialling: set[str] = field(default_factory=set)  # node ids whose direct channel is being dialled
 
 
 class ExpertsService:
@@ -135,6 +137,12 @@ class ExpertsService:
         lanes = getattr(self.transport, "lane", None)  # transport.lane.LaneManager (the lane service)
         if lanes is not None:
             lanes.on_path_change.append(self._path_changed)
+            if self.worker is not None:
+                from transport.lane_direct import SERVICE_EXPERTS
+
+                worker = self.worker
+                lanes.direct_handlers[SERVICE_EXPERTS] = \
+                    lambda peer, ch: direct.serve(worker, peer.node_id, ch)
         self._spawn(self._probe_loop())
 
     def _load_all(self) -> tuple[list[ExpertShard], list[bytes]]:
@@ -288,6 +296,9 @@ class ExpertsService:
             for peer in self._peers():
                 node = peer.node_id
                 if node in c.executor.links:
+                    link = c.executor.links[node]
+                    if (link.direct is None or link.direct.closed) and node not in c.dialling:
+                        waits.append(asyncio.get_running_loop().create_task(self._attach_direct(c, peer)))
                     continue
                 if node in c.refused:
                     at = c.retry_at.get(node)
@@ -312,6 +323,7 @@ class ExpertsService:
             stream = await asyncio.wait_for(peer.open_stream(StreamType.EXPERT), timeout)
             await c.executor.add_worker(node, stream)
             c.failures.pop(node, None)
+            await self._attach_direct(c, peer)
         except WorkerRefused as e:
             c.refused[node] = str(e)
             if e.code not in (ErrorCode.FINGERPRINT_MISMATCH, ErrorCode.VERSION_UNSUPPORTED):
@@ -328,6 +340,41 @@ class ExpertsService:
             log.info("experts_worker_refused", worker=node, reason=str(e))
         except Exception as e:  # noqa: BLE001 - a peer that cannot be probed now is retried later
             log.debug("experts_probe_failed", worker=node, error=repr(e))
+
+    async def _attach_direct(self, c: _Coordinated, peer: Any) -> None:
+        """Dial a direct channel (``engine.experts.direct``) beside a worker's link that rides a data lane
+        (TCP reaches the worker), and hello it there. Best effort: without one, the stream serves."""
+        from transport.errors import TransportError
+        from transport.lane_direct import SERVICE_EXPERTS
+        from transport.stream_api import PATH_LANE
+
+        node = peer.node_id
+        ex = c.executor
+        link = ex.links.get(node)
+        lanes = getattr(self.transport, "lane", None)
+        if (not direct.enabled() or not ex.config.direct or lanes is None or link is None or link.closed
+                or link.ack is None                or (link.direct is not None and not link.direct.closed) or node in c.dialling
+                or getattr(link.channel, "path", None) != PATH_LANE):
+            return
+        c.dialling.add(node)
+        try:
+            ch = await lanes.dial_direct(peer, SERVICE_EXPERTS)
+            d = direct.DirectLink(ch)
+            try:
+                await asyncio.to_thread(d.hello, ex.fingerprint, ex.layout, link.ack.version,
+                                        ex.config.connect_timeout_s)
+            except direct.DirectFailed:
+                d.close("hello failed")
+                raise
+            if ex.links.get(node) is not link or link.closed:
+                d.close("the link was replaced")
+                return
+            link.direct = d
+            log.info("experts_direct_up", worker=node)
+        except (TransportError, direct.DirectFailed, OSError) as e:
+            log.info("experts_direct_unavailable", worker=node, error=str(e))
+        finally:
+            c.dialling.discard(node)
 
     def _peer_up(self, peer: Any) -> None:
         for c in self._coordinated:

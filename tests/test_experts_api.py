@@ -80,13 +80,35 @@ def test_remote_experts_on_matches_local_and_503s_without_workers(tmp_path: Path
 
         st = _status(tmp_path / "c")["services"]["experts"]["coordinators"][0]
         assert st["layers_delegated"] > 0 and st["items_local"] == 0, st  # the worker did the expert work
-        assert st["passes_on_loop"] > 0 and st["passes_handed_back"] == 0, st  # decode steps ran on the loop
+        # Decode steps went over the direct channel beside the data lane (engine thread, no polling), or,
+        # before it was dialled, ran on the loop over the lane's stream; never handed back.
+        link = st["workers"][worker.run["node_id"]]
+        assert link["direct_calls"] > 0 or st["passes_on_loop"] > 0, st
+        assert st["passes_handed_back"] == 0, st
         wst = _status(tmp_path / "w")["services"]["experts"]["worker"]
         assert wst["requests"] > 0 and wst["pairs"] > 0, wst
-        # One worker on this machine's loopback: both poll (coordinator for replies, worker for the next
-        # request) when it and the coordinator have a core each.
+        # One worker on this machine's loopback: the stream path polls (coordinator for replies, worker for
+        # the next request) when it and the coordinator have a core each; the direct path never does.
         polling = len(os.sched_getaffinity(0)) >= 2
-        assert st["polling"] is polling and (wst["polls"] > 0) is polling, (st, wst)
+        assert st["polling"] is polling, st
+        if not polling:
+            assert wst["polls"] == 0, wst
+        elif st["passes_on_loop"] > 0:
+            assert wst["polls"] > 0, (st, wst)
+        # The daemons' direct channel (beside their data lane) carries the next request's decode layers,
+        # with the same bits.
+        wid = worker.run["node_id"]
+        deadline = time.monotonic() + 10
+        while not _status(tmp_path / "c")["services"]["experts"]["coordinators"][0]["workers"][wid]["direct"]:
+            assert time.monotonic() < deadline, "no direct channel to the worker"
+            time.sleep(0.1)
+        def direct_calls() -> int:
+            return _status(tmp_path / "c")["services"]["experts"]["coordinators"][0]["workers"][wid]["direct_calls"]
+
+        before = direct_calls()
+        code, again, _ = _post(coord.run["api"], BODY)
+        assert code == 200 and again["choices"][0]["logprobs"] == want["choices"][0]["logprobs"], again
+        assert direct_calls() > before
         # The same counters on each node's /metrics (the API's registry carries the experts service's).
         cm, wm = _metrics(coord.run["api"]), _metrics(worker.run["api"])
         delegated = [v for k, v in cm.items() if k.startswith("meshd_experts_layers_delegated_total{model=")]

@@ -45,7 +45,9 @@ def test_the_timeline_follows_each_delegated_layer_and_echo_through_both_process
     try:
         worker = spawn_worker(mesh, tmp_path, [str(ckpt)], trace=str(trace_file), lane=path == "lane")
         try:
-            coord = Coordinator(mesh, lane=path == "lane")
+            from engine.experts.coordinator import CoordinatorConfig
+
+            coord = Coordinator(mesh, CoordinatorConfig(direct=False), lane=path == "lane")  # the stream path
             try:
                 coord.connect([worker])
                 ex = coord.executor(ckpt, "on")

@@ -27,6 +27,7 @@ import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -46,6 +47,21 @@ def load(config: dict) -> tuple[NodeIdentity, MeshCredentials | None]:
         cert = MemberCert.decode(base64.b64decode(config["cert"]), genesis)
         creds = MeshCredentials(genesis, cert)
     return identity, creds
+
+
+def direct_bench(peer: Any, ch: Any) -> None:
+    """A direct channel (transport.lane_direct) for bench/transport.py: its first message says ``echo``
+    (every message back) or ``sink`` (messages counted until an empty one, then the byte count, u64)."""
+    import struct
+
+    if ch.recv() == b"sink":
+        total = 0
+        while m := ch.recv():
+            total += len(m)
+        ch.send(struct.pack(">Q", total))
+        return
+    while (m := ch.recv()) is not None:
+        ch.send(m)
 
 
 def serve_bench(mesh: MeshTransport, lane: bool = False) -> None:
@@ -130,6 +146,9 @@ async def main(path: str) -> int:
 
         lanes = LaneManager(mesh)
         if config.get("lane"):
+            from transport.lane_direct import SERVICE_PIPELINE
+
+            lanes.direct_handlers[SERVICE_PIPELINE] = direct_bench  # bench/transport.py's direct channel rows
             lhost, lport = config["lane"].rsplit(":", 1)
             await lanes.listen(lhost, int(lport))
     if config.get("relay"):

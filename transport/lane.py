@@ -18,16 +18,20 @@ caps on connections still authenticating, checked before TLS costs anything.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import random
+import socket
 import ssl
 import struct
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import structlog
 
-from transport import lane_wire
+from transport import lane_direct, lane_wire, limits
 from transport.config import backoff_delay_s
 from transport.errors import StreamReset, TransportError
 from transport.framing import ErrorCode
@@ -83,6 +87,12 @@ class LaneManager:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._last_log = 0.0
         self._closing = False
+        # direct channels (transport.lane_direct): service -> handler(peer, channel), run in the channel's
+        # own thread until it returns (then the channel is closed)
+        self.direct_handlers: dict[int, Callable[[Any, lane_direct.DirectChannel], None]] = {}
+        self._direct_pending = 0
+        self._directs: set[lane_direct.DirectChannel] = set()
+        self._direct_lock = threading.Lock()
         mesh.lane = self
         mesh.on_peer_up.append(self._peer_up)
         mesh.on_peer_down.append(self._peer_down)
@@ -109,6 +119,10 @@ class LaneManager:
             task.cancel()
         for lane in list(self._lanes.values()) + list(self._pending_conns):
             lane.close("node shutting down")
+        with self._direct_lock:
+            directs = list(self._directs)
+        for ch in directs:
+            ch.close("node shutting down")
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -117,13 +131,17 @@ class LaneManager:
         return len(self._lanes)
 
     def status(self) -> dict[str, Any]:
+        with self._direct_lock:
+            directs = len(self._directs)
         return {"address": None if self.address is None else f"{self.address[0]}:{self.address[1]}",
-                "lanes": sorted(self._lanes), "pending": len(self._pending_conns), "stats": dict(self.stats)}
+                "lanes": sorted(self._lanes), "pending": len(self._pending_conns), "direct_channels": directs,
+                "stats": dict(self.stats)}
 
     # -- bookkeeping -------------------------------------------------------------------------------
 
     def count(self, key: str) -> None:
-        self.stats[key] = self.stats.get(key, 0) + 1
+        self.stats[key] = self.stats.get(key, 0) + 1  # (from a direct channel's thread too: a lost
+        #   increment under a race only makes a counter low)
 
     def ratelog(self, event: str, **fields: Any) -> None:
         now = time.monotonic()
@@ -197,7 +215,137 @@ class LaneManager:
         lane._raw = raw
         self._pending[source] = self._pending.get(source, 0) + 1
         self._pending_conns.add(lane)
-        self._spawn(self._start_tls(raw, lane))
+        self._sniff_start(raw, lane)
+
+    # -- a lane or a direct channel? -------------------------------------------------------------
+
+    def _sniff_start(self, raw: asyncio.Transport, lane: LaneConnection) -> None:
+        """Wait for the connection's first bytes without reading them (a duplicate descriptor, MSG_PEEK):
+        a TLS record starts a lane, ``lane_direct``'s magic a direct channel. The pending lane's auth timer
+        covers a connection that sends nothing."""
+        loop = asyncio.get_running_loop()
+        sock = raw.get_extra_info("socket")
+        try:
+            probe = socket.socket(fileno=os.dup(sock.fileno()))
+            probe.setblocking(False)
+        except (OSError, AttributeError):
+            self._spawn(self._start_tls(raw, lane))
+            return
+        fd = probe.fileno()
+
+        def stop() -> None:
+            with contextlib.suppress(Exception):
+                loop.remove_reader(fd)
+
+        def cleanup() -> None:
+            stop()
+            probe.close()
+
+        def readable() -> None:
+            if lane.closed:
+                cleanup()
+                return
+            try:
+                head = probe.recv(limits.LANE_DIRECT_MAGIC_BYTES, socket.MSG_PEEK)
+            except BlockingIOError:
+                return
+            except OSError:
+                head = b""
+            n = len(head)
+            if n and n < limits.LANE_DIRECT_MAGIC_BYTES and head == lane_direct.DIRECT_MAGIC[:n]:
+                return  # the magic's first bytes: wait for the rest
+            lane._sniff_cleanup = None
+            if n == limits.LANE_DIRECT_MAGIC_BYTES and head[:-1] == lane_direct.DIRECT_MAGIC:
+                stop()
+                self._direct_accept(raw, lane, probe, head[-1])
+                return
+            cleanup()
+            self._spawn(self._start_tls(raw, lane))
+
+        lane._sniff_cleanup = cleanup
+        loop.add_reader(fd, readable)
+
+    def _direct_accept(self, raw: asyncio.Transport, lane: LaneConnection, sock: socket.socket,
+                       service: int) -> None:
+        """A direct channel: its TLS and proof in a thread of its own (blocking), then its service's handler
+        there. The lane object that counted it as pending is dropped; the socket lives on in ``sock``."""
+        deadline = time.monotonic() + self.config.auth_timeout_s
+        handler = self.direct_handlers.get(service)
+        lane._raw = None  # closing the pending lane must not close the TCP connection we keep
+        lane.close("direct channel")
+        raw.abort()  # the transport's descriptor only: ``sock`` is a duplicate
+        if handler is None or self._closing or self._direct_pending >= limits.LANE_DIRECT_MAX_PENDING:
+            self.count("direct_refused" if handler is None else "direct_refused_pending_cap")
+            sock.close()
+            return
+        self._direct_pending += 1
+        loop = asyncio.get_running_loop()
+
+        def member(public_key: bytes) -> Any:
+            peer = self.mesh.peer(lane_direct.node_id_from_public_key(public_key))
+            return peer if peer is not None and peer.public_key == public_key else None
+
+        def may_open() -> str | None:
+            with self._direct_lock:
+                full = len(self._directs) >= limits.LANE_DIRECT_MAX_CHANNELS
+            return "too many direct channels" if full or self._closing else None
+
+        def run() -> None:
+            try:
+                sock.setblocking(True)
+                sock.recv(limits.LANE_DIRECT_MAGIC_BYTES)  # peeked whole already: take it off
+                peer, ch = lane_direct.accept(sock, service, self.identity, self.cert_hash, self._server_ctx,
+                                              member, deadline, may_open)
+            except (TransportError, OSError) as e:
+                self.count("direct_refused_proof")
+                self.ratelog("direct_refused", error=str(e))
+                return
+            finally:
+                loop.call_soon_threadsafe(self._direct_unpend)
+            self._direct_track(ch)
+            self.count("direct_accepted")
+            log.info("direct_channel_up", peer=ch.peer_id, service=service, outbound=False)
+            try:
+                handler(peer, ch)
+            except Exception as e:  # noqa: BLE001 - a handler's bug ends its channel, not the node
+                log.warning("direct_handler_failed", peer=ch.peer_id, error=repr(e))
+            finally:
+                ch.close("served")
+
+        threading.Thread(target=run, name=f"meshd-direct-{service}", daemon=True).start()
+
+    def _direct_unpend(self) -> None:
+        self._direct_pending -= 1
+
+    def _direct_track(self, ch: lane_direct.DirectChannel) -> None:
+        with self._direct_lock:
+            self._directs.add(ch)
+        ch.on_close.append(self._direct_gone)
+
+    def _direct_gone(self, ch: lane_direct.DirectChannel) -> None:
+        with self._direct_lock:
+            self._directs.discard(ch)
+        log.info("direct_channel_down", peer=ch.peer_id, reason=ch.close_reason)
+
+    async def dial_direct(self, peer: Any, service: int) -> lane_direct.DirectChannel:
+        """A direct channel to ``peer`` for ``service`` (``transport.lane_direct``), at the lane port it
+        reports over QUIC. Raises ``TransportError`` (no lane there, refused, not in time)."""
+        cfg = self.config
+        if self._closing or peer.address is None or peer.path == PATH_RELAY:
+            raise TransportError("no direct path to the peer")
+        reply = await peer.request(StreamType.RELAY, CONTROL_LANE_PORT, cfg.connect_timeout_s)
+        (port,) = struct.unpack(">H", reply[:2])
+        if port == 0:
+            raise TransportError("the peer has no lane")
+        ch = await asyncio.to_thread(lane_direct.dial, self.identity, peer.public_key,
+                                     (peer.address[0], port), service, self._client_ctx, cfg.connect_timeout_s)
+        if self._closing or self.mesh.peer(peer.node_id) is not peer:
+            ch.close("the member is gone")
+            raise TransportError("the member disconnected")
+        self._direct_track(ch)
+        self.count("direct_dialled")
+        log.info("direct_channel_up", peer=peer.node_id, service=service, outbound=True)
+        return ch
 
     async def _start_tls(self, raw: asyncio.Transport, lane: LaneConnection) -> None:
         loop = asyncio.get_running_loop()
@@ -236,6 +384,10 @@ class LaneManager:
         lane = self._lanes.get(peer.node_id)
         if lane is not None:
             lane.close("the member disconnected")
+        with self._direct_lock:
+            gone = [ch for ch in self._directs if ch.peer_id == peer.node_id]
+        for ch in gone:
+            ch.close("the member disconnected")
 
     async def _control(self, peer: Any, stream: Any) -> None:
         """A RELAY stream: the lane's port, or a relay request (``transport.relay``)."""

@@ -118,6 +118,7 @@ class LaneConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._raw: asyncio.Transport | None = None  # server: the TCP transport while TLS is being set up
         self._source = source  # server: counted in the manager's pending caps until open or closed
+        self._sniff_cleanup: Any = None  # server: ends LaneManager._sniff_start's wait
         self._early = bytearray()  # auth bytes (and, server, bytes that beat the TLS transport's hand-over)
         self._nonce = os.urandom(lane_wire.NONCE_BYTES)
         self._pub_c = self._pub_s = self._nonce_c = self._nonce_s = self._cert_hash = b""
@@ -484,6 +485,9 @@ class LaneConnection(asyncio.Protocol):
         for t in self._timers:
             t.cancel()
         self._timers.clear()
+        if self._sniff_cleanup is not None:
+            cleanup, self._sniff_cleanup = self._sniff_cleanup, None
+            cleanup()
         if self._transport is not None:
             self._transport.abort()
         elif self._raw is not None:

@@ -63,9 +63,11 @@ def cert_hash(certificate_der: bytes) -> bytes:
 
 
 def transcript(signer_is_client: bool, pub_c: bytes, pub_s: bytes, nonce_c: bytes, nonce_s: bytes,
-               server_cert_hash: bytes) -> bytes:
-    """The bytes each side signs (under the ``lane`` signature domain)."""
-    return b"".join((TRANSCRIPT_TAG, struct.pack(">BB", LANE_VERSION, 0 if signer_is_client else 1),
+               server_cert_hash: bytes, tag: bytes = TRANSCRIPT_TAG) -> bytes:
+    """The bytes each side signs (under the ``lane`` signature domain). ``tag`` names what the session is
+    for (a lane, or a direct channel of one service: ``transport.lane_direct``), so no proof made for one
+    can stand for another."""
+    return b"".join((tag, struct.pack(">BB", LANE_VERSION, 0 if signer_is_client else 1),
                      pub_c, pub_s, nonce_c, nonce_s, server_cert_hash))
 
 
@@ -89,17 +91,17 @@ def encode_ready(accepted: bool, reason: str = "") -> bytes:
 
 
 def sign(identity: NodeIdentity, signer_is_client: bool, pub_c: bytes, pub_s: bytes, nonce_c: bytes,
-         nonce_s: bytes, server_cert_hash: bytes) -> bytes:
+         nonce_s: bytes, server_cert_hash: bytes, tag: bytes = TRANSCRIPT_TAG) -> bytes:
     return identity.sign(SIGNATURE_DOMAIN, transcript(signer_is_client, pub_c, pub_s, nonce_c, nonce_s,
-                                                      server_cert_hash))
+                                                      server_cert_hash, tag))
 
 
 def verify(public_key: bytes, signature: bytes, signer_is_client: bool, pub_c: bytes, pub_s: bytes,
-           nonce_c: bytes, nonce_s: bytes, server_cert_hash: bytes) -> None:
+           nonce_c: bytes, nonce_s: bytes, server_cert_hash: bytes, tag: bytes = TRANSCRIPT_TAG) -> None:
     """Raises ``RemoteProtocolError(HANDSHAKE_FAILED)`` unless ``signature`` is right."""
     if len(signature) != SIGNATURE_BYTES or not verify_signature(
             public_key, SIGNATURE_DOMAIN,
-            transcript(signer_is_client, pub_c, pub_s, nonce_c, nonce_s, server_cert_hash), signature):
+            transcript(signer_is_client, pub_c, pub_s, nonce_c, nonce_s, server_cert_hash, tag), signature):
         raise RemoteProtocolError(ErrorCode.HANDSHAKE_FAILED, "lane proof of identity failed")
 
 

@@ -51,6 +51,11 @@ LANE_DEAD_S = 6.0  # ...and a lane silent this long is closed (its streams fail;
 LANE_RETRY_MIN_S = 0.2  # redial a lost lane after this at first...
 LANE_RETRY_MAX_S = 10.0  # ...doubling up to this while dials keep failing
 LANE_SEND_BUFFER_BYTES = 4 * 1024 * 1024  # unsent bytes on one lane before senders wait (send_now refuses)
+LANE_DIRECT_MAGIC_BYTES = 8  # b"MDIRECT" | service u8, in clear before a direct channel's TLS
+LANE_DIRECT_MAX_PENDING = 4  # direct channels still authenticating (each holds a thread), in all
+LANE_DIRECT_MAX_CHANNELS = 64  # authenticated direct channels served by this node (a thread each)
+LANE_DIRECT_MAX_RECORD_BYTES = 8 * 1024 * 1024  # one message on a direct channel (a decode-sized expert
+#   request or reply is ~10 KB; a fast-path request is at most 1 MiB)
 
 # --- daemon: control socket (issue 2, daemon) ------------------------------------------------
 MAX_CONTROL_LINE_BYTES = 1 << 20  # one control request/reply line; status of a big mesh is ~100 KiB

@@ -50,6 +50,7 @@ import numpy as np
 import structlog
 
 from engine.experts import decode_steps, planning, rpc
+from engine.experts.direct import DirectFailed, DirectPath
 from engine.experts.channel import ByteChannel
 from engine.experts.general import GeneralPath
 from engine.experts.layout import MoeLayout
@@ -81,6 +82,7 @@ class CoordinatorConfig:
     layer_timeout_s: float = 30.0  # one layer, retries included
     warm: bool = True  # a loop-driven pass warms its next layer's weights while a layer's experts are out
     poll_s: float = limits.EXPERT_POLL_S  # poll this long for a fast-path layer's replies (0: sleep at once)
+    direct: bool = True  # dial a direct channel beside each lane link (engine.experts.direct)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -109,7 +111,7 @@ class CoordinatorStats:
     expert_rows: dict[tuple[int, int], int] = field(default_factory=dict)  # hits, delegated and local
 
 
-class RemoteExecutor(LoopPasses, GeneralPath):
+class RemoteExecutor(DirectPath, LoopPasses, GeneralPath):
     """The remote expert executor. Create on any thread; links are added on ``loop``."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, fingerprint: bytes, layout: MoeLayout,
@@ -221,6 +223,13 @@ class RemoteExecutor(LoopPasses, GeneralPath):
         and have the worker poll for the next message, as a fast-path layer does when this node polls.
         """
         link = self.links[node_id]
+        direct = link.direct
+        if direct is not None and not direct.closed:  # the way a layer call goes now
+            with direct.channel.lock:
+                try:
+                    return direct.echo(payload, self.config.message_timeout_s)
+                except DirectFailed as e:
+                    raise WorkerFailed(str(e)) from None
         rid = link.next_id()
         polling = polled and self._polling
         data = rpc.encode(rpc.Echo(payload), rid, _poll_flag(link, polling))
@@ -380,6 +389,8 @@ class RemoteExecutor(LoopPasses, GeneralPath):
         call = self._fast_call(layer, x, work, omap, routing)
         if call is None:
             return None
+        if self._direct_for(call):
+            return self._run_direct(call)
         self.loop.call_soon_threadsafe(self._fast_dispatch, call)
         assert call.lock is not None  # noqa: S101 - made without on_settle
         if not call.lock.acquire(timeout=self._fast_timeout_s):
@@ -556,6 +567,7 @@ class RemoteExecutor(LoopPasses, GeneralPath):
             d["connected"] = link is not None and not link.closed
             d["owned"] = shares.get(node_id, 0)
             d["protocol"] = link.ack.version if link is not None and link.ack is not None else None
+            d["direct"] = link is not None and link.direct is not None and not link.direct.closed
             workers[node_id] = d
         with self._stats_lock:
             s = self.stats
@@ -571,5 +583,8 @@ class RemoteExecutor(LoopPasses, GeneralPath):
 
 
 def _poll_flag(link: WorkerLink, asked: bool) -> int:
-    """The header flags asking ``link``'s worker to poll for the next request: only a v3 worker knows them."""
+    """The header flags asking ``link``'s worker to poll for the next request: only a v3 worker knows them,
+    and a request on a direct channel asks nothing (its worker thread waits in ``recv``)."""
+    if link.direct is not None and not link.direct.closed:
+        return 0
     return rpc.FLAG_POLL if asked and link.ack is not None and link.ack.version >= 3 else 0

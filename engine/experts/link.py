@@ -9,6 +9,7 @@ import contextlib
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.experts import rpc
 from engine.experts.channel import ByteChannel
@@ -49,6 +50,7 @@ class LinkStats:
     latency_sum_s: float = 0.0
     latency_max_s: float = 0.0
     compute_sum_s: float = 0.0  # the worker's own compute time, from its replies
+    direct_calls: int = 0  # of ``calls``, answered over the direct channel (engine.experts.direct)
     latency_buckets: list[int] = field(default_factory=empty_buckets)
 
     def answered(self, compute_us: int, latency_s: float) -> None:
@@ -64,7 +66,7 @@ class LinkStats:
         return {"calls": self.calls, "rows": self.rows, "pairs": self.pairs, "bytes_out": self.bytes_out,
                 "bytes_in": self.bytes_in, "errors": self.errors, "latency_ms_avg": round(avg * 1e3, 3),
                 "compute_ms_avg": round(self.compute_sum_s / self.calls * 1e3 if self.calls else 0.0, 3),
-                "latency_ms_max": round(self.latency_max_s * 1e3, 3)}
+                "latency_ms_max": round(self.latency_max_s * 1e3, 3), "direct_calls": self.direct_calls}
 
 
 Sink = Callable[["rpc.Message | WorkerFailed"], None]  # gets a request's reply, or why it has none
@@ -92,6 +94,7 @@ class WorkerLink:
         self._decoder = rpc.MessageDecoder()
         self.on_close: Callable[[WorkerLink, str], None] | None = None  # the executor forgets a closed link
         self._retiring = ""  # replaced by another link: close once the replies in flight are in
+        self.direct: Any = None  # engine.experts.direct.DirectLink beside the stream, while one is up
 
     def next_id(self) -> int:
         return (next(self._ids) - 1) % 0xFFFFFFFF + 1
@@ -214,5 +217,8 @@ class WorkerLink:
             sink(WorkerFailed(reason))
         with contextlib.suppress(Exception):
             self.channel.reset(0)
+        direct, self.direct = self.direct, None
+        if direct is not None:
+            direct.close(f"link closed: {reason}")
         if self.on_close is not None:
             self.on_close(self, reason)

@@ -114,7 +114,10 @@ class LoopPasses:
         short = time.perf_counter() - t0 <= LOOP_STEP_MAX_COMPUTE_S
         omap = self._map_for(call[0])
         fast_started: float | None = None
-        if short and call[1].shape[0] <= LOOP_STEP_MAX_ROWS and self.loop.is_running():
+        # with a direct channel to every worker the pass stays here: each layer's call is made on this
+        # thread (RemoteExecutor._run_direct), which costs no hand-off at all
+        if (short and call[1].shape[0] <= LOOP_STEP_MAX_ROWS and self.loop.is_running()
+                and not self.all_direct()):
             step = _LoopStep(steps, omap, warm if self.config.warm else None)
             with self._stats_lock:
                 self.stats.passes_on_loop += 1

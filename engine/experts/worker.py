@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import inspect
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -147,6 +148,9 @@ class ExpertWorker:
         self.stats = WorkerStats()
         self._reply_hook = reply_hook
         self._closing = False
+        # one computation at a time: the worker plans' buffers and the kernel pool are shared by every
+        # channel, and a direct channel computes on its own thread (engine.experts.direct)
+        self.compute_lock = threading.Lock()
 
     def fingerprints(self) -> list[bytes]:
         return list(self._by_fp)
@@ -183,6 +187,53 @@ class ExpertWorker:
             await session.run()
         finally:
             session.close()
+
+    def hello_reply(self, msg: rpc.Hello, peer: str) -> tuple[rpc.Message, int]:
+        """(the answer to a coordinator's hello, the protocol version acked, or 0 when it is refused)."""
+        version = min(msg.max_version, self.protocol_max)
+        if version < max(msg.min_version, rpc.PROTOCOL_MIN):
+            speaks = f"worker speaks expert protocol {rpc.PROTOCOL_MIN}-{self.protocol_max}"
+            return rpc.ErrorMsg(rpc.ErrorCode.VERSION_UNSUPPORTED, speaks), 0
+        if msg.fingerprint not in self._by_fp:
+            held = ", ".join(f"{s.path} ({f.hex()[:16]})" for f, ss in self._by_fp.items() for s in ss)
+            self.stats.errors += 1
+            log.info("experts_worker_refused_fingerprint", peer=peer, wanted=msg.fingerprint.hex()[:16])
+            return rpc.ErrorMsg(
+                rpc.ErrorCode.FINGERPRINT_MISMATCH,
+                f"worker holds a different checkpoint: {held or 'none'}; "
+                f"asked for {msg.fingerprint.hex()[:16]}"), 0
+        return self._ack(msg.fingerprint, version), version
+
+    def answer(self, fp: bytes, req: AnyRequest, rid: int, peer_max_bytes: int) -> bytes | bytearray:
+        """The encoded answer to one request, computed on this thread (a direct channel's,
+        ``engine.experts.direct``): the reply, or a typed error. Holds ``compute_lock`` while computing."""
+        groups = req.groups()
+        error = self._check_request(fp, req, groups, peer_max_bytes)
+        if error is not None:
+            if error.code != rpc.ErrorCode.SHUTTING_DOWN:
+                self.stats.errors += 1
+            return rpc.encode(error, rid)
+        weights = self._weights_for(fp)
+        in_place = isinstance(req, rpc.ExpertRequest) and self._reply_hook is None
+        try:
+            with self.compute_lock:
+                t0 = time.perf_counter()
+                if in_place:
+                    buf = rpc.ReplyBuffer(req.layer, req.pairs.shape[0], req.x.shape[1], rid)
+                    plan = self._plans.get(fp)
+                    if plan is None or not plan.compute(req.layer, req.x, groups, buf.out):
+                        compute_request(weights, req, groups, buf.out)
+                else:
+                    result = self._compute(weights, req, groups, self._plans.get(fp))
+                dt = time.perf_counter() - t0
+                self._served(req, groups, dt)
+        except Exception as e:  # noqa: BLE001 - answered as a typed error
+            self.stats.errors += 1
+            log.warning("experts_worker_compute_failed", layer=req.layer, error=repr(e))
+            return rpc.encode(rpc.ErrorMsg(rpc.ErrorCode.INTERNAL, "compute failed", req.layer), rid)
+        data = buf.finish(int(dt * 1e6)) if in_place else rpc.encode(self._reply(req, result, dt), rid)
+        self.stats.bytes_out += len(data)
+        return data
 
     def _check_request(self, fp: bytes, req: AnyRequest, groups: list[tuple[int, np.ndarray]],
                        peer_max_bytes: int) -> rpc.ErrorMsg | None:
@@ -221,6 +272,11 @@ class ExpertWorker:
             combined, raw = combine_rows(req, out)
             return raw, combined
         return out, None
+
+    def _compute_locked(self, weights: ExpertWeightsFn, req: AnyRequest,
+                        groups: list[tuple[int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray | None]:
+        with self.compute_lock:
+            return self._compute(weights, req, groups)
 
     @staticmethod
     def _reply(req: AnyRequest, result: tuple[np.ndarray, np.ndarray | None], dt: float) -> rpc.Message:
@@ -382,25 +438,15 @@ class _Session:
         raise rpc.ExpertProtocolError(rpc.ErrorCode.PROTOCOL, f"unexpected {type(msg).__name__}")
 
     def _hello(self, msg: rpc.Hello, rid: int) -> Coroutine[Any, Any, None] | None:
-        w = self.w
         if self.fp is not None:
             raise rpc.ExpertProtocolError(rpc.ErrorCode.PROTOCOL, "second hello")
-        version = min(msg.max_version, w.protocol_max)
-        if version < max(msg.min_version, rpc.PROTOCOL_MIN):
-            speaks = f"worker speaks expert protocol {rpc.PROTOCOL_MIN}-{w.protocol_max}"
-            return self._emit(rpc.ErrorMsg(rpc.ErrorCode.VERSION_UNSUPPORTED, speaks), rid, last=True)
-        if msg.fingerprint not in w._by_fp:
-            held = ", ".join(f"{s.path} ({f.hex()[:16]})" for f, ss in w._by_fp.items() for s in ss)
-            w.stats.errors += 1
-            log.info("experts_worker_refused_fingerprint", peer=self.peer, wanted=msg.fingerprint.hex()[:16])
-            return self._emit(rpc.ErrorMsg(
-                rpc.ErrorCode.FINGERPRINT_MISMATCH,
-                f"worker holds a different checkpoint: {held or 'none'}; asked for {msg.fingerprint.hex()[:16]}"),
-                rid, last=True)
+        reply, version = self.w.hello_reply(msg, self.peer)
+        if version == 0:
+            return self._emit(reply, rid, last=True)
         self.peer_max_bytes = min(msg.max_message_bytes, limits.EXPERT_MAX_MESSAGE_BYTES)
         self.fp = msg.fingerprint
         self.version = version
-        return self._emit(w._ack(msg.fingerprint, version), rid)
+        return self._emit(reply, rid)
 
     def _request(self, fp: bytes, req: AnyRequest, rid: int) -> Coroutine[Any, Any, None] | None:
         w = self.w
@@ -416,18 +462,19 @@ class _Session:
         # Small (decode): computed here, as a thread hop would cost more than the compute. A plain request's
         # outputs go straight into its reply message.
         in_place = isinstance(req, rpc.ExpertRequest) and w._reply_hook is None
-        t0 = time.perf_counter()
         try:
-            if in_place:
-                buf = rpc.ReplyBuffer(req.layer, req.pairs.shape[0], req.x.shape[1], rid)
-                plan = w._plans.get(fp)
-                if plan is None or not plan.compute(req.layer, req.x, groups, buf.out):
-                    compute_request(weights, req, groups, buf.out)
-            else:
-                result = w._compute(weights, req, groups, w._plans.get(fp))
+            with w.compute_lock:
+                t0 = time.perf_counter()
+                if in_place:
+                    buf = rpc.ReplyBuffer(req.layer, req.pairs.shape[0], req.x.shape[1], rid)
+                    plan = w._plans.get(fp)
+                    if plan is None or not plan.compute(req.layer, req.x, groups, buf.out):
+                        compute_request(weights, req, groups, buf.out)
+                else:
+                    result = w._compute(weights, req, groups, w._plans.get(fp))
+                dt = time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 - answered as a typed error
             return self._compute_failed(req, e, rid)
-        dt = time.perf_counter() - t0
         if in_place:
             rest = self._emit_bytes(buf.finish(int(dt * 1e6)))
         else:
@@ -439,7 +486,7 @@ class _Session:
                         groups: list[tuple[int, np.ndarray]], rid: int) -> None:
         t0 = time.perf_counter()
         try:
-            result = await asyncio.to_thread(self.w._compute, weights, req, groups)
+            result = await asyncio.to_thread(self.w._compute_locked, weights, req, groups)
         except Exception as e:  # noqa: BLE001 - answered as a typed error
             rest = self._compute_failed(req, e, rid)
         else:

@@ -37,6 +37,7 @@ from engine.latency import LATENCY_BUCKETS_S  # noqa: F401 - re-exported
 from engine.decode_plan import forward_span
 from engine.moe import drive
 from engine.pipeline import limits, trace, wire
+from engine.pipeline.batch import batch_step
 from engine.pipeline.link import StageFailed, StageLink, StageStats  # noqa: F401 - re-exported
 from engine.pipeline.planner import Plan
 from engine.pipeline.stage import SERIAL, serial_if
@@ -44,6 +45,7 @@ from engine.pipeline.stage import SERIAL, serial_if
 log = structlog.get_logger(__name__)
 
 MAX_RECOVERIES = 3  # re-plans one step may go through before it gives up
+BATCH = os.environ.get("MESHD_PIPELINE_BATCH", "1") != "0"  # batched decode steps (decode_groups); 0: lone
 
 
 class PipelineUnavailable(Exception):
@@ -79,6 +81,13 @@ class Run:
         force = os.environ.get("MESHD_PIPELINE_POLL", "")
         fits = (here + 1) * _compute_threads() <= _cores() if force not in ("0", "1") else force == "1"
         self.polling = self.loop is not None and fits
+        # batched decode steps go out in this many groups: one per process with cores of its own (while this
+        # node runs one group's layers, the stages work on the others); processes sharing this machine's
+        # cores (the same test as polling's) count as one, since two of them computing at once only split
+        # the cores (and each group gets fewer rows per weight read). MESHD_PIPELINE_GROUPS=N forces N (A/B)
+        shared = here if (here + 1) * _compute_threads() > _cores() else 0
+        forced = os.environ.get("MESHD_PIPELINE_GROUPS", "")
+        self.groups = int(forced) if forced.isdigit() and int(forced) > 0 else len(links) + 1 - shared
 
     def new_seq(self) -> int:
         seq = next(self._seq_ids)
@@ -86,11 +95,10 @@ class Run:
         return seq
 
     async def forward(
-        self, x: np.ndarray, seq: int, past: int, last_only: bool, first: int = 0
+        self, x: np.ndarray, span: tuple[wire.SeqSpan, ...], last_only: bool, first: int = 0
     ) -> np.ndarray:
         """Activations through every remote stage in order (loop thread), from link ``first`` on -> the last
-        stage's logits."""
-        span = (wire.SeqSpan(seq, past, x.shape[0]),)
+        stage's logits. ``span``: one sequence's positions, or a row per sequence (a batched decode step)."""
         for i, link in enumerate(self.links[first:], first):
             last = i == len(self.links) - 1
             res = await link.call(wire.Forward(self.id, 0, span, x, last_only and last))
@@ -101,7 +109,8 @@ class Run:
         return x
 
     def start(
-        self, x: np.ndarray, seq: int, past: int, last_only: bool, wait: bool = False, handed: bool = False
+        self, x: np.ndarray, span: tuple[wire.SeqSpan, ...], last_only: bool, wait: bool = False,
+        handed: bool = False
     ) -> concurrent.futures.Future[Any]:
         """``forward`` from another thread, as the latency path: one ``call_soon_threadsafe`` hands the step
         to the loop, each hop's RESULT is taken in the read callback, which sends the next hop right there,
@@ -115,13 +124,13 @@ class Run:
         out: concurrent.futures.Future[Any] = concurrent.futures.Future()
         assert self.loop is not None
         if not handed:
-            self.loop.call_soon_threadsafe(self._hop, out, 0, x, seq, past, last_only, wait)
+            self.loop.call_soon_threadsafe(self._hop, out, 0, x, span, last_only, wait)
             return out
         sent = threading.Event()
 
         def first() -> None:
             try:
-                self._hop(out, 0, x, seq, past, last_only, wait)
+                self._hop(out, 0, x, span, last_only, wait)
             finally:
                 sent.set()
 
@@ -135,8 +144,7 @@ class Run:
         out: concurrent.futures.Future[Any],
         i: int,
         x: np.ndarray,
-        seq: int,
-        past: int,
+        span: tuple[wire.SeqSpan, ...],
         last_only: bool,
         wait: bool,
     ) -> None:
@@ -158,14 +166,13 @@ class Run:
                     trace.mark("S.resume")
                 out.set_result(reply.x)
             else:
-                self._hop(out, i + 1, reply.x, seq, past, last_only, wait)
+                self._hop(out, i + 1, reply.x, span, last_only, wait)
 
         small = self.polling and x.shape[0] <= limits.INLINE_ROWS
-        span = (wire.SeqSpan(seq, past, x.shape[0]),)
         frame = wire.Forward(self.id, 0, span, x, last_only and last, small)
         if link.call_soon(frame, done, small and wait):
             return
-        task = asyncio.ensure_future(self.forward(x, seq, past, last_only, first=i))
+        task = asyncio.ensure_future(self.forward(x, span, last_only, first=i))
 
         def settle(t: asyncio.Future[Any]) -> None:
             if out.done():
@@ -320,7 +327,7 @@ class PipelinedModel:
         x = self.model.embed(arr)
         if local.layers:
             x = _local_layers(local, x, cache.local, past, executor)[0]
-        cache.inflight.append(self.provider.submit(run.forward(x, cache.seq, past, True)))
+        cache.inflight.append(self.provider.submit(run.forward(x, _span(cache.seq, past, t), True)))
         cache.local.length = past + t
         cache.history.append(arr)
 
@@ -373,8 +380,9 @@ class PipelinedModel:
         """The remote stages' part of a step, started from this (scheduler) thread (``wait``: it blocks on
         the result right away; else it computes meanwhile, so the frame must be out before it goes on)."""
         if run.loop is not None:
-            return run.start(x, seq, past, last_only, wait, handed=not wait)
-        return self.provider.submit(run.forward(x, seq, past, last_only))  # type: ignore[no-any-return]
+            return run.start(x, _span(seq, past, x.shape[0]), last_only, wait, handed=not wait)
+        fut = self.provider.submit(run.forward(x, _span(seq, past, x.shape[0]), last_only))
+        return fut  # type: ignore[no-any-return]
 
     def decode_status(self) -> dict[str, Any]:
         """Lone one-token steps as this node's scheduler saw them (ms): its own layers, and the wait for the
@@ -405,7 +413,7 @@ class PipelinedModel:
             return self.forward(pending.arr, cache, executor, last_only=True)[-1]
         cache.local.length = pending.past + 1
         cache.history.append(pending.arr)
-        return logits[-1]  # type: ignore[no-any-return]
+        return logits[pending.row]  # type: ignore[no-any-return]
 
     def _start(self, tok: int, cache: PipeCache, executor: Any, wait: bool) -> Pending:
         arr = self.model._check_ids([int(tok)])
@@ -423,6 +431,45 @@ class PipelinedModel:
         self._out.append(fut)
         return Pending(cache, arr, past, fut)
 
+    def decode_groups(self, caches: Sequence[PipeCache]) -> int:
+        """In how many groups the scheduler's rolling decode should step the sequences of ``caches``
+        (``start_many``): ``Run.groups``, one per pipeline process with cores of its own; 0 when steps are not
+        batched (fewer than two sequences, no numba: BLAS products are not row-invariant,
+        ``MESHD_PIPELINE_BATCH=0``, a run with no stages): each sequence steps alone."""
+        if len(caches) < 2 or not BATCH:
+            return 0
+        run = caches[0].run
+        if run.dead or not run.links or batch_step(run.local) is None:
+            return 0
+        return min(len(caches), run.groups)
+
+    def start_many(self, toks: Sequence[int], caches: Sequence[PipeCache],
+                   executor: Any = None) -> list[Pending]:
+        """``start_one`` of several sequences as one batched step (``engine.pipeline.batch``): this node's
+        layers over all their rows at once, then one FORWARD with a row per sequence to each stage; every row
+        has the bits of its lone step. Take each sequence's result with ``finish_one``. Sequences that cannot
+        join (on another run, replaying, a prefill chunk still out, a run with no stages, experts delegated
+        from this node) step alone."""
+        if len(caches) != len(toks):
+            raise ValueError(f"{len(toks)} tokens for {len(caches)} caches")
+        run = caches[0].run if caches else None
+        step = None
+        local_experts = run is not None and (executor is None or executor is run.local.local_executor)
+        if run is not None and run.links and not run.dead and local_experts:
+            step = batch_step(run.local)
+        if step is None or len(caches) < 2 or any(c.run is not run or c.replay or c.inflight for c in caches):
+            return [self._start(int(t), c, executor, False) for t, c in zip(toks, caches)]
+        arrs = [self.model._check_ids([int(t)]) for t in toks]
+        pasts = [c.local.length for c in caches]
+        x = self.model.embed(np.concatenate(arrs))
+        if run.local.layers:
+            x = step.run(x, [c.local for c in caches])
+        span = tuple(wire.SeqSpan(c.seq, p, 1) for c, p in zip(caches, pasts))
+        fut = run.start(x, span, False, False, handed=True) if run.loop is not None else \
+            self.provider.submit(run.forward(x, span, False))
+        self._out.append(fut)
+        return [Pending(c, a, p, fut, row=i) for i, (c, a, p) in enumerate(zip(caches, arrs, pasts))]
+
     def forward_batch(
         self, ids: Sequence[int] | np.ndarray, caches: Sequence[PipeCache], executor: Any = None
     ) -> np.ndarray:
@@ -437,6 +484,10 @@ class PipelinedModel:
         last = len(caches) - 1  # after the last one this thread only waits: its loop may poll
         started = [self._start(int(t), c, executor, i == last) for i, (t, c) in enumerate(zip(ids, caches))]
         return np.stack([self.finish_one(p, executor) for p in started])
+
+
+def _span(seq: int, past: int, rows: int) -> tuple[wire.SeqSpan, ...]:
+    return (wire.SeqSpan(seq, past, rows),)
 
 
 def _local_layers(local: Any, x: np.ndarray, cache: Any, past: int, executor: Any,
@@ -463,3 +514,4 @@ class Pending:
     past: int
     fut: concurrent.futures.Future[Any] | None
     logits: np.ndarray | None = None
+    row: int = -1  # this sequence's row of the future's logits (a batched step: ``start_many``)

@@ -36,6 +36,7 @@ import structlog
 from engine.decode_plan import forward_span
 from engine.moe import drive
 from engine.pipeline import limits, trace, wire
+from engine.pipeline.batch import batch_step
 from transport import poll
 
 log = structlog.get_logger(__name__)
@@ -385,6 +386,15 @@ class StageHost:
             cache.length = s.start + s.count
             if f.last_only and logits:
                 x = x[-1:]
+        elif all(s.count == 1 for s in f.spans):  # a batched decode step: every row its lone step's bits
+            step = batch_step(part) if executor is None else None
+            if step is not None:
+                x = step.run(f.x, caches, logits)
+            else:
+                x = _lone_rows(part, executor, f.x, caches, logits)
+            planned = x
+            for c in caches:
+                c.length += 1
         else:
             for c in caches:
                 c.reserve(c.length + 1)
@@ -447,6 +457,22 @@ def serial_if(crowded: bool) -> Any:
     if crowded and kernels is not None and hasattr(kernels, "single_threaded"):
         return kernels.single_threaded()
     return contextlib.nullcontext()
+
+
+def _lone_rows(part: Any, executor: Any, x: np.ndarray, caches: list[Any], logits: bool) -> np.ndarray:
+    """Each row of a batched decode step as its own one-token step (no ``BatchStep`` here: without numba, or
+    with delegated experts), so each has its lone step's bits. -> hidden [B, D] or logits [B, V]."""
+    out = []
+    for r, cache in enumerate(caches):
+        xr = x[r : r + 1]
+        got = forward_span(part, xr, cache, None, logits) if executor is None else None
+        if got is None:
+            cache.reserve(cache.length + 1)
+            got = drive(part.span_steps(xr, cache, cache.length), executor or part.local_executor, part.warm)
+            if logits:
+                got = part.logits(got)
+        out.append(got)
+    return np.concatenate(out)
 
 
 def _load_part(path: Path, first: int, last: int) -> Any:

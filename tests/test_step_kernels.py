@@ -1,0 +1,83 @@
+"""The compiled decode step's small kernels (engine.dense_kernels) on their own: SwiGLU's polynomial exp against
+float64 (no NaN or inf for any finite gate), the fused calls of the decode plan equal to their parts bit for bit,
+and decode attention (with its cache prefetch) against a float64 reference at the cache's edges and in a
+sliding window. Skipped without numba (the [fast] extra)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine import dense
+
+kern = dense._kernels()
+pytestmark = pytest.mark.skipif(kern is None, reason="numba not installed (the [fast] extra)")
+F32 = np.float32
+
+
+def _rand(shape: tuple[int, ...], seed: int, scale: float = 1.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(F32)
+
+
+@pytest.mark.parametrize("scale", [0.1, 1.0, 8.0, 60.0, 1000.0])
+def test_swiglu_matches_float64_for_any_finite_gate(scale: float) -> None:
+    g, u = _rand((3, 384), 1, scale), _rand((3, 384), 2)
+    g[0, :4] = [-1e30, 1e30, -89.0, 89.0]  # past exp's fp32 range both ways
+    out = g.copy()
+    kern.swiglu(out, u)
+    g64 = g.astype(np.float64)
+    with np.errstate(over="ignore"):
+        ref = g64 / (1.0 + np.exp(-g64)) * u
+    assert np.all(np.isfinite(out))
+    # relative to the row's largest output: the only error is exp's (~3e-7) and the division's
+    tol = 1e-6 * np.abs(ref).max(axis=1, keepdims=True) + 1e-30
+    assert np.all(np.abs(out - ref) <= tol)
+
+
+def test_fused_calls_equal_their_parts_bit_for_bit() -> None:
+    g, u = _rand((16, 1, 384), 3, 4.0), _rand((16, 1, 384), 4)
+    sel = np.array([9, 2, 15, 4], dtype=np.int64)
+    a = g.copy()
+    kern.swiglu_sel(a, u, sel)
+    b = g.copy()
+    for e in sel:
+        kern.swiglu(b[e], u[e])
+    assert np.array_equal(a, b)  # untouched experts untouched too
+
+    x, o, w = _rand((1, 768), 5), _rand((1, 768), 6), _rand((768,), 7)
+    x1, h1 = x.copy(), np.empty_like(x)
+    kern.add_rmsnorm(x1, o, w, 1e-6, h1)
+    x2, h2 = x.copy(), np.empty_like(x)
+    x2 += o
+    kern.rmsnorm_rows(x2, w, 1e-6, h2)
+    assert np.array_equal(x1, x2) and np.array_equal(h1, h2)
+
+
+def _attention64(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, lo: int, pos: int, scale: float) -> np.ndarray:
+    nh, nkv = q.shape[0], kc.shape[0]
+    out = np.empty((nh, vc.shape[2]))
+    for h in range(nh):
+        kv = h // (nh // nkv)
+        s = kc[kv, lo:pos + 1].astype(np.float64) @ q[h].astype(np.float64) * scale
+        p = np.exp(s - s.max())
+        out[h] = p @ vc[kv, lo:pos + 1] / p.sum()
+    return out.reshape(-1)
+
+
+@pytest.mark.parametrize("cap,pos,window", [(64, 0, None), (64, 63, None), (200, 150, None), (200, 199, 37),
+                                            (512, 300, 100)])
+def test_attend_one_matches_float64_at_the_cache_edges(cap: int, pos: int, window: int | None) -> None:
+    nh, nkv, hd = 12, 4, 64
+    kc, vc = _rand((nkv, cap, hd), 8), _rand((nkv, cap, hd), 9)
+    q, k, v = _rand((nh, hd), 10), _rand((nkv, hd), 11), _rand((nkv, hd), 12)
+    half = hd // 2
+    ang = pos / 10000.0 ** (np.arange(half) / half)
+    cos, sin = np.cos(ang).astype(F32), np.sin(ang).astype(F32)
+    lo = 0 if window is None else max(0, pos - window + 1)
+    none = np.zeros(0, dtype=F32)
+    out = np.empty(nh * hd, dtype=F32)
+    qr, kr = q.copy(), k.copy()
+    kern.attend_one(qr, kr, v.copy(), none, none, 1e-6, cos, sin, kc, vc, pos, lo, 0.125, out)
+    assert np.array_equal(kc[:, pos], kr) and np.array_equal(vc[:, pos], v)  # the new position written
+    ref = _attention64(qr, kc, vc, lo, pos, 0.125)
+    assert np.abs(out - ref).max() <= 2e-6 * np.abs(vc).max()

@@ -1,0 +1,274 @@
+"""Direct channels: a blocking TLS socket per peer pair and service, driven by the thread that computes.
+
+A lane (``transport.lane_conn``) runs on the event loop: every message crosses asyncio's TLS layer
+(``sslproto``, a MemoryBIO), the lane's record multiplexer, the stream framing and a loop wake-up on each
+side. For a request/reply exchanged once per decode layer that Python costs more than the wire (session 5:
+the lane's echo in decode 0.29-0.55 ms against a plain TCP echo's 0.04-0.1 ms). A direct channel is one
+more TLS 1.3 connection to the same lane port, kept out of asyncio: an ``ssl.SSLSocket`` on a blocking TCP
+socket (``TCP_NODELAY``), read and written by the thread that needs the answer (the coordinator's engine
+thread; the worker's serving thread), with no event-loop hop on either side. Messages are
+``length u32 | payload``; what they mean is the service's business (expert RPC today; a pipeline stage's
+activation hop can use the same blocking request/reply later).
+
+How one comes up (the client is the node that wants to make calls)::
+
+    C -> S  TCP, then in clear: b"MDIRECT" | service u8
+    TLS 1.3 (the server's certificate is its node key's, as on a lane; the client presents none)
+    the lane's proof of identity (``transport.lane_wire``: HELLO, AUTH, AUTH, READY) with the transcript
+    tag b"meshd-direct-v1" | service: fresh nonces from both sides, the server certificate's hash, both keys
+
+So a direct channel is authenticated exactly as strongly as a lane (a TLS-terminating machine in the
+middle fails for the same reasons: ``lane_wire``'s docstring), and its proofs can stand neither for a lane
+nor for another service's channel (the tag is signed, and the service byte sent in clear is in it). The
+server (``LaneManager``) tells a direct channel from a lane by peeking at the first bytes (a lane starts
+with a TLS record), counts it among its pending connections until the proof is done (``LANE_DIRECT_*`` in
+``transport.limits``; a stranger is dropped after ``LANE_AUTH_TIMEOUT_S``), refuses a key that is not a
+member connected over QUIC right now, and then hands the channel, in its own thread, to the handler the
+service registered (``LaneManager.direct_handlers``). A member that disconnects has its channels closed.
+
+Failure: any error (socket closed or reset, a timeout, a malformed record) raises ``TransportError`` and
+closes the channel; the caller falls back to its stream over the lane or QUIC.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import socket
+import ssl
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from transport import lane_wire, limits
+from transport.errors import TransportError
+from transport.framing import RemoteProtocolError
+from transport.identity import NodeIdentity, node_id_from_public_key
+
+DIRECT_MAGIC = b"MDIRECT"
+assert len(DIRECT_MAGIC) + 1 == limits.LANE_DIRECT_MAGIC_BYTES  # noqa: S101 - module constants
+SERVICE_EXPERTS = 1  # expert RPC (engine.experts.direct)
+SERVICE_PIPELINE = 2  # reserved: a pipeline stage's activation hop
+_RECORD = struct.Struct(">I")
+_JOIN_BELOW_BYTES = 64 * 1024  # header and payload written as one (one TLS record up to 16 KiB)
+
+
+def transcript_tag(service: int) -> bytes:
+    return b"meshd-direct-v1" + bytes([service])
+
+
+def magic(service: int) -> bytes:
+    return DIRECT_MAGIC + bytes([service])
+
+
+class DirectChannel:
+    """One authenticated direct channel: whole messages each way over a blocking TLS socket.
+
+    Not for concurrent use: one thread at a time sends and receives (``lock`` is there for callers that
+    must make sure; ``close`` may come from any thread and wakes a blocked ``recv``)."""
+
+    def __init__(self, tls: ssl.SSLSocket, peer_id: str, service: int, is_client: bool) -> None:
+        self._sock = tls
+        self.peer_id = peer_id
+        self.service = service
+        self.is_client = is_client
+        self.lock = threading.Lock()
+        self.closed = False
+        self.close_reason = ""
+        self._buf = bytearray()
+        self._timeout: float | None = -1.0
+        self.max_record_bytes = limits.LANE_DIRECT_MAX_RECORD_BYTES
+        self.on_close: list[Callable[[DirectChannel], None]] = []
+        self.messages_out = 0
+        self.messages_in = 0
+        peer = tls.getpeername()
+        self.remote_address = (str(peer[0]), int(peer[1]))
+        self.on_loopback = False
+        with contextlib.suppress(ValueError):
+            self.on_loopback = ipaddress.ip_address(self.remote_address[0]).is_loopback
+
+    def _settimeout(self, timeout: float | None) -> None:
+        if timeout != self._timeout:
+            self._sock.settimeout(timeout)
+            self._timeout = timeout
+
+    def send(self, payload: bytes | bytearray | memoryview, timeout: float | None = None) -> None:
+        """Send one message (blocks until the kernel took it). Raises ``TransportError`` and closes on
+        failure."""
+        if self.closed:
+            raise TransportError(f"direct channel closed: {self.close_reason}")
+        n = len(payload)
+        if n > self.max_record_bytes:
+            raise TransportError(f"direct message of {n} bytes")
+        try:
+            self._settimeout(timeout)
+            if n <= _JOIN_BELOW_BYTES:
+                self._sock.sendall(_RECORD.pack(n) + payload)
+            else:
+                self._sock.sendall(_RECORD.pack(n))
+                self._sock.sendall(payload)
+        except (OSError, ValueError) as e:
+            self.close(f"send failed: {e!r}")
+            raise TransportError(f"direct channel: send failed: {e!r}") from None
+        self.messages_out += 1
+
+    def recv(self, timeout: float | None = None) -> bytes | None:
+        """The next whole message, or None when the peer closed the channel cleanly between messages.
+        Raises ``TransportError`` (and closes) on a timeout, a broken socket or a malformed record."""
+        buf = self._buf
+        try:
+            self._settimeout(timeout)
+            while len(buf) < _RECORD.size:
+                if not self._fill():
+                    if buf:
+                        raise TransportError("direct channel ended inside a message")
+                    self.close("peer closed")
+                    return None
+            (n,) = _RECORD.unpack_from(buf)
+            if n > self.max_record_bytes:
+                raise TransportError(f"direct message of {n} bytes")
+            end = _RECORD.size + n
+            while len(buf) < end:
+                if not self._fill():
+                    raise TransportError("direct channel ended inside a message")
+        except TransportError as e:
+            self.close(str(e))
+            raise
+        except (OSError, ValueError) as e:  # TimeoutError is an OSError
+            self.close(f"recv failed: {e!r}")
+            raise TransportError(f"direct channel: recv failed: {e!r}") from None
+        out = bytes(buf[_RECORD.size:end])
+        del buf[:end]
+        self.messages_in += 1
+        return out
+
+    def _fill(self) -> bool:
+        if self.closed:
+            raise TransportError(f"direct channel closed: {self.close_reason}")
+        data = self._sock.recv(256 * 1024)
+        if not data:
+            return False
+        self._buf += data
+        return True
+
+    def close(self, reason: str = "closed") -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.close_reason = reason
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        for cb in list(self.on_close):
+            with contextlib.suppress(Exception):
+                cb(self)
+
+
+def _read_exact(tls: ssl.SSLSocket, n: int, deadline: float) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("direct channel proof not done in time")
+        tls.settimeout(left)
+        chunk = tls.recv(n - len(out))
+        if not chunk:
+            raise ConnectionError("closed during the proof")
+        out += chunk
+    return bytes(out)
+
+
+def _send(tls: ssl.SSLSocket, data: bytes, deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("direct channel proof not done in time")
+    tls.settimeout(left)
+    tls.sendall(data)
+
+
+def dial(identity: NodeIdentity, peer_public_key: bytes, address: tuple[str, int], service: int,
+         context: ssl.SSLContext, timeout_s: float) -> DirectChannel:
+    """Client, blocking (run it in a thread): TCP, TLS and the proof to the member whose node key is
+    ``peer_public_key``, listening for lanes at ``address``. Raises ``TransportError``."""
+    deadline = time.monotonic() + timeout_s
+    tag = transcript_tag(service)
+    raw: socket.socket | None = None
+    tls: ssl.SSLSocket | None = None
+    try:
+        raw = socket.create_connection(address, timeout=timeout_s)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        raw.sendall(magic(service))
+        tls = context.wrap_socket(raw, server_side=False)
+        der = tls.getpeercert(binary_form=True)
+        from transport.lane_conn import _cert_public_key
+
+        if not der or _cert_public_key(der) != peer_public_key:
+            raise TransportError("direct channel certificate is not the peer's node key")
+        chash = lane_wire.cert_hash(der)
+        pub_c, nonce_c = identity.public_key, os.urandom(lane_wire.NONCE_BYTES)
+        _send(tls, lane_wire.encode_hello(pub_c, nonce_c), deadline)
+        auth = _read_exact(tls, lane_wire.SERVER_AUTH_BYTES, deadline)
+        nonce_s, sig_s = auth[: lane_wire.NONCE_BYTES], auth[lane_wire.NONCE_BYTES:]
+        lane_wire.verify(peer_public_key, sig_s, False, pub_c, peer_public_key, nonce_c, nonce_s, chash, tag)
+        sig_c = lane_wire.sign(identity, True, pub_c, peer_public_key, nonce_c, nonce_s, chash, tag)
+        _send(tls, sig_c, deadline)
+        head = _read_exact(tls, 2, deadline)
+        reason = _read_exact(tls, head[1], deadline).decode("utf-8", "replace") if head[1] else ""
+        if head[0] != 0:
+            raise TransportError(f"direct channel refused: {reason}")
+        return DirectChannel(tls, node_id_from_public_key(peer_public_key), service, True)
+    except BaseException as e:
+        for s in (tls, raw):
+            if s is not None:
+                with contextlib.suppress(OSError):
+                    s.close()
+        if isinstance(e, RemoteProtocolError):
+            raise TransportError(f"direct channel failed: {e.reason}") from None
+        if isinstance(e, OSError | ValueError):
+            raise TransportError(f"direct channel failed: {e!r}") from None
+        raise
+
+
+def accept(sock: socket.socket, service: int, identity: NodeIdentity, cert_hash: bytes,
+           context: ssl.SSLContext, member: Callable[[bytes], Any], deadline: float,
+           may_open: Callable[[], str | None]) -> tuple[Any, DirectChannel]:
+    """Server, blocking (its own thread): TLS and the proof on ``sock`` (its magic already read), until
+    ``deadline`` (``time.monotonic()``). ``member(public_key)``: the peer connected over QUIC with that key,
+    or None (refused); ``may_open()``: a reason to refuse after the proof (a cap), or None.
+    -> (peer, channel). Raises ``TransportError``; ``sock`` is closed on failure."""
+    tag = transcript_tag(service)
+    tls: ssl.SSLSocket | None = None
+    try:
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tls = context.wrap_socket(sock, server_side=True)
+        pub_c, nonce_c = lane_wire.decode_hello(_read_exact(tls, lane_wire.HELLO_BYTES, deadline))
+        peer = member(pub_c)
+        if peer is None:
+            _send(tls, lane_wire.encode_ready(False, "not a connected member"), deadline)
+            raise TransportError("direct channel refused: not a connected member")
+        pub_s, nonce_s = identity.public_key, os.urandom(lane_wire.NONCE_BYTES)
+        sig = lane_wire.sign(identity, False, pub_c, pub_s, nonce_c, nonce_s, cert_hash, tag)
+        _send(tls, nonce_s + sig, deadline)
+        sig_c = _read_exact(tls, lane_wire.CLIENT_AUTH_BYTES, deadline)
+        lane_wire.verify(pub_c, sig_c, True, pub_c, pub_s, nonce_c, nonce_s, cert_hash, tag)
+        refusal = may_open()
+        if refusal is not None:
+            _send(tls, lane_wire.encode_ready(False, refusal), deadline)
+            raise TransportError(f"direct channel refused: {refusal}")
+        _send(tls, lane_wire.encode_ready(True), deadline)
+        return peer, DirectChannel(tls, node_id_from_public_key(pub_c), service, False)
+    except BaseException as e:
+        for s in (tls, sock):
+            if s is not None:
+                with contextlib.suppress(OSError):
+                    s.close()
+        if isinstance(e, RemoteProtocolError):
+            raise TransportError(f"direct channel failed: {e.reason}") from None
+        if isinstance(e, OSError | ValueError):
+            raise TransportError(f"direct channel failed: {e!r}") from None
+        raise
