@@ -422,22 +422,24 @@ if AVAILABLE:
         for r in range(r0, r1):
             row = w[r]
             ra = w.ctypes.data + r * rb
-            for i in range(8 * t):
-                acc[i] = 0.0
-            for b in range(nb):
-                o = b * 144
-                kernels._k_scale_words(row, o + 4, words)
-                _k_scales_f64(wp, kernels._h(tab, row, o), kernels._h(tab, row, o + 2), scp)
-                for s in range(t):
-                    _q4k_block(accp, 8 * s, ra + o + 16, la + s * ls + b * 768, scp,
-                               pa + (s * nb * 16 + b * 16) * 8, pa + (s * nb * 16 + b * 16 + 8) * 8)
-            for s in range(t):
-                a = 8 * s
-                h0 = acc[a] + acc[a + 4]
-                h1 = acc[a + 1] + acc[a + 5]
-                h2 = acc[a + 2] + acc[a + 6]
-                h3 = acc[a + 3] + acc[a + 7]
-                out[s, r] = np.float32((h0 + h2) + (h1 + h3))
+            for s0 in range(0, t, 4):  # at most four activation rows at a time (the stack lanes)
+                g = min(4, t - s0)
+                for i in range(8 * g):
+                    acc[i] = 0.0
+                for b in range(nb):
+                    o = b * 144
+                    kernels._k_scale_words(row, o + 4, words)
+                    _k_scales_f64(wp, kernels._h(tab, row, o), kernels._h(tab, row, o + 2), scp)
+                    for s in range(s0, s0 + g):
+                        _q4k_block(accp, 8 * (s - s0), ra + o + 16, la + s * ls + b * 768, scp,
+                                   pa + (s * nb * 16 + b * 16) * 8, pa + (s * nb * 16 + b * 16 + 8) * 8)
+                for s in range(s0, s0 + g):
+                    a = 8 * (s - s0)
+                    h0 = acc[a] + acc[a + 4]
+                    h1 = acc[a + 1] + acc[a + 5]
+                    h2 = acc[a + 2] + acc[a + 6]
+                    h3 = acc[a + 3] + acc[a + 7]
+                    out[s, r] = np.float32((h0 + h2) + (h1 + h3))
 
     @njit(**_nopts)
     def q6_k_buf(buf: int, t: int, k: int, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int,
@@ -455,23 +457,25 @@ if AVAILABLE:
         for r in range(r0, r1):
             row = w[r]
             ra = w.ctypes.data + r * rb
-            for i in range(16 * t):
-                acc[i] = 0.0
-            for b in range(nb):
-                o = b * 210
-                _q6_scales_f64(ra + o + 192, kernels._h(tab, row, o + 208), scp)
-                for s in range(t):
-                    _q6k_block(accp, 16 * s, ra + o, la + s * ls + b * 768, scp,
-                               pa + (s * nb + b) * 128, sa + (s * nb + b) * 64)
-            for s in range(t):
-                a = 16 * s
-                for i in range(8):
-                    acc[a + i] += acc[a + 8 + i]
-                h0 = acc[a] + acc[a + 4]
-                h1 = acc[a + 1] + acc[a + 5]
-                h2 = acc[a + 2] + acc[a + 6]
-                h3 = acc[a + 3] + acc[a + 7]
-                out[s, r] = np.float32((h0 + h2) + (h1 + h3))
+            for s0 in range(0, t, 4):  # at most four activation rows at a time (the stack lanes)
+                g = min(4, t - s0)
+                for i in range(16 * g):
+                    acc[i] = 0.0
+                for b in range(nb):
+                    o = b * 210
+                    _q6_scales_f64(ra + o + 192, kernels._h(tab, row, o + 208), scp)
+                    for s in range(s0, s0 + g):
+                        _q6k_block(accp, 16 * (s - s0), ra + o, la + s * ls + b * 768, scp,
+                                   pa + (s * nb + b) * 128, sa + (s * nb + b) * 64)
+                for s in range(s0, s0 + g):
+                    a = 16 * (s - s0)
+                    for i in range(8):
+                        acc[a + i] += acc[a + 8 + i]
+                    h0 = acc[a] + acc[a + 4]
+                    h1 = acc[a + 1] + acc[a + 5]
+                    h2 = acc[a + 2] + acc[a + 6]
+                    h3 = acc[a + 3] + acc[a + 7]
+                    out[s, r] = np.float32((h0 + h2) + (h1 + h3))
 
     @njit(inline="always")
     def _q80_tail(accp, at: int, ga: int, la: int, scp, pa: int, nblk: int) -> None:  # noqa: ANN001
@@ -508,32 +512,34 @@ if AVAILABLE:
         for r in range(r0, r1):
             row = w[r]
             ra = w.ctypes.data + r * rb
-            for i in range(16 * t):
-                acc[i] = 0.0
-            for g in range((nb + 7) // 8):
-                nblk = min(8, nb - 8 * g)
-                for i in range(8):
-                    v = np.float64(kernels._h(tab, row, 34 * (8 * g + i))) if i < nblk else 0.0
-                    sc[2 * i] = v
-                    sc[2 * i + 1] = v
-                ga = ra + 34 * 8 * g
-                for s in range(t):
-                    lg = la + s * ls + g * 768
-                    if nblk == 8:
-                        _q80_group(accp, 16 * s, ga, lg, scp, buf + (s * (k // 16) + 16 * g) * 8, 8)
-                    else:
-                        for i in range(16):
-                            pt[i] = p16[s, 16 * g + i] if i < 2 * nblk else 0.0
-                        _q80_tail(accp, 16 * s, ga, lg, scp, ptp, nblk)
-            for s in range(t):
-                a = 16 * s
-                for i in range(8):
-                    acc[a + i] += acc[a + 8 + i]
-                h0 = acc[a] + acc[a + 4]
-                h1 = acc[a + 1] + acc[a + 5]
-                h2 = acc[a + 2] + acc[a + 6]
-                h3 = acc[a + 3] + acc[a + 7]
-                out[s, r] = np.float32((h0 + h2) + (h1 + h3))
+            for s0 in range(0, t, 4):  # at most four activation rows at a time (the stack lanes)
+                n4 = min(4, t - s0)
+                for i in range(16 * n4):
+                    acc[i] = 0.0
+                for g in range((nb + 7) // 8):
+                    nblk = min(8, nb - 8 * g)
+                    for i in range(8):
+                        v = np.float64(kernels._h(tab, row, 34 * (8 * g + i))) if i < nblk else 0.0
+                        sc[2 * i] = v
+                        sc[2 * i + 1] = v
+                    ga = ra + 34 * 8 * g
+                    for s in range(s0, s0 + n4):
+                        lg = la + s * ls + g * 768
+                        if nblk == 8:
+                            _q80_group(accp, 16 * (s - s0), ga, lg, scp, buf + (s * (k // 16) + 16 * g) * 8, 8)
+                        else:
+                            for i in range(16):
+                                pt[i] = p16[s, 16 * g + i] if i < 2 * nblk else 0.0
+                            _q80_tail(accp, 16 * (s - s0), ga, lg, scp, ptp, nblk)
+                for s in range(s0, s0 + n4):
+                    a = 16 * (s - s0)
+                    for i in range(8):
+                        acc[a + i] += acc[a + 8 + i]
+                    h0 = acc[a] + acc[a + 4]
+                    h1 = acc[a + 1] + acc[a + 5]
+                    h2 = acc[a + 2] + acc[a + 6]
+                    h3 = acc[a + 3] + acc[a + 7]
+                    out[s, r] = np.float32((h0 + h2) + (h1 + h3))
 
     def _direct(layout: int, kern, x: np.ndarray, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int,  # noqa: ANN001
                 r1: int) -> None:
