@@ -84,13 +84,15 @@ def child(checkout: Path, workers: int, ckpt: Path, path_kind: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("a", type=Path, nargs="?", help="checkout A (the baseline)")
-    ap.add_argument("b", type=Path, nargs="?", help="checkout B")
-    ap.add_argument("--blocks", type=int, default=40, help="rounds of one block per checkout and kind")
-    ap.add_argument("--steps", type=int, default=20, help="decode steps per block")
-    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("a", type=Path, nargs="?",
+                    help="checkout A, the baseline (required; e.g. . with --a-env)")
+    ap.add_argument("b", type=Path, nargs="?", help="checkout B (required; may be the same tree as A)")
+    ap.add_argument("--blocks", type=int, default=40,
+                    help="rounds of one block per checkout and kind (default 40)")
+    ap.add_argument("--steps", type=int, default=20, help="decode steps per block (default 20)")
+    ap.add_argument("--workers", type=int, default=1, help="expert worker processes (default 1)")
     ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "meshd-bench-experts-ab",
-                    help="the checkpoint (written once)")
+                    help="the checkpoint (written once; default TMPDIR/meshd-bench-experts-ab)")
     ap.add_argument("--path", choices=("lane", "quic"), default="lane",
                     help="the expert streams' path (default lane: the data lane, as a daemon uses)")
     ap.add_argument("--a-env", action="append", default=[], metavar="KEY=VALUE",

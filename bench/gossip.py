@@ -112,11 +112,13 @@ def run(n: int, loss: float, seed: int, load_s: float = 30.0) -> dict[str, float
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="10,100,1000")
-    ap.add_argument("--loss", type=float, default=0.0)
-    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--sizes", default="10,100,1000",
+                    help="mesh sizes to simulate, comma list (default 10,100,1000)")
+    ap.add_argument("--loss", type=float, default=0.0,
+                    help="probability that a gossip frame is lost (default 0.0)")
+    ap.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
     ap.add_argument("--load-s", type=float, default=30.0, help="length of the load phase (default: 30)")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table (default: a table)")
     args = ap.parse_args()
     rows = [run(int(n), args.loss, args.seed, args.load_s) for n in args.sizes.split(",")]
     if args.json:
