@@ -247,7 +247,8 @@ def main() -> None:
     ap.add_argument("--tiny-rounds", type=int, default=30, help="timed rounds per side on tiny (default 30)")
     ap.add_argument("--tokens", type=int, default=256, help="max_tokens of the constrained request (default 256)")
     ap.add_argument("--dir", type=Path, default=None, help="where the checkpoints go (default: a temp dir)")
-    ap.add_argument("--no-mid", action="store_true", help="only tiny (the mid-size one needs torch+transformers)")
+    ap.add_argument("--no-mid", action="store_true",
+                    help="only tiny (default: tiny and the mid-size model, which needs torch+transformers)")
     ap.add_argument("--threads", type=int, default=None, help="BLAS/OpenMP threads of the daemon (default: "
                     "its own default, one per core); 1 keeps its CPU time free of threads spinning on a busy machine")
     ap.add_argument("--breakdown", action="store_true", help="also time forward passes and the sampling step "

@@ -199,7 +199,7 @@ def main() -> None:
     ap.add_argument("--before-ref", default="main", help="git ref of the 'before' side (default main)")
     ap.add_argument("--slots", type=int, default=100, help="slowloris connections held open (default 100)")
     ap.add_argument("--window-s", type=float, default=30.0, help="attack window in seconds (default 30)")
-    ap.add_argument("--json", action="store_true", help="print the rows as JSON lines")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON lines (default: a table)")
     args = ap.parse_args()
     table = rows(args.before_ref, args.slots, args.window_s)
     for row in table:

@@ -1,0 +1,73 @@
+"""Every benchmark's options and positionals have a help line that states its default (as the CLI's do)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO_ROOT
+
+# Run in one child: each bench script runs as __main__ until it parses its arguments; the parser is then
+# read and the script stopped (nothing is benchmarked). Only scripts that build a parser are run (the others
+# are children of a bench, started with their work on the command line).
+_DRIVER = r"""
+import argparse, json, runpy, sys
+
+class Parsed(Exception):
+    pass
+
+found = {}
+def _capture(self, args=None, namespace=None):
+    found["parser"] = self
+    raise Parsed
+
+argparse.ArgumentParser.parse_known_args = _capture
+out = {}
+for path in sys.argv[1:]:
+    found.clear()
+    sys.argv = [path]
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except Parsed:
+        pass
+    except SystemExit:
+        pass
+    p = found.get("parser")
+    missing = []
+    if p is not None:
+        for a in p._actions:
+            if isinstance(a, (argparse._HelpAction, argparse._VersionAction)) or a.help == argparse.SUPPRESS:
+                continue
+            name = "/".join(a.option_strings) or a.dest
+            text = a.help or ""
+            if not text.strip():
+                missing.append(f"{name}: no help")
+            elif "default" not in text and "required" not in text:
+                missing.append(f"{name}: help does not say its default")
+    out[path] = {"parser": p is not None, "missing": missing}
+print(json.dumps(out))
+"""
+
+
+def _check(paths: list[Path]) -> dict:
+    proc = subprocess.run([sys.executable, "-c", _DRIVER, *map(str, paths)], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_every_bench_option_says_its_default() -> None:
+    benches = sorted(p for p in (REPO_ROOT / "bench").glob("*.py") if "ArgumentParser(" in p.read_text())
+    res = _check(benches)
+    assert all(r["parser"] for r in res.values()), res  # the driver really reached every parser
+    assert {p: r["missing"] for p, r in res.items() if r["missing"]} == {}
+
+
+def test_the_bench_check_can_fail(tmp_path: Path) -> None:
+    script = tmp_path / "b.py"
+    script.write_text("import argparse\nap = argparse.ArgumentParser()\nap.add_argument('--n', default=3)\n"
+                      "ap.add_argument('--m', default=1, help='m things')\nap.parse_args()\n")
+    res = _check([script])
+    assert res[str(script)] == {"parser": True, "missing": ["--n: no help", "--m: help does not say its default"]}
