@@ -90,7 +90,7 @@ def test_kernels_switch_is_in_the_tag() -> None:
     off = _probe(MESHD_KERNELS="numpy")
     assert ";".join(off["tag"].split(";")[:1]) == "kernels=numpy", off
     try:
-        import numba  # noqa: F401
+        import numba
     except ImportError:
         assert numerics.tag().startswith("kernels=numpy;")
         return
@@ -111,8 +111,8 @@ def test_planner_refuses_a_stage_with_other_numerics_by_name_and_uses_the_rest()
     old = Offer("old" * 6, "fp", 10_000)  # an older meshd: no tag, used as before
     plan = make_plan(need, local, [bad, good])
     assert [s.node_id for s in plan.stages] == [local.node_id, good.node_id]
-    assert plan.refused == ((bad.node_id, f"stage {bad.node_id[:12]} computes with other numerics: "
-                                          "blas x:B on the stage, x:A on this node"),)
+    why = f"stage {bad.node_id[:12]} computes with other numerics: blas x:B on the stage, x:A on this node"
+    assert plan.refused == ((bad.node_id, why),)
     assert [s.node_id for s in make_plan(need, local, [old]).stages] == [local.node_id, old.node_id]
 
 
@@ -189,10 +189,9 @@ def test_coordinator_refuses_a_worker_with_other_numerics_and_keeps_the_rest(tmp
 
 def test_pipeline_refuses_a_stage_with_other_numerics_by_name_and_uses_the_rest(tmp_path: Path) -> None:
     pytest.importorskip("meshd.membership.service")
+    from conftest import meshd_env
     from daemon_testlib import start_node
     from pipeline_mesh import invite, pipeline_status, same_as_ref, stage, wait_for
-
-    from conftest import meshd_env
 
     core, _, other = _other_core()
     ref = start_node(tmp_path / "ref", "--model", "tiny")
@@ -221,3 +220,48 @@ def test_pipeline_refuses_a_stage_with_other_numerics_by_name_and_uses_the_rest(
         for n in reversed(nodes):
             n.stop()
 
+
+
+@pytest.mark.parametrize("choice", ["blas", "kernels"])
+def test_expert_worker_with_other_numerics_is_refused_by_name_and_the_other_serves(tmp_path: Path,
+                                                                                  choice: str) -> None:
+    """One worker daemon under another OpenBLAS core (any machine with OpenBLAS), or with ``MESHD_KERNELS=numpy``
+    where this process has numba: refused by name with the component that differs; the other one is used."""
+    pytest.importorskip("meshd.membership.service")
+    from conftest import meshd_env
+    from daemon_testlib import start_node
+    from experts_mesh import Coordinator, MeshFixture
+    from experts_util import make_moe_checkpoint
+    from test_experts_daemon import _provision
+    from test_experts_parity import gate
+
+    from engine.model import Model
+
+    if choice == "blas":
+        core, _, other = _other_core()
+        env, says = {"OPENBLAS_CORETYPE": core}, f":{core} on the worker"
+    else:
+        pytest.importorskip("numba")
+        env, says = {"MESHD_KERNELS": "numpy"}, "kernels numpy on the worker"
+        other = _probe(**env)
+    mesh = MeshFixture()
+    ck = make_moe_checkpoint(tmp_path / "q3", family="qwen3_moe", layers=2, experts=8, seed=4)
+    odd_id, good_id = _provision(mesh, tmp_path / "odd"), _provision(mesh, tmp_path / "good")
+    odd = start_node(tmp_path / "odd", "--experts", str(ck), env=meshd_env(**env))
+    nodes = [odd]
+    coord = Coordinator(mesh)
+    try:
+        nodes.append(start_node(tmp_path / "good", "--experts", str(ck)))
+        for node, nid in zip(nodes, (odd_id, good_id)):
+            host, _, port = node.run["quic"].rpartition(":")
+            coord.lt.run(coord.transport.connect((host, int(port)), nid), timeout=15)
+        ex = coord.executor(ck, "on")
+        assert list(ex.links) == [good_id]
+        reason = coord.service.status()["coordinators"][0]["refused"][odd_id]
+        assert odd_id in reason and "other numerics" in reason and says in reason, reason
+        assert odd.status()["services"]["experts"]["numerics"] == other["tag"]
+        assert gate(Model.load(ck), ex, [3, 1, 4, 1, 5]) == []  # the one kept computes the local bits
+    finally:
+        coord.close()
+        for n in reversed(nodes):
+            n.stop()
