@@ -26,13 +26,17 @@ other scheduling switches. Nodes with equal tags compute equal bits for equal in
 architecture; the tag does not name the CPU model beyond OpenBLAS's core, so it is not a proof, it is the
 check of every choice the engine itself makes.
 
-The tag is computed once per process (the environment is read at import time by the modules it asks).
+The tag is computed once per process, from the same environment and CPU features the kernel modules read at
+import (without importing numba: ``kernels_choice``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.metadata
+import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -43,14 +47,32 @@ _TEXT = re.compile(r"[\x21-\x7e]+")  # printable ASCII without spaces
 
 
 def kernels_choice() -> str:
-    """``numpy``, ``numba-<version>`` or ``numba-<version>+int`` (see the module docstring)."""
-    from . import kernels
-
-    if not kernels.AVAILABLE:
+    """``numpy``, ``numba-<version>`` or ``numba-<version>+int`` (see the module docstring). Decided the way
+    engine/kernels.py and engine/kernels_int.py decide at import, without importing numba (~0.5 s and ~70 MB
+    that a process serving a test-sized fp32 model never pays otherwise); tests/test_numerics.py checks that
+    it agrees with ``kernels.AVAILABLE`` and ``kernels_int.AVAILABLE``."""
+    if os.environ.get("MESHD_KERNELS", "").lower() == "numpy" or importlib.util.find_spec("numba") is None:
         return "numpy"
-    from . import kernels_int
+    try:
+        version = importlib.metadata.version("numba")
+    except importlib.metadata.PackageNotFoundError:
+        return "numpy"
+    return f"numba-{version}" + ("+int" if _int_kernels() else "")
 
-    return f"numba-{kernels.numba.__version__}" + ("+int" if kernels_int.AVAILABLE else "")
+
+def _int_kernels() -> bool:
+    """``kernels_int.AVAILABLE`` (given numba): VNNI and BW on the host as LLVM sees them, LLVM 22 or later,
+    numba compiling for the host, and ``MESHD_KERNELS_INT`` not 0."""
+    if os.environ.get("MESHD_KERNELS_INT", "1") == "0":
+        return False
+    if os.environ.get("NUMBA_CPU_NAME", "host") not in ("", "host") or os.environ.get("NUMBA_CPU_FEATURES"):
+        return False
+    try:
+        from llvmlite import binding
+    except ImportError:
+        return False
+    feat = binding.get_host_cpu_features()
+    return bool(feat.get("avx512vnni")) and bool(feat.get("avx512bw")) and binding.llvm_version_info[0] >= 22
 
 
 def _openblas_core() -> str | None:
@@ -91,8 +113,8 @@ def blas_choice() -> str:
 
 @functools.cache
 def tag() -> str:
-    """This process's numerics tag (see the module docstring); computed once. With numba it imports the
-    kernels' modules (as loading any model that uses them does)."""
+    """This process's numerics tag (see the module docstring); computed once (~0.1-0.2 s: numpy's BLAS, and
+    llvmlite's CPU features where numba is installed)."""
     import numpy as np
 
     parts = {"kernels": kernels_choice(), "numpy": np.__version__, "blas": blas_choice()}

@@ -265,3 +265,26 @@ def test_expert_worker_with_other_numerics_is_refused_by_name_and_the_other_serv
         coord.close()
         for n in reversed(nodes):
             n.stop()
+
+
+AGREE = """
+import json, os
+from engine import numerics
+k = numerics.kernels_choice()
+from engine import kernels, kernels_int
+v = kernels.numba.__version__ if kernels.AVAILABLE else None
+print(json.dumps([k, kernels.AVAILABLE, kernels_int.AVAILABLE, v]))
+"""
+
+
+@pytest.mark.parametrize("env", [{}, {"MESHD_KERNELS_INT": "0"}, {"MESHD_KERNELS": "numpy"},
+                                 {"NUMBA_CPU_NAME": "generic"}])
+def test_kernels_choice_agrees_with_what_the_kernels_decide(env: dict[str, str]) -> None:
+    """The tag decides without importing numba; it must say what engine/kernels.py and kernels_int.py do."""
+    from conftest import meshd_env
+
+    out = subprocess.run([sys.executable, "-c", AGREE], env=meshd_env(**env), capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    choice, on, int_on, version = json.loads(out.strip().splitlines()[-1])
+    assert choice == (f"numba-{version}" + ("+int" if int_on else "") if on else "numpy"), (env, choice, on, int_on)
+    assert choice.startswith("numba-") == on
