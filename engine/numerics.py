@@ -43,6 +43,7 @@ from pathlib import Path
 from .limits import NUMERICS_MAX_CHARS
 
 KEYS = ("kernels", "numpy", "blas")
+MALFORMED = "malformed"  # stands for a peer's tag that ``parse`` rejected: equal to no real tag
 _TEXT = re.compile(r"[\x21-\x7e]+")  # printable ASCII without spaces
 
 
@@ -127,11 +128,19 @@ def _clean(value: str) -> str:
 
 
 def parse(value: object) -> str | None:
-    """A peer's tag (from gossip or a hello) if it is well-formed: a string of at most ``NUMERICS_MAX_CHARS``
-    printable ASCII characters without spaces; None otherwise (treated like a peer that says nothing)."""
+    """A peer's tag (from gossip) if it is well-formed: a string of at most ``NUMERICS_MAX_CHARS`` printable
+    ASCII characters without spaces; None otherwise."""
     if isinstance(value, str) and len(value) <= NUMERICS_MAX_CHARS and _TEXT.fullmatch(value):
         return value
     return None
+
+
+def from_record(value: object) -> str | None:
+    """The tag a gossip record's ``numerics`` field says: None when absent (an older meshd: nothing to check),
+    ``MALFORMED`` when present but not a tag (never equal to a real one, so refused)."""
+    if value is None:
+        return None
+    return parse(value) or MALFORMED
 
 
 def _fields(text: str) -> dict[str, str]:
@@ -149,6 +158,8 @@ def difference(mine: str, theirs: str | None, mine_as: str = "here", theirs_as: 
         return ""
     if theirs is None:
         return f"no numerics tag {theirs_as} (an older meshd)"
+    if theirs == MALFORMED:
+        return f"a malformed numerics tag {theirs_as}"
     a, b = _fields(mine), _fields(theirs)
     return "; ".join(f"{k} {b.get(k, 'none')} {theirs_as}, {a.get(k, 'none')} {mine_as}"
                      for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k))

@@ -522,7 +522,7 @@ class PipelineService:
                         st.free_kb * 1000,
                         st.pin,
                         rtt / 1e3 if isinstance(rtt, int | float) else None,
-                        numerics=numerics.parse((getattr(rec, "extra", None) or {}).get("numerics")),
+                        numerics=numerics.from_record((getattr(rec, "extra", None) or {}).get("numerics")),
                     )
                 )
         return out

@@ -74,6 +74,10 @@ def test_difference_names_each_component() -> None:
     assert text == ("kernels numpy there, numba-0.68.1+int here; "
                     "blas scipy-openblas-0.3.31:Haswell there, scipy-openblas-0.3.31:SkylakeX here"), text
     assert "older meshd" in numerics.difference(a, None)
+    assert numerics.from_record(None) is None and numerics.from_record(a) == a
+    for bad in (3, ["x"], "a b", "x" * 201):  # a record's field that is not a tag is never equal to one
+        assert numerics.from_record(bad) == numerics.MALFORMED
+    assert numerics.difference(a, numerics.MALFORMED, "here", "there") == "a malformed numerics tag there"
 
 
 def test_openblas_core_changes_the_tag_and_the_bits() -> None:
