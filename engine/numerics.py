@@ -52,11 +52,13 @@ def kernels_choice() -> str:
     engine/kernels.py and engine/kernels_int.py decide at import, without importing numba (~0.5 s and ~70 MB
     that a process serving a test-sized fp32 model never pays otherwise); tests/test_numerics.py checks that
     it agrees with ``kernels.AVAILABLE`` and ``kernels_int.AVAILABLE``."""
-    if os.environ.get("MESHD_KERNELS", "").lower() == "numpy" or importlib.util.find_spec("numba") is None:
+    if os.environ.get("MESHD_KERNELS", "").lower() == "numpy":
         return "numpy"
     try:
+        if importlib.util.find_spec("numba") is None:
+            return "numpy"
         version = importlib.metadata.version("numba")
-    except importlib.metadata.PackageNotFoundError:
+    except (ImportError, ValueError):  # not installed (PackageNotFoundError is an ImportError), or hidden
         return "numpy"
     return f"numba-{version}" + ("+int" if _int_kernels() else "")
 

@@ -8,6 +8,7 @@ next to the tags). Tests that need it skip where the BLAS is not a run-time-disp
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -43,13 +44,21 @@ def _probe(**env: str) -> dict[str, str]:
 def _other_core() -> tuple[str, dict[str, str], dict[str, str]]:
     """An ``OPENBLAS_CORETYPE`` that gives another tag than the default here, and both probes; skips when
     the BLAS core cannot be read or chosen."""
+    found = _find_other_core()
+    if found is None:
+        pytest.skip(f"no OpenBLAS core to choose here ({numerics.tag()})")
+    return found
+
+
+@functools.cache
+def _find_other_core() -> tuple[str, dict[str, str], dict[str, str]] | None:
     base = _probe()
     if not base["tag"].endswith(("?",)) and "openblas" in base["tag"].lower():
         for core in ("Haswell", "Sandybridge"):
             other = _probe(OPENBLAS_CORETYPE=core)
             if other["tag"] != base["tag"]:
                 return core, base, other
-    pytest.skip(f"no OpenBLAS core to choose here ({base['tag']})")
+    return None
 
 
 # --- the tag --------------------------------------------------------------------------------------
