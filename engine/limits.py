@@ -76,3 +76,7 @@ EXPERT_POLL_S = 0.002  # default time a coordinator polls for a layer's replies,
 #   request, instead of sleeping (transport.poll; --experts-poll): a decode layer's wait is ~0.5-2 ms, and
 #   for waits much longer than this the ~0.1 ms a wake-up costs no longer matters
 EXPERT_MAX_POLL_S = 0.1  # the most --experts-poll takes: a poll keeps a core busy for its whole length
+
+# --- numerics tag (engine/numerics.py) --------------------------------------------------------
+NUMERICS_MAX_CHARS = 200  # a node's numerics tag in gossip and hellos: ~70 chars today ("kernels=numba-0.68.1+int;
+#   numpy=2.3.5;blas=scipy-openblas-0.3.31.188.0:SkylakeX"); a longer one from a peer is malformed

@@ -39,7 +39,7 @@ from engine.experts.tensors import TensorFileError
 from engine.experts.worker import ExpertWorker, ReplyHook
 from engine.moe import ExpertWeightsFn
 from meshd.errors import UsageError
-from engine import limits
+from engine import limits, numerics
 
 log = structlog.get_logger(__name__)
 
@@ -118,6 +118,7 @@ class ExpertsService:
         self._state_dir = getattr(state, "path", None)
         if self.specs:
             self.shards, self.fingerprints = await asyncio.to_thread(self._load_all)
+            await asyncio.to_thread(numerics.tag)  # computed once, off the loop (it may import the kernels)
             self.worker = ExpertWorker(self.shards, self.fingerprints, self.capacity, self._reply_hook,
                                        poll_s=self.coordinator_config.poll_s)  # one setting for both roles
             self.transport.on_stream(StreamType.EXPERT, self._serve)
@@ -224,6 +225,7 @@ class ExpertsService:
         self._membership.set_local_experts([
             RecordShard(a["model_fp"], (a["layers"][0], a["layers"][1]), (a["experts"][0], a["experts"][1]),
                         a["capacity"]) for a in adv])
+        self._membership.set_local_field("numerics", numerics.tag())  # beside the shards (engine/numerics.py)
 
     # --- coordinator side -------------------------------------------------------------------------
 
@@ -265,6 +267,7 @@ class ExpertsService:
         p = Path(path)
         layout: MoeLayout = layout_from_config(read_config(p))
         fp = await asyncio.to_thread(lambda: model_fingerprint(p, cache_dir=self._state_dir))
+        await asyncio.to_thread(numerics.tag)  # the workers' hello acks are checked against it
         mode = mode or (self.remote_experts if self.remote_experts in ("on", "prefer") else "on")
         cfg = dataclasses.replace(self.coordinator_config, mode=mode)
         ex = RemoteExecutor(asyncio.get_running_loop(), fp, layout, cfg, local_weights)
@@ -326,7 +329,8 @@ class ExpertsService:
             await self._attach_direct(c, peer)
         except WorkerRefused as e:
             c.refused[node] = str(e)
-            if e.code not in (ErrorCode.FINGERPRINT_MISMATCH, ErrorCode.VERSION_UNSUPPORTED):
+            if e.code not in (ErrorCode.FINGERPRINT_MISMATCH, ErrorCode.VERSION_UNSUPPORTED,
+                              ErrorCode.NUMERICS_MISMATCH):
                 c.failures[node] = n = c.failures.get(node, 0) + 1
                 delay = refusal_retry_delay_s(n)
                 loop = asyncio.get_running_loop()
@@ -418,6 +422,7 @@ class ExpertsService:
                                "layer_s": cfg.layer_timeout_s}
         if self.worker is not None or "timeouts" in out:
             out["poll_s"] = self.coordinator_config.poll_s  # --experts-poll
+            out["numerics"] = numerics.tag()  # engine/numerics.py: a worker with another is refused
         if self.worker is not None:
             out["worker"] = {**self.worker.stats.as_dict(), "capacity": self.capacity,
                              "shards": [{"path": str(s.path), "fingerprint": fp.hex(), "layers": list(s.layers),

@@ -24,6 +24,7 @@ from typing import Any
 
 import structlog
 
+from engine import numerics
 from engine.pipeline import limits, wire
 from engine.pipeline.client import PipelinedModel, PipelineUnavailable, Run, StageFailed, StageLink
 from engine.pipeline.layout import embed_bytes, fingerprint, need_of
@@ -248,7 +249,7 @@ class Serving:
                     run = await self._open(plan)
                 except StageFailed as e:
                     self.failed[e.node_id] = self.loop.time() + limits.FAILED_RETRY_S
-                    if e.code == wire.ErrorCode.FINGERPRINT_MISMATCH:
+                    if e.code in (wire.ErrorCode.FINGERPRINT_MISMATCH, wire.ErrorCode.NUMERICS_MISMATCH):
                         self.refused.append((e.node_id, e.reason))
                     log.warning(
                         "pipeline_stage_refused", model=self.name, node=e.node_id[:12], reason=e.reason
@@ -267,7 +268,8 @@ class Serving:
         now = self.loop.time()
         self.failed = {n: t for n, t in self.failed.items() if t > now}
         me = self.svc.node_id
-        local = Offer(me, self.need.fingerprint, max(0, self.svc.offered_bytes() - embed_bytes(self.model)))
+        local = Offer(me, self.need.fingerprint, max(0, self.svc.offered_bytes() - embed_bytes(self.model)),
+                      numerics=numerics.tag())
         offers = [o for o in self.svc.offers() if o.node_id not in self.failed]
         try:
             plan = make_plan(self.need, local, offers)
@@ -435,6 +437,7 @@ class PipelineService:
             self._membership.set_local_stages(
                 [StageOffer(h.fingerprint.hex(), free_kb, h.pin) for h in self.hosts]
             )
+            self._membership.set_local_field("numerics", numerics.tag())  # beside the offers (engine/numerics.py)
 
     async def stop(self) -> None:
         for task in list(self._tasks):
@@ -519,6 +522,7 @@ class PipelineService:
                         st.free_kb * 1000,
                         st.pin,
                         rtt / 1e3 if isinstance(rtt, int | float) else None,
+                        numerics=numerics.from_record((getattr(rec, "extra", None) or {}).get("numerics")),
                     )
                 )
         return out
@@ -563,6 +567,7 @@ class PipelineService:
         from meshd.api.engine_backend import EngineBackend, PipelineSource
 
         fp = await asyncio.to_thread(fingerprint, loaded.path)
+        await asyncio.to_thread(numerics.tag)  # computed once, off the loop (it may import the kernels)
         need = need_of(loaded.model, fp)
         serving = Serving(self, loaded.name, loaded.model, fp, need, self.mode, asyncio.get_running_loop())
         self.serving.append(serving)
@@ -594,6 +599,8 @@ class PipelineService:
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"pipeline": self.mode}
+        if self.hosts or self.serving:
+            out["numerics"] = numerics.tag()
         if self.hosts:
             out["stages"] = [h.status() for h in self.hosts]
         if self.serving:

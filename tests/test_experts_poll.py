@@ -63,7 +63,7 @@ def test_a_worker_polls_after_answering_a_flagged_request_until_its_next_message
     req = _request(fx)
     got = lt.run(_talk(w, [(rpc.Hello(fx.fp), 0), (req, rpc.FLAG_POLL), (req, 0),
                            (rpc.Echo(b"x"), rpc.FLAG_POLL), (req, 0)]))
-    assert isinstance(got[0].message, rpc.HelloAck) and got[0].message.version == 3
+    assert isinstance(got[0].message, rpc.HelloAck) and got[0].message.version == rpc.PROTOCOL_MAX
     assert [type(g.message) for g in got[1:]] == [rpc.ExpertReply, rpc.ExpertReply, rpc.EchoReply,
                                                  rpc.ExpertReply]
     same = got[1].message.out.tobytes() == got[2].message.out.tobytes()  # type: ignore[union-attr]

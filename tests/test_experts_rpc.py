@@ -38,10 +38,14 @@ GOLDEN = {
         "0000003f0000803e0000000001000000010000000100000001000000040000000100000004000000010000000000403f"
         "0000803e4a3a870b"),
     "echo": (rpc.Echo(b"ping"), 9, "4d58010600000000090000000400000070696e67f220838e"),
-    "hello_v3": (  # this coordinator's hello: offers versions 1-3
-        rpc.Hello(fingerprint=FP, max_message_bytes=1 << 20, max_rows=512), 1,
+    "hello_v3": (  # a v3 coordinator's hello: offers versions 1-3
+        rpc.Hello(fingerprint=FP, max_version=3, max_message_bytes=1 << 20, max_rows=512), 1,
         "4d58010100000000010000002a0000000103000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"
         "00001000000200008967fd31"),
+    "hello_v4": (  # this coordinator's hello: offers versions 1-4
+        rpc.Hello(fingerprint=FP, max_message_bytes=1 << 20, max_rows=512), 1,
+        "4d58010100000000010000002a0000000104000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"
+        "00001000000200002d9e08c4"),
     "request_poll": (  # v3: a decode row's request with FLAG_POLL (flags 0x0001 in the header)
         rpc.ExpertRequest(layer=3, x=np.array([[1.0, -2.0]], dtype=np.float32),
                           pairs=np.array([[0, 1], [0, 4]], dtype=np.uint32)), 10,
@@ -56,6 +60,12 @@ GOLDEN = {
         "4d58010200000000010000005500000001000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"
         "0000100000020000000000000000044002000000000000000300000000000000070000000500000005000000020000000300"
         "00007b0b7461"),
+    "hello_ack_v4": (  # v4: the ranges, then numerics_len u8 (0x28 = 40) and the worker's numerics tag
+        rpc.HelloAck(version=4, fingerprint=FP, capacity=2.5, ranges=(rpc.ShardRange(0, 3, 0, 7),),
+                     max_message_bytes=1 << 20, max_rows=512, numerics="kernels=numpy;numpy=2.4.6;blas=x:Haswell"), 1,
+        "4d58010200000000010000006e00000004000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"
+        "000010000002000000000000000004400100000000000000030000000000000007000000286b65726e656c733d6e756d7079"
+        "3b6e756d70793d322e342e363b626c61733d783a48617377656c6c54f12366"),
     "reply": (
         rpc.ExpertReply(layer=3, out=np.array([[1.5, 2.0], [-0.0, 3.0], [1e-6, 7.0]], dtype=np.float32),
                         compute_us=42), 7,

@@ -254,3 +254,24 @@ def test_decode_steps_poll_only_where_every_process_has_the_cores_it_computes_on
     assert not polling(2, 2) and not polling(3, 2) and not polling(1, 1)
     assert polling(2, 2, "1") and not polling(2, 1, "0")
     assert not client.Run(1, None, None, links).polling  # type: ignore[arg-type]  # no loop: never
+
+
+def test_open_refuses_other_numerics_and_takes_none_from_an_older_node(tiny: Path) -> None:
+    """The stage's own check (engine/numerics.py): another tag in OPEN is refused by name before anything is
+    loaded; an OPEN without one (an older serving node) and one with the stage's own tag are served."""
+
+    async def main() -> None:
+        host = StageHost(tiny, fingerprint(tiny), numerics_tag="kernels=numpy;numpy=2;blas=x:A")
+        link, task, _ = await _pair(host)
+        with pytest.raises(StageFailed, match="other numerics than the serving node: blas x:B on the serving "
+                                              "node, x:A on this stage") as e:
+            await link.open(1, fingerprint(tiny), 4, numerics_tag="kernels=numpy;numpy=2;blas=x:B")
+        assert e.value.code == wire.ErrorCode.NUMERICS_MISMATCH and host.parts == {}
+        for n, tag in enumerate(("", "kernels=numpy;numpy=2;blas=x:A"), start=2):
+            ok, _, _ = await _pair(host)
+            ready = await ok.open(n, fingerprint(tiny), 4, numerics_tag=tag)
+            assert (ready.first, ready.last) == (2, 3)
+            ok.close("done")
+        await asyncio.wait_for(task, 5)
+
+    asyncio.run(main())

@@ -17,6 +17,7 @@ def _status() -> dict:
             "pipeline": {
                 "pipeline": {
                     "pipeline": "on",
+                    "numerics": "kernels=numpy;numpy=2.4.6;blas=x:Haswell",
                     "models": {
                         "m": {
                             "mode": "on",
@@ -83,6 +84,7 @@ def test_text_status_shows_the_plan_with_per_stage_timings() -> None:
     assert st.split() == [STAGE, "4-7+head", "lane", "0.31", "120", "5.12", "4.50", "0.62", "14.00"], st
     assert any("refused " + "d" * 32 + ": other checkpoint" in x for x in lines)
     assert any("recoveries 1 (last 812 ms)" in x for x in lines)
+    assert "  numerics kernels=numpy;numpy=2.4.6;blas=x:Haswell" in lines
     held = next(x for x in lines if x.strip().startswith("/models/m"))
     assert held.split() == ["/models/m", "f00dcafe12345678", "4-7", "4-7", "2", "99", "4.50"], held
 

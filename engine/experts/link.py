@@ -15,7 +15,7 @@ from engine.experts import rpc
 from engine.experts.channel import ByteChannel
 from engine.experts.layout import MoeLayout
 from engine.latency import LATENCY_BUCKETS_S, empty_buckets, observe  # noqa: F401 - buckets re-exported
-from engine import limits
+from engine import limits, numerics
 
 
 
@@ -99,7 +99,11 @@ class WorkerLink:
     def next_id(self) -> int:
         return (next(self._ids) - 1) % 0xFFFFFFFF + 1
 
-    async def hello(self, fingerprint: bytes, layout: MoeLayout, timeout_s: float) -> rpc.HelloAck:
+    async def hello(self, fingerprint: bytes, layout: MoeLayout, timeout_s: float,
+                    numerics_tag: str | None = None) -> rpc.HelloAck:
+        """Hello the worker; raises :class:`WorkerRefused` for another checkpoint, no common version, or
+        (``numerics_tag``: ours, default this process's, engine/numerics.py) a v4 ack with another numerics
+        tag. A worker acking v1-v3 says no tag (an older meshd) and is used as before: nothing to check."""
         self.channel.set_receiver(self._on_data, self._on_end)
         try:
             fut = await self.submit(rpc.Hello(fingerprint=fingerprint))
@@ -121,6 +125,11 @@ class WorkerLink:
             self.close("bad protocol version")
             raise WorkerRefused(self.node_id, f"acked expert protocol {reply.version}, we offered "
                                 f"{rpc.PROTOCOL_MIN}-{rpc.PROTOCOL_MAX}", rpc.ErrorCode.VERSION_UNSUPPORTED)
+        mine = numerics.tag() if numerics_tag is None else numerics_tag
+        if reply.numerics and reply.numerics != mine:
+            self.close("numerics mismatch")
+            raise WorkerRefused(self.node_id, "computes with other numerics: " + numerics.difference(
+                mine, reply.numerics, "on the coordinator", "on the worker"), rpc.ErrorCode.NUMERICS_MISMATCH)
         self.ack = reply
         self.holds = frozenset((layer, e) for layer in layout.sparse_layers for e in range(layout.num_experts)
                                if reply.holds(layer, e))

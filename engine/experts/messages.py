@@ -16,7 +16,7 @@ from engine import limits
 
 MAGIC = b"MX"
 PROTOCOL_MIN = 1
-PROTOCOL_MAX = 3  # v3: FLAG_POLL
+PROTOCOL_MAX = 4  # v3: FLAG_POLL; v4: HELLO_ACK carries the worker's numerics tag
 FLAG_POLL = 0x0001
 NONE = 0xFFFFFFFF  # "no layer / no expert" in ERROR
 FINGERPRINT_BYTES = 32
@@ -61,6 +61,7 @@ class ErrorCode(IntEnum):
     BAD_REQUEST = 6  # well-formed but inconsistent (dim does not match the model)
     INTERNAL = 7  # the worker failed computing
     SHUTTING_DOWN = 8  # the worker is stopping; retry elsewhere
+    NUMERICS_MISMATCH = 9  # the worker computes with other numerics (engine/numerics.py) than the coordinator
 
 
 class ExpertProtocolError(Exception):
@@ -109,6 +110,7 @@ class HelloAck:
     ranges: tuple[ShardRange, ...]
     max_message_bytes: int = limits.EXPERT_MAX_MESSAGE_BYTES
     max_rows: int = limits.EXPERT_MAX_ROWS
+    numerics: str = ""  # the worker's numerics tag (engine/numerics.py), on the wire from v4; "": not said
 
     def holds(self, layer: int, expert: int) -> bool:
         return any(r.contains(layer, expert) for r in self.ranges)

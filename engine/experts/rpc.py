@@ -23,7 +23,9 @@ Payloads (``x`` and ``out`` are fp32 little-endian, row-major):
   ``max_message_bytes`` u32, ``max_rows`` u32.
 - HELLO_ACK (worker -> coordinator): ``version`` u8, ``fingerprint`` 32 B, ``max_message_bytes`` u32,
   ``max_rows`` u32, ``capacity`` f64, ``n_ranges`` u32, then per range ``layer_first``, ``layer_last``,
-  ``expert_first``, ``expert_last`` u32 (inclusive rectangles of the (layer, expert)s it holds).
+  ``expert_first``, ``expert_last`` u32 (inclusive rectangles of the (layer, expert)s it holds); from v4
+  (the acked ``version``) then ``numerics_len`` u8 and the worker's numerics tag (engine/numerics.py, printable
+  ASCII, at most ``NUMERICS_MAX_CHARS``).
 - EXPERT_REQUEST (c -> w): ``layer`` u32, ``dtype`` u8 (1 = fp32), ``n_rows`` u32, ``dim`` u32, ``n_pairs``
   u32, ``x`` [n_rows, dim], ``pairs`` [n_pairs, 2] u32 as (row into x, expert). Pairs are strictly
   ascending by (expert, row) and every row of x is used, so each expert's rows are exactly the rows the
@@ -92,7 +94,7 @@ from engine.experts.messages import (  # the message types are part of this modu
     _raw_mask,
     _slot_pairs,
 )
-from engine import limits
+from engine import limits, numerics
 
 __all__ = [
     "CRC_BYTES",
@@ -163,6 +165,11 @@ def _payload(msg: Message) -> tuple[MsgType, list[bytes | memoryview]]:
         parts: list[bytes | memoryview] = [_HELLO_ACK.pack(msg.version, msg.fingerprint, msg.max_message_bytes,
                                                            msg.max_rows, msg.capacity, len(msg.ranges))]
         parts += [_RANGE.pack(r.layer_first, r.layer_last, r.expert_first, r.expert_last) for r in msg.ranges]
+        if msg.version >= 4:
+            tag = msg.numerics.encode("ascii")
+            if len(tag) > limits.NUMERICS_MAX_CHARS:
+                raise ValueError("numerics tag too long")
+            parts.append(bytes([len(tag)]) + tag)
         return MsgType.HELLO_ACK, parts
     if isinstance(msg, ExpertRequest):
         x = np.ascontiguousarray(msg.x, dtype=_F32)
@@ -319,7 +326,17 @@ def _parse_payload(kind: MsgType, p: memoryview) -> Message:
         ver, fp, mmb, mr, cap, count = _HELLO_ACK.unpack_from(p)
         if count > limits.EXPERT_MAX_SHARD_RANGES:
             raise _bad(f"hello_ack has {count} ranges")
-        if n != _HELLO_ACK.size + count * _RANGE.size:
+        end = _HELLO_ACK.size + count * _RANGE.size
+        tag = ""
+        if ver >= 4:
+            if n <= end or n != end + 1 + p[end]:
+                raise _bad("hello_ack has the wrong length")
+            raw = bytes(p[end + 1:])
+            if len(raw) > limits.NUMERICS_MAX_CHARS or (raw and numerics.parse(raw.decode("latin-1")) is None):
+                raise _bad("hello_ack numerics tag is not printable ASCII of at most "
+                           f"{limits.NUMERICS_MAX_CHARS} characters")
+            tag = raw.decode("ascii")
+        elif n != end:
             raise _bad("hello_ack has the wrong length")
         if not (cap > 0.0 and cap < float("inf")):
             raise _bad("hello_ack capacity must be positive and finite")
@@ -330,7 +347,7 @@ def _parse_payload(kind: MsgType, p: memoryview) -> Message:
                 raise _bad("hello_ack range is empty")
             ranges.append(ShardRange(lf, ll, ef, el))
         return HelloAck(version=ver, fingerprint=bytes(fp), capacity=cap, ranges=tuple(ranges),
-                        max_message_bytes=mmb, max_rows=mr)
+                        max_message_bytes=mmb, max_rows=mr, numerics=tag)
     if kind is MsgType.EXPERT_REQUEST:
         if n < _REQ.size:
             raise _bad("expert_request is truncated")

@@ -32,7 +32,7 @@ from engine.experts.channel import ByteChannel
 from engine.experts.shard import ExpertShard
 from engine.experts.worker_plan import WorkerPlan
 from engine.moe import ExpertWeightsFn, expert_ffn_many, weighted_sum
-from engine import limits
+from engine import limits, numerics
 from transport import poll
 
 log = structlog.get_logger(__name__)
@@ -118,8 +118,10 @@ class ExpertWorker:
     def __init__(self, shards: list[ExpertShard], fingerprints: list[bytes], capacity: float = 1.0,
                  reply_hook: ReplyHook | None = None,
                  max_message_bytes: int = limits.EXPERT_MAX_MESSAGE_BYTES,
-                 protocol_max: int = rpc.PROTOCOL_MAX, poll_s: float = limits.EXPERT_POLL_S) -> None:
+                 protocol_max: int = rpc.PROTOCOL_MAX, poll_s: float = limits.EXPERT_POLL_S,
+                 numerics_tag: str | None = None) -> None:
         """``protocol_max``: the highest expert protocol version to ack (1 serves like a v1-only worker).
+        ``numerics_tag``: what its v4 hello ack says (default this process's, engine/numerics.py).
         ``poll_s``: how long to poll for a coordinator's next request after answering one that carried
         ``FLAG_POLL`` (0: never poll)."""
         if not 0 <= poll_s <= limits.EXPERT_MAX_POLL_S:
@@ -144,6 +146,7 @@ class ExpertWorker:
         self.capacity = capacity
         self.max_message_bytes = max_message_bytes
         self.protocol_max = min(protocol_max, rpc.PROTOCOL_MAX)
+        self.numerics = numerics.tag() if numerics_tag is None else numerics_tag
         self.poll_s = poll_s
         self.stats = WorkerStats()
         self._reply_hook = reply_hook
@@ -161,7 +164,7 @@ class ExpertWorker:
     def _ack(self, fp: bytes, version: int) -> rpc.HelloAck:
         ranges = tuple(r for s in self._by_fp[fp] for r in s.ranges)
         return rpc.HelloAck(version=version, fingerprint=fp, capacity=self.capacity, ranges=ranges,
-                            max_message_bytes=self.max_message_bytes)
+                            max_message_bytes=self.max_message_bytes, numerics=self.numerics)
 
     def _holder(self, fp: bytes, layer: int, expert: int) -> ExpertShard | None:
         return self._held[fp].get((layer, expert))

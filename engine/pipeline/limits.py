@@ -51,3 +51,4 @@ CROWDED_WINDOW_S = 0.025  # a one-token step runs its kernel products on its own
 #   sequence keeps the pool. Same bits either way. A sequence of a rolling decode steps every few ms to
 #   tens of ms; a lone stream's steps are its own. Only with ``MESHD_PIPELINE_SERIAL=1``: off by default,
 #   since two runs on the loaded VM (session 5, docs/pipeline.md) did not show a gain for 8 streams
+MAX_NUMERICS_BYTES = 200  # the numerics tag in OPEN (engine/numerics.py; engine.limits.NUMERICS_MAX_CHARS, ~70 today)

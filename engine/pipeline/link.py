@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine import numerics
 from engine.latency import empty_buckets, observe
 from engine.pipeline import limits, trace, wire
 from transport import poll
@@ -133,14 +134,19 @@ class StageLink:
         num_layers: int,
         timeout_s: float = limits.OPEN_TIMEOUT_S,
         silence_s: float = limits.OPEN_SILENCE_S,
+        numerics_tag: str | None = None,
     ) -> wire.Ready:
+        """OPEN this link's layers, wait for READY. Raises ``StageFailed``. ``numerics_tag``: the serving node's
+        (default this process's, engine/numerics.py; "" sends none, as an older node does); a stage with another
+        refuses with ``NUMERICS_MISMATCH``."""
+        tag = numerics.tag() if numerics_tag is None else numerics_tag
         loop = asyncio.get_running_loop()
         self.channel.set_receiver(self._on_data, self._on_end)
         fut: asyncio.Future[wire.Frame] = loop.create_future()
         self._pending[0] = fut
         self._heard = loop.time()
         deadline = self._heard + timeout_s
-        await self._send(wire.Open(run, self.first, self.last, num_layers, fingerprint))
+        await self._send(wire.Open(run, self.first, self.last, num_layers, fingerprint, tag))
         while True:  # a loading stage sends KEEPALIVE; a dead one (or a stale connection) stays silent
             wait = min(self._heard + silence_s, deadline) - loop.time()
             if wait <= 0:

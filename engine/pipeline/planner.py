@@ -3,7 +3,9 @@
 ``make_plan(need, local, offers)`` -> ``Plan`` or raises ``PlanError`` (the reason names what is missing).
 Rules, in order:
 
-1. An offer for another checkpoint (fingerprint) is refused by name (``Plan.refused``); so is a pin
+1. An offer for another checkpoint (fingerprint) is refused by name (``Plan.refused``); so is one whose
+   numerics tag (engine/numerics.py) is not the serving node's (an offer without one, from an older meshd, is
+   used as before: there is nothing to check), and a pin
    outside the model's layers. Pins that overlap each other fail the plan, naming both nodes.
 2. The serving node (``local``) always comes first: it holds the embeddings and layers ``0..a-1`` (a may
    be 0 when a pin starts at layer 0). The last range's holder also holds the final norm and output head.
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+
+from engine.numerics import difference
 
 DEFAULT_RTT_S = 0.005  # an offer with no measured round trip yet (a LAN hop)
 DEFAULT_BANDWIDTH_BPS = 100e6  # ...and no measured bandwidth (a LAN link, bytes/s)
@@ -65,6 +69,7 @@ class Offer:
     pin: tuple[int, int] | None = None
     rtt_s: float | None = None
     bandwidth_bps: float | None = None
+    numerics: str | None = None  # the node's numerics tag (gossip ``numerics``); None: it says none
 
     def cost_s(self, token_bytes: int) -> float:
         rtt = self.rtt_s if self.rtt_s is not None else DEFAULT_RTT_S
@@ -216,6 +221,9 @@ def _make_plan(need: Need, local: Offer, offers: list[Offer], refused: list[tupl
                     ),
                 )
             )
+        elif o.numerics is not None and local.numerics is not None and o.numerics != local.numerics:
+            why = difference(local.numerics, o.numerics, "on this node", "on the stage")
+            refused.append((o.node_id, f"stage {o.node_id[:12]} computes with other numerics: {why}"))
         elif o.pin is not None and not 0 <= o.pin[0] <= o.pin[1] < n:
             refused.append(
                 (

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from engine import numerics
 from engine.decode_plan import forward_span
 from engine.moe import drive
 from engine.pipeline import limits, trace, wire
@@ -67,9 +68,12 @@ class StageHost:
         *,
         load: Callable[[Path, int, int], Any] | None = None,
         executor_for: Callable[[Any], Any] | None = None,
+        numerics_tag: str | None = None,
     ) -> None:
         self.path = Path(path)
         self.fingerprint = fingerprint
+        # this process's numerics tag (engine/numerics.py): an OPEN from a serving node with another is refused
+        self.numerics = numerics_tag if numerics_tag is not None else numerics.tag()
         self.pin = pin
         self._load = load or _load_part
         self._executor_for = executor_for
@@ -292,6 +296,12 @@ class StageHost:
                 wire.ErrorCode.FINGERPRINT_MISMATCH,
                 f"this stage holds checkpoint {self.fingerprint.hex()[:16]} ({self.path.name}), "
                 f"not {f.fingerprint.hex()[:16]}",
+            )
+        if f.numerics and f.numerics != self.numerics:  # none: an older serving node, nothing to check
+            raise StageError(
+                wire.ErrorCode.NUMERICS_MISMATCH,
+                "this stage computes with other numerics than the serving node: "
+                + numerics.difference(self.numerics, f.numerics, "on this stage", "on the serving node"),
             )
         if self.pin is not None and (f.first, f.last) != self.pin:
             raise StageError(

@@ -8,6 +8,8 @@ Every frame, all integers little-endian::
 Bodies (``run``: the plan instance, ``step``: a request id on this stream, ``seq``: a sequence)::
 
     OPEN      run u64 | first u16 | last u16 | num_layers u16 | fp_len u8 | fingerprint
+              [| numerics_len u8 | numerics]   (optional: the serving node's numerics tag, engine/numerics.py,
+                                                printable ASCII; absent from an older serving node)
     READY     run u64 | first u16 | last u16 | load_ms u32
     FORWARD   run u64 | step u32 | n u16 | n x (seq u64 | start u32 | count u32) | tensor     flags: LAST_ONLY,
                                                                                            POLL
@@ -75,6 +77,7 @@ class ErrorCode(IntEnum):
     TOO_MANY_SEQUENCES = 6  # MAX_LIVE_SEQUENCES reached
     COMPUTE_FAILED = 7  # the layers raised (message says why)
     LOAD_FAILED = 8  # the layers could not be loaded
+    NUMERICS_MISMATCH = 9  # the stage computes with other numerics (engine/numerics.py) than the serving node
 
 
 FLAG_LAST_ONLY = 0x01  # FORWARD: the last stage returns logits of the last row only
@@ -104,6 +107,7 @@ class Open:
     last: int
     num_layers: int
     fingerprint: bytes
+    numerics: str = ""  # the serving node's numerics tag; "" = not said (an older serving node)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +192,11 @@ def encode(frame: Frame) -> bytes:
             )
             + frame.fingerprint
         )
+        if frame.numerics:
+            tag = frame.numerics.encode("ascii")
+            if len(tag) > limits.MAX_NUMERICS_BYTES:
+                raise ValueError("numerics tag too long")
+            body += bytes([len(tag)]) + tag
     elif isinstance(frame, Ready):
         kind, body = Kind.READY, struct.pack("<QHHI", frame.run, frame.first, frame.last, frame.load_ms)
     elif isinstance(frame, Forward):
@@ -286,7 +295,17 @@ def decode_body(kind: int, flags: int, body: memoryview) -> Frame:
         fp_len = r.u8()
         if fp_len > limits.MAX_FINGERPRINT_BYTES:
             raise RemoteProtocolError(ErrorCode.PROTOCOL, "fingerprint too long")
-        frame = Open(run, first, last, n, bytes(r.take(fp_len)))
+        fp = bytes(r.take(fp_len))
+        tag = ""
+        if r.pos < len(r.data):
+            tag_len = r.u8()
+            if not 1 <= tag_len <= limits.MAX_NUMERICS_BYTES:
+                raise RemoteProtocolError(ErrorCode.PROTOCOL, f"numerics tag of {tag_len} bytes")
+            raw = bytes(r.take(tag_len))
+            if not (raw.isascii() and raw.decode("ascii").isprintable() and b" " not in raw):
+                raise RemoteProtocolError(ErrorCode.PROTOCOL, "numerics tag is not printable ASCII")
+            tag = raw.decode("ascii")
+        frame = Open(run, first, last, n, fp, tag)
         if not first <= last < n:
             raise RemoteProtocolError(ErrorCode.PROTOCOL, f"bad layer range {first}-{last} of {n}")
     elif k is Kind.READY:

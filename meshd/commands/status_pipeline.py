@@ -75,6 +75,8 @@ def format_pipeline(st: dict[str, Any], table: Table) -> str:
     if not models and not stages:
         return ""
     text = f"pipeline  {pipe.get('pipeline', 'off')}\n"
+    if pipe.get("numerics"):
+        text += f"  numerics {pipe['numerics']}\n"  # this node's tag (engine/numerics.py): stages must match it
     for name, m in sorted(models.items()):
         text += _model(name, m, str(st.get("node_id") or ""), table)
     if stages:

@@ -1,0 +1,167 @@
+"""This process's numerics tag: a short canonical string naming exactly the choices that change the bits the
+engine computes, so that every node computing part of one result (pipeline stages, expert workers) can be
+checked to compute with the same numerics as the node it serves.
+
+``tag()`` -> ``"kernels=<k>;numpy=<version>;blas=<name>-<version>:<core>"`` (fixed key order, ASCII):
+
+- ``kernels``: ``numpy`` (no numba, or ``MESHD_KERNELS=numpy``: numpy tiles and BLAS everywhere) or
+  ``numba-<version>`` (the compiled kernels of engine/kernels.py, engine/dense_kernels.py and the compiled
+  decode step: other roundings than numpy's), with ``+int`` when the AVX-512 VNNI integer kernels compute Q4_K
+  and Q6_K (engine/kernels_int.py: ``kernels_int.AVAILABLE``, i.e. the CPU has them and ``MESHD_KERNELS_INT`` is
+  not 0). numba's version is part of it: the kernels are compiled on each machine, and LLVM's contractions are
+  numba's.
+- ``numpy``: numpy's version (its float32 ``exp``, reductions and ``matmul`` dispatch are the numpy path's
+  numerics, and no release promises them bit-stable).
+- ``blas``: the BLAS numpy links (name and version) and, for OpenBLAS, the kernel it picked at run time for
+  this CPU (``openblas_get_corename``; ``OPENBLAS_CORETYPE`` overrides it). Products of more rows than
+  ``KERNEL_MAX_ROWS`` (prefill) run on BLAS with or without numba, and OpenBLAS's kernels for different cores
+  block and accumulate differently (measured: ``Haswell`` and ``SkylakeX`` give other bits for a 7x64 @ 64x128
+  product). ``:?`` when the core cannot be read (another BLAS, another OS).
+
+Not in the tag, because they do not change bits (each tested bit for bit, docs/kernels.md): the kernel
+threads' count (``MESHD_KERNEL_THREADS``), ``MESHD_KERNELS_LUT`` (the AVX-512 lookup kernels equal the generic
+ones), ``MESHD_DECODE_PLAN`` (the plan equals the general pass), BLAS's thread count
+(``OPENBLAS_NUM_THREADS``: OpenBLAS splits rows and columns, not the sum), ``MESHD_PIPELINE_BATCH`` and the
+other scheduling switches. Nodes with equal tags compute equal bits for equal inputs on the same CPU
+architecture; the tag does not name the CPU model beyond OpenBLAS's core, so it is not a proof, it is the
+check of every choice the engine itself makes.
+
+The tag is computed once per process, from the same environment and CPU features the kernel modules read at
+import (without importing numba: ``kernels_choice``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.metadata
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+from .limits import NUMERICS_MAX_CHARS
+
+KEYS = ("kernels", "numpy", "blas")
+MALFORMED = "malformed"  # stands for a peer's tag that ``parse`` rejected: equal to no real tag
+_TEXT = re.compile(r"[\x21-\x7e]+")  # printable ASCII without spaces
+
+
+def kernels_choice() -> str:
+    """``numpy``, ``numba-<version>`` or ``numba-<version>+int`` (see the module docstring). Decided the way
+    engine/kernels.py and engine/kernels_int.py decide at import, without importing numba (~0.5 s and ~70 MB
+    that a process serving a test-sized fp32 model never pays otherwise); tests/test_numerics.py checks that
+    it agrees with ``kernels.AVAILABLE`` and ``kernels_int.AVAILABLE``."""
+    if os.environ.get("MESHD_KERNELS", "").lower() == "numpy":
+        return "numpy"
+    try:
+        if importlib.util.find_spec("numba") is None:
+            return "numpy"
+        version = importlib.metadata.version("numba")
+    except (ImportError, ValueError):  # not installed (PackageNotFoundError is an ImportError), or hidden
+        return "numpy"
+    return f"numba-{version}" + ("+int" if _int_kernels() else "")
+
+
+def _int_kernels() -> bool:
+    """``kernels_int.AVAILABLE`` (given numba): VNNI and BW on the host as LLVM sees them, LLVM 22 or later,
+    numba compiling for the host, and ``MESHD_KERNELS_INT`` not 0."""
+    if os.environ.get("MESHD_KERNELS_INT", "1") == "0":
+        return False
+    if os.environ.get("NUMBA_CPU_NAME", "host") not in ("", "host") or os.environ.get("NUMBA_CPU_FEATURES"):
+        return False
+    try:
+        from llvmlite import binding
+    except ImportError:
+        return False
+    feat = binding.get_host_cpu_features()
+    return bool(feat.get("avx512vnni")) and bool(feat.get("avx512bw")) and binding.llvm_version_info[0] >= 22
+
+
+def _openblas_core() -> str | None:
+    """The core OpenBLAS picked at run time, read from the library numpy loaded (Linux), or None."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    libs = sorted({line.split()[-1] for line in maps.splitlines() if "openblas" in line.lower() and "/" in line})
+    for path in libs:
+        try:
+            lib = ctypes.CDLL(path)  # already mapped: no new load
+        except OSError:
+            continue
+        for name in ("openblas_get_corename", "openblas_get_corename64_", "scipy_openblas_get_corename",
+                     "scipy_openblas_get_corename64_"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.restype = ctypes.c_char_p
+                core = fn()
+                return core.decode("ascii", "replace") if core else None
+    return None
+
+
+def blas_choice() -> str:
+    """``<name>-<version>:<core>`` of the BLAS numpy uses (``:?`` when the core is unknown)."""
+    import numpy as np
+
+    try:
+        info = np.__config__.CONFIG["Build Dependencies"]["blas"]  # type: ignore[attr-defined]
+        name = f"{info.get('name', 'unknown')}-{info.get('version', 'unknown')}"
+    except (AttributeError, KeyError, TypeError):
+        name = "unknown"
+    np.ones((2, 2), dtype=np.float32) @ np.ones((2, 2), dtype=np.float32)  # BLAS loaded and initialised
+    core = _openblas_core() if "openblas" in name.lower() else None
+    return f"{name}:{core or '?'}"
+
+
+@functools.cache
+def tag() -> str:
+    """This process's numerics tag (see the module docstring); computed once (~0.1-0.2 s: numpy's BLAS, and
+    llvmlite's CPU features where numba is installed)."""
+    import numpy as np
+
+    parts = {"kernels": kernels_choice(), "numpy": np.__version__, "blas": blas_choice()}
+    text = ";".join(f"{k}={_clean(parts[k])}" for k in KEYS)
+    return text[:NUMERICS_MAX_CHARS]
+
+
+def _clean(value: str) -> str:
+    return "".join(c if c.isascii() and c.isprintable() and c not in " ;=" else "_" for c in value)
+
+
+def parse(value: object) -> str | None:
+    """A peer's tag (from gossip) if it is well-formed: a string of at most ``NUMERICS_MAX_CHARS`` printable
+    ASCII characters without spaces; None otherwise."""
+    if isinstance(value, str) and len(value) <= NUMERICS_MAX_CHARS and _TEXT.fullmatch(value):
+        return value
+    return None
+
+
+def from_record(value: object) -> str | None:
+    """The tag a gossip record's ``numerics`` field says: None when absent (an older meshd: nothing to check),
+    ``MALFORMED`` when present but not a tag (never equal to a real one, so refused)."""
+    if value is None:
+        return None
+    return parse(value) or MALFORMED
+
+
+def _fields(text: str) -> dict[str, str]:
+    out = {}
+    for part in text.split(";"):
+        k, _, v = part.partition("=")
+        out[k] = v
+    return out
+
+
+def difference(mine: str, theirs: str | None, mine_as: str = "here", theirs_as: str = "there") -> str:
+    """Why ``theirs`` is not ``mine``, in words for a refusal: each component that differs (``kernels numpy
+    there, numba-0.68.1+int here``), or that the peer says nothing (an older meshd). Empty when equal."""
+    if theirs == mine:
+        return ""
+    if theirs is None:
+        return f"no numerics tag {theirs_as} (an older meshd)"
+    if theirs == MALFORMED:
+        return f"a malformed numerics tag {theirs_as}"
+    a, b = _fields(mine), _fields(theirs)
+    return "; ".join(f"{k} {b.get(k, 'none')} {theirs_as}, {a.get(k, 'none')} {mine_as}"
+                     for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k))
