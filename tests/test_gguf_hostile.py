@@ -99,7 +99,7 @@ def test_absurd_tensor_dims_and_offsets_are_refused(tmp_path: Path, dims: list[i
 def test_the_cli_says_one_line_for_a_hostile_array(tmp_path: Path) -> None:
     p = _gguf(tmp_path / "a.gguf", [_ARCH, _array_head("tokenizer.ggml.merges", _STRING, 1 << 60)])
     r = subprocess.run([sys.executable, "-m", "meshd", "generate", "--model", str(p), "--state-dir",
-                        str(tmp_path / "st"), "--prompt", "hi"], capture_output=True, text=True, timeout=60)
+                        str(tmp_path / "st"), "--prompt", "hi"], capture_output=True, text=True, timeout=60, check=False)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert len(lines) == 1 and "tokenizer.ggml.merges" in lines[0], r.stderr

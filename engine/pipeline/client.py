@@ -102,9 +102,10 @@ class Run:
         for i, link in enumerate(self.links[first:], first):
             last = i == len(self.links) - 1
             res = await link.call(wire.Forward(self.id, 0, span, x, last_only and last))
-            if res.logits != last:
-                link.close("wrong result kind")
-                raise StageFailed(link.node_id, _wrong_kind(last))
+            wrong = self.wrong_result(res, span, last_only, last)
+            if wrong:
+                link.close(wrong)
+                raise StageFailed(link.node_id, wrong)
             x = res.x
         return x
 
@@ -156,11 +157,12 @@ class Run:
         def done(reply: Any) -> None:
             if out.done():
                 return
+            wrong = "" if isinstance(reply, StageFailed) else self.wrong_result(reply, span, last_only, last)
             if isinstance(reply, StageFailed):
                 out.set_exception(reply)
-            elif reply.logits != last:
-                link.close("wrong result kind")
-                out.set_exception(StageFailed(link.node_id, _wrong_kind(last)))
+            elif wrong:
+                link.close(wrong)
+                out.set_exception(StageFailed(link.node_id, wrong))
             elif last:
                 if trace.ON and reply.x.shape[0] == 1:
                     trace.mark("S.resume")
@@ -189,6 +191,25 @@ class Run:
     def close(self, reason: str) -> None:
         for link in self.links:
             link.close(reason)
+
+    def wrong_result(self, res: wire.Result, span: tuple[wire.SeqSpan, ...], last_only: bool, last: bool) -> str:
+        """What is wrong with a stage's RESULT for a FORWARD of ``span`` ("" if nothing): its kind, type
+        and shape must be what an honest stage computes (fp32; hidden states [rows, D] from a middle
+        stage, logits [rows, V] from the last, one row when only the last is asked for). A stage is a
+        member, not a trusted one: logits wider than the vocabulary would be sampled into token ids the
+        model does not have."""
+        if res.logits != last:
+            return _wrong_kind(last)
+        c = self.local.config
+        if len(span) == 1:
+            rows = 1 if last and last_only else span[0].count
+        else:
+            rows = len(span)
+        want = (rows, c.vocab_size if last else c.hidden_size)
+        if res.x.dtype != np.float32 or res.x.shape != want:
+            what = "logits" if last else "hidden states"
+            return f"answered {what} {res.x.dtype}{list(res.x.shape)}, expected float32{list(want)}"
+        return ""
 
 
 def _cores() -> int:

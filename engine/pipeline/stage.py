@@ -367,6 +367,7 @@ class StageHost:
             trace.mark("T.c0")
         t0 = time.perf_counter()
         now = time.monotonic()
+        _check_forward(part.config, f)
         with self._lock:
             caches = self._caches(part, f, now)
             crowded = f.x.shape[0] == 1 and SERIAL and self._crowded(now)
@@ -445,6 +446,27 @@ class StageHost:
             entry.used = now
             caches.append(entry.cache)
         return caches
+
+
+def _check_forward(config: Any, f: wire.Forward) -> None:
+    """Refuse (``StageError``) a FORWARD no honest serving node sends, before any state or memory: rows of
+    another width than the model's hidden size (the compiled kernels trust their shapes), positions past the
+    model's context (a serving node stops there; a KV cache would otherwise grow frame after frame), one
+    sequence twice in a batched step (its cache would move two positions for one written)."""
+    width, d = int(f.x.shape[1]), config.hidden_size
+    if width != d:
+        raise StageError(wire.ErrorCode.PROTOCOL, f"activations of width {width}, the model's is {d}")
+    ctx = config.max_position_embeddings
+    for s in f.spans:
+        if s.start + s.count > ctx:
+            raise StageError(wire.ErrorCode.CONTEXT_EXCEEDED,
+                             f"positions {s.start}-{s.start + s.count - 1} of sequence {s.seq} are past the "
+                             f"model's context ({ctx})")
+    seen: set[int] = set()
+    for s in f.spans:
+        if s.seq in seen:
+            raise StageError(wire.ErrorCode.PROTOCOL, f"sequence {s.seq} appears twice in one step")
+        seen.add(s.seq)
 
 
 SERIAL = os.environ.get("MESHD_PIPELINE_SERIAL", "0") == "1"  # off by default: see limits.CROWDED_WINDOW_S

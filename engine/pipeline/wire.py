@@ -75,6 +75,7 @@ class ErrorCode(IntEnum):
     TOO_MANY_SEQUENCES = 6  # MAX_LIVE_SEQUENCES reached
     COMPUTE_FAILED = 7  # the layers raised (message says why)
     LOAD_FAILED = 8  # the layers could not be loaded
+    CONTEXT_EXCEEDED = 9  # positions past the model's context (an older stage does not send it)
 
 
 FLAG_LAST_ONLY = 0x01  # FORWARD: the last stage returns logits of the last row only
