@@ -143,3 +143,38 @@ def test_a_stage_refuses_one_sequence_twice_in_a_batched_step(tiny: Path) -> Non
         assert host.live(7) == 0
 
     asyncio.run(main())
+
+
+def test_frames_left_unfinished_on_many_streams_are_bounded_over_the_stage(tiny: Path) -> None:
+    """Each stream may announce a frame of up to MAX_FRAME_BYTES and never finish it; the stage holds at most
+    ``max_buffered_bytes`` of such partial frames over all its streams (here lowered to 3 MiB; 512 MiB by
+    default): the stream that would go over gets a PROTOCOL error and is closed, the others are served."""
+    d = Model.load(tiny).config.hidden_size
+
+    async def main() -> None:
+        host = StageHost(tiny, fingerprint(tiny))
+        host.max_buffered_bytes = 3 << 20
+        rows = (2 << 20) // (4 * d)
+        frame = wire.encode(wire.Forward(7, 0, (wire.SeqSpan(1, 0, rows),), np.ones((rows, d), np.float32)))
+        part = frame[: 1_600_000]  # 1.6 MB of a 2 MiB frame, the rest never sent
+        pairs = []
+        for _ in range(2):
+            near, far = await socketpair_channels()
+            _SERVING.append(asyncio.ensure_future(host.serve(far, "peer")))
+            pairs.append(near)
+            await near.send(part)
+        # the second stream went over: an error, then its end
+        data = b""
+        while chunk := await asyncio.wait_for(pairs[1].recv(), 5):
+            data += chunk
+        (err,) = wire.FrameDecoder().feed(data)
+        assert isinstance(err, wire.Error) and err.code == wire.ErrorCode.PROTOCOL
+        assert "frames being received hold over 3145728 bytes" in err.text
+        assert sum(host._buffered.values()) < host.max_buffered_bytes
+        # the first is still served: the rest of its frame gets its answer (this run is not open there)
+        await pairs[0].send(frame[len(part) :])
+        (reply,) = wire.FrameDecoder().feed(await asyncio.wait_for(pairs[0].recv(), 10))
+        assert isinstance(reply, wire.Error) and reply.code == wire.ErrorCode.UNKNOWN_RUN
+        assert host._buffered == {}
+
+    asyncio.run(main())

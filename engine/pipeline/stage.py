@@ -81,6 +81,8 @@ class StageHost:
         self.compute_s = 0.0
         self.loading: dict[tuple[int, int], asyncio.Future[Any]] = {}
         self._lock = threading.Lock()  # seqs is touched by the loop (free, sweep) and compute threads
+        self.max_buffered_bytes = limits.MAX_BUFFERED_BYTES  # partly received frames over all streams
+        self._buffered: dict[int, int] = {}  # stream (id of its decoder) -> bytes of its partial frame
 
     # --- state ------------------------------------------------------------------------------------
 
@@ -161,18 +163,28 @@ class StageHost:
         answered = 0.0  # when the last step asking for it was answered (0: none pending)
         gap = limits.POLL_MAX_S / 4  # moving average of the wait from such an answer to the next frame
 
+        refused = False  # this stream went over the stage's buffer budget: nothing more is read
+
         def on_data(data: bytes) -> None:
-            nonlocal answered, gap
+            nonlocal answered, gap, refused
             t_rx = time.monotonic_ns() if trace.ON else 0
             if answered:
                 poller.release(hold)
                 waited = min(time.perf_counter() - answered, 2 * limits.POLL_MAX_S)
                 gap += limits.POLL_EMA * (waited - gap)
                 answered = 0.0
+            if refused:
+                return
             try:
                 frames = dec.feed(data)
             except wire.RemoteProtocolError as e:
                 queue.put_nowait(e)
+                return
+            if not self._hold(id(dec), dec.buffered):
+                refused = True
+                queue.put_nowait(wire.RemoteProtocolError(
+                    wire.ErrorCode.PROTOCOL,
+                    f"frames being received hold over {self.max_buffered_bytes} bytes on this stage"))
                 return
             for f in frames:
                 if trace.ON and isinstance(f, wire.Forward) and f.x.shape[0] == 1:
@@ -214,10 +226,24 @@ class StageHost:
             log.info("pipeline_stage_stream_ended", peer=peer_id[:12], error=repr(e))
         finally:
             poller.release(hold)
+            self._buffered.pop(id(dec), None)
             freed = sum(self.free(r) for r in list(mine))
             log.info("pipeline_stage_session_closed", peer=peer_id[:12], runs=len(mine), freed=freed)
             with contextlib.suppress(Exception):
                 await channel.send(b"", end=True)  # our side is done too (the serving node's reader ends)
+
+    def _hold(self, stream: int, held: int) -> bool:
+        """Account ``held`` bytes of a partial frame on ``stream`` (loop thread); False (and nothing held) if
+        that takes the stage over ``max_buffered_bytes`` over all its streams."""
+        if not held:
+            self._buffered.pop(stream, None)
+            return True
+        others = sum(n for k, n in self._buffered.items() if k != stream)
+        if others + held > self.max_buffered_bytes:
+            self._buffered.pop(stream, None)
+            return False
+        self._buffered[stream] = held
+        return True
 
     def _answer_now(self, channel: Any, f: wire.Frame, mine: set[int]) -> bytes | None:
         """Answer ``f`` inside the read callback if it is quick (a decode step, a ping, a FREE). -> None:

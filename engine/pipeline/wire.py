@@ -339,6 +339,11 @@ class FrameDecoder:
         self._need: int | None = None  # body length of the frame being buffered, once its header is checked
         self._failed = False
 
+    @property
+    def buffered(self) -> int:
+        """Bytes held of a frame not yet whole (what the next ``feed`` calls must complete)."""
+        return len(self._buf)
+
     def feed(self, data: bytes) -> list[Frame]:
         if self._failed:
             raise RemoteProtocolError(ErrorCode.PROTOCOL, "decoder already failed")
