@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -178,3 +180,34 @@ def test_frames_left_unfinished_on_many_streams_are_bounded_over_the_stage(tiny:
         assert host._buffered == {}
 
     asyncio.run(main())
+
+
+def test_a_stage_that_only_keeps_alive_is_failed_and_the_step_recovers(
+    tiny: Path, lt: LoopThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stage that answers a prefill chunk with KEEPALIVE for ever (its link is never silent): after
+    ``STEP_TIMEOUT_S`` (60 s; 1.5 s here) the serving node fails it by name and recovers onto another stage,
+    byte-identical. Before, the request ended after 60 s with a bare TimeoutError and no recovery."""
+    from engine.pipeline import limits
+
+    monkeypatch.setattr(limits, "STEP_TIMEOUT_S", 1.5)
+    model, tok = Model.load(tiny), Tokenizer.load(tiny)
+    ids = tok.encode(PROMPT * 3)
+    assert len(ids) > limits.INLINE_ROWS  # a chunk computed on a thread, KEEPALIVE sent meanwhile
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    ref = [(e.token_id, e.logprob) for e in generate(model, tok, ids, params)]
+    prov = InprocProvider(lt, model, tiny, [[("local", 0, 1), ("s1", 2, 3)], [("local", 0, 1), ("s2", 2, 3)]])
+    release = threading.Event()
+
+    def stuck(part: Any, executor: Any, f: wire.Forward) -> Any:
+        release.wait(30)
+        raise RuntimeError("released")
+
+    prov.hosts["s1"]._compute = stuck  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    try:
+        got = [(e.token_id, e.logprob) for e in generate(prov.pipelined(), tok, ids, params)]
+    finally:
+        release.set()
+    assert got == ref
+    assert "s1" in prov.dead and time.monotonic() - t0 < 20

@@ -212,6 +212,30 @@ class Run:
         return ""
 
 
+def _wait(run: Run, fut: concurrent.futures.Future[Any]) -> Any:
+    """The stages' answer to a step (scheduler thread). A step with no answer within ``STEP_TIMEOUT_S`` (a
+    stage that sends only KEEPALIVE, which keeps its link from being found silent) fails the links still
+    waiting on a step, so it raises the ``StageFailed`` that names that stage and recovers like any stage
+    failure, instead of a bare ``TimeoutError``."""
+    try:
+        return fut.result(timeout=limits.STEP_TIMEOUT_S)
+    except concurrent.futures.TimeoutError:
+        pass
+    reason = f"no answer to a step within {limits.STEP_TIMEOUT_S:g} s"
+
+    def close_stuck() -> None:
+        for link in run.links:
+            if link._pending:
+                link.close(reason)
+
+    if run.loop is not None:
+        run.loop.call_soon_threadsafe(close_stuck)
+    try:
+        return fut.result(timeout=limits.SILENCE_S * 2)
+    except concurrent.futures.TimeoutError:
+        raise StageFailed("", reason) from None
+
+
 def _cores() -> int:
     affinity = getattr(os, "sched_getaffinity", None)
     return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
@@ -357,7 +381,7 @@ class PipelinedModel:
         pending, cache.inflight = cache.inflight, []
         for fut in pending:
             try:
-                fut.result(timeout=limits.OPEN_TIMEOUT_S * 2)
+                _wait(cache.run, fut)
             except StageFailed as e:
                 if not cache.run.dead:
                     cache.move(self.provider, self.provider.recover(cache.run, e))
@@ -381,9 +405,7 @@ class PipelinedModel:
             t1 = time.perf_counter()
             if trace.ON and t == 1:
                 trace.mark("S.local")
-            x = self._remote(run, x, cache.seq, past, last_only, True).result(
-                timeout=limits.OPEN_TIMEOUT_S * 2
-            )
+            x = _wait(run, self._remote(run, x, cache.seq, past, last_only, True))
             if trace.ON and t == 1:
                 trace.mark("S.back")
             if t == 1:
@@ -429,7 +451,7 @@ class PipelinedModel:
             return pending.logits  # type: ignore[return-value]
         cache = pending.cache
         try:
-            logits = pending.fut.result(timeout=limits.OPEN_TIMEOUT_S * 2)
+            logits = _wait(cache.run, pending.fut)
         except StageFailed:
             return self.forward(pending.arr, cache, executor, last_only=True)[-1]
         cache.local.length = pending.past + 1

@@ -23,6 +23,9 @@ SILENCE_S = 0.8  # no frame from a stage for this long while a step (or an OPEN)
 #   (kill -9 is otherwise silent until QUIC's idle timeout). A recovery with no other capacity asks the
 #   silent stage once more (an OPEN, again at most this long): 2 x 0.8 s keeps "error within 2 s"
 OPEN_TIMEOUT_S = 30.0  # a stage loading its layers (mmap, page faults) before it answers READY
+STEP_TIMEOUT_S = 60.0  # the serving node waits this long for the stages' answer to one step (a prefill chunk
+#   on a slow stage included); a stage still sending KEEPALIVE for it then is failed by name and the step
+#   recovers elsewhere (a stage that keeps alive without answering would otherwise hold the request)
 SEQ_IDLE_S = 600.0  # a KV cache nobody touched for this long is freed (a serving node that went away
 #   without closing its stream); generous: a paused client stream holds its sequence
 SWEEP_S = 5.0  # how often a stage looks for idle caches
