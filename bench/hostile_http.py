@@ -34,7 +34,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 BODY = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
                    "temperature": 0}).encode()
-REQUEST = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+REQUEST = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(BODY), BODY))
 
 
@@ -103,9 +103,9 @@ async def attacker(addr: tuple[str, int], kind: str, stop: asyncio.Event, first_
             await asyncio.sleep(1.0)
             continue
         if kind == "head":
-            w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\n")
+            w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n")
         elif kind == "body":
-            w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+            w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                     b"Content-Length: 100000\r\n\r\n{")
         try:
             while not stop.is_set():

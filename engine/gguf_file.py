@@ -20,6 +20,7 @@ tensor or type.
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ import numpy as np
 from . import gguf_deepseek
 from .checkpoint import Checkpoint, CheckpointError, TensorRef
 from .config import ConfigError, ModelConfig
-from .limits import GGUF_MAX_SPLITS
+from .limits import GGUF_MAX_ARRAY_ITEMS, GGUF_MAX_SPLITS
 from .quant import BLOCKS, SUPPORTED_TYPES
 
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -63,6 +64,43 @@ def _reader(path: Path) -> Any:
     import gguf
 
     class _Reader(gguf.GGUFReader):  # type: ignore[misc]
+        _depth = 0  # nesting of _get_field_parts (0: a key/value's value)
+        _last_str: Any = b""  # the string read last: a key/value's key, when its value is read
+
+        def _get_str(self, offset: int) -> Any:
+            got = super()._get_str(offset)
+            self._last_str = got[1]
+            return got
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+            # gguf's reader walks an array item by item, and a read past the end of the file gives an empty
+            # item without an error: a count of 2**60 loops for ever, nested arrays exhaust memory. So an
+            # array's count is checked against what the rest of the file can hold before it is walked.
+            key = bytes(self._last_str[:80]).decode("utf-8", "replace") if self._depth == 0 else "?"
+            if raw_type == gguf.GGUFValueType.ARRAY:
+                head = self.data[orig_offs : orig_offs + 12]
+                if len(head) < 12:
+                    raise CheckpointError(f"{path}: truncated: metadata {key!r} ends at the end of the file")
+                item_type, count = struct.unpack("<IQ", bytes(head))
+                if item_type == gguf.GGUFValueType.ARRAY:
+                    raise CheckpointError(f"{path}: metadata {key!r} is a nested array (not supported)")
+                scalar = self.gguf_scalar_to_np.get(gguf.GGUFValueType(item_type)) \
+                    if item_type in gguf.GGUFValueType._value2member_map_ else None
+                least = 8 if item_type == gguf.GGUFValueType.STRING else (
+                    np.dtype(scalar).itemsize if scalar is not None else 1)
+                left = len(self.data) - orig_offs - 12
+                if count > GGUF_MAX_ARRAY_ITEMS:
+                    raise CheckpointError(f"{path}: metadata {key!r} is an array of {count} items "
+                                          f"(at most {GGUF_MAX_ARRAY_ITEMS})")
+                if count * least > left:
+                    raise CheckpointError(f"{path}: truncated: metadata {key!r} is an array of {count} items, "
+                                          f"the {left} bytes left in the file hold fewer")
+            self._depth += 1
+            try:
+                return super()._get_field_parts(orig_offs, raw_type)
+            finally:
+                self._depth -= 1
+
         def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
             size = len(self.data)
             for field in fields:
@@ -88,6 +126,12 @@ def _reader(path: Path) -> Any:
     except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError, OSError) as e:
         first = (str(e).splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"{path}: not a readable GGUF file ({first})") from None
+
+
+def _short(value: object, chars: int = 80) -> str:
+    """``repr(value)`` cut to ``chars`` (a hostile file's strings may be megabytes long)."""
+    text = repr(value)
+    return text if len(text) <= chars else text[:chars] + f"... ({len(text)} chars)"
 
 
 def _field_value(field: Any) -> Any:
@@ -266,7 +310,7 @@ def load_gguf(path: str | Path) -> GGUFSource:
     meta = read_metadata(readers[0])
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise CheckpointError(f"{first}: GGUF architecture {arch!r} is not supported "
+        raise CheckpointError(f"{first}: GGUF architecture {_short(arch)} is not supported "
                               f"(supported: {', '.join(ARCHITECTURES)})")
     try:
         raw = ARCHITECTURES[arch](meta, arch)

@@ -45,6 +45,8 @@ KV_MAP_MIN_BYTES = 1 << 20
 EXPERT_GROUP_ROWS = 256
 # GGUF reading (engine/gguf_file.py)
 GGUF_MAX_SPLITS = 256  # files of one split GGUF set (-00001-of-0000N.gguf); published sets use < 100
+GGUF_MAX_ARRAY_ITEMS = 1 << 22  # items in one metadata array (tokens, scores, merges): published files hold
+#   <= ~300 Ki merges; the reader walks items one by one in Python, so 4 Mi items is already ~10-20 s
 GGUF_MAX_VOCAB = 1 << 20  # tokens in tokenizer.ggml.tokens; the largest published vocabularies are ~260 Ki
 # generation / scheduling (engine-gen)
 MAX_ACTIVE_SEQUENCES = 8  # sequences a Scheduler runs at once per model: each holds a KV cache; more waits as 429

@@ -100,9 +100,9 @@ async def _slowloris(host: str, port: int, kind: str, stop_at: float) -> float |
         return 0.0
     try:
         if kind == "partial":
-            w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+            w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n")
         elif kind == "body":
-            w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                     b"Content-Length: 100000\r\n\r\n{")
         while time.monotonic() < stop_at:
             try:
@@ -124,7 +124,7 @@ async def _normal_latency(host: str, port: int) -> float:
     t0 = time.monotonic()
     r, w = await asyncio.open_connection(host, port)
     body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
-    w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    w.write(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
     data = await asyncio.wait_for(r.read(), 30)
     w.close()
@@ -216,7 +216,7 @@ def test_connection_guard_evicts_oldest_idle_then_refuses() -> None:
 def test_idle_keepalive_connection_is_closed(open_node: Node) -> None:
     host, port = _addr(open_node)
     with socket.create_connection((host, port), timeout=API_KEEPALIVE_IDLE_S + 10) as s:
-        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
         first = s.recv(65536)
         assert first.startswith(b"HTTP/1.1 200")
         t0 = time.monotonic()
@@ -235,7 +235,7 @@ def test_silent_connection_gets_408_json(open_node: Node) -> None:
 def test_key_checked_before_the_body(key_node: Node) -> None:
     """A wrong key is answered as soon as the head is in, and the connection closes without waiting for
     (or reading) the 100 kB body it announced."""
-    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\n"
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer wrong\r\n"
             b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n")
     t0 = time.monotonic()
     with socket.create_connection(_addr(key_node), timeout=10) as s:
@@ -269,7 +269,7 @@ def test_paired_surrogate_escape_is_fine(open_node: Node) -> None:
 
 
 def test_non_ascii_authorization_is_401(key_node: Node) -> None:
-    req = (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xc3\xa9\xff\xfe-key\r\n\r\n")
+    req = (b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer \xc3\xa9\xff\xfe-key\r\n\r\n")
     status, _, body, _ = _raw(key_node, req)
     assert status == 401 and _is_openai_error(json.loads(body))
     ok = urllib.request.Request(f"http://{key_node.run['api']}/v1/models",
@@ -279,9 +279,9 @@ def test_non_ascii_authorization_is_401(key_node: Node) -> None:
 
 @pytest.mark.parametrize("request_bytes", [
     b"NOT A REQUEST LINE\r\n\r\n",
-    b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n",
-    b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
-    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n",
+    b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: localhost\r\n\r\n",
+    (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n"
      b"2\r\n{}\r\n0\r\n\r\n"),
 ], ids=["bad-request-line", "oversize-header", "oversize-request-line", "length-and-chunked"])
 def test_http_parser_errors_are_openai_json(open_node: Node, request_bytes: bytes) -> None:
@@ -311,7 +311,7 @@ def test_client_hanging_up_mid_stream_is_counted_and_logged(open_node: Node) -> 
     body = json.dumps({"model": "tiny", "prompt": "go", "max_tokens": 2000, "stream": True,
                        "ignore_eos": True}).encode()
     with socket.create_connection((host, port), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         got = b""
         while b"data: " not in got:

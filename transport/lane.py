@@ -91,6 +91,7 @@ class LaneManager:
         # own thread until it returns (then the channel is closed)
         self.direct_handlers: dict[int, Callable[[Any, lane_direct.DirectChannel], None]] = {}
         self._direct_pending = 0
+        self._direct_pending_src: dict[str, int] = {}  # source address -> direct channels authenticating
         self._directs: set[lane_direct.DirectChannel] = set()
         self._direct_lock = threading.Lock()
         mesh.lane = self
@@ -271,24 +272,41 @@ class LaneManager:
         there. The lane object that counted it as pending is dropped; the socket lives on in ``sock``."""
         deadline = time.monotonic() + self.config.auth_timeout_s
         handler = self.direct_handlers.get(service)
+        source = lane._source or "?"
         lane._raw = None  # closing the pending lane must not close the TCP connection we keep
         lane.close("direct channel")
         raw.abort()  # the transport's descriptor only: ``sock`` is a duplicate
-        if handler is None or self._closing or self._direct_pending >= limits.LANE_DIRECT_MAX_PENDING:
-            self.count("direct_refused" if handler is None else "direct_refused_pending_cap")
+        refused = ("direct_refused" if handler is None or self._closing
+                   else "direct_refused_pending_cap" if self._direct_pending >= limits.LANE_DIRECT_MAX_PENDING
+                   else "direct_refused_source_cap"
+                   if self._direct_pending_src.get(source, 0) >= limits.LANE_DIRECT_MAX_PENDING_PER_SOURCE
+                   else "")
+        if refused:
+            self.count(refused)
             sock.close()
             return
         self._direct_pending += 1
+        self._direct_pending_src[source] = self._direct_pending_src.get(source, 0) + 1
         loop = asyncio.get_running_loop()
+        proved: list[str] = []  # the member's node id, once its key is known
 
         def member(public_key: bytes) -> Any:
             peer = self.mesh.peer(lane_direct.node_id_from_public_key(public_key))
-            return peer if peer is not None and peer.public_key == public_key else None
+            if peer is None or peer.public_key != public_key:
+                return None
+            proved.append(peer.node_id)
+            return peer
 
         def may_open() -> str | None:
             with self._direct_lock:
                 full = len(self._directs) >= limits.LANE_DIRECT_MAX_CHANNELS
-            return "too many direct channels" if full or self._closing else None
+                mine = sum(1 for ch in self._directs if proved and ch.peer_id == proved[0] and not ch.is_client)
+            if full or self._closing:
+                return "too many direct channels"
+            if mine >= limits.LANE_DIRECT_MAX_CHANNELS_PER_PEER:
+                self.count("direct_refused_peer_cap")
+                return "too many direct channels from this member"
+            return None
 
         def run() -> None:
             try:
@@ -301,7 +319,7 @@ class LaneManager:
                 self.ratelog("direct_refused", error=str(e))
                 return
             finally:
-                loop.call_soon_threadsafe(self._direct_unpend)
+                loop.call_soon_threadsafe(self._direct_unpend, source)
             self._direct_track(ch)
             self.count("direct_accepted")
             log.info("direct_channel_up", peer=ch.peer_id, service=service, outbound=False)
@@ -314,8 +332,11 @@ class LaneManager:
 
         threading.Thread(target=run, name=f"meshd-direct-{service}", daemon=True).start()
 
-    def _direct_unpend(self) -> None:
+    def _direct_unpend(self, source: str) -> None:
         self._direct_pending -= 1
+        n = self._direct_pending_src.pop(source, 0) - 1
+        if n > 0:
+            self._direct_pending_src[source] = n
 
     def _direct_track(self, ch: lane_direct.DirectChannel) -> None:
         with self._direct_lock:

@@ -52,8 +52,13 @@ LANE_RETRY_MIN_S = 0.2  # redial a lost lane after this at first...
 LANE_RETRY_MAX_S = 10.0  # ...doubling up to this while dials keep failing
 LANE_SEND_BUFFER_BYTES = 4 * 1024 * 1024  # unsent bytes on one lane before senders wait (send_now refuses)
 LANE_DIRECT_MAGIC_BYTES = 8  # b"MDIRECT" | service u8, in clear before a direct channel's TLS
-LANE_DIRECT_MAX_PENDING = 4  # direct channels still authenticating (each holds a thread), in all
-LANE_DIRECT_MAX_CHANNELS = 64  # authenticated direct channels served by this node (a thread each)
+LANE_DIRECT_MAX_PENDING = 8  # direct channels still authenticating (each holds a thread), in all...
+LANE_DIRECT_MAX_PENDING_PER_SOURCE = 2  # ...and from one source address: a member dials one channel per
+#   service at a time (experts, pipeline); a stranger sending the magic and then nothing holds at most this
+#   many slots (for LANE_AUTH_TIMEOUT_S each), not all of them
+LANE_DIRECT_MAX_CHANNELS = 64  # authenticated direct channels served by this node (a thread each)...
+LANE_DIRECT_MAX_CHANNELS_PER_PEER = 8  # ...and for one member: one per service and direction in use, with
+#   room for redials while a dropped one is still being noticed; one member cannot take them all
 LANE_DIRECT_MAX_RECORD_BYTES = 8 * 1024 * 1024  # one message on a direct channel (a decode-sized expert
 #   request or reply is ~10 KB; a fast-path request is at most 1 MiB)
 

@@ -176,7 +176,12 @@ def serve(worker: object, peer_id: str, channel: DirectChannel) -> None:
                 if isinstance(msg, rpc.ExpertCombineRequest) and version < 2:
                     raise rpc.ExpertProtocolError(rpc.ErrorCode.PROTOCOL,
                                                   f"combine request in protocol {version}")
-                channel.send(w.answer(fp, msg, rid, peer_max))
+                # a reply goes out as one channel message: a v1 reply (every pair's output) that cannot fit is
+                # refused (TOO_LARGE, before computing) instead of computed and then closing the channel
+                # when it cannot be sent; a combined reply is smaller than the bound the worker checks
+                cap = peer_max if isinstance(msg, rpc.ExpertCombineRequest) else min(peer_max,
+                                                                                     channel.max_record_bytes)
+                channel.send(w.answer(fp, msg, rid, cap))
             else:
                 raise rpc.ExpertProtocolError(rpc.ErrorCode.PROTOCOL, f"unexpected {type(msg).__name__}")
     except rpc.ExpertProtocolError as e:

@@ -102,9 +102,10 @@ class Run:
         for i, link in enumerate(self.links[first:], first):
             last = i == len(self.links) - 1
             res = await link.call(wire.Forward(self.id, 0, span, x, last_only and last))
-            if res.logits != last:
-                link.close("wrong result kind")
-                raise StageFailed(link.node_id, _wrong_kind(last))
+            wrong = self.wrong_result(res, span, last_only, last)
+            if wrong:
+                link.close(wrong)
+                raise StageFailed(link.node_id, wrong)
             x = res.x
         return x
 
@@ -156,11 +157,12 @@ class Run:
         def done(reply: Any) -> None:
             if out.done():
                 return
+            wrong = "" if isinstance(reply, StageFailed) else self.wrong_result(reply, span, last_only, last)
             if isinstance(reply, StageFailed):
                 out.set_exception(reply)
-            elif reply.logits != last:
-                link.close("wrong result kind")
-                out.set_exception(StageFailed(link.node_id, _wrong_kind(last)))
+            elif wrong:
+                link.close(wrong)
+                out.set_exception(StageFailed(link.node_id, wrong))
             elif last:
                 if trace.ON and reply.x.shape[0] == 1:
                     trace.mark("S.resume")
@@ -189,6 +191,49 @@ class Run:
     def close(self, reason: str) -> None:
         for link in self.links:
             link.close(reason)
+
+    def wrong_result(self, res: wire.Result, span: tuple[wire.SeqSpan, ...], last_only: bool, last: bool) -> str:
+        """What is wrong with a stage's RESULT for a FORWARD of ``span`` ("" if nothing): its kind, type
+        and shape must be what an honest stage computes (fp32; hidden states [rows, D] from a middle
+        stage, logits [rows, V] from the last, one row when only the last is asked for). A stage is a
+        member, not a trusted one: logits wider than the vocabulary would be sampled into token ids the
+        model does not have."""
+        if res.logits != last:
+            return _wrong_kind(last)
+        c = self.local.config
+        if len(span) == 1:
+            rows = 1 if last and last_only else span[0].count
+        else:
+            rows = len(span)
+        want = (rows, c.vocab_size if last else c.hidden_size)
+        if res.x.dtype != np.float32 or res.x.shape != want:
+            what = "logits" if last else "hidden states"
+            return f"answered {what} {res.x.dtype}{list(res.x.shape)}, expected float32{list(want)}"
+        return ""
+
+
+def _wait(run: Run, fut: concurrent.futures.Future[Any]) -> Any:
+    """The stages' answer to a step (scheduler thread). A step with no answer within ``STEP_TIMEOUT_S`` (a
+    stage that sends only KEEPALIVE, which keeps its link from being found silent) fails the links still
+    waiting on a step, so it raises the ``StageFailed`` that names that stage and recovers like any stage
+    failure, instead of a bare ``TimeoutError``."""
+    try:
+        return fut.result(timeout=limits.STEP_TIMEOUT_S)
+    except concurrent.futures.TimeoutError:
+        pass
+    reason = f"no answer to a step within {limits.STEP_TIMEOUT_S:g} s"
+
+    def close_stuck() -> None:
+        for link in run.links:
+            if link._pending:
+                link.close(reason)
+
+    if run.loop is not None:
+        run.loop.call_soon_threadsafe(close_stuck)
+    try:
+        return fut.result(timeout=limits.SILENCE_S * 2)
+    except concurrent.futures.TimeoutError:
+        raise StageFailed("", reason) from None
 
 
 def _cores() -> int:
@@ -336,7 +381,7 @@ class PipelinedModel:
         pending, cache.inflight = cache.inflight, []
         for fut in pending:
             try:
-                fut.result(timeout=limits.OPEN_TIMEOUT_S * 2)
+                _wait(cache.run, fut)
             except StageFailed as e:
                 if not cache.run.dead:
                     cache.move(self.provider, self.provider.recover(cache.run, e))
@@ -360,9 +405,7 @@ class PipelinedModel:
             t1 = time.perf_counter()
             if trace.ON and t == 1:
                 trace.mark("S.local")
-            x = self._remote(run, x, cache.seq, past, last_only, True).result(
-                timeout=limits.OPEN_TIMEOUT_S * 2
-            )
+            x = _wait(run, self._remote(run, x, cache.seq, past, last_only, True))
             if trace.ON and t == 1:
                 trace.mark("S.back")
             if t == 1:
@@ -408,7 +451,7 @@ class PipelinedModel:
             return pending.logits  # type: ignore[return-value]
         cache = pending.cache
         try:
-            logits = pending.fut.result(timeout=limits.OPEN_TIMEOUT_S * 2)
+            logits = _wait(cache.run, pending.fut)
         except StageFailed:
             return self.forward(pending.arr, cache, executor, last_only=True)[-1]
         cache.local.length = pending.past + 1

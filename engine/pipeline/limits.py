@@ -5,6 +5,10 @@ from __future__ import annotations
 MAX_FRAME_BYTES = 256 * 1024 * 1024  # one stage frame: a prefill chunk's activations (512 x 8192 x fp32 =
 #   16 MiB) or a chunk's logits on the last stage (512 x 152k x fp32 = 300 MiB would not fit: the serving
 #   node asks only for the last row of a prefill chunk, so logits frames are [1, V])
+MAX_BUFFERED_BYTES = 2 * MAX_FRAME_BYTES  # bytes of partly received frames one stage holds over all its
+#   streams: a serving node sends one frame at a time per stream (a prefill chunk is ~16 MiB); without it a
+#   member opening many streams, each with a frame announced at MAX_FRAME_BYTES and never finished, would
+#   make the stage buffer up to 256 streams x 256 MiB
 MAX_SEQS_PER_FRAME = 256  # sequences in one forward frame (a decode micro-batch); the scheduler runs <= 64
 MAX_DIMS = 4  # tensor rank in a frame: activations are [T, D], logits [T, V]
 MAX_DIM = 1 << 24  # one tensor dimension: vocab sizes are <= 256k, hidden <= 64k, chunks <= 64k tokens
@@ -19,6 +23,9 @@ SILENCE_S = 0.8  # no frame from a stage for this long while a step (or an OPEN)
 #   (kill -9 is otherwise silent until QUIC's idle timeout). A recovery with no other capacity asks the
 #   silent stage once more (an OPEN, again at most this long): 2 x 0.8 s keeps "error within 2 s"
 OPEN_TIMEOUT_S = 30.0  # a stage loading its layers (mmap, page faults) before it answers READY
+STEP_TIMEOUT_S = 60.0  # the serving node waits this long for the stages' answer to one step (a prefill chunk
+#   on a slow stage included); a stage still sending KEEPALIVE for it then is failed by name and the step
+#   recovers elsewhere (a stage that keeps alive without answering would otherwise hold the request)
 SEQ_IDLE_S = 600.0  # a KV cache nobody touched for this long is freed (a serving node that went away
 #   without closing its stream); generous: a paused client stream holds its sequence
 SWEEP_S = 5.0  # how often a stage looks for idle caches

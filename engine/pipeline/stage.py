@@ -85,6 +85,8 @@ class StageHost:
         self.compute_s = 0.0
         self.loading: dict[tuple[int, int], asyncio.Future[Any]] = {}
         self._lock = threading.Lock()  # seqs is touched by the loop (free, sweep) and compute threads
+        self.max_buffered_bytes = limits.MAX_BUFFERED_BYTES  # partly received frames over all streams
+        self._buffered: dict[int, int] = {}  # stream (id of its decoder) -> bytes of its partial frame
 
     # --- state ------------------------------------------------------------------------------------
 
@@ -165,18 +167,28 @@ class StageHost:
         answered = 0.0  # when the last step asking for it was answered (0: none pending)
         gap = limits.POLL_MAX_S / 4  # moving average of the wait from such an answer to the next frame
 
+        refused = False  # this stream went over the stage's buffer budget: nothing more is read
+
         def on_data(data: bytes) -> None:
-            nonlocal answered, gap
+            nonlocal answered, gap, refused
             t_rx = time.monotonic_ns() if trace.ON else 0
             if answered:
                 poller.release(hold)
                 waited = min(time.perf_counter() - answered, 2 * limits.POLL_MAX_S)
                 gap += limits.POLL_EMA * (waited - gap)
                 answered = 0.0
+            if refused:
+                return
             try:
                 frames = dec.feed(data)
             except wire.RemoteProtocolError as e:
                 queue.put_nowait(e)
+                return
+            if not self._hold(id(dec), dec.buffered):
+                refused = True
+                queue.put_nowait(wire.RemoteProtocolError(
+                    wire.ErrorCode.PROTOCOL,
+                    f"frames being received hold over {self.max_buffered_bytes} bytes on this stage"))
                 return
             for f in frames:
                 if trace.ON and isinstance(f, wire.Forward) and f.x.shape[0] == 1:
@@ -218,10 +230,24 @@ class StageHost:
             log.info("pipeline_stage_stream_ended", peer=peer_id[:12], error=repr(e))
         finally:
             poller.release(hold)
+            self._buffered.pop(id(dec), None)
             freed = sum(self.free(r) for r in list(mine))
             log.info("pipeline_stage_session_closed", peer=peer_id[:12], runs=len(mine), freed=freed)
             with contextlib.suppress(Exception):
                 await channel.send(b"", end=True)  # our side is done too (the serving node's reader ends)
+
+    def _hold(self, stream: int, held: int) -> bool:
+        """Account ``held`` bytes of a partial frame on ``stream`` (loop thread); False (and nothing held) if
+        that takes the stage over ``max_buffered_bytes`` over all its streams."""
+        if not held:
+            self._buffered.pop(stream, None)
+            return True
+        others = sum(n for k, n in self._buffered.items() if k != stream)
+        if others + held > self.max_buffered_bytes:
+            self._buffered.pop(stream, None)
+            return False
+        self._buffered[stream] = held
+        return True
 
     def _answer_now(self, channel: Any, f: wire.Frame, mine: set[int]) -> bytes | None:
         """Answer ``f`` inside the read callback if it is quick (a decode step, a ping, a FREE). -> None:
@@ -377,6 +403,7 @@ class StageHost:
             trace.mark("T.c0")
         t0 = time.perf_counter()
         now = time.monotonic()
+        _check_forward(part.config, f)
         with self._lock:
             caches = self._caches(part, f, now)
             crowded = f.x.shape[0] == 1 and SERIAL and self._crowded(now)
@@ -455,6 +482,27 @@ class StageHost:
             entry.used = now
             caches.append(entry.cache)
         return caches
+
+
+def _check_forward(config: Any, f: wire.Forward) -> None:
+    """Refuse (``StageError``) a FORWARD no honest serving node sends, before any state or memory: rows of
+    another width than the model's hidden size (the compiled kernels trust their shapes), positions past the
+    model's context (a serving node stops there; a KV cache would otherwise grow frame after frame), one
+    sequence twice in a batched step (its cache would move two positions for one written)."""
+    width, d = int(f.x.shape[1]), config.hidden_size
+    if width != d:
+        raise StageError(wire.ErrorCode.PROTOCOL, f"activations of width {width}, the model's is {d}")
+    ctx = config.max_position_embeddings
+    for s in f.spans:
+        if s.start + s.count > ctx:
+            raise StageError(wire.ErrorCode.CONTEXT_EXCEEDED,
+                             f"positions {s.start}-{s.start + s.count - 1} of sequence {s.seq} are past the "
+                             f"model's context ({ctx})")
+    seen: set[int] = set()
+    for s in f.spans:
+        if s.seq in seen:
+            raise StageError(wire.ErrorCode.PROTOCOL, f"sequence {s.seq} appears twice in one step")
+        seen.add(s.seq)
 
 
 SERIAL = os.environ.get("MESHD_PIPELINE_SERIAL", "0") == "1"  # off by default: see limits.CROWDED_WINDOW_S

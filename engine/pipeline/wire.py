@@ -78,6 +78,7 @@ class ErrorCode(IntEnum):
     COMPUTE_FAILED = 7  # the layers raised (message says why)
     LOAD_FAILED = 8  # the layers could not be loaded
     NUMERICS_MISMATCH = 9  # the stage computes with other numerics (engine/numerics.py) than the serving node
+    CONTEXT_EXCEEDED = 10  # positions past the model's context (an older stage does not send it)
 
 
 FLAG_LAST_ONLY = 0x01  # FORWARD: the last stage returns logits of the last row only
@@ -356,6 +357,11 @@ class FrameDecoder:
         self._max = max_frame_bytes
         self._need: int | None = None  # body length of the frame being buffered, once its header is checked
         self._failed = False
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held of a frame not yet whole (what the next ``feed`` calls must complete)."""
+        return len(self._buf)
 
     def feed(self, data: bytes) -> list[Frame]:
         if self._failed:

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import structlog
 from aiohttp import web
@@ -170,7 +171,9 @@ class ApiServer:
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
         try:
-            if request.path != "/health" and self.config.api_keys:
+            if not self.config.api_keys:
+                self._check_browser(request)
+            elif request.path != "/health":
                 self._check_key(request)
             return await handler(request)
         except ApiError as e:
@@ -184,6 +187,24 @@ class ApiServer:
         except Exception as e:  # noqa: BLE001 - a bug must still answer in OpenAI's shape, not a traceback page
             log.warning("api_internal_error", path=request.path, error=repr(e))
             return self._error_response(ApiError(500, "internal error"), request.path)
+
+    def _check_browser(self, request: web.Request) -> None:
+        """Without an API key, a loopback bind is the only protection, and a web page can get past it: by DNS
+        rebinding (its own name resolves to 127.0.0.1, the browser lets it read the answers; its requests
+        carry ``Host: its.name``) or by a cross-site request that needs no CORS preflight (a ``text/plain``
+        POST runs a generation; it carries the page's ``Origin``). So a request whose Host is not a loopback
+        name or address, or whose Origin is not a loopback one, is a 403. With a key, the key decides (and a
+        reverse proxy may rewrite Host)."""
+        if self.address is None or not is_loopback(self.address[0]):
+            return
+        host = request.headers.get("Host", "")
+        if host and not is_loopback(_hostname(host)):
+            raise ApiError(403, f"Host {host[:100]!r} is not a loopback name: this API without a key answers "
+                           "only local clients (see docs/api.md)", code="forbidden_host")
+        origin = request.headers.get("Origin")
+        if origin is not None and not is_loopback(_hostname(origin, True)):
+            raise ApiError(403, f"Origin {origin[:100]!r} is not a loopback page: this API without a key does not "
+                           "answer other sites' pages (see docs/api.md)", code="forbidden_origin")
 
     def _check_key(self, request: web.Request) -> None:
         """Runs as soon as the head is parsed, before any body byte is read; a 401 closes the connection."""
@@ -566,6 +587,15 @@ def bind_api(host: str, port: int) -> list[socket.socket]:
     except OSError as e:
         reason = e.strerror or str(e)
         raise RuntimeFailure(f"cannot listen on API address {host}:{port} (TCP): {reason}") from None
+
+
+def _hostname(value: str, is_origin: bool = False) -> str:
+    """The host name of a Host header (``name[:port]``, ``[v6][:port]``) or an Origin (``scheme://host[:port]``,
+    or ``null``); "" when it has none or does not parse."""
+    try:
+        return urlsplit(value if is_origin else "//" + value).hostname or ""
+    except ValueError:
+        return ""
 
 
 def ensure_safe_bind(host: str, has_keys: bool) -> None:
