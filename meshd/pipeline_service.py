@@ -24,7 +24,7 @@ from typing import Any
 
 import structlog
 
-from engine.pipeline import limits, wire
+from engine.pipeline import direct, limits, wire
 from engine.pipeline.client import PipelinedModel, PipelineUnavailable, Run, StageFailed, StageLink
 from engine.pipeline.layout import embed_bytes, fingerprint, need_of
 from engine.pipeline.planner import Need, Offer, Plan, PlanError, Stage, make_plan
@@ -258,6 +258,7 @@ class Serving:
                 self.current_run = run
                 self.runs[run.id] = run
                 self.reason = None
+                self.svc.attach_direct(run)
                 log.info("pipeline_planned", model=self.name, run=f"{run.id:016x}", plan=plan.describe())
                 if cur is not None:
                     self._retire(cur)
@@ -329,6 +330,7 @@ class Serving:
                             "layers": [lk.first, lk.last],
                             "rtt_ms": self.svc.rtt_ms(lk.node_id),
                             "path": getattr(lk.channel, "path", None),  # quic | lane | relay
+                            "direct": lk.direct is not None and not lk.direct.closed,
                             **lk.stats.as_dict(),
                         }
                         for lk in r.links
@@ -359,6 +361,9 @@ class PipelineService:
         self._wake = asyncio.Event()
         self._kept: set[str] = set()
         self._collector: Any = None
+        self._directs: dict[str, direct.DirectHop] = {}  # stage node -> its direct channel (serving side)
+        self._dialling: set[str] = set()
+        self._dial_after: dict[str, float] = {}  # stage node -> loop time it may be dialled again
 
     @classmethod
     def from_config(cls, config: Any) -> PipelineService:
@@ -383,6 +388,12 @@ class PipelineService:
         if self.specs:
             self.hosts = await asyncio.to_thread(self._load_hosts, _experts_for(daemon))
             self.transport.on_stream(StreamType.PIPELINE, self._serve)
+            lanes = getattr(self.transport, "lane", None)  # transport.lane.LaneManager (the lane service)
+            if lanes is not None:
+                from transport.lane_direct import SERVICE_PIPELINE
+
+                hosts = self.hosts
+                lanes.direct_handlers[SERVICE_PIPELINE] = lambda peer, ch: direct.serve(hosts, peer.node_id, ch)
             for h in self.hosts:
                 log.info(
                     "pipeline_stage_ready",
@@ -443,6 +454,8 @@ class PipelineService:
         for s in self.serving:
             for run in list(s.runs.values()):
                 run.close("stopping")
+        for hop in self._directs.values():
+            hop.close("stopping")
         if self.transport is not None:
             with contextlib.suppress(ValueError):
                 self.transport.on_peer_up.remove(self._peer_up)
@@ -472,11 +485,60 @@ class PipelineService:
                     await s.replan()
                 except Exception as e:  # noqa: BLE001 - planning must never stop the loop
                     log.warning("pipeline_replan_failed", model=s.name, error=repr(e))
+                if s.current_run is not None and not s.current_run.dead:
+                    self.attach_direct(s.current_run)  # a channel that closed is dialled again
 
     def _peer_up(self, peer: Any) -> None:
         for s in self.serving:
             s.forget_failure(peer.node_id)  # a restarted stage may serve again
         self._wake.set()
+
+    def attach_direct(self, run: Run) -> None:
+        """Give each of ``run``'s stage links that rides a data lane a direct channel to its stage
+        (``engine.pipeline.direct``): the one this node has, or one dialled in the background. Best effort:
+        without one, steps go on the stream. Loop thread."""
+        if not direct.enabled():
+            return
+        for link in run.links:
+            if link.direct is not None and not link.direct.closed or link.closed:
+                continue
+            hop = self._directs.get(link.node_id)
+            if hop is not None and not hop.closed:
+                link.direct = hop
+            elif link.node_id not in self._dialling:
+                self._spawn(self._dial_direct(run, link))
+
+    async def _dial_direct(self, run: Run, link: StageLink) -> None:
+        from transport.errors import TransportError
+        from transport.lane_direct import SERVICE_PIPELINE
+        from transport.stream_api import PATH_LANE
+
+        node = link.node_id
+        loop = asyncio.get_running_loop()
+        old = self._directs.pop(node, None)
+        if old is not None:  # it closed (a failure on it, or the stage went away): not at once again
+            self._dial_after[node] = loop.time() + limits.DIRECT_REDIAL_S
+        lanes = getattr(self.transport, "lane", None)
+        peer = self.transport.peer(node) if self.transport is not None else None
+        if (lanes is None or peer is None or getattr(link.channel, "path", None) != PATH_LANE
+                or loop.time() < self._dial_after.get(node, 0.0)):
+            return
+        self._dialling.add(node)
+        try:
+            hop = direct.DirectHop(await lanes.dial_direct(peer, SERVICE_PIPELINE))
+        except (TransportError, OSError) as e:
+            self._dial_after[node] = loop.time() + limits.DIRECT_REDIAL_S
+            log.info("pipeline_direct_unavailable", stage=node[:12], error=str(e))
+            return
+        finally:
+            self._dialling.discard(node)
+        self._directs[node] = hop
+        log.info("pipeline_direct_up", stage=node[:12])
+        for s in self.serving:
+            for r in s.runs.values():
+                for lk in r.links:
+                    if lk.node_id == node and not lk.closed and (lk.direct is None or lk.direct.closed):
+                        lk.direct = hop
 
     # --- stage side --------------------------------------------------------------------------------
 
