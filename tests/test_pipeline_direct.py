@@ -176,9 +176,9 @@ def test_reply_lost_after_the_stage_computed_is_taken_again_on_the_stream(tiny: 
 
 pytest.importorskip("meshd.membership.service")
 
-from conftest import meshd_env  # noqa: E402
-from daemon_testlib import Node, start_node  # noqa: E402
-from pipeline_mesh import (  # noqa: E402
+from conftest import meshd_env
+from daemon_testlib import Node, start_node
+from pipeline_mesh import (
     collect,
     invite,
     pipeline_status,
@@ -187,10 +187,10 @@ from pipeline_mesh import (  # noqa: E402
     stage,
     stage_status,
     stream,
-    wait_for as wait_until,
     wait_plan,
     whole,
 )
+from pipeline_mesh import wait_for as wait_until
 
 CHAT = ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "a direct hop"}],
                                  "max_tokens": 16, "logprobs": True, "top_logprobs": 2})
