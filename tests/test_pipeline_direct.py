@@ -83,8 +83,8 @@ def _generate(model: Any, tok: Tokenizer, seed: int | None, on_event: Callable[[
     return ids, lps, text
 
 
-def _inproc(tiny: Path, body: Callable[..., Any]) -> None:
-    """A serving node (layers 0-1) and a stage (2-3 + head) on two real transports with a lane between them,
+def _inproc(tiny: Path, body: Callable[..., Any], cut: int = 2) -> None:
+    """A serving node (layers 0..cut-1) and a stage (the rest + head) on two real transports with a lane between them,
     the stage link's direct channel dialled; ``body(model, tok, host, run, link, hop, stage_channels)`` runs
     on a thread (the scheduler's role) while the loop serves both ends."""
     model, tok = Model.load(tiny), Tokenizer.load(tiny)
@@ -105,11 +105,12 @@ def _inproc(tiny: Path, body: Callable[..., Any]) -> None:
             b_id = p.b.identity.node_id
             stream = await p.peer_of_b.open_stream(StreamType.PIPELINE)
             assert stream.path == "lane"
-            link = StageLink(b_id, stream, 2, 3)
+            last = model.config.num_layers - 1
+            link = StageLink(b_id, stream, cut, last)
             run_id = 0x5EED
             await link.open(run_id, fp, model.config.num_layers)
-            run = Run(run_id, Plan((Stage(p.a.identity.node_id, 0, 1), Stage(b_id, 2, 3))), model.part(0, 1),
-                      [link])
+            run = Run(run_id, Plan((Stage(p.a.identity.node_id, 0, cut - 1), Stage(b_id, cut, last))),
+                      model.part(0, cut - 1), [link])
             hop = direct.DirectHop(await p.la.dial_direct(p.peer_of_b, SERVICE_PIPELINE))
             link.direct = hop
             pm = PipelinedModel(model, _Provider(run, asyncio.get_running_loop()))
@@ -170,6 +171,63 @@ def test_reply_lost_after_the_stage_computed_is_taken_again_on_the_stream(tiny: 
         assert host.direct_steps == 5 and link.stats.direct_calls == 4
 
     _inproc(tiny, body)
+
+
+@pytest.fixture(scope="module")
+def batchable(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint the compiled batched step covers (as tests/test_pipeline_batch.py's), tiny's tokenizer."""
+    import json
+    import shutil
+
+    from experts_util import make_moe_checkpoint
+
+    tiny = create_tiny(tmp_path_factory.mktemp("direct") / "tiny")
+    vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
+    path = make_moe_checkpoint(tmp_path_factory.mktemp("direct") / "src", family="qwen3_moe", layers=3,
+                               experts=8, hidden=512, inter=512, top_k=4, vocab=vocab, seed=5)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (tiny / name).is_file():
+            shutil.copy(tiny / name, path / name)
+    return path
+
+
+def test_batched_group_step_over_the_direct_channel_and_a_lost_reply_rewinds_every_row(batchable: Path) -> None:
+    """With one group (the machine's pipeline processes share its cores), a batched decode step goes over the
+    direct channel too; each row equals the sequence's lone local step; a lost reply rewinds every row."""
+    pytest.importorskip("numba")
+
+    def body(model: Any, pm: Any, tok: Any, host: Any, link: Any, hop: Any, chans: Any) -> None:
+        pm.provider.run.groups = 1  # as on a 2-core machine whatever this one has
+        prompts = [tok.encode(t) for t in ("The mesh holds", "layers far away", "a direct hop")]
+        caches = [pm.new_cache() for _ in prompts]
+        local = [model.new_cache() for _ in prompts]
+        if pm.decode_groups(caches) != 1:
+            pytest.skip("no batched pipeline step here (the compiled kernels do not cover this checkpoint)")
+        toks = []
+        for ids, c, lc in zip(prompts, caches, local):
+            want = model.forward(ids, lc, last_only=True)[-1]
+            assert np.array_equal(pm.forward(ids, c, last_only=True)[-1], want)
+            toks.append(int(np.argmax(want)))
+        real = host.direct_step
+
+        def lose_the_third_reply(f: Any, peer_id: str) -> Any:
+            reply = real(f, peer_id)
+            if host.direct_steps == 3:
+                chans[0].close("test: the connection dies before the reply is out")
+            return reply
+
+        host.direct_step = lose_the_third_reply
+        for _ in range(5):
+            got = [pm.finish_one(p) for p in pm.start_many(toks, caches)]
+            want = [model.forward([t], lc, last_only=True)[-1] for t, lc in zip(toks, local)]
+            assert all(np.array_equal(g, w) for g, w in zip(got, want))
+            toks = [int(np.argmax(w)) for w in want]
+        assert host.direct_steps == 3 and link.stats.direct_calls == 2, link.stats.as_dict()
+        assert host.rewound == len(prompts) and hop.closed, host.status()
+        # one call per prompt and per batched step: the lost step was taken again as one batched step
+        assert link.stats.calls == len(prompts) + 5, link.stats.as_dict()
+
+    _inproc(batchable, body, cut=1)
 
 
 # --- real daemons -----------------------------------------------------------------------------------------

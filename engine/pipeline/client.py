@@ -142,7 +142,7 @@ class Run:
 
     def direct(self, x: np.ndarray, span: tuple[wire.SeqSpan, ...], last_only: bool
                ) -> concurrent.futures.Future[Any] | None:
-        """A one-row step over the stages' direct channels on this (the scheduler's) thread, blocking
+        """A decode step (a row a sequence) over the stages' direct channels on this (the scheduler's) thread, blocking
         (``engine.pipeline.direct``) -> a done future of the last stage's logits; from a hop the channel cannot
         take on, the stream's latency path (``start``) from that link. None: the first link has no direct
         channel up (the caller uses ``start``)."""
@@ -492,8 +492,14 @@ class PipelinedModel:
         if run.local.layers:
             x = step.run(x, [c.local for c in caches])
         span = tuple(wire.SeqSpan(c.seq, p, 1) for c, p in zip(caches, pasts))
-        fut = run.start(x, span, False, False, handed=True) if run.loop is not None else \
-            self.provider.submit(run.forward(x, span, False))
+        fut = None
+        if run.loop is not None and run.groups == 1 and x.shape[0] <= limits.INLINE_ROWS:
+            # one group: the scheduler takes this step's results next, with nothing to compute meanwhile,
+            # so the step can go over the direct channels on this thread like a lone one
+            fut = run.direct(x, span, False)
+        if fut is None:
+            fut = run.start(x, span, False, False, handed=True) if run.loop is not None else \
+                self.provider.submit(run.forward(x, span, False))
         self._out.append(fut)
         return [Pending(c, a, p, fut, row=i) for i, (c, a, p) in enumerate(zip(caches, arrs, pasts))]
 

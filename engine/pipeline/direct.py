@@ -1,15 +1,16 @@
 """A pipeline stage's decode hop over a direct channel (``transport.lane_direct``): no event loop either side.
 
 Beside the PIPELINE stream of a stage reached over a data lane, the serving node dials a direct channel to the
-same stage (``SERVICE_PIPELINE``): a blocking TLS socket, authenticated as the lane is. A lone one-row decode
-step is then sent by the serving node's scheduler thread itself (``DirectHop.call``: the FORWARD written and
+same stage (``SERVICE_PIPELINE``): a blocking TLS socket, authenticated as the lane is. A decode step the
+scheduler thread waits for next (a lone sequence's; a batched step of every live sequence when they step as one
+group, ``Run.groups == 1``) is then sent by that thread itself (``DirectHop.call``: the FORWARD written and
 its RESULT read on that thread, one hop after the other for 3 stages) and the stage computes it in the
 channel's own thread (``serve``: read a frame, ``StageHost.direct_step``, write the reply). The frames are the
 stream's (``engine.pipeline.wire``, one per channel message) and the stage computes with the same functions,
 caches and locks as its stream's inline steps, so the bits are the same either way.
 
-The channel only carries steps: OPEN, prefill chunks, FREE, batched and rolling steps and recovery stay on the
-stream, and a step is only taken for a run the same node opened on its stream (``StageHost.owners``), so the
+The channel only carries decode steps (a row a sequence): OPEN, prefill chunks, FREE, steps of rolling decode or
+of several groups (their scheduler computes while they are out) and recovery stay on the stream, and a step is only taken for a run the same node opened on its stream (``StageHost.owners``), so the
 stage's sequence table has one owner. Anything unusual (a closed, broken or slow channel, a frame that does
 not fit, an ERROR) sends that step on the stream instead, from the hop that failed; a channel that failed is
 closed and dialled again later (``meshd.pipeline_service``). A step whose reply was lost may already be in
@@ -62,7 +63,7 @@ class DirectHop:
         return self._step
 
     def call(self, link: Any, frame: wire.Forward, last: bool) -> wire.Result | None:
-        """One hop of a one-row step to ``link``'s stage (the caller's thread, blocking) -> the stage's RESULT
+        """One hop of a decode step (a row a sequence) to ``link``'s stage (the caller's thread, blocking) -> the stage's RESULT
         (logits when ``last``), or None: the channel could not take it (busy, closed, broken, slow, an ERROR,
         a reply that does not fit), and the caller sends this hop on the stream. Never raises."""
         ch = self.channel

@@ -253,14 +253,14 @@ class StageHost:
         return data
 
     def direct_step(self, f: wire.Forward, peer_id: str) -> wire.Frame:
-        """A step that came over a direct channel from ``peer_id`` (its thread): one row of one sequence of a
-        run that ``peer_id`` opened on its stream and has not freed; computed as the stream's inline steps are
-        (``_step_reply``). -> its RESULT, or the ERROR that says why not (the serving node then sends the step
+        """A step that came over a direct channel from ``peer_id`` (its thread): a decode step (one row of each
+        sequence, at most ``INLINE_ROWS``) of a run that ``peer_id`` opened on its stream and has not freed;
+        computed as the stream's inline steps are (``_step_reply``). -> its RESULT, or the ERROR that says why not (the serving node then sends the step
         on its stream)."""
         if self.owners.get(f.run) != peer_id:
             return wire.Error(f.step, wire.ErrorCode.UNKNOWN_RUN, f"run {f.run:016x} is not open here")
-        if len(f.spans) != 1 or f.spans[0].count != 1 or f.x.shape[0] != 1:
-            return wire.Error(f.step, wire.ErrorCode.PROTOCOL, "a direct step is one row of one sequence")
+        if not _one_row_each(f) or f.x.shape[0] > limits.INLINE_ROWS:
+            return wire.Error(f.step, wire.ErrorCode.PROTOCOL, "a direct step is a decode step (a row a sequence)")
         rng = self.runs.get(f.run)
         part = self.parts.get(rng) if rng is not None else None
         if part is None:
@@ -455,13 +455,15 @@ class StageHost:
         return False
 
     def _caches(self, part: Any, f: wire.Forward, now: float, direct: bool = False) -> list[Any]:
-        """The caches of f's sequences (lock held), created at position 0. A sequence one position ahead of
-        f's start whose last step came over a direct channel with exactly f's input is rewound by that step
-        (the serving node lost the direct reply and sent the step again on its stream): the step is computed
-        again over the same positions, so the cache and the reply get the same bits."""
+        """The caches of f's sequences (lock held), created at position 0. In a decode step (a row a sequence),
+        a sequence one position ahead of its start whose last step came over a direct channel with exactly this
+        row as input is rewound by that step (the serving node lost the direct reply and sent the step again on
+        its stream): the row is computed again over the same positions, so the cache and the reply get the same
+        bits (every row of a step has its lone step's bits)."""
         caches = []
-        again = len(f.spans) == 1 and f.spans[0].count == 1 and f.x.shape[0] == 1
-        for s in f.spans:
+        rows = _one_row_each(f)
+        rewind: list[Any] = []  # caches to rewind once every span is known to be fine
+        for r, s in enumerate(f.spans):
             entry = self.seqs.get((f.run, s.seq))
             if entry is None:
                 if s.start != 0:
@@ -477,18 +479,27 @@ class StageHost:
                 self.seqs[(f.run, s.seq)] = entry
             if entry.cache.length != s.start:
                 redo = entry.redo
-                if not (again and redo is not None and entry.cache.length == s.start + 1
-                        and redo[0] == s.start and redo[1] == f.x.tobytes()):
+                if not (rows and redo is not None and entry.cache.length == s.start + 1
+                        and redo[0] == s.start and redo[1] == f.x[r].tobytes()):
                     raise StageError(
                         wire.ErrorCode.POSITION_MISMATCH,
                         f"sequence {s.seq} is at position {entry.cache.length}, asked from {s.start}",
                     )
-                entry.cache.truncate(s.start)
-                self.rewound += 1
-            entry.redo = (s.start, f.x.tobytes()) if direct else None
-            entry.used = now
+                rewind.append(entry.cache)
             caches.append(entry.cache)
+        for cache in rewind:
+            cache.truncate(cache.length - 1)
+        self.rewound += len(rewind)
+        for r, s in enumerate(f.spans):
+            entry = self.seqs[(f.run, s.seq)]
+            entry.redo = (s.start, f.x[r].tobytes()) if direct and rows else None
+            entry.used = now
         return caches
+
+
+def _one_row_each(f: wire.Forward) -> bool:
+    """Whether ``f`` is a decode step: one row of each of its sequences."""
+    return f.x.shape[0] == len(f.spans) and all(s.count == 1 for s in f.spans)
 
 
 SERIAL = os.environ.get("MESHD_PIPELINE_SERIAL", "0") == "1"  # off by default: see limits.CROWDED_WINDOW_S
