@@ -518,7 +518,7 @@ def main() -> int:
             nonlocal times
             t, _, _ = _request(
                 s2.run["api"],
-                {"model": "m", "prompt": short[1], "max_tokens": 200, "temperature": 0, "stream": True},
+                {"model": "m", "prompt": short[1 % len(short)], "max_tokens": 200, "temperature": 0, "stream": True},
             )
             times = t
 
