@@ -30,6 +30,7 @@ from engine.pipeline.layout import embed_bytes, fingerprint, need_of
 from engine.pipeline.planner import Need, Offer, Plan, PlanError, Stage, make_plan
 from engine.pipeline.stage import StageHost
 from meshd.errors import UsageError
+from meshd.pipeline_direct import DirectDialer
 
 log = structlog.get_logger(__name__)
 
@@ -361,9 +362,7 @@ class PipelineService:
         self._wake = asyncio.Event()
         self._kept: set[str] = set()
         self._collector: Any = None
-        self._directs: dict[str, direct.DirectHop] = {}  # stage node -> its direct channel (serving side)
-        self._dialling: set[str] = set()
-        self._dial_after: dict[str, float] = {}  # stage node -> loop time it may be dialled again
+        self.directs = DirectDialer(self)  # the serving side's direct channels to stages
 
     @classmethod
     def from_config(cls, config: Any) -> PipelineService:
@@ -454,8 +453,7 @@ class PipelineService:
         for s in self.serving:
             for run in list(s.runs.values()):
                 run.close("stopping")
-        for hop in self._directs.values():
-            hop.close("stopping")
+        self.directs.close()
         if self.transport is not None:
             with contextlib.suppress(ValueError):
                 self.transport.on_peer_up.remove(self._peer_up)
@@ -494,51 +492,8 @@ class PipelineService:
         self._wake.set()
 
     def attach_direct(self, run: Run) -> None:
-        """Give each of ``run``'s stage links that rides a data lane a direct channel to its stage
-        (``engine.pipeline.direct``): the one this node has, or one dialled in the background. Best effort:
-        without one, steps go on the stream. Loop thread."""
-        if not direct.enabled():
-            return
-        for link in run.links:
-            if link.direct is not None and not link.direct.closed or link.closed:
-                continue
-            hop = self._directs.get(link.node_id)
-            if hop is not None and not hop.closed:
-                link.direct = hop
-            elif link.node_id not in self._dialling:
-                self._spawn(self._dial_direct(run, link))
-
-    async def _dial_direct(self, run: Run, link: StageLink) -> None:
-        from transport.errors import TransportError
-        from transport.lane_direct import SERVICE_PIPELINE
-        from transport.stream_api import PATH_LANE
-
-        node = link.node_id
-        loop = asyncio.get_running_loop()
-        old = self._directs.pop(node, None)
-        if old is not None:  # it closed (a failure on it, or the stage went away): not at once again
-            self._dial_after[node] = loop.time() + limits.DIRECT_REDIAL_S
-        lanes = getattr(self.transport, "lane", None)
-        peer = self.transport.peer(node) if self.transport is not None else None
-        if (lanes is None or peer is None or getattr(link.channel, "path", None) != PATH_LANE
-                or loop.time() < self._dial_after.get(node, 0.0)):
-            return
-        self._dialling.add(node)
-        try:
-            hop = direct.DirectHop(await lanes.dial_direct(peer, SERVICE_PIPELINE))
-        except (TransportError, OSError) as e:
-            self._dial_after[node] = loop.time() + limits.DIRECT_REDIAL_S
-            log.info("pipeline_direct_unavailable", stage=node[:12], error=str(e))
-            return
-        finally:
-            self._dialling.discard(node)
-        self._directs[node] = hop
-        log.info("pipeline_direct_up", stage=node[:12])
-        for s in self.serving:
-            for r in s.runs.values():
-                for lk in r.links:
-                    if lk.node_id == node and not lk.closed and (lk.direct is None or lk.direct.closed):
-                        lk.direct = hop
+        """Direct channels for ``run``'s stage links (``meshd.pipeline_direct``). Loop thread."""
+        self.directs.attach(run)
 
     # --- stage side --------------------------------------------------------------------------------
 
