@@ -13,7 +13,7 @@ The channel only carries decode steps (a row a sequence): OPEN, prefill chunks, 
 of several groups (their scheduler computes while they are out) and recovery stay on the stream, and a step is only taken for a run the same node opened on its stream (``StageHost.owners``), so the
 stage's sequence table has one owner. Anything unusual (a closed, broken or slow channel, a frame that does
 not fit, an ERROR) sends that step on the stream instead, from the hop that failed; a channel that failed is
-closed and dialled again later (``meshd.pipeline_service``). A step whose reply was lost may already be in
+closed and dialled again later (``meshd.pipeline_direct``). A step whose reply was lost may already be in
 the stage's cache: the stage then rewinds it and computes it again (``StageHost._caches``), so the output is
 the same. ``MESHD_PIPELINE_DIRECT=0`` (in the serving node's process) never dials one.
 """
