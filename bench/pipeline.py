@@ -21,7 +21,9 @@ as the serving node sees it) - (the stage's own compute), per decode step, from 
 counters over the single-stream decode, set against the round trip of the stage's own stream measured in
 the same decode (the serving node's pings: a KEEPALIVE the stage echoes; status ``path_rtt_ms_avg``) and,
 for reference, QUIC's smoothed round trip. The path column says what carried the stage streams (``lane``
-when the data lane was up, else ``quic``). Peak RSS (VmHWM) of every stage process against the bytes of
+when the data lane was up, else ``quic``; ``+direct`` when lone decode steps went over the stage's direct
+channel, whose own round trip the pings then measure: ``--variant MESHD_PIPELINE_DIRECT=0`` gives the lane's
+stream in the same run). Peak RSS (VmHWM) of every stage process against the bytes of
 the weights it holds, and of both processes of a 2-stage split of the same checkpoint grown to
 --large-layers layers (1.6 GB at 24), where the daemon's fixed ~90 MB weighs less; the idle daemon
 (a stage of the same checkpoint that is never planned) is measured too. ``--python`` runs the nodes with
@@ -240,7 +242,7 @@ def _stage_sums(srv: Node) -> dict[str, tuple[int, float, float, int, float, str
             lk["compute_ms_avg"] * n / 1e3,
             p,
             (lk.get("path_rtt_ms_avg") or 0.0) * p / 1e3,
-            str(lk.get("path")),
+            str(lk.get("path")) + ("+direct" if lk.get("direct_calls") else ""),
         )
     return out
 
@@ -516,7 +518,7 @@ def main() -> int:
             nonlocal times
             t, _, _ = _request(
                 s2.run["api"],
-                {"model": "m", "prompt": short[1], "max_tokens": 200, "temperature": 0, "stream": True},
+                {"model": "m", "prompt": short[1 % len(short)], "max_tokens": 200, "temperature": 0, "stream": True},
             )
             times = t
 

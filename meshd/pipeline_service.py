@@ -25,12 +25,13 @@ from typing import Any
 import structlog
 
 from engine import numerics
-from engine.pipeline import limits, wire
+from engine.pipeline import direct, limits, wire
 from engine.pipeline.client import PipelinedModel, PipelineUnavailable, Run, StageFailed, StageLink
 from engine.pipeline.layout import embed_bytes, fingerprint, need_of
 from engine.pipeline.planner import Need, Offer, Plan, PlanError, Stage, make_plan
 from engine.pipeline.stage import StageHost
 from meshd.errors import UsageError
+from meshd.pipeline_direct import DirectDialer
 
 log = structlog.get_logger(__name__)
 
@@ -259,6 +260,7 @@ class Serving:
                 self.current_run = run
                 self.runs[run.id] = run
                 self.reason = None
+                self.svc.attach_direct(run)
                 log.info("pipeline_planned", model=self.name, run=f"{run.id:016x}", plan=plan.describe())
                 if cur is not None:
                     self._retire(cur)
@@ -331,6 +333,7 @@ class Serving:
                             "layers": [lk.first, lk.last],
                             "rtt_ms": self.svc.rtt_ms(lk.node_id),
                             "path": getattr(lk.channel, "path", None),  # quic | lane | relay
+                            "direct": lk.direct is not None and not lk.direct.closed,
                             **lk.stats.as_dict(),
                         }
                         for lk in r.links
@@ -361,6 +364,7 @@ class PipelineService:
         self._wake = asyncio.Event()
         self._kept: set[str] = set()
         self._collector: Any = None
+        self.directs = DirectDialer(self)  # the serving side's direct channels to stages
 
     @classmethod
     def from_config(cls, config: Any) -> PipelineService:
@@ -385,6 +389,12 @@ class PipelineService:
         if self.specs:
             self.hosts = await asyncio.to_thread(self._load_hosts, _experts_for(daemon))
             self.transport.on_stream(StreamType.PIPELINE, self._serve)
+            lanes = getattr(self.transport, "lane", None)  # transport.lane.LaneManager (the lane service)
+            if lanes is not None:
+                from transport.lane_direct import SERVICE_PIPELINE
+
+                hosts = self.hosts
+                lanes.direct_handlers[SERVICE_PIPELINE] = lambda peer, ch: direct.serve(hosts, peer.node_id, ch)
             for h in self.hosts:
                 log.info(
                     "pipeline_stage_ready",
@@ -446,6 +456,7 @@ class PipelineService:
         for s in self.serving:
             for run in list(s.runs.values()):
                 run.close("stopping")
+        self.directs.close()
         if self.transport is not None:
             with contextlib.suppress(ValueError):
                 self.transport.on_peer_up.remove(self._peer_up)
@@ -475,11 +486,17 @@ class PipelineService:
                     await s.replan()
                 except Exception as e:  # noqa: BLE001 - planning must never stop the loop
                     log.warning("pipeline_replan_failed", model=s.name, error=repr(e))
+                if s.current_run is not None and not s.current_run.dead:
+                    self.attach_direct(s.current_run)  # a channel that closed is dialled again
 
     def _peer_up(self, peer: Any) -> None:
         for s in self.serving:
             s.forget_failure(peer.node_id)  # a restarted stage may serve again
         self._wake.set()
+
+    def attach_direct(self, run: Run) -> None:
+        """Direct channels for ``run``'s stage links (``meshd.pipeline_direct``). Loop thread."""
+        self.directs.attach(run)
 
     # --- stage side --------------------------------------------------------------------------------
 

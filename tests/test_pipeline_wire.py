@@ -143,3 +143,16 @@ def test_mutated_golden_frames_never_escape(item, pos: int, byte: int) -> None: 
         wire.FrameDecoder().feed(bytes(data))
     except wire.RemoteProtocolError:
         pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(GOLDEN), st.binary(max_size=40), st.integers(0, 200))
+def test_decode_one_takes_exactly_one_whole_frame(item, junk: bytes, cut: int) -> None:  # type: ignore[no-untyped-def]
+    """A direct channel's message (engine.pipeline.direct): exactly one frame, else RemoteProtocolError."""
+    data = wire.encode(item[0])
+    assert _same(wire.decode_one(data), item[0])
+    for bad in (data + data, data[: cut % len(data)], data + (junk or b"\0")):
+        with pytest.raises(wire.RemoteProtocolError):
+            wire.decode_one(bad)
+    with pytest.raises(wire.RemoteProtocolError):  # the direct channel's own bound
+        wire.decode_one(data, max_frame_bytes=len(data) - 5)

@@ -7,8 +7,8 @@ the lane's echo in decode 0.29-0.55 ms against a plain TCP echo's 0.04-0.1 ms). 
 more TLS 1.3 connection to the same lane port, kept out of asyncio: an ``ssl.SSLSocket`` on a blocking TCP
 socket (``TCP_NODELAY``), read and written by the thread that needs the answer (the coordinator's engine
 thread; the worker's serving thread), with no event-loop hop on either side. Messages are
-``length u32 | payload``; what they mean is the service's business (expert RPC today; a pipeline stage's
-activation hop can use the same blocking request/reply later).
+``length u32 | payload``; what they mean is the service's business (expert RPC, ``engine.experts.direct``;
+a pipeline stage's decode hop, ``engine.pipeline.direct``).
 
 How one comes up (the client is the node that wants to make calls)::
 
@@ -51,7 +51,7 @@ from transport.identity import NodeIdentity, node_id_from_public_key
 DIRECT_MAGIC = b"MDIRECT"
 assert len(DIRECT_MAGIC) + 1 == limits.LANE_DIRECT_MAGIC_BYTES  # noqa: S101 - module constants
 SERVICE_EXPERTS = 1  # expert RPC (engine.experts.direct)
-SERVICE_PIPELINE = 2  # reserved: a pipeline stage's activation hop
+SERVICE_PIPELINE = 2  # a pipeline stage's decode hop (engine.pipeline.direct)
 _RECORD = struct.Struct(">I")
 _JOIN_BELOW_BYTES = 64 * 1024  # header and payload written as one (one TLS record up to 16 KiB)
 

@@ -111,7 +111,7 @@ class Run:
 
     def start(
         self, x: np.ndarray, span: tuple[wire.SeqSpan, ...], last_only: bool, wait: bool = False,
-        handed: bool = False
+        handed: bool = False, first: int = 0
     ) -> concurrent.futures.Future[Any]:
         """``forward`` from another thread, as the latency path: one ``call_soon_threadsafe`` hands the step
         to the loop, each hop's RESULT is taken in the read callback, which sends the next hop right there,
@@ -121,23 +121,46 @@ class Run:
         decode-sized steps ask their stages to poll for the next one the same way (FLAG_POLL). ``handed``:
         return once the loop has written the frame, or after ``HANDOFF_WAIT_S`` (a caller that computes
         meanwhile holds the GIL, and the loop thread, woken to send, could wait the whole switch interval
-        for it: the stages would idle while this node computes the next sequence)."""
+        for it: the stages would idle while this node computes the next sequence). ``first``: the link to
+        start from (the hops before it were made over direct channels)."""
         out: concurrent.futures.Future[Any] = concurrent.futures.Future()
         assert self.loop is not None
         if not handed:
-            self.loop.call_soon_threadsafe(self._hop, out, 0, x, span, last_only, wait)
+            self.loop.call_soon_threadsafe(self._hop, out, first, x, span, last_only, wait)
             return out
         sent = threading.Event()
 
-        def first() -> None:
+        def hop() -> None:
             try:
-                self._hop(out, 0, x, span, last_only, wait)
+                self._hop(out, first, x, span, last_only, wait)
             finally:
                 sent.set()
 
-        self.loop.call_soon_threadsafe(first)
+        self.loop.call_soon_threadsafe(hop)
         sent.wait(limits.HANDOFF_WAIT_S)  # the frame is out (or the link failed: the future says so), or
         # the loop thread found no free core that soon (a busy machine): this thread computes meanwhile
+        return out
+
+    def direct(self, x: np.ndarray, span: tuple[wire.SeqSpan, ...], last_only: bool
+               ) -> concurrent.futures.Future[Any] | None:
+        """A decode step (a row a sequence) over the stages' direct channels on this (the scheduler's) thread, blocking
+        (``engine.pipeline.direct``) -> a done future of the last stage's logits; from a hop the channel cannot
+        take on, the stream's latency path (``start``) from that link. None: the first link has no direct
+        channel up (the caller uses ``start``)."""
+        links = self.links
+        if not links or links[0].direct is None or links[0].direct.closed:
+            return None
+        for i, link in enumerate(links):
+            last = i == len(links) - 1
+            hop = link.direct
+            res = None
+            if hop is not None and not link.closed and not self.dead:
+                res = hop.call(link, wire.Forward(self.id, 0, span, x, last_only and last), last)
+            if res is None:
+                return self.start(x, span, last_only, wait=True, first=i)
+            x = res.x
+        out: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        out.set_result(x)
         return out
 
     def _hop(
@@ -423,6 +446,10 @@ class PipelinedModel:
         """The remote stages' part of a step, started from this (scheduler) thread (``wait``: it blocks on
         the result right away; else it computes meanwhile, so the frame must be out before it goes on)."""
         if run.loop is not None:
+            if wait and x.shape[0] == 1:  # a lone step: over the direct channels when they are up
+                fut = run.direct(x, _span(seq, past, 1), last_only)
+                if fut is not None:
+                    return fut
             return run.start(x, _span(seq, past, x.shape[0]), last_only, wait, handed=not wait)
         fut = self.provider.submit(run.forward(x, _span(seq, past, x.shape[0]), last_only))
         return fut  # type: ignore[no-any-return]
@@ -508,8 +535,14 @@ class PipelinedModel:
         if run.local.layers:
             x = step.run(x, [c.local for c in caches])
         span = tuple(wire.SeqSpan(c.seq, p, 1) for c, p in zip(caches, pasts))
-        fut = run.start(x, span, False, False, handed=True) if run.loop is not None else \
-            self.provider.submit(run.forward(x, span, False))
+        fut = None
+        if run.loop is not None and run.groups == 1 and x.shape[0] <= limits.INLINE_ROWS:
+            # one group: the scheduler takes this step's results next, with nothing to compute meanwhile,
+            # so the step can go over the direct channels on this thread like a lone one
+            fut = run.direct(x, span, False)
+        if fut is None:
+            fut = run.start(x, span, False, False, handed=True) if run.loop is not None else \
+                self.provider.submit(run.forward(x, span, False))
         self._out.append(fut)
         return [Pending(c, a, p, fut, row=i) for i, (c, a, p) in enumerate(zip(caches, arrs, pasts))]
 

@@ -59,3 +59,10 @@ CROWDED_WINDOW_S = 0.025  # a one-token step runs its kernel products on its own
 #   tens of ms; a lone stream's steps are its own. Only with ``MESHD_PIPELINE_SERIAL=1``: off by default,
 #   since two runs on the loaded VM (session 5, docs/pipeline.md) did not show a gain for 8 streams
 MAX_NUMERICS_BYTES = 200  # the numerics tag in OPEN (engine/numerics.py; engine.limits.NUMERICS_MAX_CHARS, ~70 today)
+DIRECT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # one frame on a pipeline direct channel: a one-row step's
+#   activations (a 64k-wide hidden row is 256 KiB) or its logits (a 256k vocabulary is 1 MiB), with room;
+#   anything larger is not a decode step and goes over the stream
+DIRECT_TIMEOUT_S = SILENCE_S  # a direct hop's send and its reply must each come within this (the stream's
+#   silence limit: there are no KEEPALIVEs on a direct channel); later, the channel is closed and the step
+#   goes over the stream, where the stage answers it (the same step again: ``StageHost`` rewinds it)
+DIRECT_REDIAL_S = 5.0  # a pipeline direct channel that closed is dialled again after this long at the earliest

@@ -42,6 +42,7 @@ class StageStats:
     buckets: list[int] = field(default_factory=empty_buckets)
     pings: int = 0
     ping_s: float = 0.0
+    direct_calls: int = 0  # steps answered over the direct channel (engine.pipeline.direct), of ``calls``
 
     def add_ping(self, rtt_s: float) -> None:
         self.pings += 1
@@ -62,6 +63,7 @@ class StageStats:
             "compute_ms_avg": round(self.compute_s / n * 1e3, 3),
             "hop_overhead_ms_avg": round((self.latency_s - self.compute_s) / n * 1e3, 3),
             "latency_ms_max": round(self.latency_max_s * 1e3, 3),
+            "direct_calls": self.direct_calls,
             "pings": self.pings,
             "path_rtt_ms_avg": round(self.ping_s / self.pings * 1e3, 3) if self.pings else None,
         }
@@ -126,6 +128,8 @@ class StageLink:
             asyncio.Lock()
         )  # FIFO: frames of concurrent steps go out in the order they were made
         self.wait_s = limits.POLL_MAX_S / 4  # moving average of a decode step's round trip (polling budget)
+        self.direct: Any = None  # engine.pipeline.direct.DirectHop to this stage, when one is up (set by the
+        #   daemon's pipeline service; one-row steps from the scheduler thread go over it)
 
     async def open(
         self,

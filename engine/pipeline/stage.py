@@ -49,6 +49,8 @@ ExecutorFactory = Callable[[Any], Any]  # (model part) -> expert executor, or No
 class _Seq:
     cache: Any
     used: float
+    redo: tuple[int, bytes] | None = None  # (start, input bytes) of its last step if that came over a direct
+    #   channel: the serving node may not have its reply, and may send the same step again on the stream
 
 
 class StageError(Exception):
@@ -80,13 +82,18 @@ class StageHost:
         self.parts: dict[tuple[int, int], Any] = {}
         self.executors: dict[tuple[int, int], Any] = {}
         self.runs: dict[int, tuple[int, int]] = {}  # run -> its range
+        self.owners: dict[int, str] = {}  # run -> the node that opened it (on its stream; direct steps too)
         self.seqs: dict[tuple[int, int], _Seq] = {}  # (run, seq) -> cache
         self.steps = 0
         self.compute_s = 0.0
+        self.direct_steps = 0  # one-row steps answered over a direct channel (engine.pipeline.direct)
+        self.rewound = 0  # steps taken again on the stream after their direct reply was lost
         self.loading: dict[tuple[int, int], asyncio.Future[Any]] = {}
         self._lock = threading.Lock()  # seqs is touched by the loop (free, sweep) and compute threads
         self.max_buffered_bytes = limits.MAX_BUFFERED_BYTES  # partly received frames over all streams
         self._buffered: dict[int, int] = {}  # stream (id of its decoder) -> bytes of its partial frame
+        self._step_lock = threading.Lock()  # one decode-sized step at a time: the loop's inline steps and
+        #   the direct channels' threads (a step taken again on the stream waits for the direct one)
 
     # --- state ------------------------------------------------------------------------------------
 
@@ -102,6 +109,7 @@ class StageHost:
                 del self.seqs[k]
         if not seqs:
             self.runs.pop(run, None)
+            self.owners.pop(run, None)
             self._drop_unused_parts()
         return len(keys)
 
@@ -146,6 +154,8 @@ class StageHost:
             "live_sequences": len(keys),
             "runs": runs,
             "steps": self.steps,
+            "direct_steps": self.direct_steps,
+            "rewound": self.rewound,
             "compute_ms_avg": round(self.compute_s / self.steps * 1e3, 3) if self.steps else 0.0,
         }
 
@@ -223,7 +233,7 @@ class StageHost:
                     if isinstance(item, _Unsent):
                         await _send_data(channel, item.data)
                     else:
-                        await self._handle(channel, item, mine)
+                        await self._handle(channel, item, mine, peer_id)
                 finally:
                     busy = False
         except Exception as e:  # noqa: BLE001 - a broken stream ends the session, never the daemon
@@ -272,10 +282,31 @@ class StageHost:
             return b""
         return data
 
-    def _step_reply(self, part: Any, executor: Any, f: wire.Forward) -> wire.Frame:
+    def direct_step(self, f: wire.Forward, peer_id: str) -> wire.Frame:
+        """A step that came over a direct channel from ``peer_id`` (its thread): a decode step (one row of each
+        sequence, at most ``INLINE_ROWS``) of a run that ``peer_id`` opened on its stream and has not freed;
+        computed as the stream's inline steps are (``_step_reply``). -> its RESULT, or the ERROR that says why not (the serving node then sends the step
+        on its stream)."""
+        if self.owners.get(f.run) != peer_id:
+            return wire.Error(f.step, wire.ErrorCode.UNKNOWN_RUN, f"run {f.run:016x} is not open here")
+        if not _one_row_each(f) or f.x.shape[0] > limits.INLINE_ROWS:
+            return wire.Error(f.step, wire.ErrorCode.PROTOCOL, "a direct step is a decode step (a row a sequence)")
+        rng = self.runs.get(f.run)
+        part = self.parts.get(rng) if rng is not None else None
+        if part is None:
+            return wire.Error(f.step, wire.ErrorCode.UNKNOWN_RUN, f"run {f.run:016x} is not open here")
+        if rng in self.executors:
+            return wire.Error(f.step, wire.ErrorCode.PROTOCOL, "experts delegated here: steps go on the stream")
+        reply = self._step_reply(part, None, f, direct=True)
+        if isinstance(reply, wire.Result):
+            self.direct_steps += 1
+        return reply
+
+    def _step_reply(self, part: Any, executor: Any, f: wire.Forward, direct: bool = False) -> wire.Frame:
         """Run a step here and now -> its RESULT, or the ERROR that says why not."""
         try:
-            out, logits, us = self._compute(part, executor, f)
+            with self._step_lock:
+                out, logits, us = self._compute(part, executor, f, direct)
         except StageError as e:
             return wire.Error(f.step, e.code, str(e))
         except Exception as e:  # noqa: BLE001 - the layers failed: say why, keep serving
@@ -290,7 +321,7 @@ class StageHost:
                 mine.discard(f.run)
             log.debug("pipeline_stage_freed", run=f"{f.run:016x}", sequences=n)
 
-    async def _handle(self, channel: Any, f: wire.Frame, mine: set[int]) -> None:
+    async def _handle(self, channel: Any, f: wire.Frame, mine: set[int], peer_id: str = "") -> None:
         if isinstance(f, wire.Open):
             task = asyncio.ensure_future(self._open(f))
             while True:  # loading may take a while: say we are alive meanwhile
@@ -304,6 +335,7 @@ class StageHost:
                 await _send(channel, wire.Error(0, e.code, str(e)))
                 return
             mine.add(f.run)
+            self.owners[f.run] = peer_id
             await _send(channel, ready)
         elif isinstance(f, wire.Forward):
             await self._forward(channel, f, mine)
@@ -397,7 +429,8 @@ class StageHost:
                 reply = wire.Error(f.step, wire.ErrorCode.COMPUTE_FAILED, f"{type(e).__name__}: {e}")
         await _send(channel, reply)
 
-    def _compute(self, part: Any, executor: Any, f: wire.Forward) -> tuple[np.ndarray, bool, int]:
+    def _compute(self, part: Any, executor: Any, f: wire.Forward,
+                 direct: bool = False) -> tuple[np.ndarray, bool, int]:
         """Our layers over f.x (a worker thread). -> (hidden or logits, is logits, compute µs)."""
         if trace.ON and f.x.shape[0] == 1:
             trace.mark("T.c0")
@@ -405,7 +438,7 @@ class StageHost:
         now = time.monotonic()
         _check_forward(part.config, f)
         with self._lock:
-            caches = self._caches(part, f, now)
+            caches = self._caches(part, f, now, direct)
             crowded = f.x.shape[0] == 1 and SERIAL and self._crowded(now)
         ex = executor or part.local_executor
         logits = part.lm_head is not None
@@ -458,9 +491,16 @@ class StageHost:
                     return True
         return False
 
-    def _caches(self, part: Any, f: wire.Forward, now: float) -> list[Any]:
+    def _caches(self, part: Any, f: wire.Forward, now: float, direct: bool = False) -> list[Any]:
+        """The caches of f's sequences (lock held), created at position 0. In a decode step (a row a sequence),
+        a sequence one position ahead of its start whose last step came over a direct channel with exactly this
+        row as input is rewound by that step (the serving node lost the direct reply and sent the step again on
+        its stream): the row is computed again over the same positions, so the cache and the reply get the same
+        bits (every row of a step has its lone step's bits)."""
         caches = []
-        for s in f.spans:
+        rows = _one_row_each(f)
+        rewind: list[Any] = []  # caches to rewind once every span is known to be fine
+        for r, s in enumerate(f.spans):
             entry = self.seqs.get((f.run, s.seq))
             if entry is None:
                 if s.start != 0:
@@ -475,12 +515,22 @@ class StageHost:
                 entry = _Seq(part.new_cache(), now)
                 self.seqs[(f.run, s.seq)] = entry
             if entry.cache.length != s.start:
-                raise StageError(
-                    wire.ErrorCode.POSITION_MISMATCH,
-                    f"sequence {s.seq} is at position {entry.cache.length}, asked from {s.start}",
-                )
-            entry.used = now
+                redo = entry.redo
+                if not (rows and redo is not None and entry.cache.length == s.start + 1
+                        and redo[0] == s.start and redo[1] == f.x[r].tobytes()):
+                    raise StageError(
+                        wire.ErrorCode.POSITION_MISMATCH,
+                        f"sequence {s.seq} is at position {entry.cache.length}, asked from {s.start}",
+                    )
+                rewind.append(entry.cache)
             caches.append(entry.cache)
+        for cache in rewind:
+            cache.truncate(cache.length - 1)
+        self.rewound += len(rewind)
+        for r, s in enumerate(f.spans):
+            entry = self.seqs[(f.run, s.seq)]
+            entry.redo = (s.start, f.x[r].tobytes()) if direct and rows else None
+            entry.used = now
         return caches
 
 
@@ -503,6 +553,11 @@ def _check_forward(config: Any, f: wire.Forward) -> None:
         if s.seq in seen:
             raise StageError(wire.ErrorCode.PROTOCOL, f"sequence {s.seq} appears twice in one step")
         seen.add(s.seq)
+
+
+def _one_row_each(f: wire.Forward) -> bool:
+    """Whether ``f`` is a decode step: one row of each of its sequences."""
+    return f.x.shape[0] == len(f.spans) and all(s.count == 1 for s in f.spans)
 
 
 SERIAL = os.environ.get("MESHD_PIPELINE_SERIAL", "0") == "1"  # off by default: see limits.CROWDED_WINDOW_S

@@ -424,3 +424,13 @@ class FrameDecoder:
         except RemoteProtocolError:
             self._failed = True
             raise
+
+
+def decode_one(data: bytes, max_frame_bytes: int = limits.MAX_FRAME_BYTES) -> Frame:
+    """``data`` as exactly one whole frame (a direct channel's message: ``engine.pipeline.direct``). Raises
+    ``RemoteProtocolError`` for anything else (a malformed frame, a partial one, bytes after it)."""
+    dec = FrameDecoder(max_frame_bytes)
+    frames = dec.feed(data)
+    if len(frames) != 1 or dec._buf or dec._need is not None:
+        raise RemoteProtocolError(ErrorCode.PROTOCOL, "a direct message must be exactly one frame")
+    return frames[0]
