@@ -173,6 +173,28 @@ def test_reply_lost_after_the_stage_computed_is_taken_again_on_the_stream(tiny: 
     _inproc(tiny, body)
 
 
+def test_a_direct_reply_of_the_wrong_shape_fails_the_stage_by_name(tiny: Path) -> None:
+    """As on the stream (tests/test_pipeline_hostile.py): logits wider than the vocabulary over the channel
+    are not sampled; the stage is failed by name (here no spare stage is left, so the generation ends)."""
+    def body(model: Any, pm: Any, tok: Any, host: Any, link: Any, hop: Any, chans: Any) -> None:
+        real = host.direct_step
+
+        def wider_logits(f: Any, peer_id: str) -> Any:
+            reply = real(f, peer_id)
+            if isinstance(reply, wire.Result) and reply.logits:
+                x = np.zeros((reply.x.shape[0], reply.x.shape[1] * 4), np.float32)
+                x[:, -1] = 50.0  # the largest logit past the vocabulary
+                return wire.Result(reply.run, reply.step, reply.compute_us, x, True)
+            return reply
+
+        host.direct_step = wider_logits
+        with pytest.raises(PipelineUnavailable, match="expected float32") as e:
+            _generate(pm, tok, None)
+        assert host.direct_steps >= 1 and link.closed, (e.value, host.status())
+
+    _inproc(tiny, body)
+
+
 @pytest.fixture(scope="module")
 def batchable(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkpoint the compiled batched step covers (as tests/test_pipeline_batch.py's), tiny's tokenizer."""

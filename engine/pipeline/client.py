@@ -158,6 +158,12 @@ class Run:
                 res = hop.call(link, wire.Forward(self.id, 0, span, x, last_only and last), last)
             if res is None:
                 return self.start(x, span, last_only, wait=True, first=i)
+            wrong = self.wrong_result(res, span, last_only, last)  # as on the stream: a member is not trusted
+            if wrong:
+                link.close(wrong)
+                failed: concurrent.futures.Future[Any] = concurrent.futures.Future()
+                failed.set_exception(StageFailed(link.node_id, wrong))
+                return failed
             x = res.x
         out: concurrent.futures.Future[Any] = concurrent.futures.Future()
         out.set_result(x)
