@@ -104,17 +104,7 @@ def _sched_yield(typingctx):  # noqa: ANN001, ANN202 - libc's sched_yield(), res
     return types.none(), codegen
 
 
-def _ptr_intrinsic(nbty):  # noqa: ANN001, ANN202
-    @intrinsic
-    def ptr(typingctx, addr):  # noqa: ANN001, ANN202
-        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
-            return builder.inttoptr(args[0], context.get_value_type(types.CPointer(nbty)))
-
-        return types.CPointer(nbty)(types.int64), codegen
-
-    return ptr
-
-
+_ptr_intrinsic = kernels.ptr_intrinsic
 _i64p = _ptr_intrinsic(types.int64)
 _f32p = _ptr_intrinsic(types.float32)
 _u8p = _ptr_intrinsic(types.uint8)

@@ -97,6 +97,17 @@ if AVAILABLE:
 
         return types.CPointer(types.float32)(n), codegen
 
+    def ptr_intrinsic(nbty):  # noqa: ANN001, ANN202
+        """An intrinsic turning an int64 address into a ``nbty*`` (engine/kernel_pool.py, engine/kernels_int.py)."""
+        @intrinsic
+        def ptr(typingctx, addr):  # noqa: ANN001, ANN202
+            def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+                return builder.inttoptr(args[0], context.get_value_type(types.CPointer(nbty)))
+
+            return types.CPointer(nbty)(types.int64), codegen
+
+        return ptr
+
     # Every kernel: per output row and activation row, lanes acc[0:L] (L = 64 or 128, four or eight AVX-512
     # registers) each accumulate the products of one fixed element position of the row's blocks, in block
     # order; then one sum of the L lanes, in lane order. The same loop body runs for every activation row, so

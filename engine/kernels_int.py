@@ -261,15 +261,7 @@ if AVAILABLE:
 
     _nopts = dict(cache=True, nogil=True, boundscheck=False, error_model="numpy")
 
-    def _ptr_intrinsic(nbty):  # noqa: ANN001, ANN202
-        @intrinsic
-        def ptr(typingctx, addr):  # noqa: ANN001, ANN202
-            def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
-                return builder.inttoptr(args[0], context.get_value_type(types.CPointer(nbty)))
-
-            return types.CPointer(nbty)(types.int64), codegen
-
-        return ptr
+    _ptr_intrinsic = kernels.ptr_intrinsic
 
     _f32p = _ptr_intrinsic(types.float32)
     _f64p = _ptr_intrinsic(types.float64)

@@ -222,15 +222,21 @@ def dial(identity: NodeIdentity, peer_public_key: bytes, address: tuple[str, int
             raise TransportError(f"direct channel refused: {reason}")
         return DirectChannel(tls, node_id_from_public_key(peer_public_key), service, True)
     except BaseException as e:
-        for s in (tls, raw):
-            if s is not None:
-                with contextlib.suppress(OSError):
-                    s.close()
-        if isinstance(e, RemoteProtocolError):
-            raise TransportError(f"direct channel failed: {e.reason}") from None
-        if isinstance(e, OSError | ValueError):
-            raise TransportError(f"direct channel failed: {e!r}") from None
+        _failed(e, tls, raw)
         raise
+
+
+def _failed(e: BaseException, *socks: socket.socket | None) -> None:
+    """A dial or accept failed with ``e``: close its sockets, and raise it as a ``TransportError`` where it is a
+    protocol, socket or value error (the caller re-raises anything else)."""
+    for s in socks:
+        if s is not None:
+            with contextlib.suppress(OSError):
+                s.close()
+    if isinstance(e, RemoteProtocolError):
+        raise TransportError(f"direct channel failed: {e.reason}") from None
+    if isinstance(e, OSError | ValueError):
+        raise TransportError(f"direct channel failed: {e!r}") from None
 
 
 def accept(sock: socket.socket, service: int, identity: NodeIdentity, cert_hash: bytes,
@@ -263,12 +269,5 @@ def accept(sock: socket.socket, service: int, identity: NodeIdentity, cert_hash:
         _send(tls, lane_wire.encode_ready(True), deadline)
         return peer, DirectChannel(tls, node_id_from_public_key(pub_c), service, False)
     except BaseException as e:
-        for s in (tls, sock):
-            if s is not None:
-                with contextlib.suppress(OSError):
-                    s.close()
-        if isinstance(e, RemoteProtocolError):
-            raise TransportError(f"direct channel failed: {e.reason}") from None
-        if isinstance(e, OSError | ValueError):
-            raise TransportError(f"direct channel failed: {e!r}") from None
+        _failed(e, tls, sock)
         raise
