@@ -42,8 +42,10 @@ def _status() -> dict:
                                             "layers": [4, 7],
                                             "rtt_ms": 2.5,
                                             "path": "lane",
+                                            "direct": True,
                                             "path_rtt_ms_avg": 0.31,
                                             "calls": 120,
+                                            "direct_calls": 117,
                                             "latency_ms_avg": 5.125,
                                             "compute_ms_avg": 4.5,
                                             "hop_overhead_ms_avg": 0.625,
@@ -79,9 +81,9 @@ def test_text_status_shows_the_plan_with_per_stage_timings() -> None:
     head = next(x for x in lines if x.strip().startswith("model m:"))
     assert "run 00000000000000a1" in head and "live sequences 3" in head, head
     me = next(x for x in lines if x.strip().startswith(SERVING))
-    assert me.split() == [SERVING, "(this", "node)", "0-3", "-", "-", "-", "-", "-", "-", "-"], me
+    assert me.split() == [SERVING, "(this", "node)", "0-3", "-", "-", "-", "-", "-", "-", "-", "-"], me
     st = next(x for x in lines if x.strip().startswith(STAGE))
-    assert st.split() == [STAGE, "4-7+head", "lane", "0.31", "120", "5.12", "4.50", "0.62", "14.00"], st
+    assert st.split() == [STAGE, "4-7+head", "lane+direct", "0.31", "120", "117", "5.12", "4.50", "0.62", "14.00"], st
     assert any("refused " + "d" * 32 + ": other checkpoint" in x for x in lines)
     assert any("recoveries 1 (last 812 ms)" in x for x in lines)
     assert "  numerics kernels=numpy;numpy=2.4.6;blas=x:Haswell" in lines

@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any
 
+from meshd.commands.status_experts import format_experts
 from meshd.commands.status_pipeline import format_pipeline
 from meshd.control import call
 from meshd.state import CONTROL_SOCKET, resolve_state_dir
@@ -75,6 +76,7 @@ def format_status(st: dict[str, Any]) -> str:
             )
         text += _table(rows)
     text += format_pipeline(st, _table)
+    text += format_experts(st, _table)
     banned = (st.get("services") or {}).get("membership", {}).get("banned") or []
     text += f"banned    {len(banned)}\n"
     text += "".join(f"  {b}\n" for b in banned)

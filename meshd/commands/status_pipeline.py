@@ -37,7 +37,7 @@ def _model(name: str, m: dict[str, Any], node_id: str, table: Table) -> str:
     plan = m.get("plan")
     if plan:
         stats = {s.get("node_id"): s for s in (run or {}).get("stages") or [] if isinstance(s, dict)}
-        rows = [["NODE", "LAYERS", "PATH", "RTT_MS", "CALLS", "LAT_MS", "COMPUTE_MS", "HOP_MS", "MAX_MS"]]
+        rows = [["NODE", "LAYERS", "PATH", "RTT_MS", "CALLS", "DIRECT_CALLS", "LAT_MS", "COMPUTE_MS", "HOP_MS", "MAX_MS"]]
         for i, stage in enumerate(plan):
             nid = str(stage.get("node_id") or "-")
             layers = _layers(stage.get("layers"))
@@ -48,9 +48,10 @@ def _model(name: str, m: dict[str, Any], node_id: str, table: Table) -> str:
                 [
                     (nid + " (this node)") if i == 0 or nid == node_id else nid,
                     layers,
-                    str(s.get("path") or "-"),
+                    str(s.get("path") or "-") + ("+direct" if s.get("direct") else ""),  # a direct channel is up
                     _num(s.get("path_rtt_ms_avg") if s.get("path_rtt_ms_avg") is not None else s.get("rtt_ms")),
                     _num(s.get("calls"), "{}"),
+                    _num(s.get("direct_calls"), "{}"),
                     _num(s.get("latency_ms_avg")),
                     _num(s.get("compute_ms_avg")),
                     _num(s.get("hop_overhead_ms_avg")),
