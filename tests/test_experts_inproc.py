@@ -197,6 +197,25 @@ def test_mismatched_checkpoint_is_refused_by_name(tmp_path: Path, lt: LoopThread
     assert "bad" not in ex.links and ex.status()["workers"]["bad"]["errors"] == 1  # type: ignore[index]
 
 
+def test_on_mode_503_names_the_refused_worker_and_why(tmp_path: Path, lt: LoopThread) -> None:
+    """A worker refused at hello (here another checkpoint; other numerics alike) is named with its reason in
+    the on-mode unavailable reason (the API's 503), which before said only that no worker holds the experts."""
+    fx = Fixture(make_moe_checkpoint(tmp_path / "m", seed=1), "qwen3_moe")
+    other = make_moe_checkpoint(tmp_path / "other-ckpt", seed=2)
+    ex = RemoteExecutor(lt.loop, fx.fp, fx.layout, CoordinatorConfig(mode="on"))
+    assert ex.unavailable_reason() == "no expert workers hold this model's routed experts"
+    with pytest.raises(WorkerRefused):
+        _connect(lt, ex, ExpertWorker([load_shard(str(other))], [model_fingerprint(other)]), "bad")
+    reason = ex.unavailable_reason()
+    assert reason is not None and reason.startswith("no expert workers hold this model's routed experts (refused: ")
+    assert "expert worker bad refused: worker holds a different checkpoint" in reason and "other-ckpt" in reason
+    _connect(lt, ex, _worker(fx, "@0-2/0-3"), "half")
+    reason = ex.unavailable_reason()
+    assert reason is not None and reason.startswith("no live expert worker holds layer/expert ") and "(refused: " in reason
+    _connect(lt, ex, _worker(fx, "@0-2/4-7"), "bad")  # the same node greeted again with the right checkpoint
+    assert ex.refused == {} and ex.unavailable_reason() is None
+
+
 class _Gate:
     """Blocks a worker's replies until released (a hung worker)."""
 

@@ -67,6 +67,10 @@ from transport import poll
 __all__ = ["LATENCY_BUCKETS_S", "MODES", "CoordinatorConfig", "CoordinatorStats", "ExpertsUnavailable",
            "LinkStats", "RemoteExecutor", "WorkerFailed", "WorkerLink", "WorkerRefused"]
 
+# Hello refusals of a peer that is an expert worker, only not one this coordinator can use.
+_WORKER_REFUSALS = frozenset({rpc.ErrorCode.FINGERPRINT_MISMATCH, rpc.ErrorCode.VERSION_UNSUPPORTED,
+                              rpc.ErrorCode.NUMERICS_MISMATCH})
+
 log = structlog.get_logger(__name__)
 
 MODES = ("on", "prefer")
@@ -122,6 +126,10 @@ class RemoteExecutor(DirectPath, LoopPasses, GeneralPath):
         self.config = config or CoordinatorConfig()
         self._local_weights = local_weights
         self.links: dict[str, WorkerLink] = {}
+        # node id -> why a worker's hello was refused (another checkpoint, no common version, other numerics),
+        # until it is greeted again or removed; named in unavailable_reason (the API's 503). Peers that are no
+        # workers at all (no answer, no expert stream) are not listed: every plain mesh member is one.
+        self.refused: dict[str, str] = {}
         self.link_stats: dict[str, LinkStats] = {}
         self.stats = CoordinatorStats()
         self._keys = [(layer, e) for layer in layout.sparse_layers for e in range(layout.num_experts)]
@@ -148,9 +156,12 @@ class RemoteExecutor(DirectPath, LoopPasses, GeneralPath):
         link = WorkerLink(node_id, channel, stats)
         try:
             ack = await link.hello(self.fingerprint, self.layout, self.config.connect_timeout_s)
-        except WorkerRefused:
+        except WorkerRefused as e:
             stats.errors += 1
+            if e.code in _WORKER_REFUSALS:
+                self.refused[node_id] = str(e)
             raise
+        self.refused.pop(node_id, None)
         old = self.links.pop(node_id, None)
         if old is not None:
             old.retire("replaced")
@@ -161,6 +172,7 @@ class RemoteExecutor(DirectPath, LoopPasses, GeneralPath):
         return ack
 
     def remove_worker(self, node_id: str, reason: str = "removed") -> None:
+        self.refused.pop(node_id, None)
         link = self.links.pop(node_id, None)
         if link is not None:
             link.close(reason)
@@ -209,10 +221,16 @@ class RemoteExecutor(DirectPath, LoopPasses, GeneralPath):
         if not missing:
             return None
         if not self.links:
-            return "no expert workers hold this model's routed experts"
-        names = ", ".join(f"{la}/{e}" for la, e in missing[:8])
-        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-        return f"no live expert worker holds layer/expert {names}{more}"
+            reason = "no expert workers hold this model's routed experts"
+        else:
+            names = ", ".join(f"{la}/{e}" for la, e in missing[:8])
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            reason = f"no live expert worker holds layer/expert {names}{more}"
+        if self.refused:  # a worker that would cover them may have been refused: say which and why
+            first = sorted(self.refused.items())[:2]
+            more = f"; and {len(self.refused) - 2} more" if len(self.refused) > 2 else ""
+            reason += f" (refused: {'; '.join(r for _, r in first)}{more})"
+        return reason
 
     def echo_rtt(self, node_id: str, payload: bytes, polled: bool = False) -> float:
         """Engine thread: seconds from sending an ECHO of ``payload`` to reading its reply, both on the loop.
