@@ -34,6 +34,8 @@ def test_doctor_on_real_nodes(tmp_path: Path) -> None:
         code, checks, text = _doctor(b)
         assert code == 0, text
         assert checks["daemon"].level == "ok" and checks["state dir"].level == "ok"
+        # "running, client node ID, mesh NAME (ID)": the phase once (it said "running, running" before)
+        assert checks["daemon"].detail.startswith(f"running, client node {b.node_id}, mesh "), checks["daemon"].detail
         assert checks["identity.key"].level == "ok"
         assert checks["peers"].level == "ok" and "1 alive" in checks["peers"].detail
         assert checks["mdns"].level == "warn" and "--no-mdns" in checks["mdns"].detail

@@ -67,7 +67,7 @@ def check_daemon(status: dict[str, Any] | None, error: str | None) -> list[Check
     if status is None:
         return [Check("daemon", "fail", f"no running daemon ({error or 'control socket not answering'})",
                       "start it: meshd serve (or systemctl start meshd); its log says why it stopped")]
-    return [Check("daemon", "ok", f"running, {status.get('state')}, node {status.get('node_id')}, "
+    return [Check("daemon", "ok", f"{status.get('state')}, {status.get('role')} node {status.get('node_id')}, "
                                   f"mesh {status.get('mesh_name')} ({status.get('mesh_id')})")]
 
 
