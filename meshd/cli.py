@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", action="append", metavar="SPEC", help="model to serve: PATH (checkpoint "
                    "directory or .gguf), tiny, or openai:URL, optionally NAME=SPEC (repeatable; default: none)")
     p.add_argument("--experts", action="append", metavar="SPEC", help="expert shards to hold for other "
-                   "nodes: PATH[@LAYERS/EXPERTS], PATH a checkpoint directory or .gguf (repeatable; default: none)")
+                   "nodes: PATH[@LAYERS/EXPERTS], PATH a checkpoint directory, .gguf or tiny (repeatable; default: "
+                   "none)")
     p.add_argument("--remote-experts", choices=["off", "on", "prefer"], help="hand routed experts to "
                    "workers (default off)")
     # Parsed and checked (positive, message <= layer) in meshd.config with the config file's values.
@@ -84,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "or a worker for the next request, instead of sleeping, where a core is free (0 to 0.1, "
                    "default 0.002; 0 turns it off)")
     p.add_argument("--stage", action="append", metavar="PATH[@FIRST-LAST]", help="hold layers of a "
-                   "checkpoint as a pipeline stage: any range the planner assigns, or exactly FIRST-LAST "
+                   "checkpoint (directory, .gguf or tiny) as a pipeline stage: any range the planner assigns, or "
+                   "exactly FIRST-LAST "
                    "(repeatable; default none)")
     p.add_argument("--pipeline", choices=["off", "on", "prefer"], help="split each served model's layers "
                    "over stage nodes with the same checkpoint: on requires a plan that fits (else 503), "
