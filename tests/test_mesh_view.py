@@ -19,7 +19,7 @@ from api_helpers import NodeProcess, wait_models
 from api_node import make_mesh
 from meshd.api.router import plan, routable_models
 from meshd.membership.config import MembershipConfig
-from meshd.membership.records import Load, ModelInfo
+from meshd.membership.records import Load, ModelInfo, StageOffer
 from meshd.membership.sim import Sim
 from meshd.mesh.view import MeshView
 
@@ -68,6 +68,27 @@ def _sim_view(sim: Sim, node_id: str) -> MeshView:
     """The real ``MeshView`` over one simulated node's membership core (no transport)."""
     svc = SimpleNamespace(core=sim.nodes[node_id], daemon=None, links=None, _now=lambda: sim.now)
     return MeshView(svc)  # type: ignore[arg-type]
+
+
+def test_member_json_carries_stage_offers() -> None:
+    """A node's --stage offers are in the console's and status's node JSON, its own and as others see it
+    (the console's drawer reads ``stages``; since stages became a known record field they were dropped)."""
+    sim = Sim(2, MembershipConfig.default(), seed=5)
+    a, b = list(sim.nodes)
+    offer = StageOffer("ab" * 32, 123456, (2, 3))
+    sim.nodes[b].update_local(sim.now, stages=(offer,))
+    want = [{"model_fp": "ab" * 32, "free_kb": 123456, "pin": [2, 3]}]
+
+    def seen() -> bool:
+        m = sim.nodes[a].member(b)
+        return m is not None and m.record.stages == (offer,)
+
+    assert sim.run_until(sim.now + 30.0, seen, 0.5), "record did not spread"
+    peer = next(p for p in _sim_view(sim, a).peers_json() if p["node_id"] == b)
+    assert peer["stages"] == want
+    own = _sim_view(sim, b).self_json()
+    assert own is not None and own["stages"] == want and own["self"] is True
+    assert next(p for p in _sim_view(sim, b).peers_json() if p["node_id"] == a)["stages"] == []
 
 
 @pytest.mark.slow

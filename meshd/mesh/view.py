@@ -141,6 +141,7 @@ class MeshView:
             "node_id": v.node_id, "addrs": list(rec.addrs), "state": v.state, "rtt_ms": self._rtt(v),
             "models": [m.to_json() for m in rec.models] if live else [],
             "experts": [e.to_json() for e in rec.experts] if live else [],
+            "stages": [st.to_json() for st in rec.stages] if live else [],  # --stage offers (the console's drawer)
             "version": rec.software, "protocol": rec.proto,
             "last_seen_s": None if v.last_seen is None else round(now - v.last_seen, 2),
             "role": rec.role, "api": rec.api, "incarnation": v.incarnation, "admin": rec.admin,
@@ -164,6 +165,7 @@ class MeshView:
             **rec.extra,
             "node_id": rec.node_id, "addrs": list(rec.addrs), "state": "alive", "rtt_ms": 0.0,
             "models": [m.to_json() for m in rec.models], "experts": [e.to_json() for e in rec.experts],
+            "stages": [st.to_json() for st in rec.stages],
             "version": rec.software, "protocol": rec.proto, "last_seen_s": 0.0, "role": rec.role,
             "api": rec.api, "incarnation": rec.version, "admin": rec.admin,
             "load": {"in_flight": rec.capacity.in_flight, **rec.load.to_json()},
