@@ -68,7 +68,7 @@ def _in_xdist_worker(config: pytest.Config) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "solo: runs alone in a parallel (xdist) run: asserts a wall-clock target")
+    config.addinivalue_line("markers", "solo: runs alone in a parallel (xdist) run (a wall-clock target)")
     if getattr(config.option, "loadscopereorder", None) is not None:
         config.option.loadscopereorder = False  # keep LONG_FILES_FIRST's order (see above)
 
@@ -100,7 +100,8 @@ def _turn(run_uid: str, alone: bool) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-@pytest.hookimpl(wrapper=True)
+# tryfirst: the outermost wrapper, so the wait for a turn does not count against pytest-timeout's limit
+@pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     run_uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if run_uid is None:
