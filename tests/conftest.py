@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,3 +38,81 @@ try:
     _hyp_settings.load_profile("ci" if os.environ.get("CI") else "dev")
 except ImportError:  # the test extra is not installed: the property tests are skipped by their imports
     pass
+
+
+# Parallel runs (`python -m pytest -q -n 2 --dist loadfile`, pytest-xdist): each worker takes whole files
+# (module fixtures start their nodes once). Two additions keep such a run short and as strict as a serial
+# one; neither does anything in a serial run.
+#
+# 1. Longest files first: xdist hands out files in collection order (with --loadscope-reorder off, which
+#    pytest_configure sets), so the files that take a minute or more start first instead of becoming the
+#    tail of the run. Measured with --durations on 2 cores (session 6).
+LONG_FILES_FIRST = (
+    "test_membership_sim.py", "test_chaos.py", "test_membership_e2e.py", "test_api_hostile.py",
+    "test_pipeline_daemon.py", "test_transport_hostile.py", "test_mesh_view.py", "test_api_mesh.py",
+    "test_api_structured.py", "test_experts_api.py", "test_pipeline_gguf.py", "test_gguf.py",
+)
+
+# 2. Tests that assert a wall-clock target of the issues (connect within 1 s under attack, a join within
+#    2 s, failover within 0.6 s, replies within the ACK delay ...) run alone: while one runs, the other
+#    worker waits between tests, so the target is checked on a machine as quiet as in a serial run (the
+#    targets keep their values). Listed: the ones seen failing under load (session 6's runs).
+SOLO_TESTS = (
+    "test_transport_hostile.py::test_members_connect_while_a_stranger_holds_200_silent_connections",
+    "test_transport_latency_path.py::test_replies_sent_with_send",  # send_now and send: ACK within 25 ms
+)
+
+
+def _in_xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "solo: runs alone in a parallel (xdist) run (a wall-clock target)")
+    if getattr(config.option, "loadscopereorder", None) is not None:
+        config.option.loadscopereorder = False  # keep LONG_FILES_FIRST's order (see above)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.nodeid.split("/")[-1].startswith(t) for t in SOLO_TESTS):
+            item.add_marker(pytest.mark.solo)
+    if not _in_xdist_worker(config):
+        return
+    rank = {name: i for i, name in enumerate(LONG_FILES_FIRST)}
+    items.sort(key=lambda it: rank.get(it.path.name, len(rank)))  # stable: order within a file is kept
+
+
+@contextlib.contextmanager
+def _turn(run_uid: str, alone: bool) -> Iterator[None]:
+    """A readers-writer lock over the workers of one run: every test holds it shared, a solo test holds it
+    exclusively. A solo test waiting at the turnstile stops new tests from starting on the other worker."""
+    base = Path(tempfile.gettempdir()) / f"meshd-pytest-{run_uid}"
+    with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.lock", "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+# tryfirst: the outermost wrapper, so the wait for a turn does not count against pytest-timeout's limit
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    run_uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_uid is None:
+        return (yield)
+    with _turn(run_uid, item.get_closest_marker("solo") is not None):
+        return (yield)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    run_uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_uid is not None and _in_xdist_worker(config):  # a finished worker holds no lock any more
+        base = Path(tempfile.gettempdir()) / f"meshd-pytest-{run_uid}"
+        for suffix in (".turnstile", ".lock"):
+            Path(f"{base}{suffix}").unlink(missing_ok=True)
