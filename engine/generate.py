@@ -232,6 +232,14 @@ def _accepts_last_only(model_type: type) -> bool:
         return False
 
 
+def free_cache(cache: Any) -> None:
+    """A sequence is over: let its cache free what it holds elsewhere now (a pipeline's ``PipeCache``: its state
+    on every stage) rather than when it is collected. Local KV caches have nothing to free."""
+    free = getattr(cache, "free", None)
+    if free is not None:
+        free()
+
+
 def forward_last(model: Any, ids: Sequence[int] | np.ndarray, cache: Any, executor: Any = None) -> np.ndarray:
     """Run ``ids`` after the cache and return the last position's logits [V] (fp32).
 
@@ -265,25 +273,30 @@ def _run(model: Any, tokenizer: Tokenizer, prompt_ids: list[int], params: Sampli
         return
     t0 = time.perf_counter()
     cache = model.new_cache()
-    logits = forward_last(model, prompt_ids, cache, executor)
-    stats.prefill_s = time.perf_counter() - t0
-    t_decode = 0.0
-    while True:
-        t1 = time.perf_counter()
-        ev = state.step(logits)
-        t_decode += time.perf_counter() - t1
-        stats.completion_tokens = len(state.tokens)
-        if ev.finish_reason is not None:
-            stats.finish_reason = ev.finish_reason
-            stats.decode_s = t_decode
+    try:
+        logits = forward_last(model, prompt_ids, cache, executor)
+        stats.prefill_s = time.perf_counter() - t0
+        t_decode = 0.0
+        while True:
+            t1 = time.perf_counter()
+            ev = state.step(logits)
+            t_decode += time.perf_counter() - t1
+            stats.completion_tokens = len(state.tokens)
+            if ev.finish_reason is not None:
+                stats.finish_reason = ev.finish_reason
+                stats.decode_s = t_decode
+                free_cache(cache)  # over: its state elsewhere goes now, not when this generator is collected
+                yield ev
+                return
             yield ev
-            return
-        yield ev
-        if cancel is not None and cancel.is_set():
-            stats.finish_reason = "cancelled"
-            stats.decode_s = t_decode
-            yield state.cancelled()
-            return
-        t1 = time.perf_counter()
-        logits = forward_last(model, [ev.token_id], cache, executor)
-        t_decode += time.perf_counter() - t1
+            if cancel is not None and cancel.is_set():
+                stats.finish_reason = "cancelled"
+                stats.decode_s = t_decode
+                free_cache(cache)
+                yield state.cancelled()
+                return
+            t1 = time.perf_counter()
+            logits = forward_last(model, [ev.token_id], cache, executor)
+            t_decode += time.perf_counter() - t1
+    finally:  # an error, or the caller stopped early
+        free_cache(cache)

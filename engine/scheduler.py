@@ -42,7 +42,7 @@ import structlog
 from engine.limits import MAX_ACTIVE_SEQUENCES, PREFILL_CHUNK_TOKENS
 
 from engine.generate import (DecodeState, GenerationStats, TokenEvent, check_request, context_length,
-                             forward_last)
+                             forward_last, free_cache)
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -251,6 +251,7 @@ class Scheduler:
         s.handle._push(ev)
         s.handle._push(_END)
         s.inflight = None  # a step still in flight is dropped with its cache (which frees it everywhere)
+        free_cache(s.cache)
         s.cache = None
         with self._lock:
             if s in self._running:

@@ -311,7 +311,12 @@ class PipeCache:
         self.replay = False
         self.inflight: list[concurrent.futures.Future[Any]] = []  # prefill chunks still on the remote stages
         self._holder = [run, self.seq]
-        weakref.finalize(self, _release, provider, self._holder)
+        self._freed = weakref.finalize(self, _release, provider, self._holder)
+
+    def free(self) -> None:
+        """The sequence is over: free its state on every stage now (once; dropping the cache does the same,
+        but only when it is collected, and after a recovery a reference cycle can keep it for a while)."""
+        self._freed()
 
     @property
     def length(self) -> int:
