@@ -81,7 +81,9 @@ def test_plan_from_gossip_by_memory_and_pins_byte_identical(tmp_path: Path, ref:
         ).stdout  # the text form shows the plan with per-stage timings
         section = text.split("\npipeline  on\n", 1)[1].splitlines()
         row = next(x.split() for x in section if x.strip().startswith(nodes[1].run["node_id"]))
-        assert row[1] == "2-3+head" and row[2] in ("lane", "quic") and int(row[4]) > 0 and float(row[5]) > 0, text
+        # NODE LAYERS PATH RTT_MS CALLS DIRECT_CALLS LAT_MS ...
+        assert row[1] == "2-3+head" and row[2] in ("lane", "quic", "lane+direct"), text
+        assert int(row[4]) > 0 and float(row[6]) > 0, text
         assert run["stages"][0]["pings"] > 0 and run["stages"][0]["path_rtt_ms_avg"] > 0, run  # path round trip
         me = next(x.split() for x in section if x.strip().startswith(srv.run["node_id"]))
         assert me[1:4] == ["(this", "node)", "0-1"], text
