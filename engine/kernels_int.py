@@ -71,6 +71,28 @@ if AVAILABLE:
     def _idx(vals: list[int]) -> ir.Constant:
         return ir.Constant(ir.VectorType(_I32, len(vals)), vals)
 
+    def _code_sums(builder: ir.IRBuilder, dp: ir.Function, regs: list[ir.Value], la: ir.Value) -> ir.Value:
+        """The four code registers (64 unsigned codes each) dotted with their activations' three limbs at ``la``
+        (``vpdpbusd``: X = a0 * 2**14 + a1 * 2**7 + a2, by Horner), then summed pairwise into one int32 per 32-code
+        sub-block, in register order: a <16 x i32> (Q4_K uses its 16 lanes in pairs, Q6_K each)."""
+        seven = ir.Constant(_V16I32, [7] * 16)
+        sums = []
+        for r, q in enumerate(regs):
+            acc = ir.Constant(_V16I32, [0] * 16)
+            for limb in range(3):
+                a = builder.load(_at(builder, la, 192 * r + 64 * limb, _V64I8), align=1)
+                if limb:
+                    acc = builder.shl(acc, seven)
+                acc = builder.call(dp, [acc, q, a])
+            sums.append(acc)
+        even16 = _idx(list(range(0, 32, 2)))
+        odd16 = _idx(list(range(1, 32, 2)))
+
+        def pair(a: ir.Value, b: ir.Value) -> ir.Value:
+            return builder.add(builder.shuffle_vector(a, b, even16), builder.shuffle_vector(a, b, odd16))
+
+        return pair(pair(sums[0], sums[1]), pair(sums[2], sums[3]))
+
     @intrinsic
     def _q4k_block(typingctx, accp, at, qa, la, scp, pa, sa):  # noqa: ANN001, ANN202
         """One Q4_K block into one activation row's eight float64 lanes at ``accp[at:at+8]``: ``qa`` the block's 128 bytes
@@ -85,23 +107,7 @@ if AVAILABLE:
                 v = builder.load(_at(builder, qa, 64 * h, _V64I8), align=1)
                 regs.append(builder.and_(v, lo))
                 regs.append(builder.and_(builder.lshr(v, ir.Constant(_V64I8, [4] * 64)), lo))
-            sums = []
-            seven = ir.Constant(_V16I32, [7] * 16)
-            for r, q in enumerate(regs):
-                acc = ir.Constant(_V16I32, [0] * 16)
-                for limb in range(3):
-                    a = builder.load(_at(builder, la, 192 * r + 64 * limb, _V64I8), align=1)
-                    if limb:
-                        acc = builder.shl(acc, seven)
-                    acc = builder.call(dp, [acc, q, a])
-                sums.append(acc)
-            even16 = _idx(list(range(0, 32, 2)))
-            odd16 = _idx(list(range(1, 32, 2)))
-
-            def pair(a: ir.Value, b: ir.Value) -> ir.Value:
-                return builder.add(builder.shuffle_vector(a, b, even16), builder.shuffle_vector(a, b, odd16))
-
-            f = pair(pair(sums[0], sums[1]), pair(sums[2], sums[3]))
+            f = _code_sums(builder, dp, regs, la)
             g = builder.add(builder.shuffle_vector(f, f, _idx(list(range(0, 16, 2)))),
                             builder.shuffle_vector(f, f, _idx(list(range(1, 16, 2)))))
             tv = builder.sitofp(g, _V8D)
@@ -167,23 +173,7 @@ if AVAILABLE:
                 qh = builder.shuffle_vector(q32, builder.lshr(q32, ir.Constant(v32, [2] * 32)), _idx(list(range(64))))
                 regs.append(builder.or_(builder.and_(v, c8(15)), builder.and_(builder.shl(qh, c8(4)), c8(48))))
                 regs.append(builder.or_(builder.and_(builder.lshr(v, c8(4)), c8(15)), builder.and_(qh, c8(48))))
-            seven = ir.Constant(_V16I32, [7] * 16)
-            sums = []
-            for r, q in enumerate(regs):
-                acc = ir.Constant(_V16I32, [0] * 16)
-                for limb in range(3):
-                    a = builder.load(_at(builder, la, 192 * r + 64 * limb, _V64I8), align=1)
-                    if limb:
-                        acc = builder.shl(acc, seven)
-                    acc = builder.call(dp, [acc, q, a])
-                sums.append(acc)
-            even16 = _idx(list(range(0, 32, 2)))
-            odd16 = _idx(list(range(1, 32, 2)))
-
-            def pair(a: ir.Value, b: ir.Value) -> ir.Value:
-                return builder.add(builder.shuffle_vector(a, b, even16), builder.shuffle_vector(a, b, odd16))
-
-            f = pair(pair(sums[0], sums[1]), pair(sums[2], sums[3]))  # sub-blocks 0..15
+            f = _code_sums(builder, dp, regs, la)  # sub-blocks 0..15
             f = builder.sub(f, builder.load(builder.inttoptr(sa, _V16I32.as_pointer()), align=4))
             tv = builder.sitofp(f, _V16D)
             p = builder.load(builder.inttoptr(pa, _V16D.as_pointer()), align=8)
