@@ -9,6 +9,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,6 +39,15 @@ try:
     _hyp_settings.load_profile("ci" if os.environ.get("CI") else "dev")
 except ImportError:  # the test extra is not installed: the property tests are skipped by their imports
     pass
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Any]]:
+    """Processes a test starts (e.g. tests/experts_mesh.py's ``WorkerProc``): each is stopped after the test."""
+    started: list[Any] = []
+    yield started
+    for p in started:
+        p.stop()
 
 
 # Parallel runs (`python -m pytest -q -n 2 --dist loadfile`, pytest-xdist): each worker takes whole files

@@ -6,9 +6,7 @@ probe; ``MESHD_EXPERTS_DIRECT=0`` dials none."""
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,13 +23,6 @@ from engine.model import Model
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_moe_checkpoint(tmp_path_factory.mktemp("direct") / "q3", layers=3, experts=8, seed=11)
 
-
-@pytest.fixture
-def procs() -> Iterator[list[WorkerProc]]:
-    started: list[WorkerProc] = []
-    yield started
-    for w in started:
-        w.stop()
 
 
 def _wait_direct(coord: Coordinator, ex: object, node: str, up: bool = True, timeout_s: float = 10.0) -> None:

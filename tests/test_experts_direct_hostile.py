@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import struct
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -32,13 +31,6 @@ from transport import limits as tlimits
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_moe_checkpoint(tmp_path_factory.mktemp("direct-hostile") / "q3", layers=3, experts=8, seed=11)
 
-
-@pytest.fixture
-def procs() -> Iterator[list[WorkerProc]]:
-    out: list[WorkerProc] = []
-    yield out
-    for p in out:
-        p.stop()
 
 
 def test_hostile_messages_on_the_direct_channel(tmp_path: Path, ckpt: Path, procs: list[WorkerProc]) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,13 +25,6 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def mesh() -> MeshFixture:
     return MeshFixture()
 
-
-@pytest.fixture
-def procs() -> Iterator[list[WorkerProc]]:
-    started: list[WorkerProc] = []
-    yield started
-    for w in started:
-        w.stop()
 
 
 def _kill_when_hung(w: WorkerProc, delay_s: float) -> threading.Thread:

@@ -29,13 +29,6 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_moe_checkpoint(tmp_path_factory.mktemp("lane") / "q3", layers=3, experts=8, seed=7)
 
 
-@pytest.fixture
-def procs() -> Iterator[list[WorkerProc]]:
-    started: list[WorkerProc] = []
-    yield started
-    for w in started:
-        w.stop()
-
 
 @pytest.mark.parametrize("path", ["lane", "quic"])
 def test_parity_over_the_lane_and_over_quic(tmp_path: Path, ckpt: Path, procs: list[WorkerProc], path: str) -> None:
