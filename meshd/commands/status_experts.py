@@ -5,14 +5,9 @@ prints)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-Table = Callable[..., str]
-
-
-def _num(value: Any, fmt: str = "{:.2f}") -> str:
-    return "-" if not isinstance(value, int | float) or isinstance(value, bool) else fmt.format(value)
+from meshd.commands.status_pipeline import Table, num
 
 
 def _yes(value: Any) -> str:
@@ -70,12 +65,12 @@ def format_experts(st: dict[str, Any], table: Table) -> str:
                         str(nid),
                         _yes(w.get("connected")),
                         _yes(w.get("direct")),
-                        _num(w.get("calls"), "{}"),
-                        _num(w.get("direct_calls"), "{}"),
-                        _num(w.get("latency_ms_avg")),
-                        _num(w.get("compute_ms_avg")),
-                        _num(w.get("latency_ms_max")),
-                        _num(w.get("errors"), "{}"),
+                        num(w.get("calls"), "{}"),
+                        num(w.get("direct_calls"), "{}"),
+                        num(w.get("latency_ms_avg")),
+                        num(w.get("compute_ms_avg")),
+                        num(w.get("latency_ms_max")),
+                        num(w.get("errors"), "{}"),
                     ]
                 )
             text += table(rows, "    ")
@@ -84,7 +79,7 @@ def format_experts(st: dict[str, Any], table: Table) -> str:
         for nid, reason in sorted((c.get("refused") or {}).items()):
             text += f"    refused {nid}: {reason}\n"
     if isinstance(worker, dict):
-        text += f"  worker: requests {_num(worker.get('requests'), '{}')}, errors {_num(worker.get('errors'), '{}')}\n"
+        text += f"  worker: requests {num(worker.get('requests'), '{}')}, errors {num(worker.get('errors'), '{}')}\n"
         shards = worker.get("shards") or []
         if shards:
             rows = [["SHARD", "FINGERPRINT", "LAYERS", "EXPERTS"]]

@@ -10,8 +10,9 @@ from typing import Any
 Table = Callable[..., str]
 
 
-def _num(value: Any, fmt: str = "{:.2f}") -> str:
-    return "-" if not isinstance(value, int | float) else fmt.format(value)
+def num(value: Any, fmt: str = "{:.2f}") -> str:
+    """A number for a status cell ("-" when it is missing or not a number; a bool is not one)."""
+    return "-" if not isinstance(value, int | float) or isinstance(value, bool) else fmt.format(value)
 
 
 def _layers(value: Any) -> str:
@@ -49,13 +50,13 @@ def _model(name: str, m: dict[str, Any], node_id: str, table: Table) -> str:
                     (nid + " (this node)") if i == 0 or nid == node_id else nid,
                     layers,
                     str(s.get("path") or "-") + ("+direct" if s.get("direct") else ""),  # a direct channel is up
-                    _num(s.get("path_rtt_ms_avg") if s.get("path_rtt_ms_avg") is not None else s.get("rtt_ms")),
-                    _num(s.get("calls"), "{}"),
-                    _num(s.get("direct_calls"), "{}"),
-                    _num(s.get("latency_ms_avg")),
-                    _num(s.get("compute_ms_avg")),
-                    _num(s.get("hop_overhead_ms_avg")),
-                    _num(s.get("latency_ms_max")),
+                    num(s.get("path_rtt_ms_avg") if s.get("path_rtt_ms_avg") is not None else s.get("rtt_ms")),
+                    num(s.get("calls"), "{}"),
+                    num(s.get("direct_calls"), "{}"),
+                    num(s.get("latency_ms_avg")),
+                    num(s.get("compute_ms_avg")),
+                    num(s.get("hop_overhead_ms_avg")),
+                    num(s.get("latency_ms_max")),
                 ]
             )
         text += table(rows, "    ")
@@ -64,7 +65,7 @@ def _model(name: str, m: dict[str, Any], node_id: str, table: Table) -> str:
     for r in m.get("refused") or []:
         text += f"    refused {r.get('node_id')}: {r.get('reason')}\n"
     if m.get("recoveries"):
-        text += f"    recoveries {m['recoveries']} (last {_num(m.get('last_recovery_ms'), '{:.0f}')} ms)\n"
+        text += f"    recoveries {m['recoveries']} (last {num(m.get('last_recovery_ms'), '{:.0f}')} ms)\n"
     return text
 
 
@@ -89,9 +90,9 @@ def format_pipeline(st: dict[str, Any], table: Table) -> str:
                     str(s.get("fingerprint")),
                     _layers(s.get("pin")),
                     ",".join(_layers(r) for r in s.get("loaded") or []) or "-",
-                    _num(s.get("live_sequences"), "{}"),
-                    _num(s.get("steps"), "{}"),
-                    _num(s.get("compute_ms_avg")),
+                    num(s.get("live_sequences"), "{}"),
+                    num(s.get("steps"), "{}"),
+                    num(s.get("compute_ms_avg")),
                 ]
             )
         text += table(rows)
