@@ -226,7 +226,7 @@ def test_strangers_with_the_magic_are_dropped_within_the_deadline_and_forgotten(
             assert silent < 1.8  # the 1 s auth deadline, headroom for a loaded machine
             assert unknown < 0.5
             assert reply[0] == 1 and b"not a connected member" in reply and refused < 1.0
-            await wait_for(lambda: p.lb.status()["pending"] == 0 and p.lb._direct_pending == 0, 2.0)
+            await wait_for(lambda: p.lb.status()["pending"] == 0 and p.lb._direct_slots.count == 0, 2.0)
             assert p.lb.stats.get("direct_refused", 0) == 1 and p.lb.stats.get("direct_refused_proof", 0) >= 2
             assert served == [] and p.lb.status()["direct_channels"] == 0
             assert p.lb.lane_count() == 1 and p.peer_of_a.path == "lane"  # the member's lane is untouched

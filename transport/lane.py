@@ -65,6 +65,32 @@ class _Accept(asyncio.Protocol):
         pass
 
 
+class PendingSlots:
+    """Connections still authenticating (lanes, direct channels): at most ``total`` in all and ``per_source``
+    from one source address, so one stranger's share cannot keep the members out. Loop thread."""
+
+    def __init__(self, total: int, per_source: int) -> None:
+        self.total, self.per_source = total, per_source
+        self.count = 0
+        self._by_source: dict[str, int] = {}
+
+    def full(self, source: str) -> str:
+        """Why no slot is free for ``source``: "pending" (all taken), "source" (its share taken), or ""."""
+        if self.count >= self.total:
+            return "pending"
+        return "source" if self._by_source.get(source, 0) >= self.per_source else ""
+
+    def take(self, source: str) -> None:
+        self.count += 1
+        self._by_source[source] = self._by_source.get(source, 0) + 1
+
+    def give(self, source: str) -> None:
+        self.count -= 1
+        n = self._by_source.pop(source, 0) - 1
+        if n > 0:
+            self._by_source[source] = n
+
+
 class LaneManager:
     """One node's lanes: the listener, a dialler per connected member, and their attachment to peers."""
 
@@ -80,7 +106,7 @@ class LaneManager:
         self._client_ctx = _client_context()
         self.cert_hash = lane_wire.cert_hash(certificate_der(self_signed_certificate(self.identity)))
         self._server: asyncio.AbstractServer | None = None
-        self._pending: dict[str, int] = {}
+        self._lane_slots = PendingSlots(self.config.max_pending, self.config.max_pending_per_source)
         self._pending_conns: set[LaneConnection] = set()
         self._lanes: dict[str, LaneConnection] = {}
         self._dialers: dict[str, asyncio.Task[None]] = {}
@@ -90,8 +116,7 @@ class LaneManager:
         # direct channels (transport.lane_direct): service -> handler(peer, channel), run in the channel's
         # own thread until it returns (then the channel is closed)
         self.direct_handlers: dict[int, Callable[[Any, lane_direct.DirectChannel], None]] = {}
-        self._direct_pending = 0
-        self._direct_pending_src: dict[str, int] = {}  # source address -> direct channels authenticating
+        self._direct_slots = PendingSlots(limits.LANE_DIRECT_MAX_PENDING, limits.LANE_DIRECT_MAX_PENDING_PER_SOURCE)
         self._directs: set[lane_direct.DirectChannel] = set()
         self._direct_lock = threading.Lock()
         mesh.lane = self
@@ -153,12 +178,7 @@ class LaneManager:
     def unpend(self, lane: LaneConnection) -> None:
         if lane in self._pending_conns:
             self._pending_conns.discard(lane)
-            src = lane._source or "?"
-            n = self._pending.get(src, 0) - 1
-            if n > 0:
-                self._pending[src] = n
-            else:
-                self._pending.pop(src, None)
+            self._lane_slots.give(lane._source or "?")
 
     def attach(self, lane: LaneConnection) -> None:
         peer = lane.peer
@@ -203,18 +223,14 @@ class LaneManager:
     # -- accepting -------------------------------------------------------------------------------
 
     def accept(self, raw: asyncio.Transport, source: str) -> None:
-        cfg = self.config
-        if self._closing or len(self._pending_conns) >= cfg.max_pending:
-            self.count("lane_refused_pending_cap")
-            raw.abort()
-            return
-        if self._pending.get(source, 0) >= cfg.max_pending_per_source:
-            self.count("lane_refused_source_cap")
+        refused = "pending" if self._closing else self._lane_slots.full(source)
+        if refused:
+            self.count(f"lane_refused_{refused}_cap")
             raw.abort()
             return
         lane = LaneConnection(self, False, source=source)
         lane._raw = raw
-        self._pending[source] = self._pending.get(source, 0) + 1
+        self._lane_slots.take(source)
         self._pending_conns.add(lane)
         self._sniff_start(raw, lane)
 
@@ -276,17 +292,13 @@ class LaneManager:
         lane._raw = None  # closing the pending lane must not close the TCP connection we keep
         lane.close("direct channel")
         raw.abort()  # the transport's descriptor only: ``sock`` is a duplicate
-        refused = ("direct_refused" if handler is None or self._closing
-                   else "direct_refused_pending_cap" if self._direct_pending >= limits.LANE_DIRECT_MAX_PENDING
-                   else "direct_refused_source_cap"
-                   if self._direct_pending_src.get(source, 0) >= limits.LANE_DIRECT_MAX_PENDING_PER_SOURCE
-                   else "")
+        cap = self._direct_slots.full(source)
+        refused = "direct_refused" if handler is None or self._closing else f"direct_refused_{cap}_cap" if cap else ""
         if refused:
             self.count(refused)
             sock.close()
             return
-        self._direct_pending += 1
-        self._direct_pending_src[source] = self._direct_pending_src.get(source, 0) + 1
+        self._direct_slots.take(source)
         loop = asyncio.get_running_loop()
         proved: list[str] = []  # the member's node id, once its key is known
 
@@ -319,7 +331,7 @@ class LaneManager:
                 self.ratelog("direct_refused", error=str(e))
                 return
             finally:
-                loop.call_soon_threadsafe(self._direct_unpend, source)
+                loop.call_soon_threadsafe(self._direct_slots.give, source)
             self._direct_track(ch)
             self.count("direct_accepted")
             log.info("direct_channel_up", peer=ch.peer_id, service=service, outbound=False)
@@ -331,12 +343,6 @@ class LaneManager:
                 ch.close("served")
 
         threading.Thread(target=run, name=f"meshd-direct-{service}", daemon=True).start()
-
-    def _direct_unpend(self, source: str) -> None:
-        self._direct_pending -= 1
-        n = self._direct_pending_src.pop(source, 0) - 1
-        if n > 0:
-            self._direct_pending_src[source] = n
 
     def _direct_track(self, ch: lane_direct.DirectChannel) -> None:
         with self._direct_lock:
