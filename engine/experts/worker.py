@@ -216,27 +216,34 @@ class ExpertWorker:
             if error.code != rpc.ErrorCode.SHUTTING_DOWN:
                 self.stats.errors += 1
             return rpc.encode(error, rid)
-        weights = self._weights_for(fp)
-        in_place = isinstance(req, rpc.ExpertRequest) and self._reply_hook is None
         try:
-            with self.compute_lock:
-                t0 = time.perf_counter()
-                if in_place:
-                    buf = rpc.ReplyBuffer(req.layer, req.pairs.shape[0], req.x.shape[1], rid)
-                    plan = self._plans.get(fp)
-                    if plan is None or not plan.compute(req.layer, req.x, groups, buf.out):
-                        compute_request(weights, req, groups, buf.out)
-                else:
-                    result = self._compute(weights, req, groups, self._plans.get(fp))
-                dt = time.perf_counter() - t0
-                self._served(req, groups, dt)
+            buf, result, dt = self.compute_now(self._weights_for(fp), fp, req, groups, rid)
         except Exception as e:  # noqa: BLE001 - answered as a typed error
             self.stats.errors += 1
             log.warning("experts_worker_compute_failed", layer=req.layer, error=repr(e))
             return rpc.encode(rpc.ErrorMsg(rpc.ErrorCode.INTERNAL, "compute failed", req.layer), rid)
-        data = buf.finish(int(dt * 1e6)) if in_place else rpc.encode(self._reply(req, result, dt), rid)
+        self._served(req, groups, dt)
+        data = buf.finish(int(dt * 1e6)) if buf is not None else rpc.encode(self._reply(req, result, dt), rid)
         self.stats.bytes_out += len(data)
         return data
+
+    def compute_now(self, weights: ExpertWeightsFn, fp: bytes, req: AnyRequest,
+                    groups: list[tuple[int, np.ndarray]], rid: int
+                    ) -> tuple[rpc.ReplyBuffer | None, Any, float]:
+        """``req`` computed on this thread under ``compute_lock`` -> (its reply message with the outputs
+        written in place, or None and the result for ``_reply``: a combining request, or a reply hook),
+        seconds."""
+        buf, result = None, None
+        with self.compute_lock:
+            t0 = time.perf_counter()
+            if isinstance(req, rpc.ExpertRequest) and self._reply_hook is None:
+                buf = rpc.ReplyBuffer(req.layer, req.pairs.shape[0], req.x.shape[1], rid)
+                plan = self._plans.get(fp)
+                if plan is None or not plan.compute(req.layer, req.x, groups, buf.out):
+                    compute_request(weights, req, groups, buf.out)
+            else:
+                result = self._compute(weights, req, groups, self._plans.get(fp))
+            return buf, result, time.perf_counter() - t0
 
     def _check_request(self, fp: bytes, req: AnyRequest, groups: list[tuple[int, np.ndarray]],
                        peer_max_bytes: int) -> rpc.ErrorMsg | None:
@@ -464,21 +471,11 @@ class _Session:
             return self._threaded(weights, req, groups, rid)
         # Small (decode): computed here, as a thread hop would cost more than the compute. A plain request's
         # outputs go straight into its reply message.
-        in_place = isinstance(req, rpc.ExpertRequest) and w._reply_hook is None
         try:
-            with w.compute_lock:
-                t0 = time.perf_counter()
-                if in_place:
-                    buf = rpc.ReplyBuffer(req.layer, req.pairs.shape[0], req.x.shape[1], rid)
-                    plan = w._plans.get(fp)
-                    if plan is None or not plan.compute(req.layer, req.x, groups, buf.out):
-                        compute_request(weights, req, groups, buf.out)
-                else:
-                    result = w._compute(weights, req, groups, w._plans.get(fp))
-                dt = time.perf_counter() - t0
+            buf, result, dt = w.compute_now(weights, fp, req, groups, rid)
         except Exception as e:  # noqa: BLE001 - answered as a typed error
             return self._compute_failed(req, e, rid)
-        if in_place:
+        if buf is not None:
             rest = self._emit_bytes(buf.finish(int(dt * 1e6)))
         else:
             rest = self._emit(w._reply(req, result, dt), rid)
