@@ -57,6 +57,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 from pathlib import Path
 from types import ModuleType
 
@@ -148,7 +149,7 @@ def products(rounds: int, base: ModuleType | None, rng: np.random.Generator) -> 
 
 def layer(rounds: int, base: ModuleType | None, rng: np.random.Generator) -> None:
     hidden, kv, inter, experts = 768, 256, 384, 4
-    print(f"| type | base, us/layer | new, us/layer | base G weights/s | new G weights/s | new/base |")
+    print("| type | base, us/layer | new, us/layer | base G weights/s | new G weights/s | new/base |")
     print("| --- | --- | --- | --- | --- | --- |")
     for qtype in kernels.TYPES:
         down_type = "Q8_0" if qtype.endswith("_K") else qtype
@@ -300,18 +301,17 @@ def lookup(rounds: int, alternations: int, rng: np.random.Generator) -> None:
                 print(f"| {qtype} | {n}x{k} | {t} | {g(got['generic'])} | {g(got['lookup'])} | {ratio:.2f}x |")
 
 
-def decode(path: str, alternations: int) -> None:
+def _decode_alternating(path: str, sides: dict[str, dict[str, int]], alternations: int, keep: str
+                        ) -> tuple[Any, dict[str, list[float]]]:
+    """A planned greedy decode of ``path``, the kernel threads' entries switched to each side's addresses in turn
+    (the plan rebuilt), ``alternations`` times: 5 untimed then 40 timed steps a turn, the cache kept between 100
+    and 200 positions. -> (the model, each side's median ms/token per turn); ``keep``'s addresses stay."""
     from engine import kernel_pool
     from engine.model import Model
 
-    if not hasattr(kernel_pool, "_c_q4_k_lut"):
-        print("lookup kernels: not available on this CPU (no AVX-512)")
-        return
     m = Model.load(path)
     cache = m.new_cache(1024)
     tok = int(np.argmax(m.forward(list(range(10, 74)), cache)[-1]))
-    sides = {name: {q: int(getattr(kernel_pool, f"_c_{q.lower()}{suffix}").address) for q in ("Q4_K", "Q5_K", "Q6_K")}
-             for name, suffix in (("generic", ""), ("lookup", "_lut"))}
 
     def run(n: int) -> float:
         nonlocal tok
@@ -334,7 +334,19 @@ def decode(path: str, alternations: int) -> None:
                 run(5)
                 got[name].append(run(40))
     finally:
-        kernel_pool._ADDR.update(sides["lookup"])
+        kernel_pool._ADDR.update(sides[keep])
+    return m, got
+
+
+def decode(path: str, alternations: int) -> None:
+    from engine import kernel_pool
+
+    if not hasattr(kernel_pool, "_c_q4_k_lut"):
+        print("lookup kernels: not available on this CPU (no AVX-512)")
+        return
+    sides = {name: {q: int(getattr(kernel_pool, f"_c_{q.lower()}{suffix}").address) for q in ("Q4_K", "Q5_K", "Q6_K")}
+             for name, suffix in (("generic", ""), ("lookup", "_lut"))}
+    m, got = _decode_alternating(path, sides, alternations, "lookup")
     g, lk = statistics.median(got["generic"]), statistics.median(got["lookup"])
     print(f"| {Path(path).name} | generic ms/token | lookup ms/token | generic/lookup |")
     print("| --- | --- | --- | --- |")
@@ -392,40 +404,14 @@ def decode_int(path: str, alternations: int) -> None:
     """Table 8: a whole planned decode of a GGUF checkpoint, the lookup kernels against the integer ones (the
     kernel threads' Q4_K/Q6_K entries switched, the plan rebuilt), as table 6."""
     from engine import kernel_pool, kernels_int
-    from engine.model import Model
 
     if not kernels_int.AVAILABLE:
         print("integer kernels: not available (no AVX-512 VNNI, or MESHD_KERNELS_INT=0)")
         return
-    m = Model.load(path)
-    cache = m.new_cache(1024)
-    tok = int(np.argmax(m.forward(list(range(10, 74)), cache)[-1]))
     sides = {name: {q: int(getattr(kernel_pool, f"_c_{q.lower()}{'' if suffix == '_lut' and q == 'Q8_0' else suffix}")
                            .address) for q in kernels_int.POOL_TYPES}
              for name, suffix in (("lookup", "_lut"), ("integer", "_int"))}
-
-    def run(n: int) -> float:
-        nonlocal tok
-        ts = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            logits = m.forward([tok], cache)
-            ts.append(time.perf_counter() - t0)
-            tok = int(np.argmax(logits[-1]))
-            if cache.length > 200:
-                cache.truncate(100)
-        return statistics.median(ts) * 1e3
-
-    got: dict[str, list[float]] = {name: [] for name in sides}
-    try:
-        for _ in range(alternations):
-            for name, addrs in sides.items():
-                kernel_pool._ADDR.update(addrs)
-                m._plan = True  # rebuilt on the next step, with these kernels in its tables
-                run(5)
-                got[name].append(run(40))
-    finally:
-        kernel_pool._ADDR.update(sides["integer"])
+    m, got = _decode_alternating(path, sides, alternations, "integer")
     lk, it = statistics.median(got["lookup"]), statistics.median(got["integer"])
     print(f"| {Path(path).name} | lookup ms/token | integer ms/token | lookup/integer |")
     print("| --- | --- | --- | --- |")
