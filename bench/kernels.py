@@ -57,9 +57,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
