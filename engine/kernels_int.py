@@ -22,31 +22,26 @@ for numba itself. A non-finite activation makes its block's scale NaN, so the ro
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 
+from . import numerics
 from .kernels_int_ref import (ACT_BITS, LAYOUT_Q4_K, LAYOUT_Q6_K, LAYOUT_Q8_0, LAYOUTS, POOL_TYPES, SUB_ORDER,  # noqa: F401
                               TYPES, buffer_bytes, limb_stride, q4_k_ref, q6_k_ref, q8_0_ref, quantize_rows)
 
 try:
-    if os.environ.get("MESHD_KERNELS_INT", "1") == "0":
-        raise ImportError("disabled by MESHD_KERNELS_INT=0")
     from . import kernels
     if not kernels.AVAILABLE:
         raise ImportError("no numba")
+    if not numerics.int_kernels_usable():  # the CPU, LLVM, numba's target, MESHD_KERNELS_INT (one decision,
+        raise ImportError("no VNNI, or MESHD_KERNELS_INT=0")  # also the numerics tag's)
     import numba
-    from llvmlite import binding, ir
+    from llvmlite import ir
     from numba import njit
     from numba.core import cgutils, types
     from numba.extending import intrinsic
 
-    _feat = binding.get_host_cpu_features()
-    # llvm.x86.avx512.vpdpbusd.512 takes <64 x i8> operands in the LLVM numba 0.68 ships (22); only that form
-    # is written here
-    AVAILABLE = (bool(_feat.get("avx512vnni")) and bool(_feat.get("avx512bw"))
-                 and binding.llvm_version_info[0] >= 22
-                 and numba.config.CPU_NAME in (None, "host") and not numba.config.CPU_FEATURES)
+    AVAILABLE = True
 except ImportError:
     AVAILABLE = False
 

@@ -60,12 +60,14 @@ def kernels_choice() -> str:
         version = importlib.metadata.version("numba")
     except (ImportError, ValueError):  # not installed (PackageNotFoundError is an ImportError), or hidden
         return "numpy"
-    return f"numba-{version}" + ("+int" if _int_kernels() else "")
+    return f"numba-{version}" + ("+int" if int_kernels_usable() else "")
 
 
-def _int_kernels() -> bool:
-    """``kernels_int.AVAILABLE`` (given numba): VNNI and BW on the host as LLVM sees them, LLVM 22 or later,
-    numba compiling for the host, and ``MESHD_KERNELS_INT`` not 0."""
+def int_kernels_usable() -> bool:
+    """Whether engine/kernels_int.py may compile its integer kernels (given numba, which ``kernels_int``
+    checks itself; it decides by this function): VNNI and BW on the host as LLVM sees them, LLVM 22 or later
+    (``llvm.x86.avx512.vpdpbusd.512`` with <64 x i8> operands, the form written there), numba compiling for
+    the host, and ``MESHD_KERNELS_INT`` not 0."""
     if os.environ.get("MESHD_KERNELS_INT", "1") == "0":
         return False
     if os.environ.get("NUMBA_CPU_NAME", "host") not in ("", "host") or os.environ.get("NUMBA_CPU_FEATURES"):
