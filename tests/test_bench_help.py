@@ -10,10 +10,12 @@ from pathlib import Path
 from conftest import REPO_ROOT
 
 # Run in one child: each bench script runs as __main__ until it parses its arguments; the parser is then
-# read and the script stopped (nothing is benchmarked). Only scripts that build a parser are run (the others
+# read (tests/help_check.py, the CLI's rule) and the script stopped (nothing is benchmarked). Only scripts that build a parser are run (the others
 # are children of a bench, started with their work on the command line).
 _DRIVER = r"""
 import argparse, json, runpy, sys
+sys.path.insert(0, "tests")
+from help_check import undocumented
 
 class Parsed(Exception):
     pass
@@ -35,17 +37,7 @@ for path in sys.argv[1:]:
     except SystemExit:
         pass
     p = found.get("parser")
-    missing = []
-    if p is not None:
-        for a in p._actions:
-            if isinstance(a, (argparse._HelpAction, argparse._VersionAction)) or a.help == argparse.SUPPRESS:
-                continue
-            name = "/".join(a.option_strings) or a.dest
-            text = a.help or ""
-            if not text.strip():
-                missing.append(f"{name}: no help")
-            elif "default" not in text and "required" not in text:
-                missing.append(f"{name}: help does not say its default")
+    missing = undocumented(p) if p is not None else []
     out[path] = {"parser": p is not None, "missing": missing}
 print(json.dumps(out))
 """

@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 from conftest import meshd_cmd, meshd_env
+from help_check import undocumented
 
 from meshd.cli import build_parser
 
@@ -21,18 +22,7 @@ def _parsers(p: argparse.ArgumentParser, path: str = "meshd") -> list[tuple[str,
 
 
 def _undocumented(parser: argparse.ArgumentParser) -> list[str]:
-    missing = []
-    for path, p in _parsers(parser):
-        for a in p._actions:
-            if isinstance(a, (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)):
-                continue
-            name = "/".join(a.option_strings) or a.dest
-            text = a.help or ""
-            if not text.strip():
-                missing.append(f"{path} {name}: no help")
-            elif "default" not in text and "required" not in text:
-                missing.append(f"{path} {name}: help does not say its default")
-    return missing
+    return [m for path, p in _parsers(parser) for m in undocumented(p, f"{path} ")]
 
 
 def test_every_option_and_positional_says_its_default() -> None:
