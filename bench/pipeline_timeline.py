@@ -3,15 +3,21 @@
     python bench/pipeline_timeline.py [--dir DIR] [--decode 64] [--rounds 3] [--threads 1]
 
 bench/pipeline.py's mid-size checkpoint and nodes: a serving node (layers 0-3, ``--pipeline on``) and a
-stage process (``--stage PATH@4-7``) on loopback, plus a local node for the reference decode speed. Both
-pipeline processes run with ``MESHD_PIPELINE_TRACE`` (``engine/pipeline/trace.py``) and record, per decode
-step, CLOCK_MONOTONIC timestamps at: the scheduler starts the step (S.step), this node's layers are done
-and the step is handed to the loop (S.local), the loop starts the hop (S.fwd), the frame is written
-(S.sent, just before the write), the stage has read it (T.rx), its compute starts and ends (T.c0, T.c1), its reply is encoded
-(T.sent), the serving node has read and decoded it (S.rx), the waiting coroutine resumes (S.resume), the
-scheduler thread has it back (S.back). The next S.step closes the step (sampling, the event to the client,
-the scheduler's loop). Each round streams ``--decode`` tokens from each setup in turn; prints the median
-and quartiles of every segment over all steps, and the decode tok/s of both setups.
+stage process (``--stage PATH@4-7``) on loopback, plus a local node for the reference decode speed. All three
+run with ``MESHD_PIPELINE_TRACE`` (``engine/pipeline/trace.py``) and record CLOCK_MONOTONIC timestamps per
+decode step. The step takes the stage's direct channel when it is up (the default, engine/pipeline/direct.py):
+the scheduler starts the step (S.step), this node's layers are done (S.local), the scheduler thread has encoded
+the frame (S.dsend) and written it (S.dwrote), the stage's channel thread has read it (T.drx), its compute
+starts and ends (T.c0, T.c1), its reply is encoded (T.dsend) and written (T.dwrote), the scheduler thread has
+read it (S.drx) and has the checked logits (S.back). On the stream path (``MESHD_PIPELINE_DIRECT=0`` in the
+environment) the marks are: S.step, S.local (the step is handed to the loop), the loop starts the hop (S.fwd),
+the frame is written (S.sent, just before the write), the stage has read it (T.rx), T.c0, T.c1, its reply is
+encoded (T.sent), the serving node has read and decoded it (S.rx), the waiting callback resumes (S.resume), the
+scheduler thread has it back (S.back). The next S.step closes the step (sampling, the event to the client, the
+scheduler's loop). Each round streams ``--decode`` tokens from each setup in turn; prints the median and
+quartiles of every segment over all steps, the step's mean and tail, the time per token as each node's
+scheduler saw it (local node and serving node: from one lone step's start to the next, and its forward), the
+client's mean time per token, the garbage collections during the steps, and the decode tok/s of both setups.
 """
 
 from __future__ import annotations
@@ -58,6 +64,26 @@ ORDER: list[tuple[str, str, str]] = [
     ("S.resume", "S.rx", "loop: reply to the waiting step"),
     ("S.back", "S.resume", "hand-off: loop -> scheduler thread"),
 ]
+# The same step over the stage's direct channel (engine/pipeline/direct.py, the default when the stage rides a
+# data lane): the scheduler thread writes the FORWARD on a blocking TLS socket and reads the RESULT itself; the
+# stage's channel thread reads it, computes and writes the reply. No loop on either side.
+DIRECT_ORDER: list[tuple[str, str, str]] = [
+    ("S.step", "", ""),
+    ("S.local", "S.step", "serving node: embed + layers 0-3"),
+    ("S.dsend", "S.local", "scheduler thread: frame encoded (direct)"),
+    ("S.dwrote", "S.dsend", "TLS encrypt + socket write (serving node)"),
+    ("T.drx", "S.dsend", "loopback, stage channel thread wakes, TLS decrypt"),
+    ("T.c0", "T.drx", "stage: frame decoded, checked, lock"),
+    ("T.c1", "T.c0", "stage: layers 4-7 + head"),
+    ("T.dsend", "T.c1", "stage: reply encoded"),
+    ("T.dwrote", "T.dsend", "TLS encrypt + socket write (stage)"),
+    ("S.drx", "T.dsend", "loopback, scheduler thread wakes, TLS decrypt"),
+    ("S.back", "S.drx", "serving node: reply decoded and checked"),
+]
+# Marks off the step's critical way: a blocking write that returns only once its thread gets a core back, which
+# can be after the reply is in and the next step has started (the step is kept, this segment left out)
+OFF_CHAIN = {"S.dwrote", "T.dwrote"}
+DIRECT_CHAIN = ["S.step", "S.local", "S.dsend", "T.drx", "T.c0", "T.c1", "T.dsend", "S.drx", "S.back"]
 CHAIN = [
     "S.step",
     "S.local",
@@ -79,8 +105,9 @@ CHAIN = [
 ]
 
 
-def steps(trace_dir: Path, roles: dict[int, str]) -> list[dict[str, int]]:
-    """Per decode step, each tag's first time after its anchor (within the step)."""
+def steps(trace_dir: Path, roles: dict[int, str], order: list[tuple[str, str, str]]) -> list[dict[str, int]]:
+    """Per decode step, each tag of ``order`` at its first time after its anchor (within the step); a step
+    missing a tag is left out, unless the tag is ``OFF_CHAIN``."""
     events: list[tuple[int, str]] = []
     for f in trace_dir.glob("*.trace"):
         role = roles.get(int(f.stem), "?")
@@ -97,16 +124,54 @@ def steps(trace_dir: Path, roles: dict[int, str]) -> list[dict[str, int]]:
     out: list[dict[str, int]] = []
     for a, b in itertools.pairwise(starts):
         step = {"S.step": a, "next": b}
-        for tag, anchor, _ in ORDER[1:]:
+        for tag, anchor, _ in order[1:]:
             xs = times.get(tag, [])
             k = bisect.bisect_left(xs, step[anchor])
             if k == len(xs) or xs[k] >= b:
+                if tag in OFF_CHAIN:  # a write that returned after the step was over: off the step's way
+                    continue
                 break
             step[tag] = xs[k]
         else:
             if b - a < 200_000_000:
                 out.append(step)
     return out
+
+
+def gc_pauses(trace_dir: Path, roles: dict[int, str], t0: int, t1: int) -> dict[str, list[tuple[int, float]]]:
+    """Per process role, its garbage collections that started within [t0, t1): (generation, ms)."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for f in trace_dir.glob("*.trace"):
+        role = roles.get(int(f.stem), "?")
+        start: tuple[int, int] | None = None
+        for line in f.read_text().splitlines():
+            tag, ns_s = line.split()
+            ns = int(ns_s)
+            if tag.startswith("X.gc") and tag != "X.gce":
+                start = (int(tag[4:]), ns)
+            elif tag == "X.gce" and start is not None:
+                if t0 <= start[1] < t1:
+                    out.setdefault(role, []).append((start[0], (ns - start[1]) / 1e6))
+                start = None
+    return out
+
+
+def tokens(trace_dir: Path, roles: dict[int, str], role: str) -> tuple[list[float], list[float]]:
+    """A node's lone decode steps as its scheduler saw them (X.tok: a step starts, X.fwd: its forward returned):
+    (ms from one step's start to the next within a stream: the time per token; ms in the forward)."""
+    pid = next(p for p, r in roles.items() if r == role)
+    marks = [line.split() for line in (trace_dir / f"{pid}.trace").read_text().splitlines()]
+    starts = [int(ns) for tag, ns in marks if tag == "X.tok"]
+    fwds = [int(ns) for tag, ns in marks if tag == "X.fwd"]
+    period, fwd = [], []
+    for a, b in itertools.pairwise(starts):
+        if b - a >= 200_000_000:  # the end of a stream
+            continue
+        k = bisect.bisect_left(fwds, a)
+        if k < len(fwds) and fwds[k] < b:
+            period.append((b - a) / 1e6)
+            fwd.append((fwds[k] - a) / 1e6)
+    return period, fwd
 
 
 def _cpu_s(node: Any) -> float:
@@ -142,15 +207,15 @@ def main() -> int:
     nodes: list[Node] = []
     tps: dict[str, list[float]] = {"local": [], "2 stages": []}
     try:
+        os.environ["MESHD_PIPELINE_TRACE"] = str(tdir)
         local = Node(states / "local", ["--model", f"m={ck}"], args.threads)
         nodes.append(local)
-        os.environ["MESHD_PIPELINE_TRACE"] = str(tdir)
         srv = Node(states / "s2", ["--model", f"m={ck}", "--pipeline", "on"], args.threads)
         nodes.append(srv)
         st = Node(states / "st2", ["--stage", f"{ck}@4-7", "--join", srv.invite()], args.threads)
         nodes.append(st)
         del os.environ["MESHD_PIPELINE_TRACE"]
-        roles = {srv.proc.pid: "S", st.proc.pid: "T"}
+        roles = {srv.proc.pid: "S", st.proc.pid: "T", local.proc.pid: "L"}
         deadline = time.monotonic() + 120
         while len(srv.status()["services"]["pipeline"]["pipeline"]["models"]["m"].get("plan") or []) != 2:
             if time.monotonic() > deadline:
@@ -173,13 +238,24 @@ def main() -> int:
     finally:
         for n in reversed(nodes):
             n.stop()
-    got = steps(tdir, roles)
-    shutil.rmtree(states, ignore_errors=True)
+    try:
+        return report(tdir, roles, tps, wall, busy, srv, st, args.threads)
+    finally:
+        shutil.rmtree(states, ignore_errors=True)
+
+
+def report(tdir: Path, roles: dict[int, str], tps: dict[str, list[float]], wall: float, busy: dict[Any, float],
+           srv: Any, st: Any, threads: int) -> int:
+    """Print the timeline of the traced decode steps (see the module docstring)."""
+    direct = any("S.dsend" in f.read_text() for f in tdir.glob("*.trace"))
+    order, chain = (DIRECT_ORDER, DIRECT_CHAIN) if direct else (ORDER, CHAIN)
+    got = steps(tdir, roles, order)
     if not got:
         print("no complete decode step traced", file=sys.stderr)
         return 1
     print(
-        f"\n{len(got)} decode steps, 2 stages (0-3 | 4-7 + head), {args.threads} BLAS thread(s) per process"
+        f"\n{len(got)} decode steps, 2 stages (0-3 | 4-7 + head), {threads} BLAS thread(s) per process, "
+        f"{'direct channel' if direct else 'stream'} path"
     )
     print(
         f"decode tok/s: local {statistics.median(tps['local']):.1f}, 2 stages {statistics.median(tps['2 stages']):.1f}\n"
@@ -187,22 +263,52 @@ def main() -> int:
     print("| segment | median ms | p25 | p75 |")
     print("|---|---|---|---|")
     total = 0.0
-    for tag, anchor, name in ORDER[1:]:
-        xs = sorted((s[tag] - s[anchor]) / 1e6 for s in got)
+    for tag, anchor, name in order[1:]:
+        xs = sorted((s[tag] - s[anchor]) / 1e6 for s in got if tag in s)
+        if len(xs) < 2:
+            print(f"| {name} | - | | |")
+            continue
         q = statistics.quantiles(xs, n=4)
-        if tag in CHAIN:
+        if tag in chain:
             total += statistics.median(xs)
         print(f"| {name} | {statistics.median(xs):.3f} | {q[0]:.3f} | {q[2]:.3f} |")
     xs = sorted((s["next"] - s["S.back"]) / 1e6 for s in got)
     total += statistics.median(xs)
     print(f"| serving node: sampling, event, next step | {statistics.median(xs):.3f} | | |")
-    whole = sorted((s["next"] - s["S.step"]) / 1e6 for s in got)
+    all_steps = [s["next"] - s["S.step"] for s in got]
+    whole = sorted(x / 1e6 for x in all_steps)
     hop = sorted(((s["S.back"] - s["S.local"]) - (s["T.c1"] - s["T.c0"])) / 1e6 for s in got)
     print(f"| step (S.step to next S.step) | {statistics.median(whole):.3f} | | |")
     print(
         f"\nsum of the chain's segment medians {total:.3f} ms; hop overhead as the scheduler sees it "
         f"(S.local..S.back minus the stage's compute) {statistics.median(hop):.3f} ms"
     )
+    q = statistics.quantiles(whole, n=10)
+    print(
+        f"step time: mean {statistics.fmean(whole):.3f} ms, median {statistics.median(whole):.3f}, p90 {q[8]:.3f}, "
+        f"max {whole[-1]:.3f}; the client's mean time per token (SSE arrivals): local "
+        f"{statistics.fmean(1e3 / t for t in tps['local']):.3f} ms, 2 stages "
+        f"{statistics.fmean(1e3 / t for t in tps['2 stages']):.3f} ms"
+    )
+    print("\n| node | time per token (scheduler) median | mean | p90 | forward median | mean | rest median |")
+    print("|---|---|---|---|---|---|---|")
+    for role, name in (("L", "local (all layers)"), ("S", "2 stages: serving node")):
+        period, fwd = tokens(tdir, roles, role)
+        if len(period) < 2:
+            continue
+        rest = [p - f for p, f in zip(period, fwd)]
+        print(f"| {name} | {statistics.median(period):.3f} | {statistics.fmean(period):.3f} | "
+              f"{statistics.quantiles(period, n=10)[8]:.3f} | {statistics.median(fwd):.3f} | "
+              f"{statistics.fmean(fwd):.3f} | {statistics.median(rest):.3f} |")
+    print()
+    span = (min(s["S.step"] for s in got), max(s["next"] for s in got))
+    gcs = gc_pauses(tdir, roles, *span)
+    if not gcs:
+        print("garbage collections during the traced steps: none")
+    for role, pauses in sorted(gcs.items()):
+        per = {g: [ms for gen, ms in pauses if gen == g] for g in sorted({gen for gen, _ in pauses})}
+        print(f"garbage collections ({'serving node' if role == 'S' else 'stage'}, during the traced steps): " + ", ".join(
+            f"generation {g}: {len(xs)} ({sum(xs):.2f} ms in all, max {max(xs):.2f})" for g, xs in per.items()))
     print(
         f"CPU time over the pipelined decodes ({wall:.2f} s wall): serving node {busy[srv]:.2f} s, "
         f"stage {busy[st]:.2f} s"

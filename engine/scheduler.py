@@ -43,6 +43,7 @@ from engine.limits import MAX_ACTIVE_SEQUENCES, PREFILL_CHUNK_TOKENS
 
 from engine.generate import (DecodeState, GenerationStats, TokenEvent, check_request, context_length,
                              forward_last, free_cache)
+from engine.pipeline import trace
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -356,8 +357,12 @@ class Scheduler:
                     self._end(s, s.state.cancelled())  # type: ignore[union-attr]
                     continue
                 t0 = time.perf_counter()
+                if trace.ON:
+                    trace.mark("X.tok")
                 try:
                     logits = self._forward_one(s.state.last_token, s.cache)  # type: ignore[union-attr]
+                    if trace.ON:
+                        trace.mark("X.fwd")
                     dt = time.perf_counter() - t0
                     self._note_cost(1, dt)
                     ev = s.state.step(logits)  # type: ignore[union-attr]

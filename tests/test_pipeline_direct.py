@@ -340,3 +340,38 @@ def test_switched_off_no_direct_channel(tmp_path: Path, ref: Node) -> None:
     finally:
         for n in reversed(nodes):
             n.stop()
+
+
+def test_the_timeline_traces_each_step_over_the_direct_channel(tmp_path: Path) -> None:
+    """bench/pipeline_timeline.py reads the direct path: every decode step of a stream over the channel leaves its
+    marks in both processes, in order, and each node's scheduler marks its lone steps (X.tok, X.fwd)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import pipeline_timeline as timeline
+
+    tdir = tmp_path / "trace"
+    tdir.mkdir()
+    env = meshd_env(MESHD_PIPELINE_TRACE=str(tdir))
+    srv = start_node(tmp_path / "s", "--model", "tiny", "--pipeline", "on", "--pipeline-memory", "0.7", env=env)
+    nodes = [srv]
+    try:
+        nodes.append(start_node(tmp_path / "a", "--stage", "tiny@2-3", "--join", invite(tmp_path / "s"), env=env))
+        wait_plan(srv, [[0, 1], [2, 3]])
+        wait_until(lambda: _link(srv)["direct"], 20, "the stage's direct channel")
+        events = list(stream(srv.run["api"], *COMPLETION))
+        assert "error" not in events[-1], events[-1]
+        assert _link(srv)["direct_calls"] > 0
+    finally:
+        for n in reversed(nodes):
+            n.stop()
+    roles = {srv.proc.pid: "S", nodes[1].proc.pid: "T"}
+    got = timeline.steps(tdir, roles, timeline.DIRECT_ORDER)
+    assert len(got) >= TOKENS - 3, f"{len(got)} complete decode steps traced"
+    for s in got:
+        times = [s[tag] for tag in timeline.DIRECT_CHAIN]
+        assert times == sorted(times) and s["next"] > s["S.back"], s
+        assert all(s[tag] >= s["S.dsend" if tag[0] == "S" else "T.dsend"]
+                   for tag in timeline.OFF_CHAIN if tag in s), s
+    period, fwd = timeline.tokens(tdir, roles, "S")
+    assert len(period) >= TOKENS - 3 and all(0 < f < p for p, f in zip(period, fwd)), (period, fwd)

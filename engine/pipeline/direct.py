@@ -27,7 +27,7 @@ from typing import Any
 
 import structlog
 
-from engine.pipeline import limits, wire
+from engine.pipeline import limits, trace, wire
 from transport.errors import TransportError
 
 log = structlog.get_logger(__name__)
@@ -83,8 +83,14 @@ class DirectHop:
             step = self._next()
             data = wire.encode(wire.Forward(frame.run, step, frame.spans, frame.x, frame.last_only))
             t0 = time.perf_counter()
+            if trace.ON and frame.x.shape[0] == 1:
+                trace.mark("S.dsend")
             ch.send(data, timeout)
+            if trace.ON and frame.x.shape[0] == 1:
+                trace.mark("S.dwrote")
             back = ch.recv(timeout)
+            if trace.ON and frame.x.shape[0] == 1:
+                trace.mark("S.drx")
             if back is None:
                 raise TransportError("the stage closed the direct channel")
             reply = wire.decode_one(back, limits.DIRECT_MAX_MESSAGE_BYTES)
@@ -117,6 +123,7 @@ def serve(hosts: list[Any], peer_id: str, channel: Any) -> None:
             data = channel.recv()
             if data is None:
                 return
+            t_rx = time.monotonic_ns() if trace.ON else 0
             f = wire.decode_one(data, limits.DIRECT_MAX_MESSAGE_BYTES)
             if isinstance(f, wire.Keepalive):
                 channel.send(wire.encode(f))
@@ -129,8 +136,16 @@ def serve(hosts: list[Any], peer_id: str, channel: Any) -> None:
                 reply: wire.Frame = wire.Error(f.step, wire.ErrorCode.UNKNOWN_RUN,
                                                f"run {f.run:016x} is not open here")
             else:
+                if trace.ON and f.x.shape[0] == 1:
+                    trace.mark_at("T.drx", t_rx)
                 reply = host.direct_step(f, peer_id)
-            channel.send(wire.encode(reply))
+            data = wire.encode(reply)
+            one = trace.ON and isinstance(reply, wire.Result) and reply.x.shape[0] == 1
+            if one:
+                trace.mark("T.dsend")
+            channel.send(data)
+            if one:
+                trace.mark("T.dwrote")
     except wire.RemoteProtocolError as e:
         log.info("pipeline_direct_protocol_error", peer=peer_id[:12], reason=e.reason)
     except TransportError as e:

@@ -7,6 +7,7 @@ Off (the default) a call site costs one global lookup: ``if trace.ON: trace.mark
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from typing import Any
@@ -33,7 +34,8 @@ def mark_at(tag: str, ns: int) -> None:
 def _instrument() -> None:
     """Also mark where the lane hands bytes to TLS and back (``X.`` tags; the reader of the trace knows
     which process is which): the socket is readable (X.sock), the lane has the decrypted bytes (X.in), a
-    message is handed to TLS (X.write) and the write returned (X.wrote)."""
+    message is handed to TLS (X.write) and the write returned (X.wrote); and every garbage collection (X.gcN
+    when one of generation N starts, X.gce when it ends)."""
     from asyncio import selector_events
 
     from transport import lane_conn
@@ -55,6 +57,10 @@ def _instrument() -> None:
         send(self, stream_id, parts, end)
         mark("X.wrote")
 
+    def _gc(phase: str, info: dict[str, Any]) -> None:  # a garbage collection: X.gc<generation> start, X.gce end
+        mark(f"X.gc{info.get('generation', 0)}" if phase == "start" else "X.gce")
+
+    gc.callbacks.append(_gc)
     selector_events._SelectorSocketTransport._read_ready = _read_ready  # type: ignore[method-assign]
     lane_conn.LaneConnection.data_received = _data_received  # type: ignore[method-assign]
     lane_conn.LaneConnection._send = _send  # type: ignore[method-assign]
