@@ -156,3 +156,45 @@ def test_decode_one_takes_exactly_one_whole_frame(item, junk: bytes, cut: int) -
             wire.decode_one(bad)
     with pytest.raises(wire.RemoteProtocolError):  # the direct channel's own bound
         wire.decode_one(data, max_frame_bytes=len(data) - 5)
+
+
+def _general_decode(data: bytes) -> wire.Frame:
+    """``data`` through the general decoder only (header checks, ``decode_body``), not the decode step's fast path."""
+    length, magic, version, kind, flags, reserved = wire.HEADER.unpack_from(data)
+    if length + 4 != len(data) or magic != wire.MAGIC or version != wire.VERSION or reserved:
+        raise wire.RemoteProtocolError(wire.ErrorCode.PROTOCOL, "header")
+    return wire.decode_body(kind, flags, memoryview(data)[wire.HEADER.size:])
+
+
+_U32 = st.integers(0, 2**32 - 1)
+
+
+@st.composite
+def _step_frames(draw: st.DrawFn) -> wire.Frame:
+    """A decode step's frames (a one-sequence FORWARD, a RESULT) with any fp32 bits (NaN payloads included)."""
+    rows, cols = draw(st.integers(1, 3)), draw(st.integers(1, 5))
+    bits = draw(st.lists(_U32, min_size=rows * cols, max_size=rows * cols))
+    x = np.array(bits, dtype=np.uint32).view(np.float32).reshape(rows, cols)
+    run, step = draw(st.integers(0, 2**64 - 1)), draw(_U32)
+    if draw(st.booleans()):
+        span = wire.SeqSpan(draw(st.integers(0, 2**64 - 1)), draw(_U32), rows)
+        return wire.Forward(run, step, (span,), x, draw(st.booleans()), draw(st.booleans()))
+    return wire.Result(run, step, draw(_U32), x, draw(st.booleans()))
+
+
+@settings(max_examples=300, deadline=None)
+@given(_step_frames(), st.integers(0, 200), st.integers(0, 255))
+def test_the_decode_steps_codec_equals_the_general_one(frame: wire.Frame, pos: int, byte: int) -> None:
+    """The one-struct codec of a decode step's frames (``_encode_step``, ``_decode_step``) gives the general
+    codec's bytes and frames; a mutated frame it takes is one the general decoder gives the same way (anything
+    else it leaves to the general decoder, which says what is wrong)."""
+    data = wire._encode_general(frame)
+    assert wire._encode_step(frame) == data and wire.encode(frame) == data
+    fast = wire._decode_step(data, limits.MAX_FRAME_BYTES)
+    assert fast is not None and _same(fast, frame) and _same(_general_decode(data), frame)
+    bad = bytearray(data)
+    bad[pos % len(bad)] = byte
+    got = wire._decode_step(bytes(bad), limits.MAX_FRAME_BYTES)
+    if got is not None:
+        assert _same(got, _general_decode(bytes(bad)))
+    assert wire._decode_step(data, len(data) - 5) is None  # over the bound: the general decoder refuses it

@@ -165,9 +165,7 @@ class Run:
                 failed.set_exception(StageFailed(link.node_id, wrong))
                 return failed
             x = res.x
-        out: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        out.set_result(x)
-        return out
+        return _Done(x)  # type: ignore[return-value]
 
     def _hop(
         self,
@@ -239,6 +237,22 @@ class Run:
             what = "logits" if last else "hidden states"
             return f"answered {what} {res.x.dtype}{list(res.x.shape)}, expected float32{list(want)}"
         return ""
+
+
+class _Done:
+    """A step's answer that is already here (``Run.direct``), where a future is expected: ``done`` and ``result``
+    without the lock and condition a ``concurrent.futures.Future`` makes (on the hop, with cold caches)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self.value
 
 
 def _wait(run: Run, fut: concurrent.futures.Future[Any]) -> Any:
