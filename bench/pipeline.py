@@ -35,7 +35,9 @@ reply is checked equal to the local one. ``--variant ENV=VALUE[,ENV=VALUE]`` (re
 setup whose two processes run with that environment (e.g. ``MESHD_DECODE_PLAN=0,MESHD_PIPELINE_POLL=1``:
 session 4's behaviour; ``MESHD_PIPELINE_SERIAL=1``; ``MESHD_PIPELINE_BATCH=0``: lone rolling steps as before
 session 6; ``MESHD_PIPELINE_GROUPS=2``: batched steps in two overlapping groups), in the same rounds: an A/B
-in one run.
+in one run. Against another checkout's code (``git archive main | tar -x -C /tmp/base``):
+``--variant PYTHONSAFEPATH=1,PYTHONPATH=/tmp/base`` (that setup's processes then import the other tree; start
+one of its nodes once beforehand so that numba's cache there is filled, or the node may not start in time).
 During the concurrent streams, the CPU time of every process of
 the setup over the wall time (1.0: one core all the time) shows where the idle time is. Medians over
 rounds with [min, max]. Prints a Markdown table
