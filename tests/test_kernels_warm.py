@@ -53,7 +53,8 @@ print(json.dumps({"before": before, "after": counts()}))
 
 
 def test_warm_loads_the_read_only_specializations_models_use() -> None:
-    out = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["after"] == got["before"], f"kernels loaded after warm: {got}"
