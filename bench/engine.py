@@ -189,6 +189,7 @@ class _EngineSide:
         self.rss_anon_mb = _status_mb("RssAnon:") - anon0
 
     def prefill(self) -> float:
+        self.cache = None  # the last round's decode cache: a finished sequence's cache is freed, not kept
         cache = self.model.new_cache(512)
         t0 = time.perf_counter()
         self.model.forward(self.prompt, cache, last_only=True)
@@ -204,6 +205,7 @@ class _EngineSide:
 
     def decode_begin(self) -> float:
         """Untimed: a 256-token prefill into a new cache and the first token; ``decode_block`` continues."""
+        self.cache = None  # freed before the next is made: one sequence's cache at a time, as ``decode`` has
         self.cache = self.model.new_cache(512)
         self.tok = int(self.model.forward(self.prompt, self.cache, last_only=True)[-1].argmax())
         return 0.0
@@ -642,7 +644,8 @@ def main() -> None:
     lines.append("")
     lines.append("peak RSS / file: VmHWM of the engine process minus its RSS before loading (runtime and kernels"
                  " already imported), over the files' size; it includes the KV cache and activations of a"
-                 " 256-token prefill (logits of its last position only); mapped / anon: file-backed pages (the"
+                 " 256-token prefill (logits of its last position only; one sequence's cache alive at a time: a"
+                 " round's prefill frees the last round's decode cache first); mapped / anon: file-backed pages (the"
                  " weights' mapping) and anonymous memory (KV cache pages written, activations, allocator) grown by the"
                  " first prefill")
     sys.stdout.write("\n".join(lines) + "\n")

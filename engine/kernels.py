@@ -498,6 +498,9 @@ def dequantize_blocks(blocks: np.ndarray, qtype: str) -> np.ndarray | None:
     ``engine.quant.dequantize_blocks``; None when there is no kernel for ``qtype``."""
     if not AVAILABLE or qtype not in DEQUANT_TYPES:
         return None
+    if blocks.flags.writeable:  # e.g. an embedding's gathered rows: the read-only specialization every
+        blocks = blocks.view()  # mapped weight uses (see ``warm``), not a second one
+        blocks.flags.writeable = False
     out = np.empty((blocks.shape[0], 32 if qtype in ("Q4_0", "Q8_0") else 256), dtype=F32)
     if qtype == "Q8_0":
         _dq_q8_0(blocks, out, HALF)
@@ -537,7 +540,12 @@ def gemm_many(products: list[tuple[np.ndarray, str, np.ndarray]]) -> list[np.nda
 
 def warm() -> None:
     """Compile (or load from numba's on-disk cache) every kernel now, on tiny inputs: a process that wants
-    its first request not to pay the compile (seconds) or its peak memory (LLVM) calls this at start."""
+    its first request not to pay the compile (seconds) or its peak memory (LLVM) calls this at start.
+
+    The weights are read-only arrays here, as every checkpoint's are (views of a read-only file mapping):
+    numba compiles one specialization per writability, so warming on writable arrays loaded kernels no
+    model uses, and the first prefill then loaded the read-only ones (~8 MiB per process, counted in the
+    peak after loading)."""
     if not AVAILABLE:
         return
     x = np.zeros((1, 256), dtype=F32)
@@ -549,6 +557,7 @@ def warm() -> None:
             data = np.zeros((1, 256), dtype=np.uint16 if qtype == "BF16" else F32)
         else:
             data = np.zeros((1, row_bytes(qtype, 256)), dtype=np.uint8)
+        data.setflags(write=False)
         run(x, qtype, data, out, 0, 1)
         if qtype in DEQUANT_TYPES:
             dequantize_blocks(data.reshape(-1, BLOCK_BYTES[qtype]), qtype)

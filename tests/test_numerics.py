@@ -9,6 +9,7 @@ next to the tags). Tests that need it skip where the BLAS is not a run-time-disp
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import subprocess
 import sys
@@ -301,3 +302,31 @@ def test_kernels_choice_agrees_with_what_the_kernels_decide(env: dict[str, str])
     choice, on, int_on, version = json.loads(out.strip().splitlines()[-1])
     assert choice == (f"numba-{version}" + ("+int" if int_on else "") if on else "numpy"), (env, choice, on, int_on)
     assert choice.startswith("numba-") == on
+
+
+LEAN = """
+import json, sys
+from engine import numerics
+tag = numerics.tag()
+mapped = "libllvmlite" in open("/proc/self/maps").read()
+loaded = sorted(m for m in ("llvmlite.binding", "numba") if m in sys.modules)
+child = numerics._llvm_host_allows()
+from llvmlite import binding
+print(json.dumps([tag, mapped, loaded, child, numerics.host_allows(binding)]))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llvmlite") is None or not sys.platform.startswith("linux"),
+                    reason="llvmlite not installed, or no /proc/self/maps")
+def test_tag_does_not_map_llvm_and_its_child_agrees_with_llvm_here() -> None:
+    """Computing the tag in a process that has not imported numba leaves LLVM unmapped (importing
+    llvmlite.binding keeps ~40 MB resident: an idle daemon's tag cost that much), and the child interpreter
+    that asked LLVM about the CPU answered what LLVM answers in this process."""
+    from conftest import meshd_env
+
+    out = subprocess.run([sys.executable, "-c", LEAN], env=meshd_env(), capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    tag, mapped, loaded, child, here = json.loads(out.strip().splitlines()[-1])
+    assert tag.startswith("kernels=")
+    assert not mapped and loaded == [], (mapped, loaded)
+    assert child == here

@@ -13,6 +13,7 @@ from types import FrameType
 
 import structlog
 
+from meshd import numba_cache
 from meshd.api.server import bind_api, load_api_keys
 from meshd.config import DaemonConfig, load_config
 from meshd.daemon import Daemon
@@ -110,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
         # Fail now (exit 2) on a missing/empty join file rather than found a stray mesh; the
         # membership service re-reads it on every attempt.
         config.read_join_token()
+    cache = numba_cache.apply(state.path)  # before any engine module imports numba
+    if cache is not None:
+        log.info("numba_cache_dir", path=str(cache), reason="the install and the home directory are read-only")
     identity, created = state.load_or_create_identity()
     if created:
         log.info("identity_created", node_id=identity.node_id, path=str(state.identity_path))
