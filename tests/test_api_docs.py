@@ -1,5 +1,5 @@
 """The API's documented error statuses are the ones the code answers with: every ``ApiError(STATUS`` in
-meshd/ has a row in docs/api.md's Errors table and is in README.md's list, and so is every named error code."""
+meshd/ has a row in docs/api.md's Errors table and is in README.md's list, and so is every error code."""
 
 from __future__ import annotations
 

@@ -69,6 +69,9 @@ def test_plan_from_gossip_by_memory_and_pins_byte_identical(tmp_path: Path, ref:
         a = stage_status(nodes[1])
         assert a["loaded"] == [[2, 3]] and a["steps"] > 0, a
         st = pipeline_status(srv)
+        # one fingerprint for one checkpoint: the model's, with or without --pipeline, and the stage's
+        fps = {n: [m["fingerprint"] for m in n.status()["models"]] for n in (ref, srv)}
+        assert fps[ref] == fps[srv] == [st["fingerprint"]] == [a["fingerprint"]], (fps, st, a)
         run = st["runs"][st["run"]]
         assert run["stages"][0]["calls"] > 0 and run["stages"][0]["latency_ms_avg"] > 0, run
         text = subprocess.run(
