@@ -28,10 +28,14 @@ class ExpertsUnavailable(Exception):
 
 
 class WorkerRefused(Exception):
-    """A worker's hello failed: different checkpoint, no common version, or a bad answer."""
+    """A worker's hello failed: different checkpoint, no common version, or a bad answer; or, with ``code``
+    ``LOADING``, the worker is up but its experts are still loading (ask again soon; not an error)."""
 
     def __init__(self, node_id: str, reason: str, code: rpc.ErrorCode | None = None) -> None:
-        super().__init__(f"expert worker {node_id} refused: {reason}")
+        if code == rpc.ErrorCode.LOADING:  # not a refusal: it answers once its experts are in
+            super().__init__(f"expert worker {node_id} is still loading: {reason}")
+        else:
+            super().__init__(f"expert worker {node_id} refused: {reason}")
         self.node_id = node_id
         self.code = code
 
