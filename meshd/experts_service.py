@@ -32,7 +32,7 @@ from typing import Any
 import structlog
 
 from engine.experts import direct
-from engine.experts.coordinator import CoordinatorConfig, RemoteExecutor, WorkerRefused
+from engine.experts.coordinator import CoordinatorConfig, NotAWorker, RemoteExecutor, WorkerRefused
 from engine.experts.fingerprint import model_fingerprint
 from engine.experts.rpc import ErrorCode
 from engine.experts.layout import LayoutError, MoeLayout, layout_from_config, read_config
@@ -71,6 +71,7 @@ class _Coordinated:
     probing: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # node id -> hello in flight
     failures: dict[str, int] = field(default_factory=dict)  # node id -> unanswered hellos in a row
     loading_asks: dict[str, int] = field(default_factory=dict)  # node id -> hellos answered LOADING in a row
+    plain: set[str] = field(default_factory=set)  # peers serving no expert stream (not workers): not listed
     dialling: set[str] = field(default_factory=set)  # node ids whose direct channel is being dialled
 
 
@@ -261,7 +262,7 @@ class ExpertsService:
         said it was loading is asked again now (it advertises its shards once they are loaded)."""
         for c in self._coordinated:
             for node, addrs in self.advertised_workers(c.executor.fingerprint).items():
-                if node in c.executor.loading:
+                if node in c.executor.loading or node in c.plain:
                     c.retry_at.pop(node, None)
                 me = getattr(getattr(self.transport, "identity", None), "node_id", None)
                 if node in self._kept or node == me:
@@ -323,7 +324,7 @@ class ExpertsService:
                     if at is None or asyncio.get_running_loop().time() < at:
                         continue
                     del c.refused[node], c.retry_at[node]
-                elif node in c.executor.loading:
+                elif node in c.executor.loading or node in c.plain:
                     at = c.retry_at.get(node)
                     if at is not None and asyncio.get_running_loop().time() < at:
                         continue
@@ -346,8 +347,15 @@ class ExpertsService:
             await c.executor.add_worker(node, stream)
             c.failures.pop(node, None)
             c.loading_asks.pop(node, None)
+            c.plain.discard(node)
             await self._attach_direct(c, peer)
+        except NotAWorker:  # a plain member: asked again after REFUSAL_RETRY_S, or when it advertises shards
+            c.loading_asks.pop(node, None)
+            c.plain.add(node)
+            self._retry_later(c, node, REFUSAL_RETRY_S)
+            log.debug("experts_peer_not_a_worker", peer=node)
         except WorkerRefused as e:
+            c.plain.discard(node)
             if e.code == ErrorCode.LOADING:  # up, experts not in yet: not a refusal, ask again soon
                 c.loading_asks[node] = n = c.loading_asks.get(node, 0) + 1
                 self._retry_later(c, node, refusal_retry_delay_s(n, LOADING_RETRY_S))
@@ -422,7 +430,7 @@ class ExpertsService:
         (the new link replaces the old one; the old one finishes the replies in flight first)."""
         for c in self._coordinated:
             link = c.executor.links.get(peer.node_id)
-            if link is None and peer.node_id not in c.refused:
+            if link is None and peer.node_id not in c.refused and peer.node_id not in c.plain:
                 self._spawn(self._probe(c, peer))  # a link the lane's end broke: back over QUIC now
             elif link is not None and getattr(link.channel, "path", None) != peer.path:
                 self._spawn(self._probe(c, peer))
@@ -434,6 +442,7 @@ class ExpertsService:
             c.retry_at.pop(peer.node_id, None)
             c.failures.pop(peer.node_id, None)
             c.loading_asks.pop(peer.node_id, None)
+            c.plain.discard(peer.node_id)
 
     async def _probe_loop(self) -> None:
         while True:

@@ -89,6 +89,27 @@ def test_daemon_worker_refuses_another_checkpoint_by_name(tmp_path: Path) -> Non
         node.stop()
 
 
+def test_a_plain_member_is_not_listed_as_a_worker(tmp_path: Path) -> None:
+    """A connected member that serves no expert stream is no worker: no row with errors, no refusal (before:
+    a worker row with an error per probe and "refused: no hello answer (stream reset ... code 20)")."""
+    mesh = MeshFixture()
+    ck = make_moe_checkpoint(tmp_path / "q3", layers=2, experts=4)
+    node_id = _provision(mesh, tmp_path / "p")
+    node = start_node(tmp_path / "p")  # serves nothing, holds no experts
+    coord = Coordinator(mesh)
+    try:
+        host, _, port = node.run["quic"].rpartition(":")
+        coord.lt.run(coord.transport.connect((host, int(port)), node_id), timeout=15)
+        ex = coord.executor(ck, "on")
+        coord.lt.run(coord.service.probe_all())  # a second round: still not counted
+        st = coord.service.status()["coordinators"][0]
+        assert ex.links == {} and st["refused"] == {} and st["loading"] == {} and node_id not in st["workers"], st
+        assert ex.unavailable_reason() == "no expert workers hold this model's routed experts"
+    finally:
+        coord.close()
+        node.stop()
+
+
 @pytest.mark.parametrize("mode", ["on", "prefer"])
 def test_remote_experts_flag_starts_the_service(tmp_path: Path, mode: str) -> None:
     node = start_node(tmp_path / "c", "--remote-experts", mode)

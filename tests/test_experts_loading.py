@@ -90,7 +90,7 @@ def test_hello_while_loading_is_answered_loading(tmp_path: Path, lt: LoopThread)
             time.sleep(0.01)
         assert EXPERT_STREAM in wt.handlers, "no expert handler while loading"
         ex = RemoteExecutor(lt.loop, model_fingerprint(ck), layout_from_config(read_config(ck)),
-                            CoordinatorConfig(mode="on", connect_timeout_s=2.0))
+                            CoordinatorConfig(mode="on", connect_timeout_s=10.0))
 
         async def hello() -> Any:
             a, b = await socketpair_channels()
@@ -120,7 +120,7 @@ def test_coordinator_shows_loading_retries_soon_and_takes_the_worker(tmp_path: P
     wt, ct = _Transport(), _Transport()
     node = "w" * 32
     ct.peer_list = [_Peer(node, wt)]
-    coord = ExpertsService([], "on", coordinator_config=CoordinatorConfig(connect_timeout_s=2.0),
+    coord = ExpertsService([], "on", coordinator_config=CoordinatorConfig(connect_timeout_s=10.0),
                            probe_interval_s=60.0)
     started = asyncio.run_coroutine_threadsafe(worker.start(wt), lt.loop)
     try:

@@ -54,8 +54,8 @@ from engine.experts.direct import DirectFailed, DirectPath
 from engine.experts.channel import ByteChannel
 from engine.experts.general import GeneralPath
 from engine.experts.layout import MoeLayout
-from engine.experts.link import (LATENCY_BUCKETS_S, ExpertsUnavailable, LinkStats, WorkerFailed, WorkerLink,
-                                 WorkerRefused)
+from engine.experts.link import (LATENCY_BUCKETS_S, ExpertsUnavailable, LinkStats, NotAWorker, WorkerFailed,
+                                 WorkerLink, WorkerRefused)
 from engine.experts.ownership import OwnershipMap, WorkerInfo, build_map
 from engine.experts.passes import LoopPasses
 from engine.experts.planning import FastCall, FastSend
@@ -65,7 +65,7 @@ from transport import poll
 
 # The link's names are re-exported: callers import everything the coordinator API uses from here.
 __all__ = ["LATENCY_BUCKETS_S", "MODES", "CoordinatorConfig", "CoordinatorStats", "ExpertsUnavailable",
-           "LinkStats", "RemoteExecutor", "WorkerFailed", "WorkerLink", "WorkerRefused"]
+           "LinkStats", "NotAWorker", "RemoteExecutor", "WorkerFailed", "WorkerLink", "WorkerRefused"]
 
 # Hello refusals of a peer that is an expert worker, only not one this coordinator can use.
 _WORKER_REFUSALS = frozenset({rpc.ErrorCode.FINGERPRINT_MISMATCH, rpc.ErrorCode.VERSION_UNSUPPORTED,
@@ -161,8 +161,11 @@ class RemoteExecutor(DirectPath, LoopPasses, GeneralPath):
         try:
             ack = await link.hello(self.fingerprint, self.layout, self.config.connect_timeout_s)
         except WorkerRefused as e:
-            if e.code == rpc.ErrorCode.LOADING:
-                self.loading[node_id] = str(e)
+            if e.code == rpc.ErrorCode.LOADING or isinstance(e, NotAWorker):
+                if isinstance(e, NotAWorker):
+                    self.loading.pop(node_id, None)
+                else:
+                    self.loading[node_id] = str(e)
                 if not known:  # no row in the workers table (and no error) for a worker that never answered
                     self.link_stats.pop(node_id, None)
                 raise
