@@ -160,11 +160,18 @@ class ExpertsService:
     def _load_all(self) -> tuple[list[ExpertShard], list[bytes]]:
         shards, fps = [], []
         for spec in self.specs:
+            resolved = self._resolve(spec)
             try:
-                shard = load_shard(self._resolve(spec))
+                shard = load_shard(resolved)
                 fp = model_fingerprint(shard.path, cache_dir=self._state_dir)
             except ShardError as e:
-                raise ExpertsStartError(str(e)) from None
+                text = str(e)
+                if resolved != spec:  # `tiny`: name the spec as given, not the state dir's checkpoint
+                    for given in (resolved, resolved.rpartition("@")[0] or resolved):
+                        if text.startswith(f"--experts {given}:"):
+                            text = f"--experts {spec}:" + text[len(f"--experts {given}:"):]
+                            break
+                raise ExpertsStartError(text) from None
             except (TensorFileError, LayoutError, OSError) as e:
                 raise ExpertsStartError(f"--experts {spec}: {e}") from None
             shard.warm()

@@ -46,6 +46,8 @@ def test_bad_expert_shards_fail_the_start_naming_them(tmp_path: Path) -> None:
     save_file(t, str(ck / "model.safetensors"))
     err = _serve_fails(tmp_path, str(ck))
     assert "missing expert tensor model.layers.2.mlp.experts.5.down_proj.weight" in err
+    err = _serve_fails(tmp_path, "tiny@0-99/0-3")  # named as the user wrote it, not the state dir's path
+    assert "meshd: --experts tiny@0-99/0-3: layer 4 does not exist" in err, err[-500:]
 
 
 def test_daemon_worker_serves_bit_exact_and_reports_status(tmp_path: Path) -> None:
