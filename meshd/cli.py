@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence "
                    "(default: stop there)")
     p.add_argument("--json", action="store_true", help="print one JSON object: model, prompt_tokens, tokens, "
-                   "text, logprobs, timings (default: the text)")
+                   "text, logprobs, finish_reason, timings (default: the text)")
     _add_state_dir(p)
 
     p = sub.add_parser("model", help="model utilities")

@@ -40,7 +40,11 @@ class ControlError(Exception):
 
 
 class NoDaemon(RuntimeFailure):
-    """No daemon listens on the control socket."""
+    """No daemon listens on the control socket. ``reason`` is the why alone (e.g. "no control socket in DIR")."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"no meshd daemon is running ({reason})")
+        self.reason = reason
 
 
 @contextlib.contextmanager
@@ -209,7 +213,7 @@ async def request(
                 asyncio.open_unix_connection(sun, limit=MAX_CONTROL_LINE_BYTES), timeout_s
             )
     except (FileNotFoundError, ConnectionRefusedError):
-        raise NoDaemon(f"no meshd daemon is running (no control socket in {state_dir})") from None
+        raise NoDaemon(f"no control socket in {state_dir}") from None
     except PermissionError:
         raise RuntimeFailure(f"permission denied on {path} (run as the daemon's user)") from None
     except (TimeoutError, OSError) as e:

@@ -10,7 +10,9 @@ serves; the returned :class:`RemoteExecutor` is the ``executor`` for ``Model.for
 by probing peers: every connected peer (or, once membership advertises shards, every peer advertising
 the fingerprint) is opened an EXPERT stream and sent a hello; those holding the same checkpoint become
 links; a peer holding another checkpoint (or speaking no common version) is remembered as refused until it
-reconnects, one that did not answer is retried after ``REFUSAL_RETRY_S``. Probes repeat on peer-up and every
+reconnects, one that did not answer is retried after ``REFUSAL_RETRY_S``; one whose experts are still loading
+(it answers ``LOADING``) is no refusal: shown as ``loading``, asked again within ``LOADING_RETRY_S`` and at
+once when it advertises its shards. Probes repeat on peer-up and every
 ``probe_interval_s``, so a worker that joins is used from the next forward pass.
 
 Telemetry: ``status()`` (merged into ``meshd status --json`` under ``experts``) and a Prometheus
@@ -30,13 +32,13 @@ from typing import Any
 import structlog
 
 from engine.experts import direct
-from engine.experts.coordinator import CoordinatorConfig, RemoteExecutor, WorkerRefused
+from engine.experts.coordinator import CoordinatorConfig, NotAWorker, RemoteExecutor, WorkerRefused
 from engine.experts.fingerprint import model_fingerprint
 from engine.experts.rpc import ErrorCode
 from engine.experts.layout import LayoutError, MoeLayout, layout_from_config, read_config
 from engine.experts.shard import ExpertShard, ShardError, load_shard
 from engine.experts.tensors import TensorFileError
-from engine.experts.worker import ExpertWorker, ReplyHook
+from engine.experts.worker import ExpertWorker, ReplyHook, answer_loading
 from engine.moe import ExpertWeightsFn
 from meshd.errors import UsageError
 from engine import limits, numerics
@@ -47,11 +49,13 @@ PROBE_INTERVAL_S = 5.0  # how often peers that are not links yet are probed for 
 REFUSAL_RETRY_S = 30.0  # a peer that did not answer a hello (busy, no handler) is asked again after this
 REFUSAL_RETRY_FIRST_S = 0.5  # ...first after this, doubling up to REFUSAL_RETRY_S: a worker that joined a
 # moment ago may not have registered its expert handler yet when the coordinator's first hello arrives
+LOADING_RETRY_S = 5.0  # a worker still loading its experts is asked again after 0.5 s, doubling up to this
+# (and at once when gossip shows its shards, which it publishes as soon as they are loaded)
 
 
-def refusal_retry_delay_s(failures: int) -> float:
+def refusal_retry_delay_s(failures: int, cap_s: float = REFUSAL_RETRY_S) -> float:
     """Seconds before asking a peer again after ``failures`` (>= 1) unanswered hellos in a row."""
-    return min(REFUSAL_RETRY_S, REFUSAL_RETRY_FIRST_S * 2.0 ** max(0, failures - 1))
+    return min(cap_s, REFUSAL_RETRY_FIRST_S * 2.0 ** max(0, failures - 1))
 
 
 class ExpertsStartError(UsageError):
@@ -66,6 +70,8 @@ class _Coordinated:
     retry_at: dict[str, float] = field(default_factory=dict)  # node id -> loop time to probe again
     probing: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # node id -> hello in flight
     failures: dict[str, int] = field(default_factory=dict)  # node id -> unanswered hellos in a row
+    loading_asks: dict[str, int] = field(default_factory=dict)  # node id -> hellos answered LOADING in a row
+    plain: set[str] = field(default_factory=set)  # peers serving no expert stream (not workers): not listed
     dialling: set[str] = field(default_factory=set)  # node ids whose direct channel is being dialled
 
 
@@ -96,6 +102,7 @@ class ExpertsService:
         self._membership: Any = None
         self._kept: set[str] = set()  # workers we asked the transport to keep connected
         self.advertisers: list[Callable[[list[dict[str, Any]]], None]] = []  # membership hooks
+        self._loading: str | None = None  # what a hello is answered (ERROR LOADING) until the shards are in
 
     @classmethod
     def from_config(cls, config: Any) -> ExpertsService:
@@ -117,11 +124,15 @@ class ExpertsService:
         state = getattr(daemon, "state", None)
         self._state_dir = getattr(state, "path", None)
         if self.specs:
+            # the daemon is in its mesh already: a coordinator's hello now is told "loading", not left
+            # unanswered (which counted as an error and backed off for up to REFUSAL_RETRY_S)
+            self._loading = f"experts of {', '.join(self.specs)} are not loaded yet"
+            self.transport.on_stream(StreamType.EXPERT, self._serve)
             self.shards, self.fingerprints = await asyncio.to_thread(self._load_all)
             await asyncio.to_thread(numerics.tag)  # computed once, off the loop (it may import the kernels)
             self.worker = ExpertWorker(self.shards, self.fingerprints, self.capacity, self._reply_hook,
                                        poll_s=self.coordinator_config.poll_s)  # one setting for both roles
-            self.transport.on_stream(StreamType.EXPERT, self._serve)
+            self._loading = None
             for s, fp in zip(self.shards, self.fingerprints):
                 log.info("experts_worker_ready", path=str(s.path), fingerprint=fp.hex()[:16], layers=len(s.layers),
                          experts=len(s.experts), expert_bytes=s.expert_bytes)
@@ -149,11 +160,18 @@ class ExpertsService:
     def _load_all(self) -> tuple[list[ExpertShard], list[bytes]]:
         shards, fps = [], []
         for spec in self.specs:
+            resolved = self._resolve(spec)
             try:
-                shard = load_shard(self._resolve(spec))
+                shard = load_shard(resolved)
                 fp = model_fingerprint(shard.path, cache_dir=self._state_dir)
             except ShardError as e:
-                raise ExpertsStartError(str(e)) from None
+                text = str(e)
+                if resolved != spec:  # `tiny`: name the spec as given, not the state dir's checkpoint
+                    for given in (resolved, resolved.rpartition("@")[0] or resolved):
+                        if text.startswith(f"--experts {given}:"):
+                            text = f"--experts {spec}:" + text[len(f"--experts {given}:"):]
+                            break
+                raise ExpertsStartError(text) from None
             except (TensorFileError, LayoutError, OSError) as e:
                 raise ExpertsStartError(f"--experts {spec}: {e}") from None
             shard.warm()
@@ -203,6 +221,8 @@ class ExpertsService:
     async def _serve(self, peer: Any, stream: Any) -> None:
         if self.worker is not None:
             await self.worker.serve(stream, peer.node_id)
+        elif self._loading is not None:
+            await answer_loading(stream, self._loading)
 
     def advertisement(self) -> list[dict[str, Any]]:
         """What gossip carries about this node's shards, in the membership record's format: one entry
@@ -245,9 +265,12 @@ class ExpertsService:
             self._spawn(self._connect_advertised())
 
     async def _connect_advertised(self) -> None:
-        """Keep a connection to every advertised worker of our models (peer-up then probes it)."""
+        """Keep a connection to every advertised worker of our models (peer-up then probes it); one that
+        said it was loading is asked again now (it advertises its shards once they are loaded)."""
         for c in self._coordinated:
             for node, addrs in self.advertised_workers(c.executor.fingerprint).items():
+                if node in c.executor.loading or node in c.plain:
+                    c.retry_at.pop(node, None)
                 me = getattr(getattr(self.transport, "identity", None), "node_id", None)
                 if node in self._kept or node == me:
                     continue
@@ -308,6 +331,10 @@ class ExpertsService:
                     if at is None or asyncio.get_running_loop().time() < at:
                         continue
                     del c.refused[node], c.retry_at[node]
+                elif node in c.executor.loading or node in c.plain:
+                    at = c.retry_at.get(node)
+                    if at is not None and asyncio.get_running_loop().time() < at:
+                        continue
                 task = c.probing.get(node)
                 if task is None:
                     task = asyncio.get_running_loop().create_task(self._probe(c, peer))
@@ -326,24 +353,42 @@ class ExpertsService:
             stream = await asyncio.wait_for(peer.open_stream(StreamType.EXPERT), timeout)
             await c.executor.add_worker(node, stream)
             c.failures.pop(node, None)
+            c.loading_asks.pop(node, None)
+            c.plain.discard(node)
             await self._attach_direct(c, peer)
+        except NotAWorker:  # a plain member: asked again after REFUSAL_RETRY_S, or when it advertises shards
+            c.loading_asks.pop(node, None)
+            c.plain.add(node)
+            self._retry_later(c, node, REFUSAL_RETRY_S)
+            log.debug("experts_peer_not_a_worker", peer=node)
         except WorkerRefused as e:
+            c.plain.discard(node)
+            if e.code == ErrorCode.LOADING:  # up, experts not in yet: not a refusal, ask again soon
+                c.loading_asks[node] = n = c.loading_asks.get(node, 0) + 1
+                self._retry_later(c, node, refusal_retry_delay_s(n, LOADING_RETRY_S))
+                log.info("experts_worker_loading", worker=node, reason=str(e))
+                return
+            c.loading_asks.pop(node, None)
             c.refused[node] = str(e)
             if e.code not in (ErrorCode.FINGERPRINT_MISMATCH, ErrorCode.VERSION_UNSUPPORTED,
                               ErrorCode.NUMERICS_MISMATCH):
                 c.failures[node] = n = c.failures.get(node, 0) + 1
-                delay = refusal_retry_delay_s(n)
-                loop = asyncio.get_running_loop()
-                c.retry_at[node] = loop.time() + delay
-                def retry() -> None:
-                    self._retry_timers.discard(handle)
-                    self._spawn(self.probe_all())
-
-                handle = loop.call_later(delay + 0.01, retry)
-                self._retry_timers.add(handle)
+                self._retry_later(c, node, refusal_retry_delay_s(n))
             log.info("experts_worker_refused", worker=node, reason=str(e))
         except Exception as e:  # noqa: BLE001 - a peer that cannot be probed now is retried later
             log.debug("experts_probe_failed", worker=node, error=repr(e))
+
+    def _retry_later(self, c: _Coordinated, node: str, delay: float) -> None:
+        """Probe ``node`` again after ``delay`` seconds (``probe_all`` skips it until then)."""
+        loop = asyncio.get_running_loop()
+        c.retry_at[node] = loop.time() + delay
+
+        def retry() -> None:
+            self._retry_timers.discard(handle)
+            self._spawn(self.probe_all())
+
+        handle = loop.call_later(delay + 0.01, retry)
+        self._retry_timers.add(handle)
 
     async def _attach_direct(self, c: _Coordinated, peer: Any) -> None:
         """Dial a direct channel (``engine.experts.direct``) beside a worker's link that rides a data lane
@@ -392,7 +437,7 @@ class ExpertsService:
         (the new link replaces the old one; the old one finishes the replies in flight first)."""
         for c in self._coordinated:
             link = c.executor.links.get(peer.node_id)
-            if link is None and peer.node_id not in c.refused:
+            if link is None and peer.node_id not in c.refused and peer.node_id not in c.plain:
                 self._spawn(self._probe(c, peer))  # a link the lane's end broke: back over QUIC now
             elif link is not None and getattr(link.channel, "path", None) != peer.path:
                 self._spawn(self._probe(c, peer))
@@ -403,6 +448,8 @@ class ExpertsService:
             c.refused.pop(peer.node_id, None)
             c.retry_at.pop(peer.node_id, None)
             c.failures.pop(peer.node_id, None)
+            c.loading_asks.pop(peer.node_id, None)
+            c.plain.discard(peer.node_id)
 
     async def _probe_loop(self) -> None:
         while True:

@@ -429,7 +429,7 @@ class PipelineService:
                 cfg = load_gguf(path).config if is_gguf(path) else ModelConfig.load(path)
                 if pin is not None and pin[1] >= cfg.num_layers:
                     raise PipelineStartError(f"--stage {spec}: the model has layers 0-{cfg.num_layers - 1}")
-                fp = fingerprint(path)
+                fp = fingerprint(path, cache_dir=self._state_dir)  # cached there across restarts
             except PipelineStartError:
                 raise
             except Exception as e:  # noqa: BLE001 - config/checkpoint errors, named
@@ -583,7 +583,7 @@ class PipelineService:
         from engine.scheduler import DEFAULT_MAX_ACTIVE, Scheduler
         from meshd.api.engine_backend import EngineBackend, PipelineSource
 
-        fp = await asyncio.to_thread(fingerprint, loaded.path)
+        fp = await asyncio.to_thread(fingerprint, loaded.path)  # computed by load_engine_model: a cache hit
         await asyncio.to_thread(numerics.tag)  # computed once, off the loop (it may import the kernels)
         need = need_of(loaded.model, fp)
         serving = Serving(self, loaded.name, loaded.model, fp, need, self.mode, asyncio.get_running_loop())

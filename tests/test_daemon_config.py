@@ -245,3 +245,36 @@ def test_pipeline_flags_and_file_keys(tmp_path: Path) -> None:
     help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()  # type: ignore[union-attr]
     for flag, default in (("--stage", "default none"), ("--pipeline ", "default off"), ("--pipeline-memory", "default 0")):
         assert flag in help_text and default in " ".join(help_text.split()), flag
+
+
+def _doc_keys(text: str) -> set[str]:
+    """Keys set (or shown commented out) in a TOML example."""
+    import re
+
+    return {m.group(1).replace("_", "-") for m in re.finditer(r"^#?\s*([a-z][a-z_-]*)\s*=", text, re.MULTILINE)}
+
+
+def test_config_examples_name_every_key_and_load(tmp_path: Path) -> None:
+    """docs/daemon.md's example and systemd/meshd.toml show every config key `meshd serve` takes, and the
+    example loads (with local paths) through the real loader."""
+    import re
+
+    root = Path(__file__).resolve().parent.parent
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    flags = {a.option_strings[-1][2:] for a in serve._actions
+             if a.option_strings and a.option_strings[-1].startswith("--")}
+    flags -= {"help", "config", "join"}  # --join's token belongs in a join file, not in a config file
+    doc = re.search(r"```toml\n(.*?)```", (root / "docs" / "daemon.md").read_text(), re.DOTALL)
+    assert doc is not None
+    assert sorted(flags - _doc_keys(doc.group(1))) == []
+    unit_keys = _doc_keys((root / "systemd" / "meshd.toml").read_text())
+    assert sorted(flags - unit_keys - {"state-dir", "join-file"}) == []  # the unit sets those itself
+    keys = tmp_path / "keys"
+    keys.write_text("k\n")
+    keys.chmod(0o600)
+    example = doc.group(1).replace("/etc/meshd/api-keys", str(keys))
+    example = example.replace("qwen=/srv/models/qwen3-30b-a3b", "b=tiny")
+    conf = tmp_path / "meshd.toml"
+    conf.write_text(example)
+    cfg = _load(["--config", str(conf)])
+    assert cfg.pipeline == "off" and cfg.remote_experts == "off" and cfg.experts_poll_s == 0.002

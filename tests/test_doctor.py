@@ -12,7 +12,7 @@ from pathlib import Path
 from conftest import meshd_cmd, meshd_env
 from membership_nodes import Node, wait_for, write_token
 
-from meshd.mesh.doctor import Check, check_clock, check_ports, check_versions
+from meshd.mesh.doctor import Check, check_clock, check_daemon, check_ports, check_versions
 
 
 def _doctor(node: Node) -> tuple[int, dict[str, Check], str]:
@@ -82,3 +82,17 @@ def test_doctor_checks_from_tables() -> None:
     assert check_clock({"b" * 32: 5.2})[0].level == "warn"
     assert check_clock({"b" * 32: -0.4})[0].level == "ok"
     assert check_clock({})[0].level == "warn"
+
+
+def test_no_daemon_is_said_once(tmp_path: Path) -> None:
+    """Without a daemon, doctor says so once: "no running daemon: no control socket in DIR" (before: "no
+    running daemon (no meshd daemon is running (no control socket in DIR))")."""
+    state = tmp_path / "s"
+    state.mkdir(mode=0o700)
+    out = subprocess.run(meshd_cmd("doctor", "--state-dir", str(state)), env=meshd_env(), capture_output=True,
+                         check=False, text=True, timeout=60)
+    assert out.returncode == 1
+    line = next(x for x in out.stdout.splitlines() if " daemon " in x)
+    assert line.split(None, 2)[2] == f"no running daemon: no control socket in {state}", out.stdout
+    [c] = check_daemon(None, None)
+    assert c.detail == "no running daemon: its control socket does not answer"

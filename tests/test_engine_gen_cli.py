@@ -31,6 +31,9 @@ def test_generate_tiny_json(tmp_path: Path) -> None:
     assert len(lines) == 1  # one object, nothing else on stdout (logs go to stderr)
     out = json.loads(lines[0])
     assert set(out) >= {"model", "prompt_tokens", "tokens", "text", "logprobs", "timings"}
+    helptext = " ".join(_meshd("generate", "--help", state=tmp_path).stdout.split())
+    named = helptext.split("print one JSON object:", 1)[1].split("(default", 1)[0]
+    assert [k for k in out if k not in named] == [], named  # --help names every key it prints
     assert out["model"] == "tiny" and len(out["tokens"]) == 12 and len(out["logprobs"]) == 12
     assert all(lp <= 0 for lp in out["logprobs"])
     assert set(out["timings"]) == {"load_s", "prefill_s", "decode_s"}

@@ -46,6 +46,8 @@ def test_bad_expert_shards_fail_the_start_naming_them(tmp_path: Path) -> None:
     save_file(t, str(ck / "model.safetensors"))
     err = _serve_fails(tmp_path, str(ck))
     assert "missing expert tensor model.layers.2.mlp.experts.5.down_proj.weight" in err
+    err = _serve_fails(tmp_path, "tiny@0-99/0-3")  # named as the user wrote it, not the state dir's path
+    assert "meshd: --experts tiny@0-99/0-3: layer 4 does not exist" in err, err[-500:]
 
 
 def test_daemon_worker_serves_bit_exact_and_reports_status(tmp_path: Path) -> None:
@@ -84,6 +86,27 @@ def test_daemon_worker_refuses_another_checkpoint_by_name(tmp_path: Path) -> Non
         assert ex.links == {}
         refused = coord.service.status()["coordinators"][0]["refused"]
         assert "theirs-ckpt" in refused[node_id] and "different checkpoint" in refused[node_id]
+    finally:
+        coord.close()
+        node.stop()
+
+
+def test_a_plain_member_is_not_listed_as_a_worker(tmp_path: Path) -> None:
+    """A connected member that serves no expert stream is no worker: no row with errors, no refusal (before:
+    a worker row with an error per probe and "refused: no hello answer (stream reset ... code 20)")."""
+    mesh = MeshFixture()
+    ck = make_moe_checkpoint(tmp_path / "q3", layers=2, experts=4)
+    node_id = _provision(mesh, tmp_path / "p")
+    node = start_node(tmp_path / "p")  # serves nothing, holds no experts
+    coord = Coordinator(mesh)
+    try:
+        host, _, port = node.run["quic"].rpartition(":")
+        coord.lt.run(coord.transport.connect((host, int(port)), node_id), timeout=15)
+        ex = coord.executor(ck, "on")
+        coord.lt.run(coord.service.probe_all())  # a second round: still not counted
+        st = coord.service.status()["coordinators"][0]
+        assert ex.links == {} and st["refused"] == {} and st["loading"] == {} and node_id not in st["workers"], st
+        assert ex.unavailable_reason() == "no expert workers hold this model's routed experts"
     finally:
         coord.close()
         node.stop()

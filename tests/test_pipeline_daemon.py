@@ -69,6 +69,17 @@ def test_plan_from_gossip_by_memory_and_pins_byte_identical(tmp_path: Path, ref:
         a = stage_status(nodes[1])
         assert a["loaded"] == [[2, 3]] and a["steps"] > 0, a
         st = pipeline_status(srv)
+        # one fingerprint for one checkpoint: the model's, with or without --pipeline, and the stage's
+        fps = {n: [m["fingerprint"] for m in n.status()["models"]] for n in (ref, srv)}
+        assert fps[ref] == fps[srv] == [st["fingerprint"]] == [a["fingerprint"]], (fps, st, a)
+        # the serving node gossips its numerics tag like the stage does (status/console show both)
+        tag = srv.status()["services"]["pipeline"]["pipeline"]["numerics"]
+
+        def gossiped(of: Node, at: Node) -> Any:
+            return next((p for p in at.status()["peers"] if p["node_id"] == of.run["node_id"]), {}).get("numerics")
+
+        assert tag and wait_for(lambda: gossiped(srv, nodes[1]) == tag, 15, "the serving node's numerics tag")
+        assert gossiped(nodes[1], srv) == tag
         run = st["runs"][st["run"]]
         assert run["stages"][0]["calls"] > 0 and run["stages"][0]["latency_ms_avg"] > 0, run
         text = subprocess.run(

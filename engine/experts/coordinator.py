@@ -54,8 +54,8 @@ from engine.experts.direct import DirectFailed, DirectPath
 from engine.experts.channel import ByteChannel
 from engine.experts.general import GeneralPath
 from engine.experts.layout import MoeLayout
-from engine.experts.link import (LATENCY_BUCKETS_S, ExpertsUnavailable, LinkStats, WorkerFailed, WorkerLink,
-                                 WorkerRefused)
+from engine.experts.link import (LATENCY_BUCKETS_S, ExpertsUnavailable, LinkStats, NotAWorker, WorkerFailed,
+                                 WorkerLink, WorkerRefused)
 from engine.experts.ownership import OwnershipMap, WorkerInfo, build_map
 from engine.experts.passes import LoopPasses
 from engine.experts.planning import FastCall, FastSend
@@ -65,7 +65,7 @@ from transport import poll
 
 # The link's names are re-exported: callers import everything the coordinator API uses from here.
 __all__ = ["LATENCY_BUCKETS_S", "MODES", "CoordinatorConfig", "CoordinatorStats", "ExpertsUnavailable",
-           "LinkStats", "RemoteExecutor", "WorkerFailed", "WorkerLink", "WorkerRefused"]
+           "LinkStats", "NotAWorker", "RemoteExecutor", "WorkerFailed", "WorkerLink", "WorkerRefused"]
 
 # Hello refusals of a peer that is an expert worker, only not one this coordinator can use.
 _WORKER_REFUSALS = frozenset({rpc.ErrorCode.FINGERPRINT_MISMATCH, rpc.ErrorCode.VERSION_UNSUPPORTED,
@@ -130,6 +130,9 @@ class RemoteExecutor(DirectPath, LoopPasses, GeneralPath):
         # until it is greeted again or removed; named in unavailable_reason (the API's 503). Peers that are no
         # workers at all (no answer, no expert stream) are not listed: every plain mesh member is one.
         self.refused: dict[str, str] = {}
+        # node id -> "expert worker X is still loading: ...": answered the hello with LOADING (its daemon is up,
+        # its --experts are still being mapped). Not an error; named in unavailable_reason until it answers.
+        self.loading: dict[str, str] = {}
         self.link_stats: dict[str, LinkStats] = {}
         self.stats = CoordinatorStats()
         self._keys = [(layer, e) for layer in layout.sparse_layers for e in range(layout.num_experts)]
@@ -152,16 +155,27 @@ class RemoteExecutor(DirectPath, LoopPasses, GeneralPath):
 
         Raises :class:`WorkerRefused` (naming the worker and why) otherwise.
         """
+        known = node_id in self.link_stats
         stats = self.link_stats.setdefault(node_id, LinkStats())
         link = WorkerLink(node_id, channel, stats)
         try:
             ack = await link.hello(self.fingerprint, self.layout, self.config.connect_timeout_s)
         except WorkerRefused as e:
+            if e.code == rpc.ErrorCode.LOADING or isinstance(e, NotAWorker):
+                if isinstance(e, NotAWorker):
+                    self.loading.pop(node_id, None)
+                else:
+                    self.loading[node_id] = str(e)
+                if not known:  # no row in the workers table (and no error) for a worker that never answered
+                    self.link_stats.pop(node_id, None)
+                raise
+            self.loading.pop(node_id, None)
             stats.errors += 1
             if e.code in _WORKER_REFUSALS:
                 self.refused[node_id] = str(e)
             raise
         self.refused.pop(node_id, None)
+        self.loading.pop(node_id, None)
         old = self.links.pop(node_id, None)
         if old is not None:
             old.retire("replaced")
@@ -173,6 +187,7 @@ class RemoteExecutor(DirectPath, LoopPasses, GeneralPath):
 
     def remove_worker(self, node_id: str, reason: str = "removed") -> None:
         self.refused.pop(node_id, None)
+        self.loading.pop(node_id, None)
         link = self.links.pop(node_id, None)
         if link is not None:
             link.close(reason)
@@ -226,10 +241,11 @@ class RemoteExecutor(DirectPath, LoopPasses, GeneralPath):
             names = ", ".join(f"{la}/{e}" for la, e in missing[:8])
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
             reason = f"no live expert worker holds layer/expert {names}{more}"
-        if self.refused:  # a worker that would cover them may have been refused: say which and why
-            first = sorted(self.refused.items())[:2]
-            more = f"; and {len(self.refused) - 2} more" if len(self.refused) > 2 else ""
-            reason += f" (refused: {'; '.join(r for _, r in first)}{more})"
+        for name, said in (("refused", self.refused), ("loading", self.loading)):
+            if said:  # a worker that would cover them may have been refused, or be loading: say which and why
+                first = sorted(said.items())[:2]
+                more = f"; and {len(said) - 2} more" if len(said) > 2 else ""
+                reason += f" ({name}: {'; '.join(r for _, r in first)}{more})"
         return reason
 
     def echo_rtt(self, node_id: str, payload: bytes, polled: bool = False) -> float:
@@ -591,7 +607,7 @@ class RemoteExecutor(DirectPath, LoopPasses, GeneralPath):
             s = self.stats
             hits = sum(s.expert_rows.values())
             return {"mode": self.config.mode, "fingerprint": self.fingerprint.hex(),
-                    "covered": not self.coverage(), "workers": workers, "layers": s.layers,
+                    "covered": not self.coverage(), "workers": workers, "loading": dict(self.loading), "layers": s.layers,
                     "layers_delegated": s.layers_delegated, "items_delegated": s.items_delegated,
                     "items_local": s.items_local, "local_fallback_layers": s.local_fallback_layers,
                     "retries": s.retries, "rows_combined": s.rows_combined, "unavailable": s.unavailable,

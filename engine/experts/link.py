@@ -28,12 +28,33 @@ class ExpertsUnavailable(Exception):
 
 
 class WorkerRefused(Exception):
-    """A worker's hello failed: different checkpoint, no common version, or a bad answer."""
+    """A worker's hello failed: different checkpoint, no common version, or a bad answer; or, with ``code``
+    ``LOADING``, the worker is up but its experts are still loading (ask again soon; not an error)."""
 
     def __init__(self, node_id: str, reason: str, code: rpc.ErrorCode | None = None) -> None:
-        super().__init__(f"expert worker {node_id} refused: {reason}")
+        if code == rpc.ErrorCode.LOADING:  # not a refusal: it answers once its experts are in
+            super().__init__(f"expert worker {node_id} is still loading: {reason}")
+        else:
+            super().__init__(f"expert worker {node_id} refused: {reason}")
         self.node_id = node_id
         self.code = code
+
+
+class NotAWorker(WorkerRefused):
+    """The peer serves no expert stream at all (its transport reset the stream with NO_HANDLER): a plain mesh
+    member, not a worker. Not an error and not a refusal; it is asked again only later or when it advertises
+    expert shards."""
+
+    def __init__(self, node_id: str) -> None:
+        super().__init__(node_id, "serves no expert stream (not an expert worker)")
+
+
+def _no_handler(error: Exception | None) -> bool:
+    """True when the channel ended because the peer has no handler for expert streams."""
+    from transport.errors import StreamReset
+    from transport.framing import ErrorCode as StreamErrorCode
+
+    return isinstance(error, StreamReset) and error.code == StreamErrorCode.NO_HANDLER
 
 
 class WorkerFailed(Exception):
@@ -93,6 +114,7 @@ class WorkerLink:
         self._send_lock = asyncio.Lock()
         self._decoder = rpc.MessageDecoder()
         self.on_close: Callable[[WorkerLink, str], None] | None = None  # the executor forgets a closed link
+        self.end_error: Exception | None = None  # why the channel ended, as the channel said
         self._retiring = ""  # replaced by another link: close once the replies in flight are in
         self.direct: Any = None  # engine.experts.direct.DirectLink beside the stream, while one is up
 
@@ -110,6 +132,8 @@ class WorkerLink:
             reply = await asyncio.wait_for(fut, timeout_s)
         except (WorkerFailed, TimeoutError) as e:
             self.close(f"hello failed: {e or 'timeout'}")
+            if _no_handler(self.end_error):
+                raise NotAWorker(self.node_id) from None
             raise WorkerRefused(self.node_id, f"no hello answer ({e or 'timeout'})") from None
         if isinstance(reply, rpc.ErrorMsg):
             self.close("refused")
@@ -214,6 +238,7 @@ class WorkerLink:
             self.close(f"protocol error: {e}")
 
     def _on_end(self, error: Exception | None) -> None:
+        self.end_error = error
         self.close("stream ended" if error is None else f"stream broke: {error!r}")
 
     def close(self, reason: str) -> None:

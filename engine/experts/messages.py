@@ -62,6 +62,8 @@ class ErrorCode(IntEnum):
     INTERNAL = 7  # the worker failed computing
     SHUTTING_DOWN = 8  # the worker is stopping; retry elsewhere
     NUMERICS_MISMATCH = 9  # the worker computes with other numerics (engine/numerics.py) than the coordinator
+    LOADING = 10  # the worker's experts are still loading: not an error, ask again soon (an older
+    # coordinator, which does not know the code, takes it for a malformed answer: no hello answer, as before)
 
 
 class ExpertProtocolError(Exception):

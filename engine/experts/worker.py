@@ -316,6 +316,30 @@ def _fp8(held: dict[tuple[int, int], ExpertShard], layer: int, expert: int) -> b
     return (layer, expert) in held[(layer, expert)].scales
 
 
+async def answer_loading(channel: ByteChannel, reason: str, timeout_s: float = 10.0) -> None:
+    """Answer a coordinator's hello on ``channel`` while this node's experts are still loading (the
+    daemon joins its mesh before ``--experts`` checkpoints are mapped and checked): ``ERROR(LOADING,
+    reason)``, then end the channel. Anything but a hello, or nothing within ``timeout_s``, resets it.
+    Never raises."""
+    decoder = rpc.MessageDecoder(limits.EXPERT_MAX_MESSAGE_BYTES)
+    try:
+        async with asyncio.timeout(timeout_s):
+            while (data := await channel.recv()) is not None:
+                envelopes = decoder.feed(data)
+                if not envelopes:
+                    continue
+                env = envelopes[0]
+                if not isinstance(env.message, rpc.Hello):
+                    break
+                error = rpc.ErrorMsg(rpc.ErrorCode.LOADING, reason[: limits.EXPERT_MAX_ERROR_TEXT_BYTES // 4])
+                await channel.send(rpc.encode(error, env.request_id), end=True)
+                return
+    except Exception as e:  # noqa: BLE001 - a bad or silent peer: reset below
+        log.debug("experts_loading_answer_failed", error=repr(e))
+    with contextlib.suppress(Exception):
+        channel.reset(0)
+
+
 class _Session:
     """One coordinator's channel on a worker.
 

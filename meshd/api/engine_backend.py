@@ -9,9 +9,8 @@ that does not fit, or a bad template, is a 400 before anything is generated.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-from dataclasses import dataclass
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -168,37 +167,23 @@ class EngineBackend(GenBackend):
             await asyncio.to_thread(src.close)
 
 
-_GGUF_HEADER_BYTES = 32 << 20  # a GGUF's metadata and tensor table (names, types, shapes) sit in front
-
-
-def _fingerprint(path: Path) -> str:
-    h = hashlib.sha256()
-    if path.is_file():  # a GGUF: its header covers config, tokenizer and every tensor's quantization type
-        with open(path, "rb") as f:
-            h.update(f.read(_GGUF_HEADER_BYTES))
-        h.update(str(path.stat().st_size).encode())
-        return h.hexdigest()[:16]
-    for name in ("config.json", "tokenizer.json"):
-        p = path / name
-        if p.is_file():
-            h.update(p.read_bytes())
-    return h.hexdigest()[:16]
-
-
 @dataclass(frozen=True)
 class LoadedModel:
-    """A checkpoint loaded for serving: its served name, directory, model and tokenizer."""
+    """A checkpoint loaded for serving: its served name, directory, model, tokenizer and fingerprint (the
+    16 hex digits of ``engine.fingerprint``, the same with or without ``--pipeline``)."""
 
     name: str
     path: Path
     model: Any
     tokenizer: Any
+    fingerprint: str
 
 
 def load_engine_model(spec_text: str, state_dir: str | Path, remote_experts: bool = False) -> LoadedModel:
     """Load a ``PATH``/``tiny`` SPEC (blocking; call in a thread). Raises ``UsageError`` for a bad SPEC
     or checkpoint. With ``remote_experts`` the routed experts are neither read ahead nor widened here:
     workers compute them, so this node touches their pages only for a ``prefer`` fallback."""
+    from engine.fingerprint import fingerprint, short
     from engine.model import Model
     from engine.spec import parse_model_spec, resolve_checkpoint
     from engine.tokenizer import Tokenizer
@@ -212,11 +197,12 @@ def load_engine_model(spec_text: str, state_dir: str | Path, remote_experts: boo
         else:
             model = Model.load(path)
         tokenizer = Tokenizer.load(path)
+        fp = short(fingerprint(path, cache_dir=state_dir))  # cached in the state dir across restarts
     except (ValueError, OSError) as e:
         raise UsageError(f"--model {spec_text}: {e}") from None
     except Exception as e:  # noqa: BLE001 - checkpoint/config/tokenizer errors of the engine
         raise UsageError(f"--model {spec_text}: {e}") from None
-    return LoadedModel(spec.name or path.name, path, model, tokenizer)
+    return LoadedModel(spec.name or path.name, path, model, tokenizer, fp)
 
 
 def engine_backend(loaded: LoadedModel, max_active: int | None = None, executor: Any = None) -> EngineBackend:
@@ -228,7 +214,7 @@ def engine_backend(loaded: LoadedModel, max_active: int | None = None, executor:
                       executor=executor)
     log.info("engine_model_loaded", model=loaded.name, path=str(loaded.path), remote_experts=executor is not None)
     return EngineBackend(EngineSource(loaded.name, loaded.model, loaded.tokenizer, sched,
-                                      _fingerprint(loaded.path), executor=executor))
+                                      loaded.fingerprint, executor=executor))
 
 
 def load_engine_backend(spec_text: str, state_dir: str | Path, max_active: int | None = None) -> EngineBackend:

@@ -184,6 +184,12 @@ class ApiService:
             daemon.control.register("api_connect", self._cmd_connect)
             if self.membership is not None:
                 self.membership.set_api(self._advertised_api())
+                if any(getattr(b, "kind", None) == "engine" for b in self.server.backends):
+                    from engine import numerics  # light: reads the environment and versions, imports no numba
+
+                    # the serving node's tag, beside its models, as stages and workers gossip theirs: the
+                    # console and status show with what numerics every node computes (engine/numerics.py)
+                    self.membership.set_local_field("numerics", await asyncio.to_thread(numerics.tag))
                 self._publisher = asyncio.create_task(self._publish_loop())
 
     def _advertised_api(self) -> str | None:

@@ -21,7 +21,9 @@ def run(args: argparse.Namespace) -> int:
     status, error = None, None
     try:
         status = call(state_dir / CONTROL_SOCKET, "status")
-    except (NoDaemon, RuntimeFailure, OSError) as e:
+    except NoDaemon as e:
+        error = e.reason  # the check says "no running daemon" itself
+    except (RuntimeFailure, OSError) as e:
         error = str(e)
     proto = None
     try:

@@ -74,8 +74,10 @@ def format_experts(st: dict[str, Any], table: Table) -> str:
                     ]
                 )
             text += table(rows, "    ")
-        else:
+        elif not c.get("loading"):
             text += "    no workers yet\n"
+        for nid in sorted(c.get("loading") or {}):  # up, experts not loaded yet: not an error
+            text += f"    loading {nid}: its experts are not loaded yet\n"
         for nid, reason in sorted((c.get("refused") or {}).items()):
             text += f"    refused {nid}: {reason}\n"
     if isinstance(worker, dict):

@@ -65,7 +65,8 @@ def check_permissions(state_dir: Path, uid: int) -> list[Check]:
 
 def check_daemon(status: dict[str, Any] | None, error: str | None) -> list[Check]:
     if status is None:
-        return [Check("daemon", "fail", f"no running daemon ({error or 'control socket not answering'})",
+        why = error or "its control socket does not answer"
+        return [Check("daemon", "fail", f"no running daemon: {why}",
                       "start it: meshd serve (or systemctl start meshd); its log says why it stopped")]
     return [Check("daemon", "ok", f"{status.get('state')}, {status.get('role')} node {status.get('node_id')}, "
                                   f"mesh {status.get('mesh_name')} ({status.get('mesh_id')})")]
