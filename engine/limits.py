@@ -21,6 +21,9 @@ MATMUL_PREFILL_TILE_WEIGHTS = 1024 * 1024
 # activation rows up to which a product over K-quant/Q4_0 weights uses the compiled kernel (engine.kernels, if
 # numba is installed) instead of the numpy tiles: the kernel re-reads the weights per row, the tiles once per tile
 KERNEL_MAX_ROWS = 4
+# a model load that spends longer than this loading the compiled kernels logs that it is compiling them (the
+# first load on a machine), so a starting daemon does not sit silent for minutes
+KERNELS_SLOW_NOTICE_S = 5.0
 # kernel products (engine.kernels): rows are handed to threads in chunks of about this many weights (~3-6 us of
 # work each at 10-20 G weights/s; claiming one is a compare-and-swap in compiled code, ~50 ns)
 KERNEL_CHUNK_WEIGHTS = 64 * 1024

@@ -18,10 +18,12 @@ with the executor, which may run the layers on another thread (the remote execut
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
 import threading
+import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +40,7 @@ from .dense import matmul, matmul_many
 from .dense import warm as warm_dense
 from .fp8 import Fp8Tensor
 from .gguf_file import is_gguf, load_gguf
-from .limits import KERNEL_MAX_ROWS, KV_MAP_MIN_BYTES
+from .limits import KERNEL_MAX_ROWS, KERNELS_SLOW_NOTICE_S, KV_MAP_MIN_BYTES
 from .loader import _Loader, _widened  # noqa: F401 - engine.mla takes _Loader from here
 from .moe import (ExpertExecutor, ForwardSteps, RoutedCall, drive, expert_ffn, local_executor, make_routing, route,
                   silu)
@@ -110,6 +112,24 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {n}")
         self.length = n
 
+
+
+@contextlib.contextmanager
+def _said_if_slow(path: str, after_s: float = KERNELS_SLOW_NOTICE_S) -> Generator[None, None, None]:
+    """Log once if loading the compiled kernels takes longer than ``after_s``: the first load on a machine
+    compiles them (minutes on a small machine), and a daemon would otherwise sit silent before it is ready."""
+    t0 = time.monotonic()
+    timer = threading.Timer(after_s, lambda: log.info(
+        "kernels_compiling", path=path, hint="the first load on a machine compiles the engine's kernels into "
+        "numba's cache (can take minutes); later loads read the cache"))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        if (took := time.monotonic() - t0) >= after_s:
+            log.info("kernels_ready", path=path, seconds=round(took, 1))
 
 @dataclass(slots=True)
 class Layer:
@@ -223,10 +243,12 @@ class Model:
         loaded = [cls._load_layer(cfg, ld, i, widen_experts) for i in range(first, last + 1)]
         if layers is None:
             ld.check_unexpected(cfg)
-        warm_kernels(w for lay in loaded for w in (lay.q, lay.o, *(lay.experts[0] if lay.experts else ())))
-        warm_dense([w for lay in loaded for w in (lay.q, lay.o, *(lay.experts[0] if lay.experts else ()))])
-        if dense.step_kernels(cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.qk_norm, cfg.clip_qkv):
-            dense.warm_step()
+        ws = [w for lay in loaded for w in (lay.q, lay.o, *(lay.experts[0] if lay.experts else ()))]
+        with _said_if_slow(str(p)):
+            warm_kernels(ws)
+            warm_dense(ws)
+            if dense.step_kernels(cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.qk_norm, cfg.clip_qkv):
+                dense.warm_step()
         log.info("model_loaded", path=str(p), model_type=cfg.model_type, layers=cfg.num_layers,
                  first_layer=first, last_layer=last, weight_bytes=ckpt.nbytes, files=len(ckpt.files))
         return cls(cfg, loaded, embed, norm, lm_head, ckpt, p, first_layer=first)

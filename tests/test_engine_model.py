@@ -567,3 +567,23 @@ def test_combine_fast_path_is_byte_identical() -> None:
         outs = [RNG.standard_normal((len(rows), 7)).astype(np.float32) for _, rows in r.work]
         slow = combine(dataclasses.replace(r, positions=None), outs, t, 7)
         assert combine(r, outs, t, 7).tobytes() == slow.tobytes()
+
+
+def test_a_slow_kernel_load_is_said_once_and_a_fast_one_not_at_all():
+    """A starting daemon must not sit silent while the first load compiles the kernels (minutes on a small
+    machine): past the threshold one line says so, and the end says how long it took; a quick load says
+    nothing."""
+    import time
+
+    from structlog.testing import capture_logs
+
+    from engine.model import _said_if_slow
+
+    with capture_logs() as logs:
+        with _said_if_slow("ck", after_s=0.05):
+            time.sleep(0.3)
+        with _said_if_slow("fast", after_s=5.0):
+            pass
+    events = [(e["event"], e["path"]) for e in logs]
+    assert events == [("kernels_compiling", "ck"), ("kernels_ready", "ck")], events
+    assert "compiles" in logs[0]["hint"] and logs[1]["seconds"] >= 0.25
