@@ -43,7 +43,7 @@ def _checkpoint(tmp: Path) -> Path:
     return path
 
 
-def child(path: Path, groups: str, kill_at: int) -> None:
+def child(path: Path, groups: str, kill_at: int, silence_s: float) -> None:
     import numpy as np
     from pipeline_util import InprocProvider
 
@@ -58,6 +58,9 @@ def child(path: Path, groups: str, kill_at: int) -> None:
     from engine.tokenizer import Tokenizer
 
     os.environ["MESHD_PIPELINE_GROUPS"] = groups
+    from engine.pipeline import limits
+
+    limits.SILENCE_S = silence_s  # as the test: in-process stages share its loop and cores
     model, tok = Model.load(path), Tokenizer.load(path)
     ref = Model.load(path)  # the lone local run of a replayed history (its own plan and buffers)
     prompts = [tok.encode(p) for p in ("one two", "the mesh holds the layers of", "a", "seeded run", "b c")]
@@ -152,10 +155,12 @@ def main() -> None:
                     "per process; the test also runs '1')")
     ap.add_argument("--kill-at", type=int, default=6, help="kill s2 after this many events of request 0 "
                     "(default: 6, as the test)")
+    ap.add_argument("--silence-s", type=float, default=10.0, help="a stage silent this long is failed "
+                    "(default: 10.0, as the test; the daemon's limits.SILENCE_S is 0.8)")
     ap.add_argument("--child", default="", help="internal: run one scenario on this checkpoint (default: '')")
     a = ap.parse_args()
     if a.child:
-        child(Path(a.child), a.groups, a.kill_at)
+        child(Path(a.child), a.groups, a.kill_at, a.silence_s)
         return
     import structlog
 
@@ -166,7 +171,7 @@ def main() -> None:
         for i in range(a.runs):
             env = dict(os.environ, MESHD_LOG_LEVEL="error")
             res = subprocess.run([sys.executable, __file__, "--child", str(path), "--groups", a.groups,
-                                  "--kill-at", str(a.kill_at)], check=False, capture_output=True, text=True, env=env)
+                                  "--kill-at", str(a.kill_at), "--silence-s", str(a.silence_s)], check=False, capture_output=True, text=True, env=env)
             out = "\n".join(ln for ln in res.stdout.splitlines() if ln.startswith(("ok", "FAIL", "  ")))
             fails += out.startswith("FAIL") or res.returncode != 0
             print(f"run {i + 1}/{a.runs} (load {os.getloadavg()[0]:.1f}): {out or res.stderr[-500:]}", flush=True)
