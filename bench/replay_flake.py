@@ -153,7 +153,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=20, help="fresh processes to run the scenario in (default: 20)")
     ap.add_argument("--groups", default="", help="MESHD_PIPELINE_GROUPS for the runs (default: '', one group "
                     "per process; the test also runs '1')")
-    ap.add_argument("--kill-at", type=int, default=6, help="kill s2 after this many events of request 0 "
+    ap.add_argument("--kill-at", type=int, default=6, help="kill s2 after this many events of request 0, 0 never "
                     "(default: 6, as the test)")
     ap.add_argument("--silence-s", type=float, default=10.0, help="a stage silent this long is failed "
                     "(default: 10.0, as the test; the daemon's limits.SILENCE_S is 0.8)")
