@@ -18,7 +18,7 @@ from engine.experts.channel import LoopThread
 from engine.generate import generate
 from engine.model import Model
 from engine.moe import drive
-from engine.pipeline import wire
+from engine.pipeline import limits, wire
 from engine.pipeline.batch import BatchStep, batch_step
 from engine.pipeline.stage import StageHost
 from engine.sampling import SamplingParams
@@ -130,6 +130,10 @@ def test_scheduler_steps_groups_and_each_request_matches_local(checkpoint: Path,
     from engine.scheduler import Scheduler
 
     monkeypatch.setenv("MESHD_PIPELINE_GROUPS", groups)
+    # the stages share this process's loop and cores with the serving node: at load 12-15 s3 was found silent
+    # for 0.8 s in about 1 in 3 runs (a replayed 11-row prompt took 2-5 s there) and the streams ended with
+    # "no plan left"; the kill is seen at once anyway (its streams reset)
+    monkeypatch.setattr(limits, "SILENCE_S", 10.0)
 
     model, tok = Model.load(checkpoint), Tokenizer.load(checkpoint)
     prompts = [tok.encode(p) for p in ("one two", "the mesh holds the layers of", "a", "seeded run", "b c")]
