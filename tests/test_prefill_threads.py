@@ -64,7 +64,9 @@ def test_single_threaded_blas_gives_the_threaded_bits() -> None:
     """What the pieces rely on: a product's bits do not depend on BLAS's thread count (prefill shapes)."""
     set_local = BLAS[0]  # type: ignore[index]
     rng = np.random.default_rng(0)
-    for m, k, n in ((64, 768, 384), (37, 384, 768), (256, 768, 256), (768, 64, 300), (5, 64, 16)):
+    shapes = [(m, k, n) for m in range(1, 300, 7) for k, n in ((768, 384), (384, 768))]  # an expert's products
+    shapes += [(256, 768, 256), (768, 64, 300), (300, 64, 768), (5, 64, 16), (256, 768, 16)]  # q/k/v, attention, router
+    for m, k, n in shapes:
         x = rng.standard_normal((m, k), dtype=F32)
         w = rng.standard_normal((n, k), dtype=F32)
         prev = set_local(2)
