@@ -19,11 +19,16 @@ BLAS = prefill_threads._openblas()
 needs_local_threads = pytest.mark.skipif(BLAS is None, reason="numpy's BLAS has no per-thread thread count")
 
 
-@pytest.fixture
-def two_threads(monkeypatch: pytest.MonkeyPatch) -> prefill_threads._Pool:
-    """This process's prefill threads made two (a caller and one helper), whatever BLAS's count is."""
+@pytest.fixture(scope="module")
+def _one_helper() -> prefill_threads._Pool:
     assert BLAS is not None
-    pool = prefill_threads._Pool(1, BLAS[0])
+    return prefill_threads._Pool(1, BLAS[0])  # its thread lives on, idle, like the process's own pool
+
+
+@pytest.fixture
+def two_threads(monkeypatch: pytest.MonkeyPatch, _one_helper: prefill_threads._Pool) -> prefill_threads._Pool:
+    """This process's prefill threads made two (a caller and one helper), whatever BLAS's count is."""
+    pool = _one_helper
     monkeypatch.setattr(prefill_threads, "_pool", pool)
     monkeypatch.setattr(prefill_threads, "_decided", True)
     return pool
@@ -107,10 +112,16 @@ def test_prefill_with_threads_equals_one_thread(tmp_path: Path, two_threads: pre
     m = Model.load(create_tiny(tmp_path / "m"))
     ids = list(range(3, 3 + 90))
     ran_on: set[str] = set()
+    helper_ran = threading.Event()
     real = ops.softmax_
 
-    def spy(x: np.ndarray) -> np.ndarray:
-        ran_on.add(threading.current_thread().name)
+    def spy(x: np.ndarray) -> np.ndarray:  # an attention piece; the caller's first waits for the helper's
+        name = threading.current_thread().name
+        ran_on.add(name)
+        if name.startswith("meshd-prefill-"):
+            helper_ran.set()
+        else:
+            helper_ran.wait(10)
         return real(x)
 
     monkeypatch.setattr(ops, "softmax_", spy)
