@@ -22,13 +22,13 @@ first use, shared by every thread of the process (a caller whose helpers are bus
 from __future__ import annotations
 
 import ctypes
-import glob
 import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
-import numpy as np
+import numpy as np  # noqa: F401 - loads numpy's BLAS, which _openblas looks for among the mapped libraries
 
 from .limits import PREFILL_MAX_THREADS
 
@@ -36,12 +36,16 @@ Task = Callable[[], object]
 
 
 def _openblas() -> tuple[Callable[[int], int], Callable[[], int]] | None:
-    """numpy's OpenBLAS ``(set_num_threads_local, get_num_threads)``, or None (not OpenBLAS, or too old)."""
-    libs = glob.glob(os.path.join(os.path.dirname(np.__file__), "..", "numpy.libs", "lib*openblas*.so*"))
-    libs += glob.glob(os.path.join(os.path.dirname(np.__file__), ".dylibs", "lib*openblas*"))
+    """numpy's OpenBLAS ``(set_num_threads_local, get_num_threads)``, found among the libraries this process has
+    mapped (as engine/numerics.py reads its core), or None (not Linux, not OpenBLAS, or older than 0.3.27)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    libs = sorted({line.split()[-1] for line in maps.splitlines() if "openblas" in line.lower() and "/" in line})
     for path in libs:
         try:
-            dll = ctypes.CDLL(path)
+            dll = ctypes.CDLL(path)  # already mapped: no new load
         except OSError:
             continue
         set_local = getattr(dll, "openblas_set_num_threads_local", None)
