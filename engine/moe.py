@@ -66,8 +66,19 @@ def expert_ffn(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray
 
 def expert_ffn_many(items: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
     """``[expert_ffn(x, gate, up, down) for ...]``, bit for bit (each product and each item's SwiGLU are the
-    same operations on the same arrays), with the products of all items in two rounds of the compiled
-    kernels' threads (every gate/up, then every down) instead of two per item."""
+    same operations on the same arrays): decode-sized items with the products of all items in two rounds of
+    the compiled kernels' threads (every gate/up, then every down) instead of two per item; when an item has
+    more than ``KERNEL_MAX_ROWS`` rows (a prefill's, on an expert worker too), each item whole on the prefill
+    threads (``engine.prefill_threads``), the largest first."""
+    if len(items) > 1 and prefill_threads.threads() > 1 and max(it[0].shape[0] for it in items) > KERNEL_MAX_ROWS:
+        res: list[np.ndarray | None] = [None] * len(items)
+
+        def one(i: int) -> None:
+            res[i] = _ffn_many([items[i]])[0]
+
+        order = sorted(range(len(items)), key=lambda i: -items[i][0].shape[0])
+        prefill_threads.run([functools.partial(one, i) for i in order])
+        return res  # type: ignore[return-value]
     return _ffn_many(items)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import ops, prefill_threads
+from engine import moe, ops, prefill_threads
 from engine.limits import ATTENTION_QUERY_BLOCK
 from engine.model import Model
 from engine.tiny import create_tiny
@@ -204,3 +204,18 @@ def test_thread_count_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -
         monkeypatch.setattr(prefill_threads, "_decided", False)
         monkeypatch.setenv("MESHD_PREFILL_THREADS", "3")
         assert prefill_threads.threads() == 3
+
+
+@needs_local_threads
+def test_expert_ffn_many_on_the_threads_equals_one_thread(two_threads: prefill_threads._Pool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """What an expert worker computes for a prefill request: items of 1 to 90 rows, spread over the threads,
+    the same bits as on one thread."""
+    rng = np.random.default_rng(2)
+    w = [tuple(rng.standard_normal(s, dtype=F32) * F32(0.1) for s in ((48, 32), (48, 32), (32, 48))) for _ in range(6)]
+    items = [(rng.standard_normal((n, 32), dtype=F32), *w[i % 6]) for i, n in enumerate((90, 1, 7, 33, 4, 60, 12))]
+    got = moe.expert_ffn_many(items)
+    monkeypatch.setattr(prefill_threads, "_pool", None)
+    want = moe.expert_ffn_many(items)
+    assert [g.tobytes() for g in got] == [x.tobytes() for x in want]
+    assert [g.tobytes() for g in got] == [moe.expert_ffn(*it).tobytes() for it in items]
