@@ -143,9 +143,9 @@ def _get_pool() -> _Pool | None:
     return _pool
 
 
-def _forget() -> None:  # a forked child has none of the parent's helper threads
-    global _pool, _decided
-    _pool, _decided = None, False
+def _forget() -> None:  # a forked child has none of the parent's helper threads (and maybe a held lock)
+    global _pool, _decided, _lock
+    _pool, _decided, _lock = None, False, threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
