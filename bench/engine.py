@@ -3,7 +3,7 @@ mid-size Qwen3-MoE it creates, plus the machine's memory read bandwidth measured
 
     python bench/engine.py [--threads 2] [--rounds 15] [--blocks 4] [--dir DIR] [--no-ref]
         [--variants fp32,bf16,Q8_0,Q4_K_M]
-        [--arch qwen3_moe|glm4_moe|deepseek_v3]
+        [--arch qwen3_moe|glm4_moe|deepseek_v3] [--base DIR]
 
 Checkpoint: Qwen3-MoE, hidden 768, 8 layers, 12 heads over 4 KV heads, head_dim 64, 16 experts of
 width 384 with top-4, vocab 8192, fp32 (written once into --dir, default a temp dir), and from it a bf16
@@ -39,6 +39,10 @@ sparse layer, one embedding row) by that bandwidth: the decode speed memory allo
 shared expert; glm4_moe: 12 heads over 4 KV heads of 64 with q/k/v bias, qk-norm and half rotary;
 deepseek_v3: 12 heads of latent attention, q LoRA 384, KV latent 256, nope 64 + rope 32, v 64, YaRN).
 Every variant exists for every arch (GGUF: glm4moe / deepseek2 as llama.cpp's converter writes them).
+
+``--base DIR``: another checkout of meshd (e.g. ``git archive main | tar -x -C DIR``) whose engine runs the fp32
+checkpoint as one more side, ``fp32@base``, in the same rounds: the table gets its row and a line with this
+tree's fp32 against it (prefill and decode, paired within rounds), the same-run A/B a change is judged by.
 """
 
 from __future__ import annotations
@@ -156,13 +160,17 @@ def blas_kernel() -> str:
 
 
 class _EngineSide:
-    """The numpy engine, driven step by step by the parent."""
+    """The numpy engine (this tree's, or ``root``'s), driven step by step by the parent."""
 
-    def __init__(self, path: Path, threads: int) -> None:
+    def __init__(self, path: Path, threads: int, root: Path = ROOT) -> None:
         import numpy as np
 
-        sys.path.insert(0, str(ROOT))
+        sys.path.insert(0, str(root))
+        import engine
         from engine import dense, kernels
+
+        if Path(engine.__file__).resolve().parent != (root / "engine").resolve():
+            raise RuntimeError(f"imported {engine.__file__}, not the engine of {root}")
         from engine.model import Model
 
         self.np = np
@@ -367,7 +375,7 @@ class _BandwidthSide:
         return {"peak_rss_mb": _peak_mb()}
 
 
-def _serve(kind: str, path: Path, threads: int, proto) -> None:  # noqa: ANN001
+def _serve(kind: str, path: Path, threads: int, proto, root: Path = ROOT) -> None:  # noqa: ANN001
     """Inside a side's process: load, warm up (one untimed prefill and decode, the same on every side), then
     run the parent's commands one at a time (one JSON line in, one out) until stdin closes. Between commands
     the process blocks on its stdin: nothing of it runs while another side is timed (the parent checks)."""
@@ -375,7 +383,7 @@ def _serve(kind: str, path: Path, threads: int, proto) -> None:  # noqa: ANN001
         side = _BandwidthSide(path, threads)
         side.probe()
     else:
-        side = _TorchSide(path, threads) if kind == "torch" else _EngineSide(path, threads)
+        side = _TorchSide(path, threads) if kind == "torch" else _EngineSide(path, threads, root)
         side.prefill()
         side.decode()
         if kind == "engine-fp32":
@@ -401,7 +409,7 @@ def _serve(kind: str, path: Path, threads: int, proto) -> None:  # noqa: ANN001
 class _Proc:
     """One side's process, alive for the whole run, driven one command at a time."""
 
-    def __init__(self, kind: str, path: Path, threads: int) -> None:
+    def __init__(self, kind: str, path: Path, threads: int, root: Path = ROOT) -> None:
         env = dict(os.environ)
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "MESHD_KERNEL_THREADS"):
             env[var] = str(threads)
@@ -412,7 +420,8 @@ class _Proc:
 
         env.setdefault("OPENBLAS_THREAD_TIMEOUT", BLAS_THREAD_TIMEOUT)
         self.kind = kind
-        cmd = [sys.executable, __file__, "--worker", kind, "--dir", str(path), "--threads", str(threads)]
+        cmd = [sys.executable, __file__, "--worker", kind, "--dir", str(path), "--threads", str(threads),
+               "--root", str(root)]
         self.p = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=subprocess.DEVNULL, text=True)
         self._read()  # ready: loaded and warmed up
@@ -505,7 +514,11 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=BLOCKS,
                     help=f"blocks each side's {DECODE_LEN} decode steps are split into, the sides taking"
                          f" turns block by block, the bandwidth probe amid them (default {BLOCKS})")
+    ap.add_argument("--base", type=Path, default=None,
+                    help="another meshd checkout whose engine runs the fp32 checkpoint as side fp32@base in the same"
+                         " rounds, for a paired A/B against this tree (default: none)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)
     ap.add_argument("--arch", choices=sorted(ARCHES), default="qwen3_moe",
                     help="model family of the checkpoint written when --dir has none (default: qwen3_moe)")
     args = ap.parse_args()
@@ -513,7 +526,7 @@ def main() -> None:
         out = os.fdopen(os.dup(1), "w")
         os.dup2(2, 1)
         sys.stdout = sys.stderr
-        _serve(args.worker, args.dir, args.threads, out)
+        _serve(args.worker, args.dir, args.threads, out, args.root.resolve())
         return
     tmp = None
     path = args.dir
@@ -532,10 +545,15 @@ def main() -> None:
     if not args.no_ref:
         kinds["torch"] = "torch"
     kinds.update({v: f"engine-{v}" for v in variants})
+    roots = {name: ROOT for name in kinds}
+    if args.base is not None:
+        if not (args.base / "engine" / "model.py").exists():
+            sys.exit(f"--base {args.base}: not a meshd checkout (no engine/model.py)")
+        kinds["fp32@base"], roots["fp32@base"] = "engine-fp32", args.base.resolve()
     procs: dict[str, _Proc] = {}
     try:
         for name, kind in kinds.items():  # one at a time, so every load and warm-up runs alone too
-            procs[name] = _Proc(kind, variants.get(name, path), args.threads)
+            procs[name] = _Proc(kind, variants.get(name, path), args.threads, roots[name])
         t_loaded = time.perf_counter()
         res: dict[str, dict] = {name: {"prefill": [], "decode": [], "probe": []} for name in procs}
         idle: dict[str, list[float]] = {}
@@ -621,7 +639,7 @@ def main() -> None:
         dm, dl, dh = rate(ref, "decode", DECODE_LEN)
         lines.append(f"| transformers fp32 | {pm:.0f} [{pl:.0f}-{ph:.0f}] | 1.00x | {dm:.1f} [{dl:.1f}-{dh:.1f}] |"
                      f" 1.00x | | | | {ref['info']['peak_rss_mb']:.0f} MB |")
-    for v in variants:
+    for v in [*variants, *(["fp32@base"] if "fp32@base" in res else [])]:
         r = res[v]
         pm, pl, ph = rate(r, "prefill", PROMPT_LEN)
         dm, dl, dh = rate(r, "decode", DECODE_LEN)
@@ -636,6 +654,10 @@ def main() -> None:
                      f" | {vs_ref_d} | {vs_fp32} | {bw * 1e9 / act:.0f} ({act / 2**20:.0f} MiB/token)"
                      f" | {_med(of):.2f} [{min(of):.2f}-{max(of):.2f}] | {rss:.0f} MiB ({rss / fmb:.2f}x;"
                      f" mapped {r['info']['rss_file_mb']:.0f}, anon {r['info']['rss_anon_mb']:.0f}) |")
+    if fp32 is not None and "fp32@base" in res:
+        base = res["fp32@base"]
+        lines.append(f"| fp32 (this tree) against fp32@base ({args.base}) | | {paired(fp32, base, 'prefill')} | |"
+                     f" {paired(fp32, base, 'decode')} | | | | |")
     if fp32 is not None:
         for b in BATCHES:
             m, lo, hi = rate(fp32, f"batch{b}", b * BATCH_STEPS)

@@ -46,6 +46,10 @@ KV_MAP_MIN_BYTES = 1 << 20
 # gathered rows and gate/up activations alive at once to ~rows * (D + 2I) * 4 bytes (1.5 MiB for D 768, I 384)
 # instead of the whole layer's T * top_k rows; a decode step (a few rows) is always one group, one kernel round
 EXPERT_GROUP_ROWS = 256
+# Python threads a prefill spreads its independent pieces over (engine.prefill_threads; default BLAS's own thread
+# count): a routed layer has at most a few dozen work items and attention a few KV groups per block, so more
+# threads than that find nothing to claim, and each is a daemon thread for the process's life
+PREFILL_MAX_THREADS = 8
 # GGUF reading (engine/gguf_file.py)
 GGUF_MAX_SPLITS = 256  # files of one split GGUF set (-00001-of-0000N.gguf); published sets use < 100
 GGUF_MAX_ARRAY_ITEMS = 1 << 22  # items in one metadata array (tokens, scores, merges): published files hold

@@ -34,14 +34,17 @@ the work list. Tokens whose experts are spread over several workers are combined
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
+from . import prefill_threads
 from .dense import matmul_many, swiglu, swiglu_compiled
-from .limits import EXPERT_GROUP_ROWS
+from .limits import EXPERT_GROUP_ROWS, KERNEL_MAX_ROWS
 
 # One work item: (expert index, ascending row indices into x).
 WorkItem = tuple[int, np.ndarray]
@@ -63,8 +66,19 @@ def expert_ffn(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray
 
 def expert_ffn_many(items: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
     """``[expert_ffn(x, gate, up, down) for ...]``, bit for bit (each product and each item's SwiGLU are the
-    same operations on the same arrays), with the products of all items in two rounds of the compiled
-    kernels' threads (every gate/up, then every down) instead of two per item."""
+    same operations on the same arrays): decode-sized items with the products of all items in two rounds of
+    the compiled kernels' threads (every gate/up, then every down) instead of two per item; when an item has
+    more than ``KERNEL_MAX_ROWS`` rows (a prefill's, on an expert worker too), each item whole on the prefill
+    threads (``engine.prefill_threads``), the largest first."""
+    if len(items) > 1 and prefill_threads.threads() > 1 and max(it[0].shape[0] for it in items) > KERNEL_MAX_ROWS:
+        res: list[np.ndarray | None] = [None] * len(items)
+
+        def one(i: int) -> None:
+            res[i] = _ffn_many([items[i]])[0]
+
+        order = sorted(range(len(items)), key=lambda i: -items[i][0].shape[0])
+        prefill_threads.run([functools.partial(one, i) for i in order])
+        return res  # type: ignore[return-value]
     return _ffn_many(items)
 
 
@@ -131,11 +145,15 @@ def make_routing(experts: np.ndarray, weights: np.ndarray) -> Routing:
 def local_executor(weights: ExpertWeightsFn) -> ExpertExecutor:
     """An executor that runs every work item in this process with ``expert_ffn``.
 
-    A prefill's work list runs in groups of about ``EXPERT_GROUP_ROWS`` rows (each item whole, in order), so
-    the gathered rows and gate/up activations alive at once stay bounded; each item's products and SwiGLU
-    are the same operations on the same rows whatever group it is in, so the outputs are the same bits."""
+    A prefill's items (more than ``KERNEL_MAX_ROWS`` rows in x) are spread over the prefill threads
+    (``engine.prefill_threads``), each item whole on one thread, the largest first; without such threads a
+    work list runs in groups of about ``EXPERT_GROUP_ROWS`` rows (each item whole, in order). Either way the
+    gathered rows and gate/up activations alive at once stay bounded, and each item's products and SwiGLU are
+    the same operations on the same rows whatever group or thread runs it, so the outputs are the same bits."""
 
     def run(layer: int, x: np.ndarray, work: Sequence[WorkItem]) -> list[np.ndarray]:
+        if x.shape[0] > KERNEL_MAX_ROWS and len(work) > 1 and prefill_threads.threads() > 1:
+            return _run_threaded(weights, layer, x, work)
         out: list[np.ndarray] = []
         a = rows_in_group = 0
         for b, (_, rows) in enumerate(work):
@@ -146,6 +164,19 @@ def local_executor(weights: ExpertWeightsFn) -> ExpertExecutor:
         return out
 
     return run
+
+
+def _run_threaded(weights: ExpertWeightsFn, layer: int, x: np.ndarray, work: Sequence[WorkItem]) -> list[np.ndarray]:
+    """``local_executor``'s prefill: one task per work item on the prefill threads."""
+    res: list[np.ndarray | None] = [None] * len(work)
+
+    def item(i: int) -> None:
+        e, rows = work[i]
+        res[i] = expert_ffn(x[rows], *weights(layer, e))
+
+    order = sorted(range(len(work)), key=lambda i: -len(work[i][1]))  # largest first: the last to finish is small
+    prefill_threads.run([functools.partial(item, i) for i in order])
+    return res  # type: ignore[return-value]
 
 
 class RoutedExecutor(Protocol):
@@ -202,7 +233,18 @@ def combine(routing: Routing, outputs: Sequence[np.ndarray], t: int, d: int) -> 
         for (expert, rows), out in zip(routing.work, outputs):
             slots = np.argmax(routing.experts[rows] == expert, axis=-1)  # [n]
             y[rows, slots] = out
-    return weighted_sum(routing.weights, y)
+    n = prefill_threads.threads() if t > KERNEL_MAX_ROWS else 1
+    if n == 1:
+        return weighted_sum(routing.weights, y)
+    # a prefill: row ranges on the prefill threads (weighted_sum is elementwise: the same bits per row)
+    acc = np.empty((t, d), dtype=np.float32)
+
+    def rows(a: int, b: int) -> None:
+        acc[a:b] = weighted_sum(routing.weights[a:b], y[a:b])
+
+    cuts = [t * i // n for i in range(n + 1)]
+    prefill_threads.run([functools.partial(rows, a, b) for a, b in itertools.pairwise(cuts)])
+    return acc
 
 
 def moe_block(

@@ -6,12 +6,14 @@ Pure functions over numpy arrays, shapes in comments. ``T`` new tokens, ``L`` ca
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 
 from engine.limits import ATTENTION_QUERY_BLOCK
 
+from . import prefill_threads
 from .config import RopeConfig
 
 F32 = np.float32
@@ -159,15 +161,9 @@ def attention(
     q [T, H, hd], k/v [KV, L, hd] (the cache, new keys already written) -> [T, H * hd]. Long prompts are
     processed in blocks of ``ATTENTION_QUERY_BLOCK`` queries so the score matrix stays bounded.
     """
-    t = q.shape[0]
-    if t > ATTENTION_QUERY_BLOCK:
-        out = np.empty((t, q.shape[1] * q.shape[2]), dtype=F32)
-        for a in range(0, t, ATTENTION_QUERY_BLOCK):
-            b = min(t, a + ATTENTION_QUERY_BLOCK)
-            # queries a..b-1 see keys up to past+b-1
-            out[a:b] = attention(q[a:b], k[:, : past + b], v[:, : past + b], past + a, scale, window)
-        return out
     t, h, hd = q.shape
+    if t > 1:
+        return _attention_pieces(q, k, v, past, scale, window)
     kv, length, _ = k.shape
     g = h // kv
     # [T, H, hd] -> [KV, G*T, hd]: queries of one KV group side by side.
@@ -181,6 +177,38 @@ def attention(
     softmax_(scores)
     out = np.matmul(scores, v)  # [KV, G*T, hd]
     return out.reshape(kv, g, t, hd).transpose(2, 0, 1, 3).reshape(t, h * hd)
+
+
+def _attention_pieces(q: np.ndarray, k: np.ndarray, v: np.ndarray, past: int, scale: float,
+                      window: int | None) -> np.ndarray:
+    """:func:`attention` of T > 1 queries as independent pieces, one per block of ``ATTENTION_QUERY_BLOCK``
+    queries and KV group, on the prefill threads (``engine.prefill_threads``). A piece computes its rows of
+    ``attention``'s stacked products and softmax: the same BLAS product per group and the same per-row
+    operations, so the same bits as one call over every group."""
+    t, h, hd = q.shape
+    kv = k.shape[0]
+    g = h // kv
+    out = np.empty((t, h * hd), dtype=F32)
+    blocks = [(a, min(t, a + ATTENTION_QUERY_BLOCK)) for a in range(0, t, ATTENTION_QUERY_BLOCK)]
+    # queries a..b-1 (positions past+a..past+b-1) see keys up to past+b-1
+    masks = [causal_mask(past + a, b - a, window) if b - a > 1 or window is not None else None for a, b in blocks]
+
+    def piece(a: int, b: int, mask: np.ndarray | None, j: int) -> None:
+        n = b - a
+        qg = q[a:b, j * g : (j + 1) * g].transpose(1, 0, 2).reshape(g * n, hd)  # [G*n, hd]
+        scores = np.matmul(qg, k[j, : past + b].T)  # [G*n, L]
+        scores *= F32(scale)
+        if mask is not None:
+            scores = scores.reshape(g, n, past + b)
+            scores += mask
+            scores = scores.reshape(g * n, past + b)
+        softmax_(scores)
+        o = np.matmul(scores, v[j, : past + b])  # [G*n, hd]
+        out[a:b, j * g * hd : (j + 1) * g * hd] = o.reshape(g, n, hd).transpose(1, 0, 2).reshape(n, g * hd)
+
+    prefill_threads.run([functools.partial(piece, a, b, mask, j) for (a, b), mask in zip(blocks, masks)
+                         for j in range(kv)])
+    return out
 
 
 def naive_attention(

@@ -116,11 +116,15 @@ def _fresh_after(model: Model, prompt: list[int]) -> KVCache:
 
 
 def test_prefill_experts_in_groups_give_the_same_bits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The local executor runs a prefill's work list in groups of EXPERT_GROUP_ROWS rows (bounded activations);
-    every item is computed on the same rows as in one call, so the logits are the same bits."""
+    """Without prefill threads the local executor runs a prefill's work list in groups of EXPERT_GROUP_ROWS rows
+    (bounded activations); every item is computed on the same rows as in one call, so the logits are the same
+    bits. (With them, each item is one piece: tests/test_prefill_threads.py.)"""
     from experts_util import make_moe_checkpoint
 
-    from engine import moe
+    from engine import moe, prefill_threads
+
+    monkeypatch.setattr(prefill_threads, "_pool", None)
+    monkeypatch.setattr(prefill_threads, "_decided", True)
 
     model = Model.load(make_moe_checkpoint(tmp_path / "m", layers=2, experts=8, top_k=3, vocab=64))
     prompt = list(np.random.default_rng(0).integers(0, 64, 40))

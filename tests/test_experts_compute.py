@@ -64,6 +64,12 @@ def test_decode_request_is_two_rounds_and_the_local_bits(shard: ExpertShard, mon
 
 
 def test_prefill_request_and_its_batches_keep_the_bits(shard: ExpertShard, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import prefill_threads
+
+    # the rounds counted below are the one-thread path's (with prefill threads each item is its own piece, the
+    # same bits: tests/test_prefill_threads.py)
+    monkeypatch.setattr(prefill_threads, "_pool", None)
+    monkeypatch.setattr(prefill_threads, "_decided", True)
     rng = np.random.default_rng(2)
     x = rng.standard_normal((9, HIDDEN), dtype=np.float32)
     work = [(e, np.sort(rng.choice(9, size=n, replace=False)).astype(np.int64))

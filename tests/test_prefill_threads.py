@@ -1,0 +1,221 @@
+"""The prefill threads (engine/prefill_threads.py): pieces of a prefill run concurrently, each with single-threaded
+BLAS, and every result is the same bits as the one-thread pass."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import moe, ops, prefill_threads
+from engine.limits import ATTENTION_QUERY_BLOCK
+from engine.model import Model
+from engine.tiny import create_tiny
+
+F32 = np.float32
+BLAS = prefill_threads._openblas()
+needs_local_threads = pytest.mark.skipif(BLAS is None, reason="numpy's BLAS has no per-thread thread count")
+
+
+@pytest.fixture(scope="module")
+def _one_helper() -> prefill_threads._Pool:
+    assert BLAS is not None
+    return prefill_threads._Pool(1, BLAS[0])  # its thread lives on, idle, like the process's own pool
+
+
+@pytest.fixture
+def two_threads(monkeypatch: pytest.MonkeyPatch, _one_helper: prefill_threads._Pool) -> prefill_threads._Pool:
+    """This process's prefill threads made two (a caller and one helper), whatever BLAS's count is."""
+    pool = _one_helper
+    monkeypatch.setattr(prefill_threads, "_pool", pool)
+    monkeypatch.setattr(prefill_threads, "_decided", True)
+    return pool
+
+
+@pytest.fixture
+def one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prefill_threads, "_pool", None)
+    monkeypatch.setattr(prefill_threads, "_decided", True)
+
+
+def _stacked_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, past: int, scale: float,
+                       window: int | None) -> np.ndarray:
+    """Attention as one stacked computation over every KV group (the form before the pieces), per block of
+    ``ATTENTION_QUERY_BLOCK`` queries: what the pieces must equal bit for bit."""
+    t, h, hd = q.shape
+    if t > ATTENTION_QUERY_BLOCK:
+        out = np.empty((t, h * hd), dtype=F32)
+        for a in range(0, t, ATTENTION_QUERY_BLOCK):
+            b = min(t, a + ATTENTION_QUERY_BLOCK)
+            out[a:b] = _stacked_attention(q[a:b], k[:, : past + b], v[:, : past + b], past + a, scale, window)
+        return out
+    kv, length, _ = k.shape
+    g = h // kv
+    qg = q.reshape(t, kv, g, hd).transpose(1, 2, 0, 3).reshape(kv, g * t, hd)
+    scores = np.matmul(qg, k.transpose(0, 2, 1))
+    scores *= F32(scale)
+    scores = scores.reshape(kv, g, t, length)
+    scores += ops.causal_mask(past, t, window)
+    scores = scores.reshape(kv, g * t, length)
+    ops.softmax_(scores)
+    out = np.matmul(scores, v)
+    return out.reshape(kv, g, t, hd).transpose(2, 0, 1, 3).reshape(t, h * hd)
+
+
+@needs_local_threads
+def test_single_threaded_blas_gives_the_threaded_bits() -> None:
+    """What the pieces rely on: a product's bits do not depend on BLAS's thread count (prefill shapes)."""
+    set_local = BLAS[0]  # type: ignore[index]
+    rng = np.random.default_rng(0)
+    shapes = [(m, k, n) for m in range(1, 300, 7) for k, n in ((768, 384), (384, 768))]  # an expert's products
+    shapes += [(256, 768, 256), (768, 64, 300), (300, 64, 768), (5, 64, 16), (256, 768, 16)]  # q/k/v, attention, router
+    for m, k, n in shapes:
+        x = rng.standard_normal((m, k), dtype=F32)
+        w = rng.standard_normal((n, k), dtype=F32)
+        prev = set_local(2)
+        try:
+            threaded = x @ w.T
+            set_local(1)
+            single = x @ w.T
+        finally:
+            set_local(prev)
+        assert single.tobytes() == threaded.tobytes(), (m, k, n)
+
+
+CASES = [  # t, past, heads, kv heads, head dim, window
+    (2, 0, 4, 2, 16, None), (9, 3, 4, 1, 8, None), (40, 0, 6, 3, 16, None), (ATTENTION_QUERY_BLOCK + 45, 7, 4, 2, 16, None),
+    (2 * ATTENTION_QUERY_BLOCK + 1, 0, 2, 2, 8, None), (30, 12, 4, 2, 16, 5),
+]
+
+
+@pytest.mark.parametrize("threads", ["one_thread", pytest.param("two_threads", marks=needs_local_threads)])
+def test_attention_pieces_equal_the_stacked_computation(threads: str, request: pytest.FixtureRequest) -> None:
+    request.getfixturevalue(threads)
+    rng = np.random.default_rng(1)
+    for t, past, h, kv, hd, window in CASES:
+        q = rng.standard_normal((t, h, hd), dtype=F32)
+        k = rng.standard_normal((kv, past + t + 11, hd), dtype=F32)[:, : past + t]  # a cache's strided view
+        v = rng.standard_normal((kv, past + t + 11, hd), dtype=F32)[:, : past + t]
+        want = _stacked_attention(q, k, v, past, hd**-0.5, window)
+        got = ops.attention(q, k, v, past, hd**-0.5, window)
+        assert got.tobytes() == want.tobytes(), (t, past, h, kv, hd, window)
+        np.testing.assert_allclose(got, ops.naive_attention(q, k, v, past, hd**-0.5, window), rtol=1e-4, atol=1e-5)
+
+
+@needs_local_threads
+def test_prefill_with_threads_equals_one_thread(tmp_path: Path, two_threads: prefill_threads._Pool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny MoE model's prefill (every position's logits, a chunk after it, and the cache) is the same bits with
+    the prefill threads as on the calling thread alone, and the helper did compute pieces."""
+    m = Model.load(create_tiny(tmp_path / "m"))
+    ids = list(range(3, 3 + 90))
+    ran_on: set[str] = set()
+    helper_ran = threading.Event()
+    real = ops.softmax_
+
+    def spy(x: np.ndarray) -> np.ndarray:  # an attention piece; the caller's first waits for the helper's
+        name = threading.current_thread().name
+        ran_on.add(name)
+        if name.startswith("meshd-prefill-"):
+            helper_ran.set()
+        else:
+            helper_ran.wait(10)
+        return real(x)
+
+    monkeypatch.setattr(ops, "softmax_", spy)
+    c2 = m.new_cache()
+    got = np.concatenate([m.forward(ids[:70], c2), m.forward(ids[70:], c2)])
+    monkeypatch.setattr(prefill_threads, "_pool", None)
+    c1 = m.new_cache()
+    want = np.concatenate([m.forward(ids[:70], c1), m.forward(ids[70:], c1)])
+    assert got.tobytes() == want.tobytes()
+    for a, b in zip((*c1.k, *c1.v), (*c2.k, *c2.v)):
+        assert a[:, : len(ids)].tobytes() == b[:, : len(ids)].tobytes()
+    assert any(name.startswith("meshd-prefill-") for name in ran_on), ran_on
+
+
+@needs_local_threads
+def test_run_uses_the_helpers_and_returns_when_all_are_done(two_threads: prefill_threads._Pool) -> None:
+    """Two tasks that need each other finish only if they run at once; every task has run when ``run``
+    returns."""
+    first, second = threading.Event(), threading.Event()
+    seen: list[bool] = []
+    done: list[int] = []
+
+    def a() -> None:
+        first.set()
+        seen.append(second.wait(10))
+        done.append(0)
+
+    def b() -> None:
+        second.set()
+        seen.append(first.wait(10))
+        done.append(1)
+
+    prefill_threads.run([a, b] + [lambda i=i: done.append(i) for i in range(2, 20)])
+    assert seen == [True, True]
+    assert sorted(done) == list(range(20))
+
+
+@needs_local_threads
+def test_a_task_error_is_raised_in_the_caller_after_the_others_ran(two_threads: prefill_threads._Pool) -> None:
+    done: list[int] = []
+
+    def bad() -> None:
+        raise ValueError("piece failed")
+
+    with pytest.raises(ValueError, match="piece failed"):
+        prefill_threads.run([lambda i=i: done.append(i) for i in range(5)] + [bad])
+    assert sorted(done) == list(range(5))
+    prefill_threads.run([lambda: done.append(9), lambda: done.append(10)])  # the pool still works
+    assert done[-2:] in ([9, 10], [10, 9])
+
+
+@needs_local_threads
+def test_callers_on_several_threads_share_the_pool(two_threads: prefill_threads._Pool) -> None:
+    results: dict[int, list[int]] = {}
+
+    def caller(c: int) -> None:
+        out = [0] * 50
+
+        def task(i: int) -> None:
+            out[i] = c * 1000 + i
+
+        for _ in range(20):
+            prefill_threads.run([lambda i=i: task(i) for i in range(50)])
+        results[c] = out
+
+    threads = [threading.Thread(target=caller, args=(c,)) for c in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert results == {c: [c * 1000 + i for i in range(50)] for c in range(3)}
+
+
+def test_thread_count_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prefill_threads, "_decided", False)
+    monkeypatch.setattr(prefill_threads, "_pool", None)
+    monkeypatch.setenv("MESHD_PREFILL_THREADS", "1")
+    assert prefill_threads.threads() == 1
+    if BLAS is not None:
+        monkeypatch.setattr(prefill_threads, "_decided", False)
+        monkeypatch.setenv("MESHD_PREFILL_THREADS", "3")
+        assert prefill_threads.threads() == 3
+
+
+@needs_local_threads
+def test_expert_ffn_many_on_the_threads_equals_one_thread(two_threads: prefill_threads._Pool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """What an expert worker computes for a prefill request: items of 1 to 90 rows, spread over the threads,
+    the same bits as on one thread."""
+    rng = np.random.default_rng(2)
+    w = [tuple(rng.standard_normal(s, dtype=F32) * F32(0.1) for s in ((48, 32), (48, 32), (32, 48))) for _ in range(6)]
+    items = [(rng.standard_normal((n, 32), dtype=F32), *w[i % 6]) for i, n in enumerate((90, 1, 7, 33, 4, 60, 12))]
+    got = moe.expert_ffn_many(items)
+    monkeypatch.setattr(prefill_threads, "_pool", None)
+    want = moe.expert_ffn_many(items)
+    assert [g.tobytes() for g in got] == [x.tobytes() for x in want]
+    assert [g.tobytes() for g in got] == [moe.expert_ffn(*it).tobytes() for it in items]
