@@ -124,15 +124,21 @@ def add_rmsnorm(x: np.ndarray, o: np.ndarray, w: np.ndarray, eps: float, out: np
     rmsnorm_rows(x, w, eps, out)
 
 
-@njit(**_OPTS)
-def route_one(logits: np.ndarray, norm: bool, experts: np.ndarray, weights: np.ndarray) -> None:
-    """Softmax routing of one token: logits [E] -> its top-k experts [k] by descending probability (ties to the
-    lower index) and their weights [k] (divided by their sum if ``norm``), as ``engine.moe.route``."""
+# route_one's sums in the order written: with reassociation (fastmath=True) LLVM vectorises ``tot += p[i]``
+# behind a run-time check that the scratch ``p`` does not overlap ``logits`` (``p - logits >= 256`` bytes), and
+# keeps a sequential copy of the loop for when it might: which copy runs, so the sum's order and its last bit,
+# depended on where malloc put ``p`` next to the caller's logits (a planned step's bits changed with the heap
+# layout: docs/engine-model.md). Without ``reassoc`` both copies add in index order.
+_ROUTE_OPTS = dict(_OPTS, fastmath={"nnan", "ninf", "nsz", "contract", "arcp", "afn"})
+
+
+@njit(**_ROUTE_OPTS)
+def route_into(logits: np.ndarray, norm: bool, experts: np.ndarray, weights: np.ndarray, p: np.ndarray) -> None:
+    """:func:`route_one` with its scratch ``p`` [E] fp32 given (tests place it against ``logits``)."""
     e = logits.shape[0]
     m = logits[0]
     for i in range(1, e):
         m = max(m, logits[i])
-    p = np.empty(e, dtype=np.float32)
     tot = np.float32(0.0)
     for i in range(e):
         p[i] = np.exp(logits[i] - m)
@@ -151,6 +157,14 @@ def route_one(logits: np.ndarray, norm: bool, experts: np.ndarray, weights: np.n
     if norm:
         for j in range(experts.shape[0]):
             weights[j] = weights[j] / wsum
+
+
+@njit(**_ROUTE_OPTS)
+def route_one(logits: np.ndarray, norm: bool, experts: np.ndarray, weights: np.ndarray) -> None:
+    """Softmax routing of one token: logits [E] -> its top-k experts [k] by descending probability (ties to the
+    lower index) and their weights [k] (divided by their sum if ``norm``), as ``engine.moe.route``; every sum
+    in index order, whatever the arrays' addresses."""
+    route_into(logits, norm, experts, weights, np.empty(logits.shape[0], dtype=np.float32))
 
 
 @njit(**_OPTS)

@@ -81,3 +81,27 @@ def test_attend_one_matches_float64_at_the_cache_edges(cap: int, pos: int, windo
     assert np.array_equal(kc[:, pos], kr) and np.array_equal(vc[:, pos], v)  # the new position written
     ref = _attention64(qr, kc, vc, lo, pos, 0.125)
     assert np.abs(out - ref).max() <= 2e-6 * np.abs(vc).max()
+
+
+@pytest.mark.parametrize("e", [8, 16, 40, 60])
+@pytest.mark.parametrize("norm", [False, True])
+def test_route_bits_do_not_depend_on_where_its_scratch_lies(e: int, norm: bool) -> None:
+    # The softmax's scratch right after the logits (within 256 bytes: LLVM's overlap check then picks the loop's
+    # sequential copy) or far from them (its vector copy) must give the same bits. With reassociation the two
+    # copies added the softmax's sum in other orders, and a planned Q4_K_M step alternated between two
+    # results as malloc put the scratch near the router's logits or not (docs/engine-model.md).
+    k = 4
+    near = np.empty(2 * e, dtype=F32)
+    far_p = np.empty(1 << 16, dtype=F32)[-e:]
+    for seed in range(200):
+        logits = _rand((e,), 100 + seed, 4.0)
+        near[:e] = logits
+        got = []
+        for lg, p in ((near[:e], near[e:]), (logits, far_p)):
+            experts, weights = np.empty(k, dtype=np.int64), np.empty(k, dtype=F32)
+            kern.route_into(lg, norm, experts, weights, p)
+            got.append((experts.tobytes(), weights.tobytes()))
+        assert got[0] == got[1], seed
+    experts, weights = np.empty(k, dtype=np.int64), np.empty(k, dtype=F32)
+    kern.route_one(logits, norm, experts, weights)  # route_one is route_into with a scratch of its own
+    assert (experts.tobytes(), weights.tobytes()) == got[1]
