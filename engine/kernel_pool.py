@@ -307,8 +307,13 @@ def _spin(ctl: int, seen: int, iters: int) -> int:
 
 @njit(**_opts)
 def _publish(ctl: int, gen: int, tbl: np.ndarray, total: int) -> None:
-    """Start round ``gen``: its table, then zero chunks done, then (release) the word helpers claim from."""
+    """Start round ``gen``: first mark the last round's word used up, then its table, then zero chunks done,
+    then (release) the word helpers claim from. A helper that read the last round's word when every chunk was
+    claimed, and this round's larger total after, would otherwise win its compare-and-swap on the old word
+    before the new word is stored, compute a chunk of this round early and count it done: the round would
+    end one chunk before its last one is written."""
     p = _i64p(ctl)
+    _store(ctl, ((_load(ctl) >> GEN_SHIFT) << GEN_SHIFT) | ((1 << GEN_SHIFT) - 1))
     p[2] = tbl.ctypes.data
     p[3] = total
     p[4] = tbl.shape[0]
