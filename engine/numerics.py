@@ -113,18 +113,25 @@ def _llvm_host_allows() -> bool:
     return host_allows(binding)
 
 
-def _openblas_core() -> str | None:
-    """The core OpenBLAS picked at run time, read from the library numpy loaded (Linux), or None."""
+def openblas_libs() -> list[ctypes.CDLL]:
+    """The OpenBLAS libraries this process has mapped (numpy's, found in /proc/self/maps; Linux), as handles:
+    opening a library already mapped loads nothing new. Empty if none or not Linux."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
-        return None
-    libs = sorted({line.split()[-1] for line in maps.splitlines() if "openblas" in line.lower() and "/" in line})
-    for path in libs:
+        return []
+    out = []
+    for path in sorted({line.split()[-1] for line in maps.splitlines() if "openblas" in line.lower() and "/" in line}):
         try:
-            lib = ctypes.CDLL(path)  # already mapped: no new load
+            out.append(ctypes.CDLL(path))
         except OSError:
             continue
+    return out
+
+
+def _openblas_core() -> str | None:
+    """The core OpenBLAS picked at run time, read from the library numpy loaded (Linux), or None."""
+    for lib in openblas_libs():
         for name in ("openblas_get_corename", "openblas_get_corename64_", "scipy_openblas_get_corename",
                      "scipy_openblas_get_corename64_"):
             fn = getattr(lib, name, None)

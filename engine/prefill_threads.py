@@ -26,11 +26,11 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import numpy as np  # noqa: F401 - loads numpy's BLAS, which _openblas looks for among the mapped libraries
 
 from .limits import PREFILL_MAX_THREADS
+from .numerics import openblas_libs
 
 Task = Callable[[], object]
 
@@ -38,16 +38,7 @@ Task = Callable[[], object]
 def _openblas() -> tuple[Callable[[int], int], Callable[[], int]] | None:
     """numpy's OpenBLAS ``(set_num_threads_local, get_num_threads)``, found among the libraries this process has
     mapped (as engine/numerics.py reads its core), or None (not Linux, not OpenBLAS, or older than 0.3.27)."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return None
-    libs = sorted({line.split()[-1] for line in maps.splitlines() if "openblas" in line.lower() and "/" in line})
-    for path in libs:
-        try:
-            dll = ctypes.CDLL(path)  # already mapped: no new load
-        except OSError:
-            continue
+    for dll in openblas_libs():
         set_local = getattr(dll, "openblas_set_num_threads_local", None)
         get = next((getattr(dll, s) for s in ("scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_threads",
                                               "openblas_get_num_threads") if hasattr(dll, s)), None)
