@@ -66,20 +66,21 @@ if AVAILABLE:
     def _idx(vals: list[int]) -> ir.Constant:
         return ir.Constant(ir.VectorType(_I32, len(vals)), vals)
 
-    def _code_sums(builder: ir.IRBuilder, dp: ir.Function, regs: list[ir.Value], la: ir.Value) -> ir.Value:
-        """The four code registers (64 unsigned codes each) dotted with their activations' three limbs at ``la``
-        (``vpdpbusd``: X = a0 * 2**14 + a1 * 2**7 + a2, by Horner), then summed pairwise into one int32 per 32-code
-        sub-block, in register order: a <16 x i32> (Q4_K uses its 16 lanes in pairs, Q6_K each)."""
+    def _limbs_dot(builder: ir.IRBuilder, dp: ir.Function, acc: ir.Value, la: ir.Value, r: int, q: ir.Value,
+                   codes_unsigned: bool) -> ir.Value:
+        """``acc`` plus code register ``q`` dotted with its activations' three limbs at ``la`` (register ``r``;
+        ``vpdpbusd``: X = a0 * 2**14 + a1 * 2**7 + a2, by Horner). ``codes_unsigned``: the codes are
+        ``vpdpbusd``'s unsigned operand (K-quants), else the limbs are (Q8_0's signed codes)."""
         seven = ir.Constant(_V16I32, [7] * 16)
-        sums = []
-        for r, q in enumerate(regs):
-            acc = ir.Constant(_V16I32, [0] * 16)
-            for limb in range(3):
-                a = builder.load(_at(builder, la, 192 * r + 64 * limb, _V64I8), align=1)
-                if limb:
-                    acc = builder.shl(acc, seven)
-                acc = builder.call(dp, [acc, q, a])
-            sums.append(acc)
+        for limb in range(3):
+            a = builder.load(_at(builder, la, 192 * r + 64 * limb, _V64I8), align=1)
+            if limb:
+                acc = builder.shl(acc, seven)
+            acc = builder.call(dp, [acc, q, a] if codes_unsigned else [acc, a, q])
+        return acc
+
+    def _pair_sums(builder: ir.IRBuilder, sums: list[ir.Value]) -> ir.Value:
+        """Four registers' int32 lanes summed pairwise into one int32 per 32-code sub-block, in register order."""
         even16 = _idx(list(range(0, 32, 2)))
         odd16 = _idx(list(range(1, 32, 2)))
 
@@ -87,6 +88,13 @@ if AVAILABLE:
             return builder.add(builder.shuffle_vector(a, b, even16), builder.shuffle_vector(a, b, odd16))
 
         return pair(pair(sums[0], sums[1]), pair(sums[2], sums[3]))
+
+    def _code_sums(builder: ir.IRBuilder, dp: ir.Function, regs: list[ir.Value], la: ir.Value) -> ir.Value:
+        """The four code registers (64 unsigned codes each) dotted with their activations' three limbs at ``la``
+        (``vpdpbusd``: X = a0 * 2**14 + a1 * 2**7 + a2, by Horner), then summed pairwise into one int32 per 32-code
+        sub-block, in register order: a <16 x i32> (Q4_K uses its 16 lanes in pairs, Q6_K each)."""
+        zero = ir.Constant(_V16I32, [0] * 16)
+        return _pair_sums(builder, [_limbs_dot(builder, dp, zero, la, r, q, True) for r, q in enumerate(regs)])
 
     @intrinsic
     def _q4k_block(typingctx, accp, at, qa, la, scp, pa, sa):  # noqa: ANN001, ANN202
@@ -206,7 +214,6 @@ if AVAILABLE:
             dp = _fn(builder, "llvm.x86.avx512.vpdpbusd.512", _V16I32, [_V16I32, _V64I8, _V64I8])
             v32 = ir.VectorType(_I8, 32)
             zero32 = ir.Constant(v32, [0] * 32)
-            seven = ir.Constant(_V16I32, [7] * 16)
             sums = []
             for r in range(4):
                 if 2 * r >= n:
@@ -219,19 +226,8 @@ if AVAILABLE:
                 # start at -64 * sum(q) per lane: u0 carries X's top digit plus 64
                 acc = builder.sub(ir.Constant(_V16I32, [0] * 16),
                                   builder.call(dp, [ir.Constant(_V16I32, [0] * 16), ir.Constant(_V64I8, [64] * 64), q]))
-                for limb in range(3):
-                    a = builder.load(_at(builder, la, 192 * r + 64 * limb, _V64I8), align=1)
-                    if limb:
-                        acc = builder.shl(acc, seven)
-                    acc = builder.call(dp, [acc, a, q])
-                sums.append(acc)
-            even16 = _idx(list(range(0, 32, 2)))
-            odd16 = _idx(list(range(1, 32, 2)))
-
-            def pair(a: ir.Value, b: ir.Value) -> ir.Value:
-                return builder.add(builder.shuffle_vector(a, b, even16), builder.shuffle_vector(a, b, odd16))
-
-            f = pair(pair(sums[0], sums[1]), pair(sums[2], sums[3]))  # 16-element sums, in order
+                sums.append(_limbs_dot(builder, dp, acc, la, r, q, False))
+            f = _pair_sums(builder, sums)  # 16-element sums, in order
             tv = builder.sitofp(f, _V16D)
             p = builder.load((builder.bitcast(pa, _V16D.as_pointer()) if isinstance(pa.type, ir.PointerType)
                               else builder.inttoptr(pa, _V16D.as_pointer())), align=8)
