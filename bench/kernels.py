@@ -2,7 +2,7 @@
 against an earlier revision's kernels (``--baseline``), all in one run.
 
     python bench/kernels.py [--rounds 200] [--baseline 5a404c5] [--main 8a5eab4] [--only 7,8] [--alternations 5]
-        [--decode /tmp/compact-bench/model-Q4_K_M.gguf]
+        [--decode /tmp/compact-bench/model-Q4_K_M.gguf] [--fp32 /tmp/compact-bench]
 
 Table 1, for every packed type on the two product shapes of the engine benchmark's checkpoint (1536x768,
 1024x1024) with 1 and 8 activation rows: G weights/s (weights of the matrix per second of one call, whatever
@@ -41,6 +41,14 @@ one thread, 1 and 4 activation rows, weights in cache: called directly over all 
 threads' table run serially (the pool's row chunks of KERNEL_CHUNK_WEIGHTS, and the integer kernels' quantization of
 the activations, once per run of the table).
 Table 8 (with ``--decode``): a whole planned decode, float (lookup) against integer kernels, as table 6.
+
+Table 9 (session 9), on AVX2 CPUs without AVX-512: engine/kernels_avx2.py's Q4_K/Q6_K/Q8_0 kernels against the
+generic ones (same bits), one thread, 1 and 4 activation rows, weights in cache, alternated as table 5; with
+``--decode`` also the whole planned decode of that checkpoint on either set (the plan rebuilt per side) and, with
+``--fp32 DIR`` (bench/engine.py's fp32 checkpoint directory), our fp32 decode in the same process and rounds: ms
+per token in wall time and in the calling thread's CPU time (with ``MESHD_KERNEL_THREADS=1`` all the work; what
+other processes do to the core counts less), median [range] over ``--alternations`` rounds of 40 steps, and the
+Q4_K_M/fp32 ratios per side.
 
 Median and range of ``--rounds`` timed calls, each side warmed up the same (20 calls) and timed alone (one
 process, one side at a time). The baseline is the revision's engine/kernels.py, loaded with ``git show``
@@ -420,6 +428,107 @@ def decode_int(path: str, alternations: int) -> None:
           f"{max(got['integer']):.3f}] | {lk / it:.3f}x |")
 
 
+def avx2(rounds: int, alternations: int, rng: np.random.Generator) -> None:
+    """Table 9: engine/kernels_avx2.py against the generic kernels, one thread, weights in cache."""
+    from engine import kernels_avx2
+
+    if not kernels_avx2.AVAILABLE:
+        print("AVX2 kernels: not used on this CPU (AVX-512, no AVX2, or MESHD_KERNELS_AVX2=0)")
+        return
+    generic = {"Q4_K": lambda x, d, o, n: kernels._q45_k(x, d, o, kernels.HALF, 0, n, False),
+               "Q6_K": lambda x, d, o, n: kernels._q6_k(x, d, o, kernels.HALF, 0, n),
+               "Q8_0": lambda x, d, o, n: kernels._q8_0(x, d, o, kernels.HALF, 0, n)}
+    print("| type | shape | rows | generic, 1 thread | AVX2, 1 thread | AVX2/generic |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for qtype in ("Q4_K", "Q6_K", "Q8_0"):
+        new = getattr(kernels_avx2, qtype.lower())
+        for n, k in ((1536, 768), (768, 384) if qtype == "Q8_0" else (1024, 1024)):
+            w = rng.standard_normal((n, k)).astype(np.float32)
+            data = quant.packed(quantize(w, qtype), qtype, (n, k)).data
+            for t in (1, 4):
+                x = rng.standard_normal((t, k)).astype(np.float32)
+                out = np.empty((t, n), dtype=np.float32)
+                got: dict[str, list[float]] = {"generic": [], "avx2": []}
+                for _ in range(alternations):
+                    got["generic"].append(_time(lambda: generic[qtype](x, data, out, n), rounds)[0])
+                    got["avx2"].append(_time(lambda: new(x, data, out, kernels.HALF, 0, n), rounds)[0])
+
+                def g(v: list[float]) -> str:
+                    return f"{n * k / statistics.median(v) / 1e9:.2f} [{n * k / max(v) / 1e9:.2f}-{n * k / min(v) / 1e9:.2f}]"
+
+                ratio = statistics.median(got["generic"]) / statistics.median(got["avx2"])
+                print(f"| {qtype} | {n}x{k} | {t} | {g(got['generic'])} | {g(got['avx2'])} | {ratio:.2f}x |")
+
+
+def decode_avx2(path: str, fp32: str, alternations: int) -> None:
+    """Table 9's decode: the planned decode of ``path`` on the generic and the AVX2 kernels, and of the fp32
+    checkpoint ``fp32`` (optional), in one process, rounds alternating; wall and thread CPU ms per token."""
+    from engine import kernel_pool, kernels_avx2
+    from engine.model import Model
+
+    if not kernels_avx2.AVAILABLE:
+        return
+    names = ("Q4_K", "Q6_K", "Q8_0")
+    addrs = {"generic": {q: int(getattr(kernel_pool, f"_c_{q.lower()}").address) for q in names},
+             "avx2": {q: int(getattr(kernel_pool, f"_c_{q.lower()}_avx2").address) for q in names}}
+    seqs = {}
+
+    def start(m: Model) -> list:
+        cache = m.new_cache(1024)
+        tok = int(np.argmax(m.forward(list(range(10, 74)), cache)[-1]))
+        return [m, cache, int(np.argmax(m.forward([tok], cache)[-1]))]
+
+    q = Model.load(path)
+    plans = {}
+    try:
+        for side in ("generic", "avx2"):
+            kernel_pool._ADDR.update(addrs[side])
+            q._plan = True  # rebuilt on the next step, with these kernels in its tables
+            seqs[side] = start(q)
+            plans[side] = q._plan
+    finally:
+        kernel_pool._ADDR.update(addrs["avx2"])
+    if fp32:
+        seqs["fp32"] = start(Model.load(fp32))
+
+    def run(seq: list, n: int) -> tuple[float, float]:
+        m, cache, tok = seq
+        wall, cpu = [], []
+        for _ in range(n):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            logits = m.forward([tok], cache)
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
+            tok = int(np.argmax(logits[-1]))
+            if cache.length > 200:
+                cache.truncate(100)
+        seq[2] = tok
+        return statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3
+
+    got: dict[str, list[tuple[float, float]]] = {side: [] for side in seqs}
+    for _ in range(alternations):
+        for side, seq in seqs.items():
+            if side in plans:
+                q._plan = plans[side]
+            run(seq, 5)
+            got[side].append(run(seq, 40))
+    print(f"| {Path(path).name}, {kernels.threads()} kernel threads | wall ms/token | thread CPU ms/token |")
+    print("| --- | --- | --- |")
+
+    def col(side: str, i: int) -> str:
+        v = [r[i] for r in got[side]]
+        return f"{statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}]"
+
+    for side in got:
+        print(f"| {side} | {col(side, 0)} | {col(side, 1)} |")
+    for i, what in ((0, "wall"), (1, "CPU")):
+        med = {side: statistics.median(r[i] for r in got[side]) for side in got}
+        line = f"{what}: AVX2/generic {med['generic'] / med['avx2']:.2f}x"
+        if "fp32" in med:
+            line += f"; vs our fp32: generic {med['fp32'] / med['generic']:.2f}x, AVX2 {med['fp32'] / med['avx2']:.2f}x"
+        print(line)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=200, help="timed calls per side (default 200)")
@@ -430,21 +539,24 @@ def main() -> None:
                          f" against; '' for none (default {MAIN})")
     ap.add_argument("--only", default="", help="run only these tables, e.g. '4' or '1,2' (default all)")
     ap.add_argument("--alternations", type=int, default=5,
-                    help="tables 5-8: times the two sides alternate (default 5)")
+                    help="tables 5-9: times the two sides alternate (default 5)")
     ap.add_argument("--decode", default="",
                     help="tables 6 and 8: a GGUF checkpoint to decode with either kernels, e.g."
                          " /tmp/compact-bench/model-Q4_K_M.gguf (default none: table 6 left out)")
+    ap.add_argument("--fp32", default="",
+                    help="table 9: bench/engine.py's fp32 checkpoint dir, decoded in the same rounds as --decode"
+                         " (default none)")
     args = ap.parse_args()
     if not kernels.AVAILABLE:
         sys.exit("numba is not installed (pip install 'meshd[fast]'): nothing to compare")
     kernels.warm()
-    only = {int(v) for v in args.only.split(",") if v.strip()} or {1, 2, 3, 4, 5, 6, 7, 8}
+    only = {int(v) for v in args.only.split(",") if v.strip()} or {1, 2, 3, 4, 5, 6, 7, 8, 9}
     base = _baseline(args.baseline) if only & {1, 2} else None
     rng = np.random.default_rng(0)
     print(f"kernel threads {kernels.threads()}; baseline {args.baseline or '-'}; G weights/s, median [min-max] of"
           f" {args.rounds} calls")
     tables = ((products, base), (layer, base), (dequant, None), (f32, None), (lookup, None), (decode, None),
-              (integer, None), (decode_int, None))
+              (integer, None), (decode_int, None), (avx2, None))
     for i, (fn, extra) in enumerate(tables, 1):
         if i not in only:
             continue
@@ -461,6 +573,11 @@ def main() -> None:
         elif i == 8:
             if args.decode:
                 decode_int(args.decode, args.alternations)
+        elif i == 9:
+            avx2(args.rounds, args.alternations, rng)
+            if args.decode:
+                print()
+                decode_avx2(args.decode, args.fp32, args.alternations)
         elif extra is None:
             fn(args.rounds, rng)
         else:

@@ -20,7 +20,7 @@ checked to compute with the same numerics as the node it serves.
 
 Not in the tag, because they do not change bits (each tested bit for bit, docs/kernels.md): the kernel
 threads' count (``MESHD_KERNEL_THREADS``), ``MESHD_KERNELS_LUT`` (the AVX-512 lookup kernels equal the generic
-ones), ``MESHD_DECODE_PLAN`` (the plan equals the general pass), BLAS's thread count
+ones), ``MESHD_KERNELS_AVX2`` (so do engine/kernels_avx2.py's), ``MESHD_DECODE_PLAN`` (the plan equals the general pass), BLAS's thread count
 (``OPENBLAS_NUM_THREADS``: OpenBLAS splits rows and columns, not the sum), the prefill threads' count
 (``MESHD_PREFILL_THREADS``: engine/prefill_threads.py runs whole pieces per thread), ``MESHD_PIPELINE_BATCH`` and the
 other scheduling switches. Nodes with equal tags compute equal bits for equal inputs on the same CPU
