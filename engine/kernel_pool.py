@@ -82,6 +82,16 @@ def _add(typingctx, addr, v):  # noqa: ANN001, ANN202
 
 
 @intrinsic
+def _fence(typingctx):  # noqa: ANN001, ANN202
+    """A sequentially consistent fence: no load after it is done before a store ahead of it is visible."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
+@intrinsic
 def _pause(typingctx):  # noqa: ANN001, ANN202
     """x86's ``pause`` in a spin loop (other CPUs: nothing, the loop's atomic load is enough)."""
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
@@ -312,12 +322,14 @@ def _publish(ctl: int, gen: int, tbl: np.ndarray, total: int) -> None:
     claimed, and this round's larger total after, would otherwise win its compare-and-swap on the old word
     before the new word is stored, compute a chunk of this round early and count it done: the round would
     end one chunk before its last one is written."""
-    p = _i64p(ctl)
     _store(ctl, ((_load(ctl) >> GEN_SHIFT) << GEN_SHIFT) | ((1 << GEN_SHIFT) - 1))
-    p[2] = tbl.ctypes.data
-    p[3] = total
-    p[4] = tbl.shape[0]
-    p[1] = 0
+    # release stores, each after the one before: a plain store may be moved by the compiler ahead of the release
+    # store above (release orders what comes before it only), and then a helper could see this round's total
+    # with the last round's word, the race above
+    _store(ctl + 16, tbl.ctypes.data)
+    _store(ctl + 24, total)
+    _store(ctl + 32, tbl.shape[0])
+    _store(ctl + 8, 0)
     _store(ctl, gen << GEN_SHIFT)
 
 
@@ -332,6 +344,28 @@ else:
     @njit(**_opts)
     def _prepare(table: np.ndarray) -> None:
         pass
+
+
+@njit(**_opts)
+def _round(ctl: int, table: np.ndarray, ha: int, gen: int, total: int) -> bool:
+    """Round ``gen``: the integer kernels' activations, publish, then, unless a helper has gone to sleep (then
+    False: the caller wakes it and calls ``_work``), claim and wait, all in one compiled call (a call with an
+    array argument costs ~1-2 us of dispatch, and a decoded token makes ~33 rounds). The fence pairs with the
+    one in :func:`_sleeping`: a helper either sees this round before it waits or is counted here."""
+    _prepare(table)
+    _publish(ctl, gen, table, total)
+    _fence()
+    if _load(ctl + 40):
+        return False
+    _work(ctl, table, ha, gen, total, True)
+    return True
+
+
+@njit(**_opts)
+def _sleeping(ctl: int, d: int) -> None:
+    """A helper going to sleep (``d`` 1; before it checks for a round) or waking (-1): word 5 of ``ctl``."""
+    _add(ctl + 40, d)
+    _fence()
 
 
 @njit(**_opts)
@@ -423,13 +457,15 @@ def run_table_serial(tbl: np.ndarray, total: int) -> None:
 
 def warm() -> None:
     """Compile (or load from the cache) the round functions the kernel threads use, on an empty round."""
-    ctl = np.zeros(5, dtype=np.int64)
+    ctl = np.zeros(6, dtype=np.int64)
     tbl = np.zeros((0, _COLS), dtype=np.int64)
     _publish(int(ctl.ctypes.data), 1, tbl, 0)
     _work(int(ctl.ctypes.data), tbl, _HALF_ADDR, 1, 0, True)
     _prepare(tbl)
     _helper_loop(int(ctl.ctypes.data), _HALF_ADDR, 1, 1)
     _spin(int(ctl.ctypes.data), 1, 1)
+    _round(int(ctl.ctypes.data), tbl, _HALF_ADDR, 2, 0)
+    _sleeping(int(ctl.ctypes.data), 0)
 
 
 def _calibrate() -> int:
@@ -450,12 +486,11 @@ class Pool:
     def __init__(self, helpers: int) -> None:
         self._round = threading.Lock()
         self._cv = threading.Condition(threading.Lock())
-        # [gen << GEN_SHIFT | next chunk, chunks done, table address, chunks, products]
-        self._ctl = np.zeros(5, dtype=np.int64)
+        # [gen << GEN_SHIFT | next chunk, chunks done, table address, chunks, products, helpers asleep]
+        self._ctl = np.zeros(6, dtype=np.int64)
         self._addr = int(self._ctl.ctypes.data)
         self._gen = 0
         self._keep: object = None
-        self._sleepers = 0
         self._spin_iters = _calibrate()
         for i in range(helpers):
             threading.Thread(target=self._helper, name=f"meshd-kernel-{i}", daemon=True).start()
@@ -465,10 +500,10 @@ class Pool:
         while True:
             seen = _helper_loop(self._addr, _HALF_ADDR, seen, self._spin_iters)
             with self._cv:
-                self._sleepers += 1
+                _sleeping(self._addr, 1)
                 while int(self._ctl[0]) >> GEN_SHIFT == seen:
                     self._cv.wait()
-                self._sleepers -= 1
+                _sleeping(self._addr, -1)
 
     def run(self, products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]]) -> None:
         tbl, total, keep, _ = table(products)
@@ -480,10 +515,8 @@ class Pool:
             self._gen += 1
             gen = self._gen
             self._keep = (tbl, keep)
-            _prepare(tbl)  # the integer kernels' activations, before any thread can claim a chunk
-            _publish(self._addr, gen, tbl, total)
-            if self._sleepers:
+            if not _round(self._addr, tbl, _HALF_ADDR, gen, total):  # published; a helper sleeps: wake it
                 with self._cv:
                     self._cv.notify_all()
-            _work(self._addr, tbl, _HALF_ADDR, gen, total, True)
+                _work(self._addr, tbl, _HALF_ADDR, gen, total, True)
             self._keep = None
