@@ -114,10 +114,12 @@ def _f32_in_tables() -> bool:
     return ops is not None and "F32" in getattr(ops[0], "ROW_TYPES", ())
 
 
-def table_rows(products: list[tuple[np.ndarray, object, np.ndarray]]) -> tuple[np.ndarray, int, list, int] | None:
+def table_rows(products: list[tuple[np.ndarray, object, np.ndarray]],
+               tail: bool = True) -> tuple[np.ndarray, int, list, int] | None:
     """The kernel-pool table of products (x, weight, out), or None if any is not on a kernel the pool runs:
     a Packed weight of a kernel type with at most ``KERNEL_MAX_ROWS`` rows (``engine.quant``'s rule), or an fp32
-    weight on the fp32 kernel (``engine.dense``'s rule) when the pool runs those."""
+    weight on the fp32 kernel (``engine.dense``'s rule) when the pool runs those. ``tail``: the round's last
+    chunks finer (``kernel_pool.table``); off for rows that are concatenated into other rounds."""
     if not all(type(w) is Packed for _, w, _ in products) and not _f32_in_tables():
         return None
     ops = packed_ops()
@@ -134,7 +136,7 @@ def table_rows(products: list[tuple[np.ndarray, object, np.ndarray]]) -> tuple[n
             prods.append((x, "F32", w, out))
         else:
             return None
-    tbl, total, keep, weights = kernel_pool.table(prods)
+    tbl, total, keep, weights = kernel_pool.table(prods, tail=tail)
     return tbl, total, [prods, keep], weights
 
 
@@ -247,8 +249,8 @@ class DecodePlan(OneRowBuffers):
             if not dense.swiglu_compiled(self.h, gate):
                 lp.general_experts = True
                 return lp
-            gu = table_rows([(self.h, gate, self.g[ex]), (self.h, up, self.u[ex])])
-            dn = table_rows([(self.g[ex], down, self.y[ex])])
+            gu = table_rows([(self.h, gate, self.g[ex]), (self.h, up, self.u[ex])], tail=False)
+            dn = table_rows([(self.g[ex], down, self.y[ex])], tail=False)
             if gu is None or dn is None:
                 lp.general_experts = True
                 return lp

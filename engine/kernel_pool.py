@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from . import dense_kernels, kernels, kernels_int, kernels_lut
-from .limits import KERNEL_CHUNK_WEIGHTS, KERNEL_SPIN_US
+from .limits import KERNEL_CHUNK_WEIGHTS, KERNEL_SPIN_US, KERNEL_TAIL_SPLIT
 
 import numba  # noqa: E402 - only imported when kernels.AVAILABLE (engine.kernels imports this lazily)
 from llvmlite import ir  # noqa: E402
@@ -399,23 +399,52 @@ def _fill(tbl: np.ndarray, i: int, fn: int, x: np.ndarray, w: np.ndarray, out: n
     return chunks
 
 
+def _step(x: np.ndarray, qtype: str) -> tuple[int, int]:
+    """(rows per chunk, row alignment) of a product with activations x (``_fill``'s rule)."""
+    align = kernels.F32_ROW_ALIGN if qtype == "F32" else 1
+    t, k = x.shape
+    return max(align, KERNEL_CHUNK_WEIGHTS // max(1, k * t) // align * align), align
+
+
+def _tail_split(products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]],
+                rows_range: tuple[int, int] | None) -> tuple[int, int] | None:
+    """Where the last product's rows are cut so that its last chunk's worth of rows (the round's end) is claimed
+    in ``KERNEL_TAIL_SPLIT`` finer chunks: (first fine row, rows per fine chunk), or None (too few rows)."""
+    if not products:
+        return None
+    x, qtype, data, _ = products[-1]
+    a, b = rows_range if rows_range is not None else (0, data.shape[0])
+    step, align = _step(x, qtype)
+    fine = max(align, step // KERNEL_TAIL_SPLIT // align * align)
+    if fine >= step or b - a <= step:
+        return None
+    return a + (b - a - step) // align * align, fine  # a multiple of align: every F32 chunk starts on a group
+
+
 def table(products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]],
-          rows_range: tuple[int, int] | None = None) -> tuple[np.ndarray, int, list, int]:
+          rows_range: tuple[int, int] | None = None, tail: bool = True) -> tuple[np.ndarray, int, list, int]:
     """The round's table, its number of chunks, the arrays it points into beyond ``products`` (keep both alive
     through the round) and its number of weight-row products. x and out must be C-contiguous fp32 (the
     caller's); the stored data is made C-contiguous here (a copy only for an odd view). Integer kernel rows get
     a buffer for x's quantized form (one per x and layout, filled at the start of every run of the table), in
-    the same allocation as the table: a view of it, so the table alone keeps the buffers alive too."""
+    the same allocation as the table: a view of it, so the table alone keeps the buffers alive too.
+
+    Chunks are claimed in table order; with ``tail`` the last product's last chunk's worth of rows takes one
+    more table row, of ``KERNEL_TAIL_SPLIT`` times finer chunks, so that the threads run out of work at most a
+    fine chunk apart (a round waits for its slowest thread's last chunk). A row's bits never depend on its
+    chunk (F32 chunks start on whole 8-row groups), so neither do the results."""
     layouts = [_INT_LAYOUT.get(_ADDR[q], 0) for _, q, _, _ in products] if _INT_LAYOUT else []
     bufs: dict[tuple[int, int], tuple[int, int]] = {}  # (id of x, layout) -> (offset in words, product index)
-    words = len(products) * _COLS
+    split = _tail_split(products, rows_range) if tail else None
+    rows = len(products) + (split is not None)
+    words = rows * _COLS
     for i, layout in enumerate(layouts):
         x = products[i][0]
         if layout and (id(x), layout) not in bufs:
             bufs[(id(x), layout)] = (words, i)
             words += -(-kernels_int.buffer_bytes(x.shape[0], x.shape[1]) // 8)
     store = np.empty(words, dtype=np.int64)
-    tbl = store[:len(products) * _COLS].reshape(len(products), _COLS)
+    tbl = store[:rows * _COLS].reshape(rows, _COLS)
     tbl[:, 12:] = 0
     keep: list = [store] if bufs else []
     base = store.__array_interface__["data"][0] if bufs else 0
@@ -430,11 +459,16 @@ def table(products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]],
         a, b = rows_range if rows_range is not None else (0, n)
         if qtype == "F32" and a % kernels.F32_ROW_ALIGN:
             raise ValueError(f"F32 rows start on multiples of {kernels.F32_ROW_ALIGN}, not {a}")
-        total += _fill(tbl, i, _ADDR[qtype], x, data, out, a, b, KERNEL_CHUNK_WEIGHTS,
-                       kernels.F32_ROW_ALIGN if qtype == "F32" else 1)
+        align = kernels.F32_ROW_ALIGN if qtype == "F32" else 1
+        last = i == len(products) - 1 and split is not None
+        total += _fill(tbl, i, _ADDR[qtype], x, data, out, a, split[0] if last else b,  # type: ignore[index]
+                       KERNEL_CHUNK_WEIGHTS, align)
+        if last:  # the fine tail: the same product from row split[0] on, split[1] rows a chunk
+            total += _fill(tbl, i + 1, _ADDR[qtype], x, data, out, split[0], b,  # type: ignore[index]
+                           split[1] * x.shape[0] * x.shape[1], align)  # type: ignore[index]
         if layouts and layouts[i]:
             off, first = bufs[(id(x), layouts[i])]
-            tbl[i, 12] = base + 8 * off
+            tbl[i:i + 1 + last, 12] = base + 8 * off
             tbl[i, 13] = layouts[i] if first == i else 0
         weights += x.size * (b - a)
         i += 1
