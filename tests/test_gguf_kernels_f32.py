@@ -77,10 +77,13 @@ def test_a_rounds_last_chunks_are_finer_and_change_no_bit(rows: int) -> None:
         assert tbl.shape == plain.shape and total == plain_total
     pool = kernel_pool.Pool(1)
     for t, n in ((tbl, total), (plain, plain_total)):
-        for run in (lambda: kernel_pool.run_table_serial(t, n), lambda: pool.run_table(t, n, prods)):
+        for on_pool in (False, True):
             for o in outs:
                 o[:] = np.nan
-            run()
+            if on_pool:
+                pool.run_table(t, n, prods)
+            else:
+                kernel_pool.run_table_serial(t, n)
             assert outs[0].tobytes() == ref[0].tobytes() and outs[1].tobytes() == ref[1].tobytes()
 
 
