@@ -89,7 +89,7 @@ class Round:
 
     @staticmethod
     def build(products: list[tuple[np.ndarray, object, np.ndarray]]) -> Round:
-        rows = table_rows(products)
+        rows = table_rows(products, tail=True)
         if rows is not None:
             tbl, total, keep, weights = rows
             return Round(_table_runner(tbl, total, keep, weights))
@@ -114,10 +114,12 @@ def _f32_in_tables() -> bool:
     return ops is not None and "F32" in getattr(ops[0], "ROW_TYPES", ())
 
 
-def table_rows(products: list[tuple[np.ndarray, object, np.ndarray]]) -> tuple[np.ndarray, int, list, int] | None:
+def table_rows(products: list[tuple[np.ndarray, object, np.ndarray]],
+               tail: bool = False) -> tuple[np.ndarray, int, list, int] | None:
     """The kernel-pool table of products (x, weight, out), or None if any is not on a kernel the pool runs:
     a Packed weight of a kernel type with at most ``KERNEL_MAX_ROWS`` rows (``engine.quant``'s rule), or an fp32
-    weight on the fp32 kernel (``engine.dense``'s rule) when the pool runs those."""
+    weight on the fp32 kernel (``engine.dense``'s rule) when the pool runs those. ``tail``: the last product's
+    last chunks finer (``kernel_pool.table``), for rows that end a round."""
     if not all(type(w) is Packed for _, w, _ in products) and not _f32_in_tables():
         return None
     ops = packed_ops()
@@ -134,7 +136,7 @@ def table_rows(products: list[tuple[np.ndarray, object, np.ndarray]]) -> tuple[n
             prods.append((x, "F32", w, out))
         else:
             return None
-    tbl, total, keep, weights = kernel_pool.table(prods)
+    tbl, total, keep, weights = kernel_pool.table(prods, tail=tail)
     return tbl, total, [prods, keep], weights
 
 
@@ -148,7 +150,8 @@ def _table_runner(tbl: np.ndarray, total: int, keep: object, weights: int) -> Ca
 class _LayerPlan:
     __slots__ = ("layer", "qkv", "o", "gu_rows", "gu_chunks", "gu_weights", "down_rows", "down_chunks",
                  "down_weights", "dense_mlp", "q_norm", "k_norm", "f32_experts",
-                 "general_experts", "gu_take", "down_take", "gu_tbl", "down_tbl", "k_chunks")
+                 "general_experts", "gu_tbl", "down_tbl", "k_chunks", "gu_rows_t", "gu_chunks_t",
+                 "down_rows_t", "down_chunks_t")
 
     def __init__(self, layer: Layer) -> None:
         self.layer = layer
@@ -241,34 +244,40 @@ class DecodePlan(OneRowBuffers):
         if any(isinstance(a, Fp8Tensor) for w in layer.experts for a in w):
             lp.general_experts = True
             return lp
+        # each expert's rows twice: as a round's middle (plain) and as its end (the last slot's: finer last chunks)
         gu_rows, gu_chunks, down_rows, down_chunks = [], [], [], []
+        gu_rows_t, gu_chunks_t, down_rows_t, down_chunks_t = [], [], [], []
         gu_weights = down_weights = 0
         for ex, (gate, up, down) in enumerate(layer.experts):
             if not dense.swiglu_compiled(self.h, gate):
                 lp.general_experts = True
                 return lp
-            gu = table_rows([(self.h, gate, self.g[ex]), (self.h, up, self.u[ex])])
-            dn = table_rows([(self.g[ex], down, self.y[ex])])
-            if gu is None or dn is None:
+            gu_prods = [(self.h, gate, self.g[ex]), (self.h, up, self.u[ex])]
+            dn_prods = [(self.g[ex], down, self.y[ex])]
+            gu, gu_t = table_rows(gu_prods), table_rows(gu_prods, tail=True)
+            dn, dn_t = table_rows(dn_prods), table_rows(dn_prods, tail=True)
+            if gu is None or dn is None or gu_t is None or dn_t is None:
                 lp.general_experts = True
                 return lp
-            self.keep += (gu[2], dn[2])  # arrays the rows point into (table() may copy an odd view)
-            gu_rows.append(gu[0])
-            gu_chunks.append(gu[1])
-            down_rows.append(dn[0])
-            down_chunks.append(dn[1])
+            self.keep += (gu[2], dn[2], gu_t[2], dn_t[2])  # arrays the rows point into (table() may copy a view)
+            for rows, chunks, r in ((gu_rows, gu_chunks, gu), (down_rows, down_chunks, dn), (gu_rows_t, gu_chunks_t, gu_t),
+                                    (down_rows_t, down_chunks_t, dn_t)):
+                rows.append(r[0])
+                chunks.append(r[1])
             gu_weights, down_weights = gu[3], dn[3]
-        lp.gu_rows = np.stack(gu_rows)  # [E, 2, cols]
-        lp.gu_chunks = gu_chunks
-        lp.down_rows = np.stack(down_rows)  # [E, 1, cols]
-        lp.down_chunks = down_chunks
-        k = len(self.sel)  # a token's rounds: its experts' rows taken into fixed tables (no allocation)
-        lp.gu_take = np.empty((k,) + lp.gu_rows.shape[1:], dtype=lp.gu_rows.dtype)
-        lp.down_take = np.empty((k,) + lp.down_rows.shape[1:], dtype=lp.down_rows.dtype)
-        lp.gu_tbl = lp.gu_take.reshape(-1, lp.gu_rows.shape[2])
-        lp.down_tbl = lp.down_take.reshape(-1, lp.down_rows.shape[2])
-        same = len(set(gu_chunks)) == 1 and len(set(down_chunks)) == 1  # experts of one shape (all, really)
-        lp.k_chunks = (gu_chunks[0] * k, down_chunks[0] * k) if same else None
+        if len({r.shape for r in gu_rows_t}) > 1 or len({r.shape for r in down_rows_t}) > 1:
+            lp.general_experts = True  # (experts of different shapes: none the engine loads)
+            return lp
+        lp.gu_rows, lp.gu_rows_t = np.stack(gu_rows), np.stack(gu_rows_t)  # [E, 2, cols], [E, 2 or 3, cols]
+        lp.down_rows, lp.down_rows_t = np.stack(down_rows), np.stack(down_rows_t)  # [E, 1, cols], [E, 1 or 2, cols]
+        lp.gu_chunks, lp.gu_chunks_t, lp.down_chunks, lp.down_chunks_t = gu_chunks, gu_chunks_t, down_chunks, down_chunks_t
+        k = len(self.sel)  # a token's rounds: its experts' rows copied into fixed tables (no allocation)
+        cols = lp.gu_rows.shape[2]
+        lp.gu_tbl = np.empty(((k - 1) * lp.gu_rows.shape[1] + lp.gu_rows_t.shape[1], cols), dtype=np.int64)
+        lp.down_tbl = np.empty(((k - 1) * lp.down_rows.shape[1] + lp.down_rows_t.shape[1], cols), dtype=np.int64)
+        same = all(len(set(c)) == 1 for c in (gu_chunks, gu_chunks_t, down_chunks, down_chunks_t))  # (all, really)
+        lp.k_chunks = ((gu_chunks[0] * (k - 1) + gu_chunks_t[0], down_chunks[0] * (k - 1) + down_chunks_t[0])
+                       if same else None)
         lp.gu_weights, lp.down_weights = gu_weights, down_weights
         self.packed = True
         return lp
@@ -309,6 +318,7 @@ class DecodePlan(OneRowBuffers):
         c = m.config
         ops = packed_ops() if self.packed else None
         kernel_pool, pool = (ops[1], pool_of(ops[0])) if ops is not None else (None, None)
+        take_rows = kernel_pool.take_rows if kernel_pool is not None else None
         mod = dense._kernels()
         rms, attend, add_rms, route = mod.rmsnorm_rows, mod.attend_one, mod.add_rmsnorm, mod.route_one
         swiglu, swiglu_sel, combine_add = mod.swiglu, mod.swiglu_sel, mod.combine_add
@@ -351,14 +361,14 @@ class DecodePlan(OneRowBuffers):
                 continue
             if lp.k_chunks is None:
                 slots = sel.tolist()
-                gu_total = sum(lp.gu_chunks[e] for e in slots)
-                down_total = sum(lp.down_chunks[e] for e in slots)
+                gu_total = sum(lp.gu_chunks[e] for e in slots[:-1]) + lp.gu_chunks_t[slots[-1]]
+                down_total = sum(lp.down_chunks[e] for e in slots[:-1]) + lp.down_chunks_t[slots[-1]]
             else:
                 gu_total, down_total = lp.k_chunks
-            np.take(lp.gu_rows, sel, axis=0, out=lp.gu_take)
+            take_rows(lp.gu_rows, lp.gu_rows_t, sel, lp.gu_tbl)
             run_rows(kernel_pool, pool, lp.gu_tbl, gu_total, lp.gu_weights * len(sel))
             swiglu_sel(g, u, sel)
-            np.take(lp.down_rows, sel, axis=0, out=lp.down_take)
+            take_rows(lp.down_rows, lp.down_rows_t, sel, lp.down_tbl)
             run_rows(kernel_pool, pool, lp.down_tbl, down_total, lp.down_weights * len(sel))
             combine_add(x, wts, sel, y)
 

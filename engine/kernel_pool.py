@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from . import dense_kernels, kernels, kernels_avx2, kernels_int, kernels_lut
-from .limits import KERNEL_CHUNK_WEIGHTS, KERNEL_SPIN_US
+from .limits import KERNEL_CHUNK_WEIGHTS, KERNEL_SPIN_US, KERNEL_TAIL_SPLIT
 
 import numba  # noqa: E402 - only imported when kernels.AVAILABLE (engine.kernels imports this lazily)
 from llvmlite import ir  # noqa: E402
@@ -79,6 +79,16 @@ def _add(typingctx, addr, v):  # noqa: ANN001, ANN202
         return builder.atomic_rmw("add", ptr, args[1], "acq_rel")
 
     return types.int64(types.int64, types.int64), codegen
+
+
+@intrinsic
+def _fence(typingctx):  # noqa: ANN001, ANN202
+    """A sequentially consistent fence: no load after it is done before a store ahead of it is visible."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.none(), codegen
 
 
 @intrinsic
@@ -331,12 +341,14 @@ def _publish(ctl: int, gen: int, tbl: np.ndarray, total: int) -> None:
     claimed, and this round's larger total after, would otherwise win its compare-and-swap on the old word
     before the new word is stored, compute a chunk of this round early and count it done: the round would
     end one chunk before its last one is written."""
-    p = _i64p(ctl)
     _store(ctl, ((_load(ctl) >> GEN_SHIFT) << GEN_SHIFT) | ((1 << GEN_SHIFT) - 1))
-    p[2] = tbl.ctypes.data
-    p[3] = total
-    p[4] = tbl.shape[0]
-    p[1] = 0
+    # release stores, each after the one before: a plain store may be moved by the compiler ahead of the release
+    # store above (release orders what comes before it only), and then a helper could see this round's total
+    # with the last round's word, the race above
+    _store(ctl + 16, tbl.ctypes.data)
+    _store(ctl + 24, total)
+    _store(ctl + 32, tbl.shape[0])
+    _store(ctl + 8, 0)
     _store(ctl, gen << GEN_SHIFT)
 
 
@@ -351,6 +363,40 @@ else:
     @njit(**_opts)
     def _prepare(table: np.ndarray) -> None:
         pass
+
+
+@njit(**_opts)
+def _round(ctl: int, table: np.ndarray, ha: int, gen: int, total: int) -> bool:
+    """Round ``gen``: the integer kernels' activations, publish, then, unless a helper has gone to sleep (then
+    False: the caller wakes it and calls ``_work``), claim and wait, all in one compiled call (a call with an
+    array argument costs ~1-2 us of dispatch, and a decoded token makes ~33 rounds). The fence pairs with the
+    one in :func:`_sleeping`: a helper either sees this round before it waits or is counted here."""
+    _prepare(table)
+    _publish(ctl, gen, table, total)
+    _fence()
+    if _load(ctl + 40):
+        return False
+    _work(ctl, table, ha, gen, total, True)
+    return True
+
+
+@njit(**_opts)
+def _sleeping(ctl: int, d: int) -> None:
+    """A helper going to sleep (``d`` 1; before it checks for a round) or waking (-1): word 5 of ``ctl``."""
+    _add(ctl + 40, d)
+    _fence()
+
+
+@njit(**_opts)
+def take_rows(plain: np.ndarray, last: np.ndarray, sel: np.ndarray, out: np.ndarray) -> None:
+    """A round's table from prebuilt per-item rows: ``out`` = ``plain[sel[0]]``, ..., ``plain[sel[-2]]``, then
+    ``last[sel[-1]]`` (the round's end: its rows with finer last chunks), stacked. plain [E, P, cols], last
+    [E, P', cols], sel [k] int64, out [(k-1) * P + P', cols] (a decode plan's expert rounds; ~4 us as numpy)."""
+    p = plain.shape[1]
+    k = sel.shape[0]
+    for j in range(k - 1):
+        out[j * p:(j + 1) * p] = plain[sel[j]]
+    out[(k - 1) * p:] = last[sel[k - 1]]
 
 
 @njit(**_opts)
@@ -384,23 +430,52 @@ def _fill(tbl: np.ndarray, i: int, fn: int, x: np.ndarray, w: np.ndarray, out: n
     return chunks
 
 
+def _step(x: np.ndarray, qtype: str) -> tuple[int, int]:
+    """(rows per chunk, row alignment) of a product with activations x (``_fill``'s rule)."""
+    align = kernels.F32_ROW_ALIGN if qtype == "F32" else 1
+    t, k = x.shape
+    return max(align, KERNEL_CHUNK_WEIGHTS // max(1, k * t) // align * align), align
+
+
+def _tail_split(products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]],
+                rows_range: tuple[int, int] | None) -> tuple[int, int] | None:
+    """Where the last product's rows are cut so that its last chunk's worth of rows (the round's end) is claimed
+    in ``KERNEL_TAIL_SPLIT`` finer chunks: (first fine row, rows per fine chunk), or None (too few rows)."""
+    if not products:
+        return None
+    x, qtype, data, _ = products[-1]
+    a, b = rows_range if rows_range is not None else (0, data.shape[0])
+    step, align = _step(x, qtype)
+    fine = max(align, step // KERNEL_TAIL_SPLIT // align * align)
+    if fine >= step or b - a <= step:
+        return None
+    return a + (b - a - step) // align * align, fine  # a multiple of align: every F32 chunk starts on a group
+
+
 def table(products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]],
-          rows_range: tuple[int, int] | None = None) -> tuple[np.ndarray, int, list, int]:
+          rows_range: tuple[int, int] | None = None, tail: bool = True) -> tuple[np.ndarray, int, list, int]:
     """The round's table, its number of chunks, the arrays it points into beyond ``products`` (keep both alive
     through the round) and its number of weight-row products. x and out must be C-contiguous fp32 (the
     caller's); the stored data is made C-contiguous here (a copy only for an odd view). Integer kernel rows get
     a buffer for x's quantized form (one per x and layout, filled at the start of every run of the table), in
-    the same allocation as the table: a view of it, so the table alone keeps the buffers alive too."""
+    the same allocation as the table: a view of it, so the table alone keeps the buffers alive too.
+
+    Chunks are claimed in table order; with ``tail`` the last product's last chunk's worth of rows takes one
+    more table row, of ``KERNEL_TAIL_SPLIT`` times finer chunks, so that the threads run out of work at most a
+    fine chunk apart (a round waits for its slowest thread's last chunk). A row's bits never depend on its
+    chunk (F32 chunks start on whole 8-row groups), so neither do the results."""
     layouts = [_INT_LAYOUT.get(_ADDR[q], 0) for _, q, _, _ in products] if _INT_LAYOUT else []
     bufs: dict[tuple[int, int], tuple[int, int]] = {}  # (id of x, layout) -> (offset in words, product index)
-    words = len(products) * _COLS
+    split = _tail_split(products, rows_range) if tail else None
+    rows = len(products) + (split is not None)
+    words = rows * _COLS
     for i, layout in enumerate(layouts):
         x = products[i][0]
         if layout and (id(x), layout) not in bufs:
             bufs[(id(x), layout)] = (words, i)
             words += -(-kernels_int.buffer_bytes(x.shape[0], x.shape[1]) // 8)
     store = np.empty(words, dtype=np.int64)
-    tbl = store[:len(products) * _COLS].reshape(len(products), _COLS)
+    tbl = store[:rows * _COLS].reshape(rows, _COLS)
     tbl[:, 12:] = 0
     keep: list = [store] if bufs else []
     base = store.__array_interface__["data"][0] if bufs else 0
@@ -415,11 +490,16 @@ def table(products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]],
         a, b = rows_range if rows_range is not None else (0, n)
         if qtype == "F32" and a % kernels.F32_ROW_ALIGN:
             raise ValueError(f"F32 rows start on multiples of {kernels.F32_ROW_ALIGN}, not {a}")
-        total += _fill(tbl, i, _ADDR[qtype], x, data, out, a, b, KERNEL_CHUNK_WEIGHTS,
-                       kernels.F32_ROW_ALIGN if qtype == "F32" else 1)
+        align = kernels.F32_ROW_ALIGN if qtype == "F32" else 1
+        last = i == len(products) - 1 and split is not None
+        total += _fill(tbl, i, _ADDR[qtype], x, data, out, a, split[0] if last else b,  # type: ignore[index]
+                       KERNEL_CHUNK_WEIGHTS, align)
+        if last:  # the fine tail: the same product from row split[0] on, split[1] rows a chunk
+            total += _fill(tbl, i + 1, _ADDR[qtype], x, data, out, split[0], b,  # type: ignore[index]
+                           split[1] * x.shape[0] * x.shape[1], align)  # type: ignore[index]
         if layouts and layouts[i]:
             off, first = bufs[(id(x), layouts[i])]
-            tbl[i, 12] = base + 8 * off
+            tbl[i:i + 1 + last, 12] = base + 8 * off
             tbl[i, 13] = layouts[i] if first == i else 0
         weights += x.size * (b - a)
         i += 1
@@ -442,13 +522,17 @@ def run_table_serial(tbl: np.ndarray, total: int) -> None:
 
 def warm() -> None:
     """Compile (or load from the cache) the round functions the kernel threads use, on an empty round."""
-    ctl = np.zeros(5, dtype=np.int64)
+    ctl = np.zeros(6, dtype=np.int64)
     tbl = np.zeros((0, _COLS), dtype=np.int64)
     _publish(int(ctl.ctypes.data), 1, tbl, 0)
     _work(int(ctl.ctypes.data), tbl, _HALF_ADDR, 1, 0, True)
     _prepare(tbl)
     _helper_loop(int(ctl.ctypes.data), _HALF_ADDR, 1, 1)
     _spin(int(ctl.ctypes.data), 1, 1)
+    _round(int(ctl.ctypes.data), tbl, _HALF_ADDR, 2, 0)
+    _sleeping(int(ctl.ctypes.data), 0)
+    rows = np.zeros((1, 1, _COLS), dtype=np.int64)
+    take_rows(rows, rows, np.zeros(1, dtype=np.int64), rows[0])
 
 
 def _calibrate() -> int:
@@ -469,12 +553,11 @@ class Pool:
     def __init__(self, helpers: int) -> None:
         self._round = threading.Lock()
         self._cv = threading.Condition(threading.Lock())
-        # [gen << GEN_SHIFT | next chunk, chunks done, table address, chunks, products]
-        self._ctl = np.zeros(5, dtype=np.int64)
+        # [gen << GEN_SHIFT | next chunk, chunks done, table address, chunks, products, helpers asleep]
+        self._ctl = np.zeros(6, dtype=np.int64)
         self._addr = int(self._ctl.ctypes.data)
         self._gen = 0
         self._keep: object = None
-        self._sleepers = 0
         self._spin_iters = _calibrate()
         for i in range(helpers):
             threading.Thread(target=self._helper, name=f"meshd-kernel-{i}", daemon=True).start()
@@ -484,10 +567,10 @@ class Pool:
         while True:
             seen = _helper_loop(self._addr, _HALF_ADDR, seen, self._spin_iters)
             with self._cv:
-                self._sleepers += 1
+                _sleeping(self._addr, 1)
                 while int(self._ctl[0]) >> GEN_SHIFT == seen:
                     self._cv.wait()
-                self._sleepers -= 1
+                _sleeping(self._addr, -1)
 
     def run(self, products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]]) -> None:
         tbl, total, keep, _ = table(products)
@@ -499,10 +582,8 @@ class Pool:
             self._gen += 1
             gen = self._gen
             self._keep = (tbl, keep)
-            _prepare(tbl)  # the integer kernels' activations, before any thread can claim a chunk
-            _publish(self._addr, gen, tbl, total)
-            if self._sleepers:
+            if not _round(self._addr, tbl, _HALF_ADDR, gen, total):  # published; a helper sleeps: wake it
                 with self._cv:
                     self._cv.notify_all()
-            _work(self._addr, tbl, _HALF_ADDR, gen, total, True)
+                _work(self._addr, tbl, _HALF_ADDR, gen, total, True)
             self._keep = None

@@ -27,6 +27,9 @@ KERNELS_SLOW_NOTICE_S = 5.0
 # kernel products (engine.kernels): rows are handed to threads in chunks of about this many weights (~3-6 us of
 # work each at 10-20 G weights/s; claiming one is a compare-and-swap in compiled code, ~50 ns)
 KERNEL_CHUNK_WEIGHTS = 64 * 1024
+# the last chunk's worth of rows of a round (its last product) is claimed in this many finer chunks: a round ends when
+# its slowest thread's last chunk does, and a 64 Ki-weight fp32 chunk is ~10-20 us at one core's share of the bandwidth
+KERNEL_TAIL_SPLIT = 4
 # a kernel helper thread with no round to compute waits this long spinning (GIL released) before it blocks:
 # decode issues a round every ~50-200 us, so through a forward pass no round waits for an OS wake-up
 KERNEL_SPIN_US = 200

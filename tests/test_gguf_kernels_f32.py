@@ -54,6 +54,39 @@ def test_pool_rounds_give_the_row_kernels_bits(helpers: int) -> None:
             time.sleep(0.002)
 
 
+@pytest.mark.parametrize("rows", [1203, 1024, 96, 88])
+def test_a_rounds_last_chunks_are_finer_and_change_no_bit(rows: int) -> None:
+    """kernel_pool.table cuts the last product's last chunk's worth of rows into KERNEL_TAIL_SPLIT finer chunks
+    (one more table row), each starting on a whole 8-row group: the pool's and the serial results keep the row
+    kernel's bits, with and without the tail."""
+    from engine import kernel_pool
+    from engine.limits import KERNEL_TAIL_SPLIT
+
+    w, w2, x = _rand((rows, 520), 12), _rand((rows, 520), 13), _rand((1, 520), 14)
+    ref = (_alone(x, w), _alone(x, w2))
+    outs = (np.full_like(ref[0], np.nan), np.full_like(ref[1], np.nan))
+    prods = [(x, "F32", w, outs[0]), (x, "F32", w2, outs[1])]
+    tbl, total, _, _ = kernel_pool.table(prods)
+    plain, plain_total, _, _ = kernel_pool.table(prods, tail=False)
+    step = int(plain[0, 9])
+    if rows > step:  # the tail: rows of the last product, finer chunks, on 8-row groups, ending where it ends
+        assert tbl.shape[0] == 3 and tbl[2, 9] == step // KERNEL_TAIL_SPLIT // 8 * 8 < step
+        assert tbl[1, 11] == tbl[2, 10] and tbl[2, 11] == rows and tbl[2, 10] % 8 == 0
+        assert total > plain_total
+    else:
+        assert tbl.shape == plain.shape and total == plain_total
+    pool = kernel_pool.Pool(1)
+    for t, n in ((tbl, total), (plain, plain_total)):
+        for on_pool in (False, True):
+            for o in outs:
+                o[:] = np.nan
+            if on_pool:
+                pool.run_table(t, n, prods)
+            else:
+                kernel_pool.run_table_serial(t, n)
+            assert outs[0].tobytes() == ref[0].tobytes() and outs[1].tobytes() == ref[1].tobytes()
+
+
 def test_f32_rows_must_start_on_a_group() -> None:
     w, x = _rand((64, 32), 3), _rand((1, 32), 4)
     out = np.empty((1, 64), dtype=np.float32)
