@@ -8,6 +8,7 @@ import asyncio
 import json
 import re
 import socket
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -324,3 +325,38 @@ def test_client_hanging_up_mid_stream_is_counted_and_logged(open_node: Node) -> 
     assert count("499") == before_499 + 1
     assert count("500") == before_500
     assert '"client_disconnected"' in open_node.stderr()
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "hello " * 690_000}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 690_000}]}),
+])
+def test_a_huge_prompt_does_not_stall_the_node(open_node: Node, path: str, body: dict) -> None:
+    """Templating and tokenizing a 4 MiB prompt takes seconds (it is then refused: longer than the
+    context); meanwhile the node answers other requests. Before session 9 the tokenizer ran on the event
+    loop holding the GIL: /health, every other request and the node's QUIC waited for it."""
+    data = json.dumps({"model": "tiny", "max_tokens": 1, **body}).encode()
+    assert len(data) < 4 << 20
+    done: list[tuple[float, int]] = []
+
+    def big() -> None:
+        t0 = time.monotonic()
+        status, _ = _post(open_node, path, data)
+        done.append((time.monotonic() - t0, status))
+
+    health = f"http://{open_node.run['api']}/health"
+    th = threading.Thread(target=big)
+    th.start()
+    time.sleep(0.3)  # the body is in and being tokenized
+    waits = []
+    while th.is_alive():
+        t0 = time.monotonic()
+        urllib.request.urlopen(health, timeout=30).read()
+        waits.append(time.monotonic() - t0)
+        time.sleep(0.02)
+    th.join()
+    elapsed, status = done[0]
+    assert status == 400
+    assert waits, f"the huge prompt took only {elapsed:.2f} s: no /health request went out meanwhile"
+    assert max(waits) < max(0.5, elapsed / 3), (max(waits), elapsed, len(waits))
+

@@ -105,7 +105,9 @@ class GenBackend:
         return [{"name": self.name, "fingerprint": self.source.fingerprint, "kind": self.kind}]
 
     async def open(self, req: GenRequest, model: str) -> Reply:
-        ids = self.source.prompt_ids(req)
+        # On a worker thread: a 4 MiB prompt takes seconds to template and tokenize, which on the loop
+        # would stall every other request and the node's QUIC and membership with it.
+        ids = await asyncio.to_thread(self.source.prompt_ids, req)
         try:
             run = self.source.submit(ids, req)
         except BackendBusy:

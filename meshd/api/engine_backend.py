@@ -87,11 +87,12 @@ class EngineSource:
         try:
             if req.kind == "chat":
                 tools = [t.openai() for t in req.tools] if req.tools_active else None
-                ids = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tools=tools)
+                ids = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tools=tools,
+                                                         release_gil=True)
             elif isinstance(req.prompt, list):
                 ids = list(req.prompt)
             else:
-                ids = self.tokenizer.encode(req.prompt)
+                ids = self.tokenizer.encode(req.prompt, release_gil=True)
         except ChatTemplateError as e:
             raise ApiError(400, f"cannot build the prompt: {e}", code="chat_template_error") from None
         return list(ids)
