@@ -360,3 +360,21 @@ def test_a_huge_prompt_does_not_stall_the_node(open_node: Node, path: str, body:
     assert waits, f"the huge prompt took only {elapsed:.2f} s: no /health request went out meanwhile"
     assert max(waits) < max(0.5, elapsed / 3), (max(waits), elapsed, len(waits))
 
+
+def test_a_schema_too_large_to_build_is_400_and_the_node_goes_on(open_node: Node) -> None:
+    """llguidance validates this schema (2000 alternatives) but panics building its matcher (over 65,525
+    grammar symbols): a 400 naming the limit, not a 500, and the next structured request is served.
+    Before session 9: 500 "generation failed on this node (RuntimeError)"."""
+    schema = {"anyOf": [{"type": "object", "properties": {f"k{j}_{i}": {"type": "integer"} for j in range(5)}}
+                        for i in range(2000)]}
+
+    def ask(s: dict) -> tuple[int, dict]:
+        body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                           "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}})
+        return _post(open_node, "/v1/chat/completions", body.encode())
+
+    status, payload = ask(schema)
+    assert status == 400 and _is_openai_error(payload), payload
+    assert payload["error"]["code"] == "unsupported_schema" and "too large" in payload["error"]["message"]
+    status, payload = ask({"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert status == 200, payload
