@@ -378,3 +378,29 @@ def test_a_schema_too_large_to_build_is_400_and_the_node_goes_on(open_node: Node
     assert payload["error"]["code"] == "unsupported_schema" and "too large" in payload["error"]["message"]
     status, payload = ask({"type": "object", "properties": {"a": {"type": "integer"}}})
     assert status == 200, payload
+
+
+def test_held_console_subscriptions_cannot_lock_the_operator_out(open_node: Node) -> None:
+    """32 event streams opened and left alone (forgotten tabs, or a hostile local client) used to take
+    every console slot for as long as they stayed: the operator's page got 503 "too many console
+    subscribers". Now a new subscriber ends the oldest one's stream."""
+    from meshd.mesh.limits import EVENTS_MAX_CLIENTS
+
+    held = []
+    try:
+        for _ in range(EVENTS_MAX_CLIENTS):
+            s = socket.create_connection(_addr(open_node), timeout=10)
+            s.sendall(b"GET /meshd/v1/events HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            assert s.recv(65536).startswith(b"HTTP/1.1 200")
+            held.append(s)
+        with urllib.request.urlopen(f"http://{open_node.run['api']}/meshd/v1/events", timeout=10) as r:
+            assert r.status == 200
+            assert r.readline().startswith(b"event: mesh")
+        oldest = b""
+        while not oldest.endswith(b"0\r\n\r\n"):  # the end of its chunked stream
+            chunk = held[0].recv(65536)
+            assert chunk, oldest
+            oldest += chunk
+    finally:
+        for s in held:
+            s.close()
