@@ -404,3 +404,33 @@ def test_held_console_subscriptions_cannot_lock_the_operator_out(open_node: Node
     finally:
         for s in held:
             s.close()
+
+
+def test_a_client_that_stops_reading_is_cut_off(open_node: Node) -> None:
+    """A streaming client that reads nothing and never closes: once the socket buffers are full, the
+    node waits ``API_WRITE_STALL_S`` and then aborts the connection and cancels the generation. Before
+    session 9 it stayed a request in progress for ever (still there 240 s after the generation ended)."""
+    from meshd.api.limits import API_WRITE_STALL_S
+
+    health = f"http://{open_node.run['api']}/health"
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 3500,
+                       "stream": True, "ignore_eos": True, "logprobs": True, "top_logprobs": 20}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # ~6 MB of answer cannot fit in the buffers
+    try:
+        s.connect(_addr(open_node))
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        t0 = time.monotonic()
+        busy = []
+        while time.monotonic() - t0 < 150 + API_WRITE_STALL_S:
+            state = json.loads(urllib.request.urlopen(health, timeout=10).read())
+            busy.append(state["in_flight"])
+            if state["in_flight"] == 0:
+                break
+            time.sleep(1)
+        assert busy[0] == 1 and busy[-1] == 0, busy
+    finally:
+        s.close()
+    metrics = urllib.request.urlopen(f"http://{open_node.run['api']}/metrics", timeout=10).read().decode()
+    assert 'meshd_api_connections_closed_total{reason="write_stalled"} 1.0' in metrics

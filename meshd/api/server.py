@@ -356,7 +356,7 @@ class ApiServer:
             await resp.prepare(request)
             try:
                 async for chunk in reply.body:
-                    await resp.write(chunk)
+                    await self._send(request, resp, chunk)
             except (ConnectionResetError, ConnectionError):
                 raise
             except Exception as e:  # noqa: BLE001 - any failure after the head becomes an error event
@@ -364,14 +364,29 @@ class ApiServer:
                 status = err.status
                 self.metrics.errors.labels(str(err.status), err.code).inc()
                 log.warning("stream_failed", node=reply.node_id, route=reply.route, reason=err.message)
-                await resp.write(err.sse_event())
-            await resp.write_eof()
+                await self._send(request, resp, err.sse_event())
+            await self._send(request, resp, None)
         except (ConnectionResetError, ConnectionError):
             log.info("client_disconnected", path=request.path, route=reply.route)
             status = CLIENT_DISCONNECTED
         finally:
             await reply.aclose()  # cancels the generation (locally or on the serving node) if unfinished
         return resp, status
+
+    async def _send(self, request: web.Request, resp: web.StreamResponse, data: bytes | None) -> None:
+        """Write ``data`` (None: the end of the body) to a streamed answer; a client that reads nothing for
+        ``API_WRITE_STALL_S`` has its connection aborted (ConnectionResetError, as if it had hung up)."""
+        try:
+            async with asyncio.timeout(http_limits.API_WRITE_STALL_S):
+                if data is None:
+                    await resp.write_eof()
+                else:
+                    await resp.write(data)
+        except TimeoutError:
+            if request.transport is not None:
+                request.transport.abort()
+            self._connection_closed("write_stalled")
+            raise ConnectionResetError("the client stopped reading") from None
 
     async def _counting(self, inner: AsyncIterator[bytes], reply: Reply) -> AsyncIterator[bytes]:
         """Count tokens generated here once the body is done (for HTTP clients and tunnel peers alike)."""
