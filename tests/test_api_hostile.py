@@ -456,3 +456,44 @@ def test_a_client_that_stops_reading_is_cut_off(open_node: Node, stream: bool) -
     finally:
         s.close()
     assert n_stalled() == before + 1
+
+
+def test_a_burst_of_huge_prompts_costs_bounded_memory(open_node: Node) -> None:
+    """Eight 3.6 MB prompts at once: each costs ~400 MB while the Rust tokenizer works, so they are
+    prepared at most ``API_PROMPT_THREADS`` at a time. On asyncio's default pool (6 threads here) the node's
+    RSS grew by 4.3 GB (32 at once: 84 MB -> 5.3 GB, 3.7 GB still held after)."""
+    from hostile_tools import rss_bytes
+
+    pid = int(open_node.run["pid"])
+    body = json.dumps({"model": "tiny", "prompt": "hello " * 690_000, "max_tokens": 1}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+    base = rss_bytes(pid)
+    peak = [base]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak.append(rss_bytes(pid))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    socks = []
+    try:
+        for _ in range(8):
+            s = socket.create_connection(_addr(open_node), timeout=300)
+            s.sendall(request)
+            socks.append(s)
+        for s in socks:
+            got = b""
+            while chunk := s.recv(65536):
+                got += chunk
+            assert got.startswith(b"HTTP/1.1 400"), got[:200]
+    finally:
+        done.set()
+        watcher.join()
+        for s in socks:
+            s.close()
+    grew_mb = (max(peak) - base) / (1 << 20)
+    assert grew_mb < 3000, grew_mb  # measured: 1.8 GB on 2 threads, 4.3 GB on asyncio's default 6

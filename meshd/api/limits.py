@@ -26,6 +26,12 @@ few MB on loopback) before the connection is aborted and the generation cancelle
 reading without closing used to hold its connection, and count as a request in progress, for ever.
 Longer than the body deadline: a reader that is merely slow makes progress well within it."""
 
+API_PROMPT_THREADS = 2
+"""Threads that template and tokenize prompts (off the event loop). Tokenizing a 4 MiB prompt takes seconds
+and ~400 MB at its peak (the Rust tokenizer's encoding of ~2 million tokens), so this bounds what a burst of
+huge prompts costs: 32 at once peaked at 5.3 GB on asyncio's default pool of 6 threads. Two keep one
+huge prompt from holding up everyone else's."""
+
 API_LINGER_S = 2.0
 """After answering without reading the whole body (an error), how long the rest is read and dropped
 before the connection is closed (aiohttp's default is 10 s)."""
