@@ -56,6 +56,16 @@ class GrammarError(ValueError):
     """A grammar llguidance cannot compile; the message names what is unsupported."""
 
 
+def _error_line(message: str) -> str:
+    """llguidance's error as one line. A grammar over one of its internal limits (e.g. 65,525 symbols:
+    thousands of ``anyOf`` branches) passes ``check_grammar`` and then panics building the matcher; the
+    panic's message comes with a native backtrace, dropped here."""
+    text = " ".join(message.split("<backtrace>")[0].split())
+    if text.startswith("panic:"):
+        return f"the grammar is too large to enforce ({text.removeprefix('panic:').strip()})"
+    return text
+
+
 def json_schema_grammar(schema: dict[str, Any] | None) -> str:
     """Grammar text for a JSON document valid under ``schema`` (None: any JSON object)."""
     import llguidance
@@ -153,7 +163,7 @@ class Matcher:
         self._tok, self._closers = _ll_tokenizer(tokenizer, n_vocab)
         self._m = llguidance.LLMatcher(self._tok, grammar, log_level=0)
         if self._m.is_error():
-            raise GrammarError(" ".join(self._m.get_error().split()))
+            raise GrammarError(_error_line(self._m.get_error()))
         self._bits = np.zeros((n_vocab + 31) // 32, dtype=np.int32)
         self._in_string = False
         self._escaped = False

@@ -82,15 +82,15 @@ def check_request(model: Any, prompt_ids: Sequence[int], params: SamplingParams)
     params.validate()
     if len(prompt_ids) == 0:
         raise ValueError("the prompt is empty (it encodes to no tokens)")
+    n_ctx = context_length(model)  # checked first: a megabyte prompt is refused without a pass over its ids
+    if n_ctx is not None and len(prompt_ids) >= n_ctx:
+        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {n_ctx}")
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     for t in prompt_ids:
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
             raise ValueError(f"prompt token ids must be integers, got {t!r}")
         if t < 0 or (isinstance(vocab, int) and t >= vocab):
             raise ValueError(f"prompt token id {int(t)} is outside the vocabulary [0, {vocab})")
-    n_ctx = context_length(model)
-    if n_ctx is not None and len(prompt_ids) >= n_ctx:
-        raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {n_ctx}")
 
 
 def _held_suffix(text: str, stops: Sequence[str]) -> int:

@@ -261,8 +261,15 @@ class Tokenizer:
         """Number of ids the tokenizer knows (base vocab plus added tokens)."""
         return int(self._hf.get_vocab_size(with_added_tokens=True))
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Text -> ids, as ``PreTrainedTokenizerFast.encode`` (post-processor runs if add_special_tokens)."""
+    def encode(self, text: str, add_special_tokens: bool = True, *, release_gil: bool = False) -> list[int]:
+        """Text -> ids, as ``PreTrainedTokenizerFast.encode`` (post-processor runs if add_special_tokens).
+
+        ``release_gil=True`` gives the same ids through ``encode_batch`` of one text, which lets other
+        Python threads run while the Rust tokenizer works (``encode`` holds the GIL throughout: seconds for
+        megabytes of text). For callers on a worker thread of an event loop (the API's prompts).
+        """
+        if release_gil:
+            return list(self._hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
         return list(self._hf.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -304,13 +311,13 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             tokenize: bool = True, tools: Sequence[Mapping[str, Any]] | None = None,
-                            **kwargs: Any) -> list[int] | str:
+                            release_gil: bool = False, **kwargs: Any) -> list[int] | str:
         """Render ``messages`` as transformers' ``apply_chat_template`` does; ids (default) or text.
 
         Extra keyword arguments become template variables (e.g. ``enable_thinking=False``), overriding the
         special tokens of the same name. Messages drop keys whose value is None, and a message's reasoning
         (``reasoning_content``, ``thinking`` or ``reasoning``) is visible under the first two names.
-        Raises ``ChatTemplateError`` (no template, or it raised).
+        ``release_gil`` is ``encode``'s. Raises ``ChatTemplateError`` (no template, or it raised).
         """
         if self.chat_template_source is None:
             raise ChatTemplateError("this model has no chat template (tokenizer_config.json chat_template)")
@@ -338,7 +345,7 @@ class Tokenizer:
             raise ChatTemplateError(f"chat template: {e}") from None
         if not tokenize:
             return text
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=False, release_gil=release_gil)
 
     def detokenizer(self, prompt_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids)

@@ -5,9 +5,11 @@ used to be a 500, HTTP parser errors in OpenAI's shape, and a client hanging up 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import socket
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -324,3 +326,174 @@ def test_client_hanging_up_mid_stream_is_counted_and_logged(open_node: Node) -> 
     assert count("499") == before_499 + 1
     assert count("500") == before_500
     assert '"client_disconnected"' in open_node.stderr()
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "hello " * 690_000}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 690_000}]}),
+])
+def test_a_huge_prompt_does_not_stall_the_node(open_node: Node, path: str, body: dict) -> None:
+    """Templating and tokenizing a 4 MiB prompt takes seconds (it is then refused: longer than the
+    context); meanwhile the node answers other requests. Before session 9 the tokenizer ran on the event
+    loop holding the GIL: /health, every other request and the node's QUIC waited for it."""
+    data = json.dumps({"model": "tiny", "max_tokens": 1, **body}).encode()
+    assert len(data) < 4 << 20
+    done: list[tuple[float, int]] = []
+
+    def big() -> None:
+        t0 = time.monotonic()
+        status, _ = _post(open_node, path, data)
+        done.append((time.monotonic() - t0, status))
+
+    health = f"http://{open_node.run['api']}/health"
+    th = threading.Thread(target=big)
+    th.start()
+    time.sleep(0.3)  # the body is in and being tokenized
+    waits = []
+    while th.is_alive():
+        t0 = time.monotonic()
+        urllib.request.urlopen(health, timeout=30).read()
+        waits.append(time.monotonic() - t0)
+        time.sleep(0.02)
+    th.join()
+    elapsed, status = done[0]
+    assert status == 400
+    assert waits, f"the huge prompt took only {elapsed:.2f} s: no /health request went out meanwhile"
+    assert max(waits) < max(0.5, elapsed / 3), (max(waits), elapsed, len(waits))
+
+
+def test_a_schema_too_large_to_build_is_400_and_the_node_goes_on(open_node: Node) -> None:
+    """llguidance validates this schema (2000 alternatives) but panics building its matcher (over 65,525
+    grammar symbols): a 400 naming the limit, not a 500, and the next structured request is served.
+    Before session 9: 500 "generation failed on this node (RuntimeError)"."""
+    schema = {"anyOf": [{"type": "object", "properties": {f"k{j}_{i}": {"type": "integer"} for j in range(5)}}
+                        for i in range(2000)]}
+
+    def ask(s: dict) -> tuple[int, dict]:
+        body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                           "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}})
+        return _post(open_node, "/v1/chat/completions", body.encode())
+
+    status, payload = ask(schema)
+    assert status == 400 and _is_openai_error(payload), payload
+    assert payload["error"]["code"] == "unsupported_schema" and "too large" in payload["error"]["message"]
+    status, payload = ask({"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert status == 200, payload
+
+
+def test_held_console_subscriptions_cannot_lock_the_operator_out(open_node: Node) -> None:
+    """32 event streams opened and left alone (forgotten tabs, or a hostile local client) used to take
+    every console slot for as long as they stayed: the operator's page got 503 "too many console
+    subscribers". Now a new subscriber ends the oldest one's stream."""
+    from meshd.mesh.limits import EVENTS_MAX_CLIENTS
+
+    held = []
+    try:
+        for _ in range(EVENTS_MAX_CLIENTS):
+            s = socket.create_connection(_addr(open_node), timeout=10)
+            s.sendall(b"GET /meshd/v1/events HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            assert s.recv(65536).startswith(b"HTTP/1.1 200")
+            held.append(s)
+        with urllib.request.urlopen(f"http://{open_node.run['api']}/meshd/v1/events", timeout=10) as r:
+            assert r.status == 200
+            assert r.readline().startswith(b"event: mesh")
+        oldest = b""
+        while not oldest.endswith(b"0\r\n\r\n"):  # the end of its chunked stream
+            chunk = held[0].recv(65536)
+            assert chunk, oldest
+            oldest += chunk
+    finally:
+        for s in held:
+            s.close()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_stops_reading_is_cut_off(open_node: Node, stream: bool) -> None:
+    """A client that reads nothing of its answer and never closes: once the socket buffers are full, the
+    node waits ``API_WRITE_STALL_S`` and then aborts the connection (and cancels the generation if it is
+    still running). Before session 9 a stream stayed a request in progress for ever (still there 240 s
+    after its generation ended), and a whole answer kept its connection busy for ever."""
+    from meshd.api.limits import API_WRITE_STALL_S
+
+    health = f"http://{open_node.run['api']}/health"
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 4000,
+                       "stream": stream, "ignore_eos": True, "logprobs": True, "top_logprobs": 20}).encode()
+    metrics = f"http://{open_node.run['api']}/metrics"
+    stalled = re.compile(r'meshd_api_connections_closed_total\{reason="write_stalled"\} (\S+)')
+
+    def n_stalled() -> float:
+        m = stalled.search(urllib.request.urlopen(metrics, timeout=10).read().decode())
+        return float(m.group(1)) if m else 0.0
+
+    before = n_stalled()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # ~6 MB of answer cannot fit in the buffers
+    try:
+        s.connect(_addr(open_node))
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        t0 = time.monotonic()
+        busy = []
+        while time.monotonic() - t0 < 150 + API_WRITE_STALL_S:
+            state = json.loads(urllib.request.urlopen(health, timeout=10).read())
+            busy.append(state["in_flight"])
+            if state["in_flight"] == 0:
+                break
+            time.sleep(1)
+        assert busy[0] == 1 and busy[-1] == 0, busy
+        # the connection itself is closed too: reading now gets what was buffered, then the end
+        s.settimeout(20)
+        got = bytearray()
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := s.recv(1 << 20):
+                got += chunk
+        head, _, rest = bytes(got).partition(b"\r\n\r\n")
+        if stream:
+            assert b"data: [DONE]" not in rest
+        else:
+            length = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))
+            assert len(rest) < length
+    finally:
+        s.close()
+    assert n_stalled() == before + 1
+
+
+def test_a_burst_of_huge_prompts_costs_bounded_memory(open_node: Node) -> None:
+    """Eight 3.6 MB prompts at once: each costs ~400 MB while the Rust tokenizer works, so they are
+    prepared at most ``API_PROMPT_THREADS`` at a time. On asyncio's default pool (6 threads here) the node's
+    RSS grew by 4.3 GB (32 at once: 84 MB -> 5.3 GB, 3.7 GB still held after)."""
+    from hostile_tools import rss_bytes
+
+    pid = int(open_node.run["pid"])
+    body = json.dumps({"model": "tiny", "prompt": "hello " * 690_000, "max_tokens": 1}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+    base = rss_bytes(pid)
+    peak = [base]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak.append(rss_bytes(pid))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    socks = []
+    try:
+        for _ in range(8):
+            s = socket.create_connection(_addr(open_node), timeout=300)
+            s.sendall(request)
+            socks.append(s)
+        for s in socks:
+            got = b""
+            while chunk := s.recv(65536):
+                got += chunk
+            assert got.startswith(b"HTTP/1.1 400"), got[:200]
+    finally:
+        done.set()
+        watcher.join()
+        for s in socks:
+            s.close()
+    grew_mb = (max(peak) - base) / (1 << 20)
+    assert grew_mb < 3000, grew_mb  # measured: 1.8 GB on 2 threads, 4.3 GB on asyncio's default 6

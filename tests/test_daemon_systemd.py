@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -127,3 +128,38 @@ def test_sandbox_exposure_is_low(tmp_path: Path) -> None:
         assert last, out.stdout + out.stderr
         score = float(last[0].split(":")[1].split()[0])
         assert score <= 2.0, last[0]
+
+
+def _documented_join_dropin() -> str:
+    """The drop-in docs/daemon.md tells a joiner's admin to write (its ``printf '...'`` line)."""
+    text = (REPO_ROOT / "docs" / "daemon.md").read_text()
+    m = re.search(r"printf '(\[Service\][^']*)'", text)
+    assert m, "docs/daemon.md no longer shows the join drop-in as a printf line"
+    return m.group(1).replace("\\n", "\n").replace("%%", "%")
+
+
+def test_documented_join_hands_the_token_over_as_a_credential() -> None:
+    """Both units run as a DynamicUser, which cannot read a root-owned 0600 token file (and meshd refuses
+    one that others can read), so the documented join must pass it with LoadCredential= and point
+    MESHD_JOIN_FILE into the credentials directory (%d). Before session 9 the docs pointed
+    MESHD_JOIN_FILE at /etc/meshd/join.token itself: "Permission denied" at every start."""
+    for unit in UNITS:
+        assert _directives((REPO_ROOT / "systemd" / unit).read_text()).get("DynamicUser") == ["yes"]
+    d = _directives(_documented_join_dropin())
+    name, _, source = d["LoadCredential"][0].partition(":")
+    assert source.startswith("/etc/meshd/")
+    assert d["Environment"] == [f"MESHD_JOIN_FILE=%d/{name}"]
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_documented_join_dropin_verifies(tmp_path: Path) -> None:
+    """The documented drop-in's lines, added to the unit's [Service] section, pass `systemd-analyze verify`."""
+    text = (REPO_ROOT / "systemd" / "meshd.service").read_text()
+    text = text.replace("ExecStart=/usr/local/bin/meshd ", f"ExecStart={sys.executable} -m meshd ")
+    extra = _documented_join_dropin().replace("[Service]\n", "")
+    text = text.replace("\n[Install]", "\n" + extra + "\n[Install]")
+    (tmp_path / "meshd.service").write_text(text)
+    out = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "meshd.service")], check=False,
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "SYSTEMD_LOG_COLOR": "0"})
+    ours = [line for line in (out.stdout + out.stderr).splitlines() if "meshd" in line]
+    assert out.returncode == 0 and not ours, out.stdout + out.stderr

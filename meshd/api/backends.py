@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
 import structlog
 
+from meshd.api import limits as http_limits
 from meshd.api.errors import ApiError
 from meshd.api.reply import OpenAIFormatter, Reply, StopMatcher, TokenOut
 from meshd.api.schema import GenRequest
@@ -77,6 +79,18 @@ class TokenSource(Protocol):
     def capacity(self) -> int: ...
 
 
+_PROMPT_POOL: ThreadPoolExecutor | None = None
+
+
+def _prompt_pool() -> ThreadPoolExecutor:
+    """The threads that build prompts (``API_PROMPT_THREADS``), shared by every backend of the process."""
+    global _PROMPT_POOL
+    if _PROMPT_POOL is None:
+        _PROMPT_POOL = ThreadPoolExecutor(max_workers=http_limits.API_PROMPT_THREADS,
+                                          thread_name_prefix="meshd-prompt")
+    return _PROMPT_POOL
+
+
 class GenBackend:
     """Serves one ``TokenSource`` under its name, formatting tokens as OpenAI JSON or SSE."""
 
@@ -105,7 +119,9 @@ class GenBackend:
         return [{"name": self.name, "fingerprint": self.source.fingerprint, "kind": self.kind}]
 
     async def open(self, req: GenRequest, model: str) -> Reply:
-        ids = self.source.prompt_ids(req)
+        # On a worker thread: a 4 MiB prompt takes seconds to template and tokenize, which on the loop
+        # would stall every other request and the node's QUIC and membership with it.
+        ids = await asyncio.get_running_loop().run_in_executor(_prompt_pool(), self.source.prompt_ids, req)
         try:
             run = self.source.submit(ids, req)
         except BackendBusy:

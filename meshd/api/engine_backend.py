@@ -46,11 +46,15 @@ class _EngineRun:
             return ""
 
     async def __aiter__(self) -> AsyncIterator[GenToken]:
+        from engine.constraint import GrammarError
         from engine.experts.coordinator import ExpertsUnavailable
         from engine.pipeline.client import PipelineUnavailable
 
         async for ev in self.handle:
             if ev.finish_reason == "error":
+                if isinstance(ev.exception, GrammarError):  # a schema llguidance checks but cannot build
+                    raise ApiError(400, f"cannot enforce the requested format: {ev.exception}",
+                                   code="unsupported_schema")
                 if isinstance(ev.exception, ExpertsUnavailable):  # workers went away mid-generation
                     raise experts_unavailable(self.name, str(ev.exception))
                 if isinstance(ev.exception, PipelineUnavailable):  # stages went away, none left to re-plan on
@@ -87,11 +91,12 @@ class EngineSource:
         try:
             if req.kind == "chat":
                 tools = [t.openai() for t in req.tools] if req.tools_active else None
-                ids = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tools=tools)
+                ids = self.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tools=tools,
+                                                         release_gil=True)
             elif isinstance(req.prompt, list):
                 ids = list(req.prompt)
             else:
-                ids = self.tokenizer.encode(req.prompt)
+                ids = self.tokenizer.encode(req.prompt, release_gil=True)
         except ChatTemplateError as e:
             raise ApiError(400, f"cannot build the prompt: {e}", code="chat_template_error") from None
         return list(ids)

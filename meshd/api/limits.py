@@ -20,6 +20,18 @@ well under a second on any LAN; 20 s allows a 2 Mbit/s link."""
 API_KEEPALIVE_IDLE_S = 15.0
 """How long a kept-alive connection may sit idle between requests (nginx: 75 s, Node: 5 s)."""
 
+API_WRITE_STALL_S = 30.0
+"""How long one write of a streamed answer may wait for the client to read (the socket buffers full, a
+few MB on loopback) before the connection is aborted and the generation cancelled. A client that stops
+reading without closing used to hold its connection, and count as a request in progress, for ever.
+Longer than the body deadline: a reader that is merely slow makes progress well within it."""
+
+API_PROMPT_THREADS = 2
+"""Threads that template and tokenize prompts (off the event loop). Tokenizing a 4 MiB prompt takes seconds
+and ~400 MB at its peak (the Rust tokenizer's encoding of ~2 million tokens), so this bounds what a burst of
+huge prompts costs: 32 at once peaked at 5.3 GB on asyncio's default pool of 6 threads. Two keep one
+huge prompt from holding up everyone else's."""
+
 API_LINGER_S = 2.0
 """After answering without reading the whole body (an error), how long the rest is read and dropped
 before the connection is closed (aiohttp's default is 10 s)."""

@@ -48,7 +48,7 @@ class ApiMetrics:
                                registry=r)
         self.connections_closed = Counter(
             "meshd_api_connections_closed", "Connections the API closed itself, by reason (head_timeout, "
-            "body_timeout, evicted, refused, bad_http)", ["reason"], registry=r)
+            "body_timeout, evicted, refused, bad_http, write_stalled)", ["reason"], registry=r)
         self._tunnel_in = self.tunnel_bytes.labels("in")
         self._tunnel_out = self.tunnel_bytes.labels("out")
         if peer_states is not None:

@@ -45,6 +45,7 @@ log = structlog.get_logger(__name__)
 
 _RETRYABLE = {429, 500, 502, 503, 504}
 CLIENT_DISCONNECTED = 499
+_WRITE_SLICE_BYTES = 256 * 1024  # a non-streamed answer is written in slices, each under the write deadline
 """The ``code`` label of a request whose client hung up before its answer was complete (nginx's 499)."""
 
 
@@ -349,14 +350,27 @@ class ApiServer:
                 return resp, err.status
             finally:
                 await reply.aclose()
-            return web.Response(status=reply.status, body=bytes(buf), headers=headers), reply.status
+            # Written here, in slices under the write deadline, rather than handed to aiohttp as a
+            # web.Response, whose write no deadline covers (a client that never reads held it for ever).
+            resp = web.StreamResponse(status=reply.status, headers=headers)
+            resp.content_length = len(buf)
+            try:
+                await resp.prepare(request)
+                view = memoryview(buf)
+                for at in range(0, len(buf), _WRITE_SLICE_BYTES):
+                    await self._send(request, resp, view[at:at + _WRITE_SLICE_BYTES])
+                await self._send(request, resp, None)
+            except (ConnectionResetError, ConnectionError):
+                log.info("client_disconnected", path=request.path, route=reply.route)
+                return resp, CLIENT_DISCONNECTED
+            return resp, reply.status
         resp = web.StreamResponse(status=reply.status, headers=headers)
         status = reply.status
         try:
             await resp.prepare(request)
             try:
                 async for chunk in reply.body:
-                    await resp.write(chunk)
+                    await self._send(request, resp, chunk)
             except (ConnectionResetError, ConnectionError):
                 raise
             except Exception as e:  # noqa: BLE001 - any failure after the head becomes an error event
@@ -364,14 +378,30 @@ class ApiServer:
                 status = err.status
                 self.metrics.errors.labels(str(err.status), err.code).inc()
                 log.warning("stream_failed", node=reply.node_id, route=reply.route, reason=err.message)
-                await resp.write(err.sse_event())
-            await resp.write_eof()
+                await self._send(request, resp, err.sse_event())
+            await self._send(request, resp, None)
         except (ConnectionResetError, ConnectionError):
             log.info("client_disconnected", path=request.path, route=reply.route)
             status = CLIENT_DISCONNECTED
         finally:
             await reply.aclose()  # cancels the generation (locally or on the serving node) if unfinished
         return resp, status
+
+    async def _send(self, request: web.Request, resp: web.StreamResponse, data: bytes | memoryview | None
+                    ) -> None:
+        """Write ``data`` (None: the end of the body) to a streamed answer; a client that reads nothing for
+        ``API_WRITE_STALL_S`` has its connection aborted (ConnectionResetError, as if it had hung up)."""
+        try:
+            async with asyncio.timeout(http_limits.API_WRITE_STALL_S):
+                if data is None:
+                    await resp.write_eof()
+                else:
+                    await resp.write(data)
+        except TimeoutError:
+            if request.transport is not None:
+                request.transport.abort()
+            self._connection_closed("write_stalled")
+            raise ConnectionResetError("the client stopped reading") from None
 
     async def _counting(self, inner: AsyncIterator[bytes], reply: Reply) -> AsyncIterator[bytes]:
         """Count tokens generated here once the body is done (for HTTP clients and tunnel peers alike)."""

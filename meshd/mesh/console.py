@@ -57,7 +57,8 @@ class Console:
         self.view = view
         self.requests: deque[dict[str, Any]] = deque(maxlen=REQUEST_LOG_SIZE)
         self._tokens: deque[tuple[float, int]] = deque()
-        self._clients: set[asyncio.Queue[tuple[str, Any]]] = set()
+        # subscribers, oldest first: the queue of each /meshd/v1/events handler and its request
+        self._clients: dict[asyncio.Queue[tuple[str, Any]], web.Request] = {}
         self._task: asyncio.Task[None] | None = None
         server.on_request.append(self._on_request)
         server.on_tokens.append(self._on_tokens)
@@ -109,6 +110,21 @@ class Console:
             with contextlib.suppress(asyncio.QueueFull):
                 q.put_nowait(("end", None))
 
+    def _evict_oldest(self) -> None:
+        """End the oldest subscriber's stream to make room (a page's EventSource reconnects by itself), so
+        connections that subscribe and then sit there, forgotten tabs or a hostile local client, cannot
+        lock the operator out of the console. A subscriber whose queue is full is stuck writing to a
+        client that does not read: its connection is aborted."""
+        q, request = next(iter(self._clients.items()))
+        del self._clients[q]
+        stuck = q.full()
+        while not q.empty():
+            q.get_nowait()
+        q.put_nowait(("end", None))
+        if stuck and request.transport is not None:
+            request.transport.abort()
+        log.debug("console_subscriber_evicted", subscribers=len(self._clients) + 1, stuck=stuck)
+
     async def _page(self, request: web.Request) -> web.Response:
         resp = web.Response(body=_asset_bytes("index.html"), content_type="text/html",
                             headers={"Cache-Control": "no-store"})
@@ -128,12 +144,12 @@ class Console:
         return web.json_response(self.snapshot())
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
-        if len(self._clients) >= EVENTS_MAX_CLIENTS:
-            raise web.HTTPServiceUnavailable(reason="too many console subscribers")
         q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=256)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        self._clients.add(q)
+        while len(self._clients) >= EVENTS_MAX_CLIENTS:
+            self._evict_oldest()
+        self._clients[q] = request
         try:
             await resp.write(_sse("mesh", self.snapshot()))
             while True:
@@ -148,7 +164,7 @@ class Console:
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
-            self._clients.discard(q)
+            self._clients.pop(q, None)
         return resp
 
     async def _pump(self) -> None:
