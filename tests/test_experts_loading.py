@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 from experts_util import make_moe_checkpoint
 
+from engine.experts import rpc
 from engine.experts.channel import LoopThread, SocketChannel, socketpair_channels
 from engine.experts.coordinator import CoordinatorConfig, RemoteExecutor, WorkerRefused
 from engine.experts.fingerprint import model_fingerprint
 from engine.experts.layout import layout_from_config, read_config
-from engine.experts import rpc
 from engine.experts.rpc import ErrorCode
 from meshd.commands.status import format_status
 from meshd.experts_service import ExpertsService
