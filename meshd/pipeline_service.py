@@ -675,16 +675,15 @@ class PipelineService:
 
 
 async def _answer_loading(stream: Any, reason: str) -> None:
-    """Answer the first frame on ``stream`` (an OPEN) with ``ERROR(LOADING, reason)`` and end it; anything
-    unparsable, or nothing within ``LOADING_ANSWER_S``, resets it. Never raises."""
-    dec = wire.FrameDecoder()
+    """Answer the first bytes on ``stream`` (a serving node's OPEN) with ``ERROR(LOADING, reason)`` and end it,
+    without buffering or parsing anything (whatever was asked, the answer is the same); nothing within
+    ``LOADING_ANSWER_S`` resets it. Never raises."""
     try:
         async with asyncio.timeout(LOADING_ANSWER_S):
-            while (data := await stream.recv()) is not None:
-                if dec.feed(data):
-                    text = f"stage node is still loading: {reason}"
-                    await stream.send(wire.encode(wire.Error(0, wire.ErrorCode.LOADING, text)), end=True)
-                    return
+            if await stream.recv() is not None:
+                text = f"stage node is still loading: {reason}"
+                await stream.send(wire.encode(wire.Error(0, wire.ErrorCode.LOADING, text)), end=True)
+                return
     except Exception as e:  # noqa: BLE001 - a bad or silent peer: reset below
         log.debug("pipeline_loading_answer_failed", error=repr(e))
     with contextlib.suppress(Exception):
