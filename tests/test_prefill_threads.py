@@ -4,6 +4,7 @@ BLAS, and every result is the same bits as the one-thread pass."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,9 +21,13 @@ needs_local_threads = pytest.mark.skipif(BLAS is None, reason="numpy's BLAS has 
 
 
 @pytest.fixture(scope="module")
-def _one_helper() -> prefill_threads._Pool:
+def _one_helper() -> Iterator[prefill_threads._Pool]:
     assert BLAS is not None
-    return prefill_threads._Pool(1, BLAS[0])  # its thread lives on, idle, like the process's own pool
+    before = BLAS[1]()
+    yield prefill_threads._Pool(1, BLAS[0])  # its thread lives on, idle, like the process's own pool
+    # where BLAS's count is the process's (per_thread), the helper's set_local(1) set every thread's: put it
+    # back, or every later test of this process would compute on one BLAS thread (other bits than a daemon's)
+    BLAS[0](before)
 
 
 @pytest.fixture
