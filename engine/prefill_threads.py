@@ -9,7 +9,7 @@ Here the pieces themselves are spread over the threads, each running whole on on
 
 Bits: a piece is the same numpy and BLAS calls on the same arrays as when run alone, on one BLAS thread
 wherever it runs, so which thread runs a piece never matters. One BLAS thread does not always give the bits of
-two (OpenBLAS 0.3.31 SkylakeX sgemm differs from 4 rows at 512x512), so with the pool a product inside a piece
+two (OpenBLAS 0.3.31 sgemm, Haswell core, differs from 4 rows at 512x512), so with the pool a product inside a piece
 may differ from the same product outside one: the same on every run and every path of a node, which all run this
 code (tests/test_prefill_threads.py). That needs a per-thread count: where BLAS's "local" count is in truth the
 process's (``per_thread``), there is no pool.

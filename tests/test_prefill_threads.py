@@ -73,7 +73,7 @@ def _stacked_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, past: int, s
 def test_the_pool_is_made_only_where_the_blas_count_is_per_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     """The pieces run on one BLAS thread wherever they run, which keeps a prefill's bits the same run after run
     only if a count set on one thread stays that thread's. Session 8 assumed more (one BLAS thread gives the bits
-    of two, so the count would not matter): on this machine's scipy-openblas 0.3.31 (SkylakeX) it does not hold
+    of two, so the count would not matter): on this machine's scipy-openblas 0.3.31 (Haswell core) it does not hold
     (8x768 @ 768x384 and 4-20 rows at 512x512 differ), and its "local" count is the process's. No pool then."""
     set_local, get = BLAS  # type: ignore[misc]
     monkeypatch.setattr(prefill_threads, "_pool", None)
