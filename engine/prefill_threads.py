@@ -7,9 +7,12 @@ by 768x384) so BLAS's threads spend much of each product waiting for each other.
 the bench model spent ~21% of its single-threaded time outside BLAS, which two BLAS threads cannot shorten.
 Here the pieces themselves are spread over the threads, each running whole on one thread.
 
-Bits: a piece is the same numpy and BLAS calls on the same arrays as when run alone, and OpenBLAS splits a
-product's rows and columns over its threads, never the sum (engine/numerics.py), so single-threaded BLAS gives
-the same bits as threaded (tests/test_prefill_threads.py checks both). Which thread runs a piece never matters.
+Bits: a piece is the same numpy and BLAS calls on the same arrays as when run alone, on one BLAS thread
+wherever it runs, so which thread runs a piece never matters. One BLAS thread does not always give the bits of
+two (OpenBLAS 0.3.31 sgemm, Haswell core, differs from 4 rows at 512x512), so with the pool a product inside a piece
+may differ from the same product outside one: the same on every run and every path of a node, which all run this
+code (tests/test_prefill_threads.py). That needs a per-thread count: where BLAS's "local" count is in truth the
+process's (``per_thread``), there is no pool.
 
 ``run(tasks)`` runs callables and returns when all are done (the first exception re-raised in the caller). The
 pool is used only where BLAS's per-thread count can be set (OpenBLAS's ``openblas_set_num_threads_local``,
@@ -119,6 +122,25 @@ def threads() -> int:
     return 1 + pool.helpers if pool is not None else 1
 
 
+def per_thread(set_local: Callable[[int], int], get: Callable[[], int]) -> bool:
+    """Whether a count set by ``set_local`` on one thread stays that thread's: set 1 on a short-lived thread, then
+    read the count here (put back if it moved). In numpy 2.4's scipy-openblas 0.3.31 (pthreads) it does not: a
+    helper's ``set_local(1)`` set every thread's count, so the caller's products between its pieces ran on one
+    BLAS thread or two depending on when the helpers had started and the caller had restored its count, and a
+    prefill's bits changed from call to call (OpenBLAS's one- and two-thread sgemm differ from 4 rows at
+    512x512; session 9, tests/test_prefill_threads.py). A count of 1 tells nothing and needs no pool: True."""
+    before = get()
+    if before <= 1:
+        return True
+    probe = threading.Thread(target=set_local, args=(1,), name="meshd-prefill-probe", daemon=True)
+    probe.start()
+    probe.join()
+    after = get()
+    if after != before:
+        set_local(before)
+    return after == before
+
+
 def _get_pool() -> _Pool | None:
     global _pool, _decided
     if _decided:
@@ -129,6 +151,8 @@ def _get_pool() -> _Pool | None:
             env = os.environ.get("MESHD_PREFILL_THREADS", "")
             n = int(env) if env.isdigit() and int(env) > 0 else (blas[1]() if blas is not None else 1)
             n = max(1, min(n, PREFILL_MAX_THREADS))
+            if blas is not None and n > 1 and not per_thread(*blas):
+                blas = None  # the count is not per thread: pieces in order on the caller, BLAS's own threads
             _pool = _Pool(n - 1, blas[0]) if blas is not None and n > 1 else None
             _decided = True
     return _pool

@@ -36,6 +36,8 @@ from meshd.pipeline_direct import DirectDialer
 log = structlog.get_logger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0  # reaching an advertised stage node before its plan is given up
+LOADING_FIELD = "stages_loading"  # record field: how many --stage checkpoints this node is still loading
+LOADING_ANSWER_S = 10.0  # a stream opened to a stage still loading must send its first frame within this
 
 
 class PipelineStartError(UsageError):
@@ -124,6 +126,7 @@ class Serving:
         self.reason: str | None = "no plan yet"
         self.fallback: str | None = None  # prefer: why this node runs the model alone
         self.refused: list[tuple[str, str]] = []
+        self.loading: list[str] = []  # stage nodes still loading their --stage checkpoints (gossip)
         self.runs: dict[int, Run] = {}
         self.failed: dict[str, float] = {}  # node id -> loop time it may be planned again
         self.recoveries = 0
@@ -273,14 +276,19 @@ class Serving:
         local = Offer(me, self.need.fingerprint, max(0, self.svc.offered_bytes() - embed_bytes(self.model)),
                       numerics=numerics.tag())
         offers = [o for o in self.svc.offers() if o.node_id not in self.failed]
+        self.loading = self.svc.loading_stages()
         try:
             plan = make_plan(self.need, local, offers)
         except PlanError as e:
             self.refused = list(e.refused)
+            reason = e.reason
+            if self.loading:  # not offers yet: say they are coming, so a 503 is not read as "no stages"
+                reason += (f"; still loading their --stage weights (used once they advertise them): "
+                           f"{', '.join(n[:12] for n in self.loading)}")
             if self.mode == "prefer":
-                self.fallback = e.reason
+                self.fallback = reason
                 return Plan((Stage(me, 0, self.need.num_layers - 1),))
-            self.reason = e.reason
+            self.reason = reason
             return None
         self.refused = list(plan.refused)
         self.fallback = None
@@ -320,6 +328,7 @@ class Serving:
             "unavailable": self.unavailable_reason(),
             "local_fallback": self.fallback,
             "refused": [{"node_id": n, "reason": r} for n, r in self.refused],
+            "loading": list(self.loading),
             "recoveries": self.recoveries,
             "last_recovery_ms": self.last_recovery_ms,
             "decode": self.pipelined.decode_status() if self.pipelined is not None else None,
@@ -364,6 +373,7 @@ class PipelineService:
         self._wake = asyncio.Event()
         self._kept: set[str] = set()
         self._collector: Any = None
+        self._loading: str | None = None  # while the --stage checkpoints load: what an OPEN is answered
         self.directs = DirectDialer(self)  # the serving side's direct channels to stages
 
     @classmethod
@@ -386,9 +396,18 @@ class PipelineService:
         self._state_dir = getattr(getattr(daemon, "state", None), "path", None) or getattr(
             getattr(daemon, "config", None), "state_dir", None
         )
+        self._membership = _find_membership(daemon)
         if self.specs:
-            self.hosts = await asyncio.to_thread(self._load_hosts, _experts_for(daemon))
+            # the daemon is in its mesh already, and hashing a big checkpoint the first time takes tens of
+            # seconds: say so in gossip (no offer is planned on before it is published) and answer an OPEN
+            # meanwhile with LOADING instead of leaving the stream without a handler
+            self._loading = f"--stage {', '.join(self.specs)}: the weights are still being mapped and checked"
             self.transport.on_stream(StreamType.PIPELINE, self._serve)
+            self._set_field(LOADING_FIELD, len(self.specs))
+            try:
+                self.hosts = await asyncio.to_thread(self._load_hosts, _experts_for(daemon))
+            finally:
+                self._loading = None
             lanes = getattr(self.transport, "lane", None)  # transport.lane.LaneManager (the lane service)
             if lanes is not None:
                 from transport.lane_direct import SERVICE_PIPELINE
@@ -403,7 +422,6 @@ class PipelineService:
                     pin=list(h.pin) if h.pin else None,
                     offered_mb=round(self.offered_bytes() / 1e6, 3),
                 )
-        self._membership = _find_membership(daemon)
         if self._membership is not None:
             if self.hosts:
                 self._publish()
@@ -448,6 +466,12 @@ class PipelineService:
                 [StageOffer(h.fingerprint.hex(), free_kb, h.pin) for h in self.hosts]
             )
             self._membership.set_local_field("numerics", numerics.tag())  # beside the offers (engine/numerics.py)
+        self._set_field(LOADING_FIELD, None)
+
+    def _set_field(self, key: str, value: Any) -> None:
+        if self._membership is not None:
+            with contextlib.suppress(AttributeError):
+                self._membership.set_local_field(key, value)
 
     async def stop(self) -> None:
         for task in list(self._tasks):
@@ -501,6 +525,9 @@ class PipelineService:
     # --- stage side --------------------------------------------------------------------------------
 
     async def _serve(self, peer: Any, stream: Any) -> None:
+        if not self.hosts:  # still loading (start): an OPEN is told so, by the typed error LOADING
+            await _answer_loading(stream, self._loading or "the stage is not ready")
+            return
         dec = wire.FrameDecoder()
         head = b""
         while True:
@@ -543,6 +570,19 @@ class PipelineService:
                     )
                 )
         return out
+
+    def loading_stages(self) -> list[str]:
+        """Alive peers whose ``--stage`` checkpoints are still being mapped and checked (gossip field
+        ``stages_loading``): not offers yet, named in a failing plan's reason and in status."""
+        if self._membership is None:
+            return []
+        out = []
+        for view in self._membership.alive_peers():
+            rec = view.record
+            n = (getattr(rec, "extra", None) or {}).get(LOADING_FIELD)
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0 and not getattr(rec, "stages", ()):
+                out.append(view.node_id)
+        return sorted(out)
 
     def rtt_ms(self, node_id: str) -> float | None:
         """The transport's smoothed round trip to a node (QUIC's estimate), if connected."""
@@ -620,6 +660,8 @@ class PipelineService:
             out["numerics"] = numerics.tag()
         if self.hosts:
             out["stages"] = [h.status() for h in self.hosts]
+        if self._loading is not None:
+            out["loading"] = self._loading
         if self.serving:
             out["models"] = {s.name: s.status() for s in self.serving}
         return {"pipeline": out}
@@ -630,6 +672,22 @@ class PipelineService:
 
             self._collector = collector(self)
         return [self._collector]
+
+
+async def _answer_loading(stream: Any, reason: str) -> None:
+    """Answer the first bytes on ``stream`` (a serving node's OPEN) with ``ERROR(LOADING, reason)`` and end it,
+    without buffering or parsing anything (whatever was asked, the answer is the same); nothing within
+    ``LOADING_ANSWER_S`` resets it. Never raises."""
+    try:
+        async with asyncio.timeout(LOADING_ANSWER_S):
+            if await stream.recv() is not None:
+                text = f"stage node is still loading: {reason}"
+                await stream.send(wire.encode(wire.Error(0, wire.ErrorCode.LOADING, text)), end=True)
+                return
+    except Exception as e:  # noqa: BLE001 - a bad or silent peer: reset below
+        log.debug("pipeline_loading_answer_failed", error=repr(e))
+    with contextlib.suppress(Exception):
+        stream.reset(0)
 
 
 def _find_membership(daemon: Any) -> Any:

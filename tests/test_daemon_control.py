@@ -323,10 +323,45 @@ def test_human_status_lists_models_and_peers() -> None:
     assert "mesh      home (" + "b" * 32 + ")" in text
     assert "models    1" in text and "tiny" in text and "f00d" in text
     row = next(line for line in text.splitlines() if line.strip().startswith("c" * 32))
-    assert row.split()[1:] == ["serve", "alive", "1.2", "0.4", "10.0.0.2:9336", "qwen"]
+    assert row.split()[1:] == ["serve", "alive", "1.2", "0.4", "10.0.0.2:9336", "qwen", "0.1.0", "-"]
     dead = next(line for line in text.splitlines() if line.strip().startswith("d" * 32))
-    assert dead.split()[1:] == ["client", "dead", "-", "12.0", "10.0.0.3:9336", "-"]  # no models when dead
+    # no models when dead; no version or numerics said
+    assert dead.split()[1:] == ["client", "dead", "-", "12.0", "10.0.0.3:9336", "-", "-", "-"]
     assert "banned    1" in text and "  " + "e" * 32 in text
+
+
+def test_human_status_shows_each_peers_version_and_numerics() -> None:
+    """Why two nodes' outputs could differ: the peers table names each peer's meshd version and numerics tag
+    (engine/numerics.py; ``=`` when it is this node's), and the legend spells out the others and what
+    differs."""
+    from meshd.commands.status import format_status
+
+    mine = "kernels=numba-0.68.1+int;numpy=2.4.6;blas=scipy-openblas-0.3.31.188.0:SkylakeX"
+    other = mine.replace("SkylakeX", "Haswell")
+    peer = {"addrs": [], "state": "alive", "rtt_ms": 1.0, "models": [], "role": "serve", "last_seen_s": 0.1}
+    st = {
+        "node_id": "a" * 32, "state": "running",
+        "peers": [
+            {**peer, "node_id": "b" * 32, "version": "0.1.0", "numerics": mine},
+            {**peer, "node_id": "c" * 32, "version": "0.1.0", "numerics": other},
+            {**peer, "node_id": "d" * 32, "version": "0.0.9"},  # an older meshd, or no engine model: no tag
+        ],
+        "services": {"membership": {"banned": [], "numerics": mine}},
+    }
+    lines = format_status(st).splitlines()
+    head = next(line for line in lines if line.strip().startswith("NODE"))
+    assert head.split()[-2:] == ["VERSION", "NUMERICS"]
+    rows = {ln.split()[0][0]: ln.split()[-2:] for ln in lines if ln.strip()[:1] in "bcd" and "alive" in ln}
+    assert rows == {"b": ["0.1.0", "="], "c": ["0.1.0", "N1"], "d": ["0.0.9", "-"]}
+    text = "\n".join(lines)
+    assert f"numerics  = {mine} (this node)" in text
+    assert f"  N1 {other}" in text
+    assert ("differs: blas scipy-openblas-0.3.31.188.0:Haswell there, "
+            "scipy-openblas-0.3.31.188.0:SkylakeX here") in text
+    st["services"]["membership"]["numerics"] = None  # this node computes no model: the tags are listed as is
+    text = format_status(st)
+    assert "numerics  (this node computes no model: no tag)" in text and f"  N1 {mine}" in text, text
+    assert f"  N2 {other}" in text and "differs" not in text, text
 
 
 class SlowService(RecordingService):

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from experts_util import make_moe_checkpoint
 
+from engine.experts import rpc
 from engine.experts.channel import LoopThread, SocketChannel, socketpair_channels
 from engine.experts.coordinator import CoordinatorConfig, RemoteExecutor, WorkerRefused
 from engine.experts.fingerprint import model_fingerprint
@@ -152,3 +153,57 @@ def test_coordinator_shows_loading_retries_soon_and_takes_the_worker(tmp_path: P
         started.exception(30)
         lt.run(coord.stop())
         lt.run(worker.stop())
+
+
+class _Recording:
+    """A real socket-pair channel that remembers the stream reset code it was asked for (a socket pair has
+    no reset codes: the transport's streams carry them)."""
+
+    def __init__(self, inner: SocketChannel) -> None:
+        self._inner = inner
+        self.reset_codes: list[int] = []
+
+    async def recv(self) -> bytes | None:
+        return await self._inner.recv()
+
+    async def send(self, data: bytes, end: bool = False) -> None:
+        await self._inner.send(data, end)
+
+    def reset(self, code: int) -> None:
+        self.reset_codes.append(code)
+        self._inner.reset(code)
+
+
+@pytest.mark.parametrize("offered", [4, rpc.PROTOCOL_MAX])
+def test_loading_is_said_only_to_a_coordinator_that_parses_it(lt: LoopThread, offered: int) -> None:
+    """Protocol v5 introduced LOADING: a v4 coordinator's parser refuses an unknown error code (a malformed
+    answer). So a hello offering at most v4 gets what a worker without an expert handler gives (a reset with
+    NO_HANDLER: "no worker here yet", asked again when the worker advertises its shards), never the code."""
+    from engine.experts.worker import answer_loading
+    from transport.framing import ErrorCode as StreamErrorCode
+
+    async def ask() -> tuple[list[Any], list[int]]:
+        a, b = await socketpair_channels()
+        rec = _Recording(b)
+        task = asyncio.get_running_loop().create_task(answer_loading(rec, "experts of m are not loaded yet"))
+        await a.send(rpc.encode(rpc.Hello(bytes(32), max_version=offered), 1))
+        dec = rpc.MessageDecoder(1 << 20)
+        got: list[Any] = []
+        while True:
+            try:
+                data = await asyncio.wait_for(a.recv(), 10)
+            except Exception:  # noqa: BLE001 - the reset breaks the pair
+                break
+            if data is None:
+                break
+            got += [env.message for env in dec.feed(data)]
+        await task
+        return got, rec.reset_codes
+
+    got, resets = lt.run(ask())
+    assert rpc.PROTOCOL_MAX >= rpc.LOADING_VERSION == 5
+    if offered >= rpc.LOADING_VERSION:
+        assert len(got) == 1 and isinstance(got[0], rpc.ErrorMsg) and got[0].code == rpc.ErrorCode.LOADING, got
+        assert resets == []
+    else:
+        assert got == [] and resets == [int(StreamErrorCode.NO_HANDLER)], (got, resets)

@@ -42,10 +42,14 @@ GOLDEN = {
         rpc.Hello(fingerprint=FP, max_version=3, max_message_bytes=1 << 20, max_rows=512), 1,
         "4d58010100000000010000002a0000000103000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"
         "00001000000200008967fd31"),
-    "hello_v4": (  # this coordinator's hello: offers versions 1-4
-        rpc.Hello(fingerprint=FP, max_message_bytes=1 << 20, max_rows=512), 1,
+    "hello_v4": (  # a v4 coordinator's hello: offers versions 1-4
+        rpc.Hello(fingerprint=FP, max_version=4, max_message_bytes=1 << 20, max_rows=512), 1,
         "4d58010100000000010000002a0000000104000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"
         "00001000000200002d9e08c4"),
+    "hello_v5": (  # this coordinator's hello: offers versions 1-5 (v5: it parses ERROR LOADING)
+        rpc.Hello(fingerprint=FP, max_message_bytes=1 << 20, max_rows=512), 1,
+        ("4d58010100000000010000002a0000000105000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"
+         "00001000000200008c0e1f2c")),
     "request_poll": (  # v3: a decode row's request with FLAG_POLL (flags 0x0001 in the header)
         rpc.ExpertRequest(layer=3, x=np.array([[1.0, -2.0]], dtype=np.float32),
                           pairs=np.array([[0, 1], [0, 4]], dtype=np.uint32)), 10,

@@ -4,6 +4,7 @@ BLAS, and every result is the same bits as the one-thread pass."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,9 +21,13 @@ needs_local_threads = pytest.mark.skipif(BLAS is None, reason="numpy's BLAS has 
 
 
 @pytest.fixture(scope="module")
-def _one_helper() -> prefill_threads._Pool:
+def _one_helper() -> Iterator[prefill_threads._Pool]:
     assert BLAS is not None
-    return prefill_threads._Pool(1, BLAS[0])  # its thread lives on, idle, like the process's own pool
+    before = BLAS[1]()
+    yield prefill_threads._Pool(1, BLAS[0])  # its thread lives on, idle, like the process's own pool
+    # where BLAS's count is the process's (per_thread), the helper's set_local(1) set every thread's: put it
+    # back, or every later test of this process would compute on one BLAS thread (other bits than a daemon's)
+    BLAS[0](before)
 
 
 @pytest.fixture
@@ -65,23 +70,30 @@ def _stacked_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, past: int, s
 
 
 @needs_local_threads
-def test_single_threaded_blas_gives_the_threaded_bits() -> None:
-    """What the pieces rely on: a product's bits do not depend on BLAS's thread count (prefill shapes)."""
-    set_local = BLAS[0]  # type: ignore[index]
-    rng = np.random.default_rng(0)
-    shapes = [(m, k, n) for m in range(1, 300, 7) for k, n in ((768, 384), (384, 768))]  # an expert's products
-    shapes += [(256, 768, 256), (768, 64, 300), (300, 64, 768), (5, 64, 16), (256, 768, 16)]  # q/k/v, attention, router
-    for m, k, n in shapes:
-        x = rng.standard_normal((m, k), dtype=F32)
-        w = rng.standard_normal((n, k), dtype=F32)
-        prev = set_local(2)
-        try:
-            threaded = x @ w.T
-            set_local(1)
-            single = x @ w.T
-        finally:
-            set_local(prev)
-        assert single.tobytes() == threaded.tobytes(), (m, k, n)
+def test_the_pool_is_made_only_where_the_blas_count_is_per_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pieces run on one BLAS thread wherever they run, which keeps a prefill's bits the same run after run
+    only if a count set on one thread stays that thread's. Session 8 assumed more (one BLAS thread gives the bits
+    of two, so the count would not matter): on this machine's scipy-openblas 0.3.31 (Haswell core) it does not hold
+    (8x768 @ 768x384 and 4-20 rows at 512x512 differ), and its "local" count is the process's. No pool then."""
+    set_local, get = BLAS  # type: ignore[misc]
+    monkeypatch.setattr(prefill_threads, "_pool", None)
+    monkeypatch.setattr(prefill_threads, "_decided", False)
+    monkeypatch.setenv("MESHD_PREFILL_THREADS", "2")
+    before = get()
+    set_local(2)
+    try:
+        seen: list[int] = []
+        probe = threading.Thread(target=lambda: seen.append(set_local(1)))
+        probe.start()
+        probe.join()
+        leaks = get() != 2
+        set_local(2)
+        assert prefill_threads.per_thread(set_local, get) == (not leaks)
+        assert get() == 2  # the probe puts the count back
+        assert (prefill_threads._get_pool() is None) == leaks
+        assert get() == 2
+    finally:
+        set_local(before)
 
 
 CASES = [  # t, past, heads, kv heads, head dim, window
@@ -219,3 +231,38 @@ def test_expert_ffn_many_on_the_threads_equals_one_thread(two_threads: prefill_t
     want = moe.expert_ffn_many(items)
     assert [g.tobytes() for g in got] == [x.tobytes() for x in want]
     assert [g.tobytes() for g in got] == [moe.expert_ffn(*it).tobytes() for it in items]
+
+
+_REPEAT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from engine.model import Model
+model = Model.load(Path(sys.argv[2]))
+outs = []
+for _ in range(4):
+    cache = model.new_cache(4)
+    outs.append(model.forward([3, 17, 40, 2, 88], cache).tobytes() + cache.k[1][:, :5].tobytes())
+print(sum(o == outs[0] for o in outs))
+"""
+
+
+def test_repeated_prefills_in_a_fresh_process_give_the_same_bits(tmp_path: Path) -> None:
+    """The same 5-token prefill four times in a new process (the pool, if any, made on first use): the same logits
+    and cache each time. Before (session 9), the helpers' ``set_num_threads_local(1)`` set every thread's OpenBLAS
+    count (scipy-openblas 0.3.31), so the caller's products ran on one or two BLAS threads depending on timing,
+    and the first prefill or two differed from the rest: 5 of 5 processes; tests/test_experts_plan.py's first test
+    in a process failed 19 of 20 runs."""
+    import subprocess
+    import sys
+
+    from experts_util import make_moe_checkpoint
+
+    ck = make_moe_checkpoint(tmp_path / "m", family="qwen3_moe", layers=3, experts=8, hidden=512, inter=512,
+                             top_k=4, vocab=96, seed=5, dense_layers=(0,))
+    tests = str(Path(__file__).resolve().parent)
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("MESHD_", "OPENBLAS_"))}
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", _REPEAT, tests, str(ck)], capture_output=True, text=True,
+                             timeout=300, env=env, check=True).stdout.split()
+        assert out[-1] == "4", out

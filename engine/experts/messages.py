@@ -16,7 +16,9 @@ from engine import limits
 
 MAGIC = b"MX"
 PROTOCOL_MIN = 1
-PROTOCOL_MAX = 4  # v3: FLAG_POLL; v4: HELLO_ACK carries the worker's numerics tag
+PROTOCOL_MAX = 5  # v3: FLAG_POLL; v4: HELLO_ACK carries the worker's numerics tag; v5: a hello may be
+#   answered ERROR(LOADING) (a worker still loading answers it only to a hello offering v5: see LOADING_VERSION)
+LOADING_VERSION = 5  # the first version whose coordinators parse ErrorCode.LOADING
 FLAG_POLL = 0x0001
 NONE = 0xFFFFFFFF  # "no layer / no expert" in ERROR
 FINGERPRINT_BYTES = 32
@@ -62,8 +64,8 @@ class ErrorCode(IntEnum):
     INTERNAL = 7  # the worker failed computing
     SHUTTING_DOWN = 8  # the worker is stopping; retry elsewhere
     NUMERICS_MISMATCH = 9  # the worker computes with other numerics (engine/numerics.py) than the coordinator
-    LOADING = 10  # the worker's experts are still loading: not an error, ask again soon (an older
-    # coordinator, which does not know the code, takes it for a malformed answer: no hello answer, as before)
+    LOADING = 10  # the worker's experts are still loading: not an error, ask again soon. Sent only to a hello
+    # offering LOADING_VERSION or later: an older coordinator's parser refuses a code it does not know
 
 
 class ExpertProtocolError(Exception):

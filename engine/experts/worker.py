@@ -34,8 +34,11 @@ from engine.experts.worker_plan import WorkerPlan
 from engine.moe import ExpertWeightsFn, expert_ffn_many, weighted_sum
 from engine import limits, numerics
 from transport import poll
+from transport.framing import ErrorCode as StreamErrorCode
 
 log = structlog.get_logger(__name__)
+
+_NO_HANDLER = int(StreamErrorCode.NO_HANDLER)  # the stream reset a transport gives a stream type nobody serves
 
 INLINE_MAX_FLOPS = 20_000_000  # requests below this (~1-2 ms of BLAS) run on the loop: decode latency
 #   is dominated by wake-ups, and a worker thread hop is one more under CPU contention
@@ -319,8 +322,11 @@ def _fp8(held: dict[tuple[int, int], ExpertShard], layer: int, expert: int) -> b
 async def answer_loading(channel: ByteChannel, reason: str, timeout_s: float = 10.0) -> None:
     """Answer a coordinator's hello on ``channel`` while this node's experts are still loading (the
     daemon joins its mesh before ``--experts`` checkpoints are mapped and checked): ``ERROR(LOADING,
-    reason)``, then end the channel. Anything but a hello, or nothing within ``timeout_s``, resets it.
-    Never raises."""
+    reason)``, then end the channel, when the hello offers ``rpc.LOADING_VERSION`` or later. An older
+    coordinator's parser refuses an error code it does not know (a malformed answer): its hello gets what
+    a worker with no expert handler yet gives, a reset with ``NO_HANDLER``, which it takes for "no worker
+    here (yet)" and asks again when the worker advertises its shards. Anything but a hello, or nothing
+    within ``timeout_s``, resets the channel. Never raises."""
     decoder = rpc.MessageDecoder(limits.EXPERT_MAX_MESSAGE_BYTES)
     try:
         async with asyncio.timeout(timeout_s):
@@ -331,6 +337,10 @@ async def answer_loading(channel: ByteChannel, reason: str, timeout_s: float = 1
                 env = envelopes[0]
                 if not isinstance(env.message, rpc.Hello):
                     break
+                if env.message.max_version < rpc.LOADING_VERSION:
+                    with contextlib.suppress(Exception):
+                        channel.reset(_NO_HANDLER)
+                    return
                 error = rpc.ErrorMsg(rpc.ErrorCode.LOADING, reason[: limits.EXPERT_MAX_ERROR_TEXT_BYTES // 4])
                 await channel.send(rpc.encode(error, env.request_id), end=True)
                 return

@@ -79,6 +79,8 @@ class ErrorCode(IntEnum):
     LOAD_FAILED = 8  # the layers could not be loaded
     NUMERICS_MISMATCH = 9  # the stage computes with other numerics (engine/numerics.py) than the serving node
     CONTEXT_EXCEEDED = 10  # positions past the model's context (an older stage does not send it)
+    LOADING = 11  # the stage node is still mapping and checking its --stage checkpoints: ask again once it
+    #   advertises its offer (an older serving node reads it as any refusal: the code is a plain u16 here)
 
 
 FLAG_LAST_ONLY = 0x01  # FORWARD: the last stage returns logits of the last row only

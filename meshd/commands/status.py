@@ -37,6 +37,36 @@ def _table(rows: list[list[str]], indent: str = "  ") -> str:
     return "".join(indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + "\n" for r in rows)
 
 
+def _numerics_labels(mine: Any, theirs: list[Any]) -> dict[Any, str]:
+    """A short label per numerics tag (engine/numerics.py) in the peers table: ``=`` for this node's, ``N1``,
+    ``N2``... for the others in order of appearance (the legend below the table spells them out). A peer
+    that gossips none (no engine model, or an older meshd) gets no label."""
+    labels: dict[Any, str] = {mine: "="} if isinstance(mine, str) and mine else {}
+    for tag in theirs:
+        if isinstance(tag, str) and tag and tag not in labels:
+            labels[tag] = f"N{sum(1 for v in labels.values() if v != '=') + 1}"
+    return labels
+
+
+def _numerics_legend(mine: Any, labels: dict[Any, str]) -> str:
+    """Which numerics each label stands for, and what differs from this node's: output is byte-identical
+    across nodes only with equal tags (docs/pipeline.md, "Same numerics on every stage")."""
+    from engine.numerics import difference
+
+    if not labels:
+        return ""
+    text = f"numerics  = {mine} (this node)\n" if isinstance(mine, str) and mine in labels else ""
+    for tag, label in labels.items():
+        if label == "=":
+            continue
+        text += f"  {label} {tag}\n"
+        if isinstance(mine, str) and mine:
+            text += f"     differs: {difference(mine, tag, 'here', 'there')}\n"
+    if text and not text.startswith("numerics"):
+        text = "numerics  (this node computes no model: no tag)\n" + text
+    return text
+
+
 def format_status(st: dict[str, Any]) -> str:
     """The human-readable form of a status object."""
     mesh = "-" if not st.get("mesh_id") else f"{st.get('mesh_name')} ({st.get('mesh_id')})"
@@ -58,8 +88,10 @@ def format_status(st: dict[str, Any]) -> str:
         text += _table(rows)
     peers = st.get("peers") or []
     text += f"peers     {len(peers)}\n"
+    mine = ((st.get("services") or {}).get("membership") or {}).get("numerics")
+    labels = _numerics_labels(mine, [p.get("numerics") for p in peers])
     if peers:
-        rows = [["NODE", "ROLE", "STATE", "RTT_MS", "LAST_SEEN_S", "ADDRS", "MODELS"]]
+        rows = [["NODE", "ROLE", "STATE", "RTT_MS", "LAST_SEEN_S", "ADDRS", "MODELS", "VERSION", "NUMERICS"]]
         for p in peers:
             rtt = p.get("rtt_ms")
             live = p.get("state") in ("alive", "suspect", None)
@@ -72,9 +104,12 @@ def format_status(st: dict[str, Any]) -> str:
                     _cell(p.get("last_seen_s")),
                     _cell(p.get("addrs")),
                     _cell(p.get("models")) if live else "-",  # a dead node serves nothing
+                    _cell(p.get("version")),
+                    labels.get(p.get("numerics"), "-"),
                 ]
             )
         text += _table(rows)
+    text += _numerics_legend(mine, labels)
     text += format_pipeline(st, _table)
     text += format_experts(st, _table)
     banned = (st.get("services") or {}).get("membership", {}).get("banned") or []

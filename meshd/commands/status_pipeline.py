@@ -64,6 +64,8 @@ def _model(name: str, m: dict[str, Any], node_id: str, table: Table) -> str:
         text += "    no plan yet\n"
     for r in m.get("refused") or []:
         text += f"    refused {r.get('node_id')}: {r.get('reason')}\n"
+    for n in m.get("loading") or []:
+        text += f"    loading {n}: its --stage weights are not loaded yet (not planned on)\n"
     if m.get("recoveries"):
         text += f"    recoveries {m['recoveries']} (last {num(m.get('last_recovery_ms'), '{:.0f}')} ms)\n"
     return text
@@ -74,9 +76,11 @@ def format_pipeline(st: dict[str, Any], table: Table) -> str:
     pipe = ((st.get("services") or {}).get("pipeline") or {}).get("pipeline") or {}
     models = pipe.get("models") or {}
     stages = pipe.get("stages") or []
-    if not models and not stages:
+    if not models and not stages and not pipe.get("loading"):
         return ""
     text = f"pipeline  {pipe.get('pipeline', 'off')}\n"
+    if pipe.get("loading"):
+        text += f"  loading {pipe['loading']}\n"  # this node's --stage checkpoints: not offered yet
     if pipe.get("numerics"):
         text += f"  numerics {pipe['numerics']}\n"  # this node's tag (engine/numerics.py): stages must match it
     for name, m in sorted(models.items()):

@@ -270,6 +270,7 @@ class MembershipService(JoinMixin, CommandsMixin):
             "peers": self.view.peers_json(), "incarnation": core.incarnation, "alive": len(core.live_ids()),
             "banned": sorted(rev.banned) if rev else [], "stats": dict(core.stats),
             "mdns": self._mdns is not None, "links": self.links.status() if self.links is not None else None,
+            "numerics": dict(self._info.extra).get("numerics"),  # this node's tag as gossiped (None: no model)
         }
 
     # ----- core installation -------------------------------------------------------------------
