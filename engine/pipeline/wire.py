@@ -34,6 +34,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Any
 
 import numpy as np
 
@@ -247,34 +248,51 @@ _FWD_FLAGS, _RES_FLAGS = _ALLOWED_FLAGS[Kind.FORWARD], _ALLOWED_FLAGS[Kind.RESUL
 
 def _encode_step(frame: Frame) -> bytes | None:
     """``encode`` of a one-sequence FORWARD or a RESULT with a 2-D fp32 tensor; None for any other frame."""
+    parts = step_parts(frame)
+    return None if parts is None else b"".join(parts[0])
+
+
+def step_parts(frame: Frame, step: int | None = None) -> tuple[tuple[bytes, Any], int] | None:
+    """A one-sequence FORWARD or a RESULT with a 2-D fp32 tensor as ((its header, its tensor), bytes in all),
+    the tensor's bits not yet copied (a C-contiguous array: ``bytes.join`` or a socket reads them once); with
+    ``step``, as if ``frame.step`` were that. None for any other frame (``encode`` takes it). The parts joined
+    are ``encode``'s bytes."""
     x = getattr(frame, "x", None)
-    if x is None or x.dtype != _F32 or x.ndim != 2:
+    if x is None:
+        return None
+    dt = x.dtype
+    if (dt is not _F32 and dt != _F32) or x.ndim != 2:
         return None
     rows, cols = x.shape
+    if step is None:
+        step = frame.step
     if type(frame) is Forward:
         if len(frame.spans) != 1:
             return None
         s = frame.spans[0]
-        length = _FWD1.size - 4 + x.nbytes
+        length = _FWD1.size - 4 + 4 * rows * cols
         if length > limits.MAX_FRAME_BYTES:
             return None
         flags = (FLAG_LAST_ONLY if frame.last_only else 0) | (FLAG_POLL if frame.poll else 0)
-        head = _FWD1.pack(length, MAGIC, VERSION, Kind.FORWARD, flags, 0, frame.run, frame.step, 1, s.seq, s.start,
+        head = _FWD1.pack(length, MAGIC, VERSION, Kind.FORWARD, flags, 0, frame.run, step, 1, s.seq, s.start,
                           s.count, DType.F32, 2, rows, cols)
     elif type(frame) is Result:
-        length = _RES.size - 4 + x.nbytes
+        length = _RES.size - 4 + 4 * rows * cols
         if length > limits.MAX_FRAME_BYTES:
             return None
         head = _RES.pack(length, MAGIC, VERSION, Kind.RESULT, FLAG_LOGITS if frame.logits else 0, 0, frame.run,
-                         frame.step, frame.compute_us, DType.F32, 2, rows, cols)
+                         step, frame.compute_us, DType.F32, 2, rows, cols)
     else:
         return None
-    return head + memoryview(np.ascontiguousarray(x)).cast("B")
+    if not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x)
+    return (head, x), length + 4
 
 
-def _decode_step(data: bytes, max_frame_bytes: int) -> Frame | None:
+def _decode_step(data: bytes | bytearray, max_frame_bytes: int, owned: bool = False) -> Frame | None:
     """``data`` as exactly one well-formed one-sequence FORWARD or RESULT with a 2-D fp32 tensor, or None (the
-    general decoder then decodes it, or says what is wrong with it)."""
+    general decoder then decodes it, or says what is wrong with it). ``owned``: ``data`` is a ``bytearray``
+    nobody else refers to, and the tensor is a view of it rather than a copy."""
     n = len(data)
     if n >= _FWD1.size and data[7] == Kind.FORWARD:
         (length, magic, version, _, flags, reserved, run, step, seqs, seq, start, count, dtype, ndim, rows,
@@ -293,7 +311,10 @@ def _decode_step(data: bytes, max_frame_bytes: int) -> Frame | None:
             or dtype != DType.F32 or ndim != 2 or rows > limits.MAX_DIM or not 0 < cols <= limits.MAX_DIM
             or n != size + 4 * rows * cols):
         return None
-    x = np.frombuffer(data, _F32, rows * cols, size).reshape(rows, cols).astype(np.float32)  # a copy of its own
+    if owned and type(data) is bytearray:
+        x = np.ndarray((rows, cols), _F32, data, size)  # the message's own buffer: writable, nothing else holds it
+    else:
+        x = np.frombuffer(data, _F32, rows * cols, size).reshape(rows, cols).astype(np.float32)  # a copy of its own
     if size == _FWD1.size:
         return Forward(run, step, (SeqSpan(seq, start, count),), x, bool(flags & FLAG_LAST_ONLY),
                        bool(flags & FLAG_POLL))
@@ -495,10 +516,12 @@ class FrameDecoder:
             raise
 
 
-def decode_one(data: bytes, max_frame_bytes: int = limits.MAX_FRAME_BYTES) -> Frame:
+def decode_one(data: bytes | bytearray, max_frame_bytes: int = limits.MAX_FRAME_BYTES, owned: bool = False) -> Frame:
     """``data`` as exactly one whole frame (a direct channel's message: ``engine.pipeline.direct``). Raises
-    ``RemoteProtocolError`` for anything else (a malformed frame, a partial one, bytes after it)."""
-    fast = _decode_step(data, max_frame_bytes)
+    ``RemoteProtocolError`` for anything else (a malformed frame, a partial one, bytes after it). ``owned``:
+    ``data`` is a ``bytearray`` the caller hands over (``DirectChannel.recv_owned``): a step frame's tensor is
+    then a view of it, not a copy."""
+    fast = _decode_step(data, max_frame_bytes, owned)
     if fast is not None:
         return fast
     dec = FrameDecoder(max_frame_bytes)
