@@ -49,8 +49,10 @@ ExecutorFactory = Callable[[Any], Any]  # (model part) -> expert executor, or No
 class _Seq:
     cache: Any
     used: float
-    redo: tuple[int, bytes] | None = None  # (start, input bytes) of its last step if that came over a direct
-    #   channel: the serving node may not have its reply, and may send the same step again on the stream
+    redo: tuple[int, np.ndarray] | None = None  # (start, input row) of its last step if that came over a direct
+    #   channel: the serving node may not have its reply, and may send the same step again on the stream. The
+    #   row is a view of the direct message's own buffer (``wire.decode_one(owned=True)``), which nothing
+    #   writes to: kept, not copied, and compared bit for bit only when a step comes again
 
 
 class StageError(Exception):
@@ -517,7 +519,7 @@ class StageHost:
             if entry.cache.length != s.start:
                 redo = entry.redo
                 if not (rows and redo is not None and entry.cache.length == s.start + 1
-                        and redo[0] == s.start and redo[1] == f.x[r].tobytes()):
+                        and redo[0] == s.start and redo[1].tobytes() == f.x[r].tobytes()):
                     raise StageError(
                         wire.ErrorCode.POSITION_MISMATCH,
                         f"sequence {s.seq} is at position {entry.cache.length}, asked from {s.start}",
@@ -529,7 +531,7 @@ class StageHost:
         self.rewound += len(rewind)
         for r, s in enumerate(f.spans):
             entry = self.seqs[(f.run, s.seq)]
-            entry.redo = (s.start, f.x[r].tobytes()) if direct and rows else None
+            entry.redo = (s.start, f.x[r]) if direct and rows else None
             entry.used = now
         return caches
 
