@@ -190,19 +190,29 @@ class _Host:
         self.big = np.ones(16 * 1024 * 1024, dtype=np.float32)
         self.logits = np.random.default_rng(1).standard_normal((1, 8192), dtype=np.float32)
 
+        self.compute_cpu_s = 0.0
+        self.steps = 0
+
     def direct_step(self, f: Any, peer_id: str) -> Any:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         self.big.sum()
         out = self.logits.copy()
+        self.compute_cpu_s += time.thread_time() - c0
+        self.steps += 1
         return self.w.Result(f.run, f.step, int((time.perf_counter() - t0) * 1e6), out, True)
 
 
-def _serve_child(mods: dict[str, ModuleType], listener: socket.socket, server: ssl.SSLContext) -> None:
+def _serve_child(mods: dict[str, ModuleType], listener: socket.socket, server: ssl.SSLContext, report: Any) -> None:
     s, _ = listener.accept()
     listener.close()
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     ch = mods["lane"].DirectChannel(server.wrap_socket(s, server_side=True), "client", 2, False)
-    mods["direct"].serve([_Host(mods["wire"])], "client", ch)
+    host = _Host(mods["wire"])
+    while True:  # the warm-up steps, then the measured ones: CPU time outside the "compute" per step
+        c0, n0, k0 = time.thread_time(), host.steps, host.compute_cpu_s
+        mods["direct"].serve([host], "client", ch)
+        report.send(((time.thread_time() - c0 - (host.compute_cpu_s - k0)) / max(1, host.steps - n0), host.steps - n0))
+        return
 
 
 def hop(versions: dict[str, dict[str, ModuleType]], pairs: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
@@ -212,19 +222,23 @@ def hop(versions: dict[str, dict[str, ModuleType]], pairs: int) -> tuple[dict[st
     x = np.random.default_rng(0).standard_normal((1, 768), dtype=np.float32)
     res: dict[str, list[float]] = {"this": [], "base": []}
     pings: dict[str, list[float]] = {"this": [], "base": []}
+    cpu: dict[str, list[float]] = {"this": [], "base": []}
     ctx = multiprocessing.get_context("fork")
     with tempfile.TemporaryDirectory() as tmp:
         server, client = _contexts(tmp)
         ends: dict[str, tuple[Any, Any, Any, Any]] = {}
+        reports: dict[str, Any] = {}
         for name, mods in versions.items():
             listener = socket.create_server(("127.0.0.1", 0))
-            proc = ctx.Process(target=_serve_child, args=(mods, listener, server), daemon=True)
+            here, there = ctx.Pipe()
+            proc = ctx.Process(target=_serve_child, args=(mods, listener, server, there), daemon=True)
             proc.start()
             c = socket.create_connection(listener.getsockname())
             listener.close()
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             ch = mods["lane"].DirectChannel(client.wrap_socket(c), "server", 2, True)
             ends[name] = (mods["direct"].DirectHop(ch), _Link(), proc, mods["wire"])
+            reports[name] = here
         try:
             for name, (h, link, _, w) in ends.items():  # warm up (first calls, the child's first sweeps)
                 for _ in range(5):
@@ -244,15 +258,22 @@ def hop(versions: dict[str, dict[str, ModuleType]], pairs: int) -> tuple[dict[st
                     h, link, _, w = ends[name]
                     big.sum()
                     h._pinged = time.perf_counter()  # no ping ahead of this step
+                    c0 = time.thread_time()
                     r = h.call(link, w.Forward(1, 0, (w.SeqSpan(1, 5, 1),), x, True), True)
+                    cpu[name].append((time.thread_time() - c0) * 1e6)
                     if r is None or r.x.shape != (1, 8192):
                         raise RuntimeError(f"{name}: the hop failed")
                     lat, comp = link.stats.got[-1]
                     res[name].append((lat - comp) * 1e6)
         finally:
-            for h, _, proc, _ in ends.values():
+            for name, (h, _, proc, _) in ends.items():
                 h.close("done")
+                if reports[name].poll(5):
+                    per, n = reports[name].recv()
+                    print(f"stage side, {name}: CPU per message outside the compute {per * 1e6:.1f} us "
+                          f"(mean over {n} steps and the pings between them)")
                 proc.join(5)
+    _report("serving side CPU time per hop (thread_time around DirectHop.call)", cpu)
     return res, pings
 
 

@@ -291,7 +291,7 @@ class StageHost:
         on its stream)."""
         if self.owners.get(f.run) != peer_id:
             return wire.Error(f.step, wire.ErrorCode.UNKNOWN_RUN, f"run {f.run:016x} is not open here")
-        if not _one_row_each(f) or f.x.shape[0] > limits.INLINE_ROWS:
+        if not _one_row_each(f) or len(f.spans) > limits.INLINE_ROWS:  # (as many rows as spans)
             return wire.Error(f.step, wire.ErrorCode.PROTOCOL, "a direct step is a decode step (a row a sequence)")
         rng = self.runs.get(f.run)
         part = self.parts.get(rng) if rng is not None else None
@@ -559,7 +559,10 @@ def _check_forward(config: Any, f: wire.Forward) -> None:
 
 def _one_row_each(f: wire.Forward) -> bool:
     """Whether ``f`` is a decode step: one row of each of its sequences."""
-    return f.x.shape[0] == len(f.spans) and all(s.count == 1 for s in f.spans)
+    spans = f.spans
+    if len(spans) == 1:  # a lone step (on the hop, with cold caches: no generator)
+        return spans[0].count == 1 and f.x.shape[0] == 1
+    return f.x.shape[0] == len(spans) and all(s.count == 1 for s in spans)
 
 
 SERIAL = os.environ.get("MESHD_PIPELINE_SERIAL", "0") == "1"  # off by default: see limits.CROWDED_WINDOW_S
