@@ -136,16 +136,16 @@ class DirectChannel:
     def recv(self, timeout: float | None = None) -> bytes | None:
         """The next whole message, or None when the peer closed the channel cleanly between messages.
         Raises ``TransportError`` (and closes) on a timeout, a broken socket or a malformed record."""
-        out = self._recv(timeout)
+        out = self._recv(timeout, False)
         return out if out is None or type(out) is bytes else bytes(out)
 
-    def recv_owned(self, timeout: float | None = None) -> bytes | bytearray | None:
-        """``recv``, but a message longer than one read is returned as the ``bytearray`` it was read into (the
-        caller owns it: nothing else refers to it), so its bytes are copied once on their way from TLS, not
-        three times (into this channel's buffer, out of it, and into a decoded tensor)."""
-        return self._recv(timeout)
+    def recv_owned(self, timeout: float | None = None) -> bytearray | None:
+        """``recv``, but the message is a ``bytearray`` the caller owns (nothing else refers to it), and one
+        longer than a read is read straight into it: its bytes are copied once on their way from TLS, not three
+        times (into this channel's buffer, out of it, and into a decoded tensor)."""
+        return self._recv(timeout, True)  # type: ignore[return-value]
 
-    def _recv(self, timeout: float | None) -> bytes | bytearray | None:
+    def _recv(self, timeout: float | None, owned: bool) -> bytes | bytearray | None:
         buf = self._buf
         try:
             self._settimeout(timeout)
@@ -155,7 +155,7 @@ class DirectChannel:
                     self.close("peer closed")
                     return None
                 if got >= _RECORD.size:
-                    out, used = self._take(self._scratch_view, got)
+                    out, used = self._take(self._scratch_view, got, owned)
                     if used < got:
                         buf += self._scratch_view[used:got]
                     self.messages_in += 1
@@ -165,7 +165,7 @@ class DirectChannel:
                 if not self._fill():
                     raise TransportError("direct channel ended inside a message")
             with memoryview(buf) as view:
-                out, used = self._take(view, len(buf))
+                out, used = self._take(view, len(buf), owned)
             del buf[:used]
         except TransportError as e:
             self.close(str(e))
@@ -176,16 +176,16 @@ class DirectChannel:
         self.messages_in += 1
         return out
 
-    def _take(self, src: memoryview, have: int) -> tuple[bytes | bytearray, int]:
+    def _take(self, src: memoryview, have: int, owned: bool) -> tuple[bytes | bytearray, int]:
         """The message whose record starts at ``src[0]`` (``have`` bytes of ``src`` read, its header among them)
-        -> (the message, bytes of ``src`` it used). A message longer than ``src`` holds is read straight into
-        its own ``bytearray``: its bytes are copied once on their way from TLS."""
+        -> (the message, bytes of ``src`` it used): a ``bytearray`` when ``owned`` or when it is longer than
+        ``src`` holds (then read straight into it: its bytes are copied once on their way from TLS)."""
         (n,) = _RECORD.unpack_from(src)
         if n > self.max_record_bytes:
             raise TransportError(f"direct message of {n} bytes")
         end = _RECORD.size + n
         if have >= end:
-            return bytes(src[_RECORD.size:end]), end
+            return (bytearray if owned else bytes)(src[_RECORD.size:end]), end
         out = bytearray(n)
         got = have - _RECORD.size
         out[:got] = src[_RECORD.size:have]
