@@ -318,8 +318,11 @@ def _decode_step(data: bytes | bytearray, max_frame_bytes: int, owned: bool = Fa
             or dtype != _DT_F32 or ndim != 2 or rows > _MAX_DIM or not 0 < cols <= _MAX_DIM
             or n != size + 4 * rows * cols):
         return None
-    if owned and type(data) is bytearray:
-        x = np.ndarray((rows, cols), _F32, data, size)  # the message's own buffer: writable, nothing else holds it
+    if owned and size == _FWD1_SIZE and type(data) is bytearray:
+        # the message's own buffer: writable, nothing else holds it, and the rows start 48 bytes in, so 16-byte
+        # aligned as a copy's would be (a RESULT's start 36 bytes in: a view of those rows would be aligned
+        # differently from a copy, and a numpy reduction over them could then round differently: copied)
+        x = np.ndarray((rows, cols), _F32, data, size)
     else:
         x = np.frombuffer(data, _F32, rows * cols, size).reshape(rows, cols).astype(np.float32)  # a copy of its own
     if size == _FWD1_SIZE:
