@@ -55,6 +55,22 @@ def test_direct_channel_carries_messages_beside_the_lane_and_closes_with_the_mem
                 return out
 
             assert await asyncio.to_thread(use) == [b"hello", b"", big, b"x" * 5000]
+
+            def use_parts() -> list[Any]:  # parts joined on the way out; a long message read into its own buffer
+                out = []
+                for parts in ((b"ab", b"", b"c"), (big[:1000], memoryview(big)[1000:70000]), (big,)):
+                    n = sum(len(x) for x in parts)
+                    ch.send_parts(parts, n, 5.0)
+                    out.append(ch.recv_owned(5.0))
+                with pytest.raises(ValueError, match="said"):
+                    ch.send_parts((b"abc",), 4, 5.0)
+                return out
+
+            got = await asyncio.to_thread(use_parts)
+            assert got == [b"abc", big[:70000], big]
+            assert all(type(m) is bytearray for m in got)  # the caller's own buffers (a long one read into it)
+            ch.send(b"abc", 5.0)
+            assert type(await asyncio.to_thread(ch.recv, 5.0)) is bytes
             assert served == [p.a.identity.node_id]
             assert p.la.status()["direct_channels"] == 1 and p.lb.status()["direct_channels"] == 1
             s = await p.peer_of_b.open_stream(StreamType.EXPERT)  # the lane is untouched

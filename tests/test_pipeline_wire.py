@@ -198,3 +198,21 @@ def test_the_decode_steps_codec_equals_the_general_one(frame: wire.Frame, pos: i
     if got is not None:
         assert _same(got, _general_decode(bytes(bad)))
     assert wire._decode_step(data, len(data) - 5) is None  # over the bound: the general decoder refuses it
+    # the direct channel's forms: the parts joined are the bytes (also with another step number, and from a
+    # tensor that is not contiguous), and an owned buffer decodes to a writable view of itself, the same frame
+    (head, x), n = wire.step_parts(frame)  # type: ignore[misc]
+    assert b"".join((head, x)) == data and n == len(data)
+    step = (frame.step + 1) % 2**32
+    other = wire._encode_general(type(frame)(**{**{f: getattr(frame, f) for f in frame.__slots__}, "step": step}))
+    (head, x), n = wire.step_parts(frame, step)  # type: ignore[misc]
+    assert b"".join((head, x)) == other and n == len(other)
+    strided = np.repeat(frame.x, 2, axis=1)[:, ::2]
+    assert strided.shape[1] == 1 or not strided.flags.c_contiguous
+    (head, x), n = wire.step_parts(type(frame)(**{**{f: getattr(frame, f) for f in frame.__slots__},  # type: ignore[misc]
+                                               "x": strided}))
+    assert b"".join((head, x)) == data and n == len(data)
+    buf = bytearray(data)
+    owned = wire.decode_one(buf, limits.MAX_FRAME_BYTES, owned=True)
+    assert _same(owned, frame) and owned.x.flags.writeable
+    assert np.shares_memory(owned.x, np.frombuffer(buf, np.uint8)) == isinstance(frame, wire.Forward)  # RESULT: copied
+    assert not np.shares_memory(wire.decode_one(buf, limits.MAX_FRAME_BYTES).x, np.frombuffer(buf, np.uint8))

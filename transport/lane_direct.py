@@ -104,18 +104,30 @@ class DirectChannel:
     def send(self, payload: bytes | bytearray | memoryview, timeout: float | None = None) -> None:
         """Send one message (blocks until the kernel took it). Raises ``TransportError`` and closes on
         failure."""
+        self.send_parts((payload,), len(payload), timeout)
+
+    def send_parts(self, parts: tuple[Any, ...], n: int, timeout: float | None = None) -> None:
+        """Send one message made of ``parts`` (objects with the buffer protocol, C-contiguous, ``n`` bytes in
+        all), as ``send`` does: below ``_JOIN_BELOW_BYTES`` joined with the record header in one copy, so a
+        frame's header and its tensor's bits need not be joined first (a second copy of a 32 KiB logits row on
+        the hop). Raises ``TransportError`` and closes on failure (``BufferError`` for a part that cannot be
+        read as bytes, before anything is sent)."""
         if self.closed:
             raise TransportError(f"direct channel closed: {self.close_reason}")
-        n = len(payload)
         if n > self.max_record_bytes:
             raise TransportError(f"direct message of {n} bytes")
+        if n <= _JOIN_BELOW_BYTES:
+            data = b"".join((_RECORD.pack(n), *parts))
+            if len(data) != _RECORD.size + n:
+                raise ValueError(f"message parts of {len(data) - _RECORD.size} bytes, said {n}")
         try:
             self._settimeout(timeout)
             if n <= _JOIN_BELOW_BYTES:
-                self._sock.sendall(_RECORD.pack(n) + payload)
+                self._sock.sendall(data)
             else:
                 self._sock.sendall(_RECORD.pack(n))
-                self._sock.sendall(payload)
+                for part in parts:
+                    self._sock.sendall(part)
         except (OSError, ValueError) as e:
             self.close(f"send failed: {e!r}")
             raise TransportError(f"direct channel: send failed: {e!r}") from None
@@ -124,38 +136,74 @@ class DirectChannel:
     def recv(self, timeout: float | None = None) -> bytes | None:
         """The next whole message, or None when the peer closed the channel cleanly between messages.
         Raises ``TransportError`` (and closes) on a timeout, a broken socket or a malformed record."""
+        out = self._recv(timeout, False)
+        return out if out is None or type(out) is bytes else bytes(out)
+
+    def recv_owned(self, timeout: float | None = None) -> bytearray | None:
+        """``recv``, but the message is a ``bytearray`` the caller owns (nothing else refers to it), and one
+        longer than a read is read straight into it: its bytes are copied once on their way from TLS, not three
+        times (into this channel's buffer, out of it, and into a decoded tensor)."""
+        return self._recv(timeout, True)  # type: ignore[return-value]
+
+    def _recv(self, timeout: float | None, owned: bool) -> bytes | bytearray | None:
         buf = self._buf
         try:
             self._settimeout(timeout)
-            while len(buf) < _RECORD.size:
-                if not self._fill():
-                    if buf:
-                        raise TransportError("direct channel ended inside a message")
+            if not buf:  # nothing left over (the usual case): the first read is taken from the scratch buffer
+                got = self._read_into(self._scratch_view)
+                if not got:
                     self.close("peer closed")
                     return None
-            (n,) = _RECORD.unpack_from(buf)
-            if n > self.max_record_bytes:
-                raise TransportError(f"direct message of {n} bytes")
-            end = _RECORD.size + n
-            while len(buf) < end:
+                if got >= _RECORD.size:
+                    out, used = self._take(self._scratch_view, got, owned)
+                    if used < got:
+                        buf += self._scratch_view[used:got]
+                    self.messages_in += 1
+                    return out
+                buf += self._scratch_view[:got]
+            while len(buf) < _RECORD.size:
                 if not self._fill():
                     raise TransportError("direct channel ended inside a message")
+            with memoryview(buf) as view:
+                out, used = self._take(view, len(buf), owned)
+            del buf[:used]
         except TransportError as e:
             self.close(str(e))
             raise
         except (OSError, ValueError) as e:  # TimeoutError is an OSError
             self.close(f"recv failed: {e!r}")
             raise TransportError(f"direct channel: recv failed: {e!r}") from None
-        with memoryview(buf) as view:
-            out = bytes(view[_RECORD.size:end])  # one copy (a bytearray slice would copy twice)
-        del buf[:end]
         self.messages_in += 1
         return out
 
-    def _fill(self) -> bool:
+    def _take(self, src: memoryview, have: int, owned: bool) -> tuple[bytes | bytearray, int]:
+        """The message whose record starts at ``src[0]`` (``have`` bytes of ``src`` read, its header among them)
+        -> (the message, bytes of ``src`` it used): a ``bytearray`` when ``owned`` or when it is longer than
+        ``src`` holds (then read straight into it: its bytes are copied once on their way from TLS)."""
+        (n,) = _RECORD.unpack_from(src)
+        if n > self.max_record_bytes:
+            raise TransportError(f"direct message of {n} bytes")
+        end = _RECORD.size + n
+        if have >= end:
+            return (bytearray if owned else bytes)(src[_RECORD.size:end]), end
+        out = bytearray(n)
+        got = have - _RECORD.size
+        out[:got] = src[_RECORD.size:have]
+        with memoryview(out) as view:
+            while got < n:
+                k = self._read_into(view[got:], n - got)
+                if not k:
+                    raise TransportError("direct channel ended inside a message")
+                got += k
+        return out, have
+
+    def _read_into(self, view: memoryview, nbytes: int = 0) -> int:
         if self.closed:
             raise TransportError(f"direct channel closed: {self.close_reason}")
-        n = self._sock.recv_into(self._scratch)
+        return self._sock.recv_into(view, nbytes)
+
+    def _fill(self) -> bool:
+        n = self._read_into(self._scratch_view)
         if not n:
             return False
         self._buf += self._scratch_view[:n]

@@ -43,6 +43,7 @@ from engine.pipeline.planner import Plan
 from engine.pipeline.stage import SERIAL, serial_if
 
 log = structlog.get_logger(__name__)
+_F32 = np.dtype(np.float32)
 
 MAX_RECOVERIES = 3  # re-plans one step may go through before it gives up
 BATCH = os.environ.get("MESHD_PIPELINE_BATCH", "1") != "0"  # batched decode steps (decode_groups); 0: lone
@@ -233,7 +234,8 @@ class Run:
         else:
             rows = len(span)
         want = (rows, c.vocab_size if last else c.hidden_size)
-        if res.x.dtype != np.float32 or res.x.shape != want:
+        dt = res.x.dtype
+        if (dt is not _F32 and dt != _F32) or res.x.shape != want:  # (identity first: a cold lookup fewer)
             what = "logits" if last else "hidden states"
             return f"answered {what} {res.x.dtype}{list(res.x.shape)}, expected float32{list(want)}"
         return ""

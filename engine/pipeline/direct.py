@@ -81,19 +81,22 @@ class DirectHop:
                     raise TransportError("bad ping echo")
                 link.stats.add_ping(time.perf_counter() - now)
             step = self._next()
-            data = wire.encode(wire.Forward(frame.run, step, frame.spans, frame.x, frame.last_only))
+            parts = wire.step_parts(frame, step)  # the frame with this channel's step number, not copied yet
+            if parts is None:  # a batched step (several spans): the general codec
+                data = wire.encode(wire.Forward(frame.run, step, frame.spans, frame.x, frame.last_only))
+                parts = (data,), len(data)
             t0 = time.perf_counter()
             if trace.ON and frame.x.shape[0] == 1:
                 trace.mark("S.dsend")
-            ch.send(data, timeout)
+            ch.send_parts(parts[0], parts[1], timeout)
             if trace.ON and frame.x.shape[0] == 1:
                 trace.mark("S.dwrote")
-            back = ch.recv(timeout)
+            back = ch.recv_owned(timeout)
             if trace.ON and frame.x.shape[0] == 1:
                 trace.mark("S.drx")
             if back is None:
                 raise TransportError("the stage closed the direct channel")
-            reply = wire.decode_one(back, limits.DIRECT_MAX_MESSAGE_BYTES)
+            reply = wire.decode_one(back, limits.DIRECT_MAX_MESSAGE_BYTES, owned=True)
             if isinstance(reply, wire.Error) and reply.step == step:
                 self.fallbacks += 1  # the channel is in step; the stream's answer is the one that counts
                 log.debug("pipeline_direct_error", stage=ch.peer_id[:12], code=reply.code, text=reply.text)
@@ -120,30 +123,34 @@ def serve(hosts: list[Any], peer_id: str, channel: Any) -> None:
     channel.max_record_bytes = min(channel.max_record_bytes, limits.DIRECT_MAX_MESSAGE_BYTES)
     try:
         while not channel.closed:
-            data = channel.recv()
+            data = channel.recv_owned()
             if data is None:
                 return
             t_rx = time.monotonic_ns() if trace.ON else 0
-            f = wire.decode_one(data, limits.DIRECT_MAX_MESSAGE_BYTES)
-            if isinstance(f, wire.Keepalive):
+            f = wire.decode_one(data, limits.DIRECT_MAX_MESSAGE_BYTES, owned=True)
+            if type(f) is not wire.Forward:
+                if not isinstance(f, wire.Keepalive):
+                    raise wire.RemoteProtocolError(wire.ErrorCode.PROTOCOL, f"a direct channel does not take "
+                                                   f"{type(f).__name__}")
                 channel.send(wire.encode(f))
                 continue
-            if not isinstance(f, wire.Forward):
-                raise wire.RemoteProtocolError(wire.ErrorCode.PROTOCOL, f"a direct channel does not take "
-                                               f"{type(f).__name__}")
-            host = next((h for h in hosts if h.owners.get(f.run) == peer_id), None)
-            if host is None:
-                reply: wire.Frame = wire.Error(f.step, wire.ErrorCode.UNKNOWN_RUN,
-                                               f"run {f.run:016x} is not open here")
-            else:
-                if trace.ON and f.x.shape[0] == 1:
-                    trace.mark_at("T.drx", t_rx)
-                reply = host.direct_step(f, peer_id)
-            data = wire.encode(reply)
-            one = trace.ON and isinstance(reply, wire.Result) and reply.x.shape[0] == 1
+            reply: wire.Frame | None = None
+            for host in hosts:
+                if host.owners.get(f.run) == peer_id:
+                    if trace.ON and f.x.shape[0] == 1:
+                        trace.mark_at("T.drx", t_rx)
+                    reply = host.direct_step(f, peer_id)
+                    break
+            if reply is None:
+                reply = wire.Error(f.step, wire.ErrorCode.UNKNOWN_RUN, f"run {f.run:016x} is not open here")
+            parts = wire.step_parts(reply)  # a RESULT: its header and its rows, joined once on the way out
+            one = trace.ON and parts is not None and reply.x.shape[0] == 1  # type: ignore[union-attr]
             if one:
                 trace.mark("T.dsend")
-            channel.send(data)
+            if parts is not None:
+                channel.send_parts(*parts)
+            else:
+                channel.send(wire.encode(reply))
             if one:
                 trace.mark("T.dwrote")
     except wire.RemoteProtocolError as e:

@@ -49,8 +49,10 @@ ExecutorFactory = Callable[[Any], Any]  # (model part) -> expert executor, or No
 class _Seq:
     cache: Any
     used: float
-    redo: tuple[int, bytes] | None = None  # (start, input bytes) of its last step if that came over a direct
-    #   channel: the serving node may not have its reply, and may send the same step again on the stream
+    redo: tuple[int, np.ndarray] | None = None  # (start, input row) of its last step if that came over a direct
+    #   channel: the serving node may not have its reply, and may send the same step again on the stream. The
+    #   row is a view of the direct message's own buffer (``wire.decode_one(owned=True)``), which nothing
+    #   writes to: kept, not copied, and compared bit for bit only when a step comes again
 
 
 class StageError(Exception):
@@ -289,7 +291,7 @@ class StageHost:
         on its stream)."""
         if self.owners.get(f.run) != peer_id:
             return wire.Error(f.step, wire.ErrorCode.UNKNOWN_RUN, f"run {f.run:016x} is not open here")
-        if not _one_row_each(f) or f.x.shape[0] > limits.INLINE_ROWS:
+        if not _one_row_each(f) or len(f.spans) > limits.INLINE_ROWS:  # (as many rows as spans)
             return wire.Error(f.step, wire.ErrorCode.PROTOCOL, "a direct step is a decode step (a row a sequence)")
         rng = self.runs.get(f.run)
         part = self.parts.get(rng) if rng is not None else None
@@ -517,7 +519,7 @@ class StageHost:
             if entry.cache.length != s.start:
                 redo = entry.redo
                 if not (rows and redo is not None and entry.cache.length == s.start + 1
-                        and redo[0] == s.start and redo[1] == f.x[r].tobytes()):
+                        and redo[0] == s.start and redo[1].tobytes() == f.x[r].tobytes()):
                     raise StageError(
                         wire.ErrorCode.POSITION_MISMATCH,
                         f"sequence {s.seq} is at position {entry.cache.length}, asked from {s.start}",
@@ -529,7 +531,7 @@ class StageHost:
         self.rewound += len(rewind)
         for r, s in enumerate(f.spans):
             entry = self.seqs[(f.run, s.seq)]
-            entry.redo = (s.start, f.x[r].tobytes()) if direct and rows else None
+            entry.redo = (s.start, f.x[r]) if direct and rows else None
             entry.used = now
         return caches
 
@@ -557,7 +559,10 @@ def _check_forward(config: Any, f: wire.Forward) -> None:
 
 def _one_row_each(f: wire.Forward) -> bool:
     """Whether ``f`` is a decode step: one row of each of its sequences."""
-    return f.x.shape[0] == len(f.spans) and all(s.count == 1 for s in f.spans)
+    spans = f.spans
+    if len(spans) == 1:  # a lone step (on the hop, with cold caches: no generator)
+        return spans[0].count == 1 and f.x.shape[0] == 1
+    return f.x.shape[0] == len(spans) and all(s.count == 1 for s in spans)
 
 
 SERIAL = os.environ.get("MESHD_PIPELINE_SERIAL", "0") == "1"  # off by default: see limits.CROWDED_WINDOW_S
