@@ -69,8 +69,11 @@ def expert_ffn_many(items: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np
     same operations on the same arrays): decode-sized items with the products of all items in two rounds of
     the compiled kernels' threads (every gate/up, then every down) instead of two per item; when an item has
     more than ``KERNEL_MAX_ROWS`` rows (a prefill's, on an expert worker too), each item whole on the prefill
-    threads (``engine.prefill_threads``), the largest first."""
-    if len(items) > 1 and prefill_threads.threads() > 1 and max(it[0].shape[0] for it in items) > KERNEL_MAX_ROWS:
+    threads (``engine.prefill_threads``), the largest first. Items with prefill rows are computed on
+    single-threaded BLAS however many items or threads there are, as the local pass's pieces compute them
+    (``prefill_threads.single_blas``: one and two BLAS threads do not give the same bits on every CPU)."""
+    prefill = max(it[0].shape[0] for it in items) > KERNEL_MAX_ROWS
+    if prefill and len(items) > 1 and prefill_threads.threads() > 1:
         res: list[np.ndarray | None] = [None] * len(items)
 
         def one(i: int) -> None:
@@ -79,6 +82,9 @@ def expert_ffn_many(items: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np
         order = sorted(range(len(items)), key=lambda i: -items[i][0].shape[0])
         prefill_threads.run([functools.partial(one, i) for i in order])
         return res  # type: ignore[return-value]
+    if prefill:
+        with prefill_threads.single_blas():
+            return _ffn_many(items)
     return _ffn_many(items)
 
 
@@ -149,7 +155,8 @@ def local_executor(weights: ExpertWeightsFn) -> ExpertExecutor:
     (``engine.prefill_threads``), each item whole on one thread, the largest first; without such threads a
     work list runs in groups of about ``EXPERT_GROUP_ROWS`` rows (each item whole, in order). Either way the
     gathered rows and gate/up activations alive at once stay bounded, and each item's products and SwiGLU are
-    the same operations on the same rows whatever group or thread runs it, so the outputs are the same bits."""
+    the same operations on the same rows whatever group or thread runs it, on single-threaded BLAS for a
+    prefill's items either way (``expert_ffn_many``), so the outputs are the same bits."""
 
     def run(layer: int, x: np.ndarray, work: Sequence[WorkItem]) -> list[np.ndarray]:
         if x.shape[0] > KERNEL_MAX_ROWS and len(work) > 1 and prefill_threads.threads() > 1:

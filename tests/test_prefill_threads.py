@@ -4,6 +4,7 @@ BLAS, and every result is the same bits as the one-thread pass."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,13 +23,14 @@ needs_local_threads = pytest.mark.skipif(BLAS is None, reason="numpy's BLAS has 
 @pytest.fixture(scope="module")
 def _one_helper() -> prefill_threads._Pool:
     assert BLAS is not None
-    return prefill_threads._Pool(1, BLAS[0])  # its thread lives on, idle, like the process's own pool
+    return prefill_threads._Pool(1)  # its thread lives on, idle, like the process's own pool
 
 
 @pytest.fixture
 def two_threads(monkeypatch: pytest.MonkeyPatch, _one_helper: prefill_threads._Pool) -> prefill_threads._Pool:
     """This process's prefill threads made two (a caller and one helper), whatever BLAS's count is."""
     pool = _one_helper
+    prefill_threads.threads()  # decided once: BLAS's functions and own count read
     monkeypatch.setattr(prefill_threads, "_pool", pool)
     monkeypatch.setattr(prefill_threads, "_decided", True)
     return pool
@@ -65,23 +67,31 @@ def _stacked_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, past: int, s
 
 
 @needs_local_threads
-def test_single_threaded_blas_gives_the_threaded_bits() -> None:
-    """What the pieces rely on: a product's bits do not depend on BLAS's thread count (prefill shapes)."""
-    set_local = BLAS[0]  # type: ignore[index]
-    rng = np.random.default_rng(0)
-    shapes = [(m, k, n) for m in range(1, 300, 7) for k, n in ((768, 384), (384, 768))]  # an expert's products
-    shapes += [(256, 768, 256), (768, 64, 300), (300, 64, 768), (5, 64, 16), (256, 768, 16)]  # q/k/v, attention, router
-    for m, k, n in shapes:
-        x = rng.standard_normal((m, k), dtype=F32)
-        w = rng.standard_normal((n, k), dtype=F32)
-        prev = set_local(2)
-        try:
-            threaded = x @ w.T
-            set_local(1)
-            single = x @ w.T
-        finally:
-            set_local(prev)
-        assert single.tobytes() == threaded.tobytes(), (m, k, n)
+def test_pieces_run_on_single_threaded_blas_and_the_count_comes_back(two_threads: prefill_threads._Pool) -> None:
+    """Every piece's products run on single-threaded BLAS, also a piece still running on the helper after the
+    caller ran out of pieces (OpenBLAS's per-thread count is one count for the process: the caller restoring it
+    early gave that piece threaded BLAS, other bits on some CPUs), and BLAS's own count is back after ``run``
+    (the helper setting 1 when it started left the caller's q/k/v/o products single-threaded for good)."""
+    get = BLAS[1]  # type: ignore[index]
+    own = prefill_threads._blas_threads
+    assert get() == own
+    for _ in range(5):
+        started = threading.Event()
+        counts: list[int] = []
+
+        def first() -> None:  # the caller's (it claims first): waits until the helper holds the other piece
+            counts.append(get())
+            started.wait(10)
+
+        def second() -> None:
+            started.set()
+            time.sleep(0.05)  # the caller is out of pieces by now
+            counts.append(get())
+
+        prefill_threads.run([first, second])
+        assert counts == [1, 1]
+        assert get() == own
+    assert own == 1 or prefill_threads._single == 0
 
 
 CASES = [  # t, past, heads, kv heads, head dim, window
@@ -98,7 +108,8 @@ def test_attention_pieces_equal_the_stacked_computation(threads: str, request: p
         q = rng.standard_normal((t, h, hd), dtype=F32)
         k = rng.standard_normal((kv, past + t + 11, hd), dtype=F32)[:, : past + t]  # a cache's strided view
         v = rng.standard_normal((kv, past + t + 11, hd), dtype=F32)[:, : past + t]
-        want = _stacked_attention(q, k, v, past, hd**-0.5, window)
+        with prefill_threads.single_blas():  # the BLAS the pieces run on
+            want = _stacked_attention(q, k, v, past, hd**-0.5, window)
         got = ops.attention(q, k, v, past, hd**-0.5, window)
         assert got.tobytes() == want.tobytes(), (t, past, h, kv, hd, window)
         np.testing.assert_allclose(got, ops.naive_attention(q, k, v, past, hd**-0.5, window), rtol=1e-4, atol=1e-5)
