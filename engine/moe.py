@@ -35,7 +35,6 @@ the work list. Tokens whose experts are spread over several workers are combined
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -232,25 +231,25 @@ def combine(routing: Routing, outputs: Sequence[np.ndarray], t: int, d: int) -> 
         return acc
     # Y[t, j] gathered from the work outputs: position of (t, expert) inside its work item.
     y = np.empty((t, top_k, d), dtype=np.float32)  # [T, k, D]
-    if routing.positions is not None:
-        flat = y.reshape(t * top_k, d)  # a view: row t * k + j is Y[t, j]
-        for pos, out in zip(routing.positions, outputs):
-            flat[pos] = out
-    else:
-        for (expert, rows), out in zip(routing.work, outputs):
-            slots = np.argmax(routing.experts[rows] == expert, axis=-1)  # [n]
-            y[rows, slots] = out
-    n = prefill_threads.threads() if t > KERNEL_MAX_ROWS else 1
-    if n == 1:
+    flat = y.reshape(t * top_k, d)  # a view: row t * k + j is Y[t, j]
+    threaded = t > KERNEL_MAX_ROWS and prefill_threads.threads() > 1
+
+    def scatter(i: int) -> None:
+        flat[slot_positions(routing, i)] = outputs[i]
+
+    if not threaded:
+        for i in range(len(outputs)):
+            scatter(i)
         return weighted_sum(routing.weights, y)
-    # a prefill: row ranges on the prefill threads (weighted_sum is elementwise: the same bits per row)
+    # a prefill: the items' copies (each writes its own rows of Y), then row ranges of the sum (elementwise:
+    # the same bits per row), on the prefill threads
+    prefill_threads.run([functools.partial(scatter, i) for i in range(len(outputs))], blas=False)
     acc = np.empty((t, d), dtype=np.float32)
 
     def rows(a: int, b: int) -> None:
         acc[a:b] = weighted_sum(routing.weights[a:b], y[a:b])
 
-    cuts = [t * i // n for i in range(n + 1)]
-    prefill_threads.run([functools.partial(rows, a, b) for a, b in itertools.pairwise(cuts)])
+    prefill_threads.run_rows(t, rows)
     return acc
 
 
