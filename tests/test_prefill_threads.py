@@ -230,3 +230,19 @@ def test_expert_ffn_many_on_the_threads_equals_one_thread(two_threads: prefill_t
     want = moe.expert_ffn_many(items)
     assert [g.tobytes() for g in got] == [x.tobytes() for x in want]
     assert [g.tobytes() for g in got] == [moe.expert_ffn(*it).tobytes() for it in items]
+
+
+@needs_local_threads
+def test_an_expert_workers_lone_prefill_item_gets_the_pieces_bits(two_threads: prefill_threads._Pool) -> None:
+    """An expert worker asked for one prefill-sized item (or running without helpers) computes it on
+    single-threaded BLAS, as the local pass's piece does: with BLAS's own threads, a model-sized expert's
+    products differ in their last bits on CPUs where one and two OpenBLAS threads disagree (an AMD EPYC VM with
+    the Haswell kernels; where they agree the test cannot tell)."""
+    rng = np.random.default_rng(3)
+    gate, up = (rng.standard_normal((384, 768), dtype=F32) * F32(0.05) for _ in range(2))
+    down = rng.standard_normal((768, 384), dtype=F32) * F32(0.05)
+    x = rng.standard_normal((64, 768), dtype=F32)
+    with prefill_threads.single_blas():
+        want = moe.expert_ffn(x, gate, up, down).tobytes()
+    assert moe.expert_ffn_many([(x, gate, up, down)])[0].tobytes() == want
+    assert moe.expert_ffn_many([(x, gate, up, down), (x[:7], gate, up, down)])[0].tobytes() == want
