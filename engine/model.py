@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 
-from . import dense, families
+from . import dense, families, prefill_threads
 from .checkpoint import Checkpoint, ProgressFn, TensorRef, load_checkpoint
 from .config import ModelConfig
 from .decode_plan import DecodePlan, planned
@@ -428,8 +428,8 @@ class Model:
             h = self._norm(x, layer.attn_norm)
             kc, vc = cache.k[i - cache.first_layer], cache.v[i - cache.first_layer]
             att = self._attend(layer, h, kc, vc, past, cos, sin, window)
-            x = x + self._out(layer, att)
-            x += yield from self._mlp(i, layer, self._norm(x, layer.mlp_norm))
+            x, h = self._add_norm(x, self._out(layer, att), layer.mlp_norm)
+            x += yield from self._mlp(i, layer, h)
         return x
 
     def forward_batch(self, ids: Sequence[int] | np.ndarray, caches: Sequence[KVCache],
@@ -478,10 +478,37 @@ class Model:
 
     # ----- pieces ------------------------------------------------------------------------------------
     def _norm(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        """RMSNorm of hidden states [T, D]; compiled for decode rows when the model's step is."""
-        if self._step and x.shape[0] <= KERNEL_MAX_ROWS:
+        """RMSNorm of hidden states [T, D]; compiled for decode rows when the model's step is, in row ranges on
+        the prefill threads for a prefill's (each row the same bits either way)."""
+        t = x.shape[0]
+        if self._step and t <= KERNEL_MAX_ROWS:
             return dense.rmsnorm(x, w, self.config.rms_norm_eps)
-        return rmsnorm(x, w, self.config.rms_norm_eps)
+        if t <= KERNEL_MAX_ROWS or prefill_threads.threads() == 1:
+            return rmsnorm(x, w, self.config.rms_norm_eps)
+        out = np.empty(x.shape, dtype=F32)
+
+        def rows(a: int, b: int) -> None:
+            out[a:b] = rmsnorm(x[a:b], w, self.config.rms_norm_eps)
+
+        prefill_threads.run_rows(t, rows)
+        return out
+
+    def _add_norm(self, x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The residual add and the next norm: (x + y, RMSNorm(x + y)) of [T, D] each, a prefill's in row ranges
+        on the prefill threads (elementwise and per row: the same bits)."""
+        t = x.shape[0]
+        if t <= KERNEL_MAX_ROWS or prefill_threads.threads() == 1:
+            x = x + y
+            return x, self._norm(x, w)
+        xs = np.empty(x.shape, dtype=F32)
+        out = np.empty(x.shape, dtype=F32)
+
+        def rows(a: int, b: int) -> None:
+            np.add(x[a:b], y[a:b], out=xs[a:b])
+            out[a:b] = rmsnorm(xs[a:b], w, self.config.rms_norm_eps)
+
+        prefill_threads.run_rows(t, rows)
+        return xs, out
 
     def _attend(self, layer: Layer, h: np.ndarray, kc: np.ndarray, vc: np.ndarray, past: int,
                 cos: np.ndarray, sin: np.ndarray, window: int | None) -> np.ndarray:
@@ -490,9 +517,21 @@ class Model:
         t = h.shape[0]
         if t == 1 and self._step:
             return self._attend_one(layer, h, kc, vc, past, cos[0], sin[0], window)
-        q, k, v = self._qkv(layer, h, cos, sin)
-        kc[:, past : past + t] = k.transpose(1, 0, 2)
-        vc[:, past : past + t] = v.transpose(1, 0, 2)
+        if t <= KERNEL_MAX_ROWS or prefill_threads.threads() == 1:
+            q, k, v = self._qkv(layer, h, cos, sin)
+            kc[:, past : past + t] = k.transpose(1, 0, 2)
+            vc[:, past : past + t] = v.transpose(1, 0, 2)
+        else:  # a prefill: the products on BLAS's threads, the row-wise rest in row ranges on the prefill threads
+            c = self.config
+            qs, ks, vs = matmul_many([(h, layer.q), (h, layer.k), (h, layer.v)])  # h @ w.T each
+            q = np.empty((t, c.num_heads, c.head_dim), dtype=F32)
+
+            def rows(a: int, b: int) -> None:
+                q[a:b], k, v = self._qkv_rows(layer, qs[a:b], ks[a:b], vs[a:b], cos[a:b], sin[a:b])
+                kc[:, past + a : past + b] = k.transpose(1, 0, 2)
+                vc[:, past + a : past + b] = v.transpose(1, 0, 2)
+
+            prefill_threads.run_rows(t, rows)
         return attention(q, kc[:, : past + t], vc[:, : past + t], past, self.scale, window)
 
     def _attend_batch(self, layer: Layer, h: np.ndarray, kv: list[tuple[np.ndarray, np.ndarray]],
@@ -534,9 +573,15 @@ class Model:
     def _qkv(self, layer: Layer, h: np.ndarray, cos: np.ndarray,
              sin: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """[T, D] -> q [T, H, hd], k/v [T, KV, hd] with biases, q/k norms, clipping and rope applied."""
-        c = self.config
-        t = h.shape[0]
         q, k, v = matmul_many([(h, layer.q), (h, layer.k), (h, layer.v)])  # h @ w.T each
+        return self._qkv_rows(layer, q, k, v, cos, sin)
+
+    def _qkv_rows(self, layer: Layer, q: np.ndarray, k: np.ndarray, v: np.ndarray, cos: np.ndarray,
+                  sin: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``_qkv`` after its products, on rows of them (q [T, H * hd], k/v [T, KV * hd], modified in place;
+        cos/sin of those rows' positions): every step is per row, so a range of rows gives those rows' bits."""
+        c = self.config
+        t = q.shape[0]
         if layer.q_bias is not None:
             q += layer.q_bias
             k += layer.k_bias

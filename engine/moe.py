@@ -35,7 +35,6 @@ the work list. Tokens whose experts are spread over several workers are combined
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -69,8 +68,11 @@ def expert_ffn_many(items: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np
     same operations on the same arrays): decode-sized items with the products of all items in two rounds of
     the compiled kernels' threads (every gate/up, then every down) instead of two per item; when an item has
     more than ``KERNEL_MAX_ROWS`` rows (a prefill's, on an expert worker too), each item whole on the prefill
-    threads (``engine.prefill_threads``), the largest first."""
-    if len(items) > 1 and prefill_threads.threads() > 1 and max(it[0].shape[0] for it in items) > KERNEL_MAX_ROWS:
+    threads (``engine.prefill_threads``), the largest first. Items with prefill rows are computed on
+    single-threaded BLAS however many items or threads there are, as the local pass's pieces compute them
+    (``prefill_threads.single_blas``: one and two BLAS threads do not give the same bits on every CPU)."""
+    prefill = max(it[0].shape[0] for it in items) > KERNEL_MAX_ROWS
+    if prefill and len(items) > 1 and prefill_threads.threads() > 1:
         res: list[np.ndarray | None] = [None] * len(items)
 
         def one(i: int) -> None:
@@ -79,6 +81,9 @@ def expert_ffn_many(items: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np
         order = sorted(range(len(items)), key=lambda i: -items[i][0].shape[0])
         prefill_threads.run([functools.partial(one, i) for i in order])
         return res  # type: ignore[return-value]
+    if prefill:
+        with prefill_threads.single_blas():
+            return _ffn_many(items)
     return _ffn_many(items)
 
 
@@ -149,7 +154,8 @@ def local_executor(weights: ExpertWeightsFn) -> ExpertExecutor:
     (``engine.prefill_threads``), each item whole on one thread, the largest first; without such threads a
     work list runs in groups of about ``EXPERT_GROUP_ROWS`` rows (each item whole, in order). Either way the
     gathered rows and gate/up activations alive at once stay bounded, and each item's products and SwiGLU are
-    the same operations on the same rows whatever group or thread runs it, so the outputs are the same bits."""
+    the same operations on the same rows whatever group or thread runs it, on single-threaded BLAS for a
+    prefill's items either way (``expert_ffn_many``), so the outputs are the same bits."""
 
     def run(layer: int, x: np.ndarray, work: Sequence[WorkItem]) -> list[np.ndarray]:
         if x.shape[0] > KERNEL_MAX_ROWS and len(work) > 1 and prefill_threads.threads() > 1:
@@ -225,25 +231,25 @@ def combine(routing: Routing, outputs: Sequence[np.ndarray], t: int, d: int) -> 
         return acc
     # Y[t, j] gathered from the work outputs: position of (t, expert) inside its work item.
     y = np.empty((t, top_k, d), dtype=np.float32)  # [T, k, D]
-    if routing.positions is not None:
-        flat = y.reshape(t * top_k, d)  # a view: row t * k + j is Y[t, j]
-        for pos, out in zip(routing.positions, outputs):
-            flat[pos] = out
-    else:
-        for (expert, rows), out in zip(routing.work, outputs):
-            slots = np.argmax(routing.experts[rows] == expert, axis=-1)  # [n]
-            y[rows, slots] = out
-    n = prefill_threads.threads() if t > KERNEL_MAX_ROWS else 1
-    if n == 1:
+    flat = y.reshape(t * top_k, d)  # a view: row t * k + j is Y[t, j]
+    threaded = t > KERNEL_MAX_ROWS and prefill_threads.threads() > 1
+
+    def scatter(i: int) -> None:
+        flat[slot_positions(routing, i)] = outputs[i]
+
+    if not threaded:
+        for i in range(len(outputs)):
+            scatter(i)
         return weighted_sum(routing.weights, y)
-    # a prefill: row ranges on the prefill threads (weighted_sum is elementwise: the same bits per row)
+    # a prefill: the items' copies (each writes its own rows of Y), then row ranges of the sum (elementwise:
+    # the same bits per row), on the prefill threads
+    prefill_threads.run([functools.partial(scatter, i) for i in range(len(outputs))], blas=False)
     acc = np.empty((t, d), dtype=np.float32)
 
     def rows(a: int, b: int) -> None:
         acc[a:b] = weighted_sum(routing.weights[a:b], y[a:b])
 
-    cuts = [t * i // n for i in range(n + 1)]
-    prefill_threads.run([functools.partial(rows, a, b) for a, b in itertools.pairwise(cuts)])
+    prefill_threads.run_rows(t, rows)
     return acc
 
 

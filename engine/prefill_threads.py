@@ -7,12 +7,13 @@ by 768x384) so BLAS's threads spend much of each product waiting for each other.
 the bench model spent ~21% of its single-threaded time outside BLAS, which two BLAS threads cannot shorten.
 Here the pieces themselves are spread over the threads, each running whole on one thread.
 
-Bits: a piece is the same numpy and BLAS calls on the same arrays as when run alone, on one BLAS thread
-wherever it runs, so which thread runs a piece never matters. One BLAS thread does not always give the bits of
-two (OpenBLAS 0.3.31 sgemm, Haswell core, differs from 4 rows at 512x512), so with the pool a product inside a piece
-may differ from the same product outside one: the same on every run and every path of a node, which all run this
-code (tests/test_prefill_threads.py). That needs a per-thread count: where BLAS's "local" count is in truth the
-process's (``per_thread``), there is no pool.
+Bits: a piece is the same numpy and BLAS calls on the same arrays whichever thread runs it, always with BLAS
+single-threaded (``single_blas``), with or without helpers. Single-threaded BLAS is not always the bits of
+threaded BLAS: on an AMD EPYC (Zen) VM with OpenBLAS's Haswell kernels, 2 threads against 1 changed the bits of
+most prefill shapes (64x768 by 768x384, 256x768 by 768x768, 256x64 by 64x256, ...), where another VM's did not;
+so a prefill's pieces (an expert item, an attention piece) never run on threaded BLAS, even alone, and an
+expert worker computes a prefill's items the same way. The products outside the pieces (q/k/v, o, the router,
+a dense MLP) run on BLAS's own threads on every path.
 
 ``run(tasks)`` runs callables and returns when all are done (the first exception re-raised in the caller). The
 pool is used only where BLAS's per-thread count can be set (OpenBLAS's ``openblas_set_num_threads_local``,
@@ -24,11 +25,13 @@ first use, shared by every thread of the process (a caller whose helpers are bus
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import os
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import numpy as np  # noqa: F401 - loads numpy's BLAS, which _openblas looks for among the mapped libraries
 
@@ -85,28 +88,23 @@ class _Job:
 
 
 class _Pool:
-    def __init__(self, helpers: int, set_local: Callable[[int], int]) -> None:
-        self._set_local = set_local
+    def __init__(self, helpers: int) -> None:
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         for i in range(helpers):
             threading.Thread(target=self._helper, name=f"meshd-prefill-{i}", daemon=True).start()
         self.helpers = helpers
 
     def _helper(self) -> None:
-        self._set_local(1)  # this thread's BLAS products stay on it
         while True:
             self._jobs.get().work()
 
-    def run(self, tasks: Sequence[Task]) -> None:
+    def run(self, tasks: Sequence[Task], blas: bool) -> None:
         job = _Job(tasks)
-        for _ in range(min(self.helpers, len(tasks) - 1)):
-            self._jobs.put(job)
-        prev = self._set_local(1)
-        try:
+        with single_blas() if blas else contextlib.nullcontext():  # before a helper can take a task
+            for _ in range(min(self.helpers, len(tasks) - 1)):
+                self._jobs.put(job)
             job.work()
-        finally:
-            self._set_local(prev)
-        job.finished.wait()
+            job.finished.wait()  # BLAS stays single-threaded until the helpers' last piece is done
         if job.error is not None:
             raise job.error
 
@@ -114,6 +112,37 @@ class _Pool:
 _pool: _Pool | None = None
 _decided = False
 _lock = threading.Lock()
+_blas: tuple[Callable[[int], int], Callable[[], int]] | None = None
+_blas_threads = 1  # BLAS's own thread count, read before this module changes it
+_single = 0  # threads inside single_blas()
+_single_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def single_blas() -> Generator[None, None, None]:
+    """BLAS single-threaded within the block (while any thread is inside one), back to its own count after.
+
+    ``openblas_set_num_threads_local`` sets a count every thread sees (measured with numpy 2.4's OpenBLAS
+    0.3.31: a count set on one thread is the one another thread's next product uses), so one thread's restore
+    would change the count under a piece still running on a helper; hence one count for the process, 1 from the
+    first thread in to the last one out. Products made meanwhile by threads outside a block run single-threaded
+    too (same bits wherever the BLAS gives them at any count). No-op without the per-thread API."""
+    global _single
+    _get_pool()
+    if _blas is None:
+        yield
+        return
+    with _single_lock:
+        _single += 1
+        if _single == 1:
+            _blas[0](1)
+    try:
+        yield
+    finally:
+        with _single_lock:
+            _single -= 1
+            if _single == 0:
+                _blas[0](_blas_threads)
 
 
 def threads() -> int:
@@ -122,58 +151,54 @@ def threads() -> int:
     return 1 + pool.helpers if pool is not None else 1
 
 
-def per_thread(set_local: Callable[[int], int], get: Callable[[], int]) -> bool:
-    """Whether a count set by ``set_local`` on one thread stays that thread's: set 1 on a short-lived thread, then
-    read the count here (put back if it moved). In numpy 2.4's scipy-openblas 0.3.31 (pthreads) it does not: a
-    helper's ``set_local(1)`` set every thread's count, so the caller's products between its pieces ran on one
-    BLAS thread or two depending on when the helpers had started and the caller had restored its count, and a
-    prefill's bits changed from call to call (OpenBLAS's one- and two-thread sgemm differ from 4 rows at
-    512x512; session 9, tests/test_prefill_threads.py). A count of 1 tells nothing and needs no pool: True."""
-    before = get()
-    if before <= 1:
-        return True
-    probe = threading.Thread(target=set_local, args=(1,), name="meshd-prefill-probe", daemon=True)
-    probe.start()
-    probe.join()
-    after = get()
-    if after != before:
-        set_local(before)
-    return after == before
-
-
 def _get_pool() -> _Pool | None:
-    global _pool, _decided
+    global _pool, _decided, _blas, _blas_threads
     if _decided:
         return _pool
     with _lock:
         if not _decided:
-            blas = _openblas()
+            _blas = _openblas()
+            _blas_threads = _blas[1]() if _blas is not None else 1
             env = os.environ.get("MESHD_PREFILL_THREADS", "")
-            n = int(env) if env.isdigit() and int(env) > 0 else (blas[1]() if blas is not None else 1)
+            n = int(env) if env.isdigit() and int(env) > 0 else _blas_threads
             n = max(1, min(n, PREFILL_MAX_THREADS))
-            if blas is not None and n > 1 and not per_thread(*blas):
-                blas = None  # the count is not per thread: pieces in order on the caller, BLAS's own threads
-            _pool = _Pool(n - 1, blas[0]) if blas is not None and n > 1 else None
+            _pool = _Pool(n - 1) if _blas is not None and n > 1 else None
             _decided = True
     return _pool
 
 
 def _forget() -> None:  # a forked child has none of the parent's helper threads (and maybe a held lock)
-    global _pool, _decided, _lock
-    _pool, _decided, _lock = None, False, threading.Lock()
+    global _pool, _decided, _lock, _single, _single_lock
+    _pool, _decided, _lock, _single, _single_lock = None, False, threading.Lock(), 0, threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget)
 
 
-def run(tasks: Sequence[Task]) -> None:
+def row_ranges(t: int) -> list[tuple[int, int]]:
+    """Rows 0..t cut into one contiguous range per thread (one range without a pool; never an empty one)."""
+    n = max(1, min(threads(), t))
+    return [(t * i // n, t * (i + 1) // n) for i in range(n)]
+
+
+def run_rows(t: int, fn: Callable[[int, int], object]) -> None:
+    """``fn(a, b)`` over contiguous row ranges covering rows 0..t, one per thread (see ``run``): for a prefill's
+    row-wise steps (norms, the residual adds, rope and the cache writes), whose every row is the same bits
+    whatever range computes it."""
+    run([functools.partial(fn, a, b) for a, b in row_ranges(t)], blas=False)
+
+
+def run(tasks: Sequence[Task], *, blas: bool = True) -> None:
     """Run every task (independent of each other; each writes its own outputs) and return when all are done;
     the first exception any raised is raised here. Spread over the pool when there is one and more than one
-    task, else in order on this thread."""
+    task, else in order on this thread; either way with BLAS single-threaded (``single_blas``), so a task's
+    products are the same bits whichever thread runs it and whether or not there is a pool. ``blas=False``:
+    the tasks make no BLAS call, leave BLAS's count alone."""
     pool = _get_pool() if len(tasks) > 1 else None
     if pool is None:
-        for t in tasks:
-            t()
+        with single_blas() if blas else contextlib.nullcontext():
+            for t in tasks:
+                t()
         return
-    pool.run(tasks)
+    pool.run(tasks, blas)

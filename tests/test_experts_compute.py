@@ -9,6 +9,7 @@ path does.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +38,12 @@ def _request(x: np.ndarray, work: list[tuple[int, np.ndarray]]) -> object:
 
 
 def _one_by_one(shard: ExpertShard, x: np.ndarray, work: list[tuple[int, np.ndarray]]) -> bytes:
-    return b"".join(expert_ffn(x[rows], *shard.weights(0, e)).tobytes() for e, rows in work)
+    """Each item alone, as the local pass computes it: a prefill's items on single-threaded BLAS (the prefill
+    threads' pieces; one and two BLAS threads differ in the last bits on some CPUs)."""
+    from engine import prefill_threads
+
+    with prefill_threads.single_blas() if x.shape[0] > 4 else contextlib.nullcontext():
+        return b"".join(expert_ffn(x[rows], *shard.weights(0, e)).tobytes() for e, rows in work)
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:

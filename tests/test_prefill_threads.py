@@ -4,7 +4,7 @@ BLAS, and every result is the same bits as the one-thread pass."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,19 +21,16 @@ needs_local_threads = pytest.mark.skipif(BLAS is None, reason="numpy's BLAS has 
 
 
 @pytest.fixture(scope="module")
-def _one_helper() -> Iterator[prefill_threads._Pool]:
+def _one_helper() -> prefill_threads._Pool:
     assert BLAS is not None
-    before = BLAS[1]()
-    yield prefill_threads._Pool(1, BLAS[0])  # its thread lives on, idle, like the process's own pool
-    # where BLAS's count is the process's (per_thread), the helper's set_local(1) set every thread's: put it
-    # back, or every later test of this process would compute on one BLAS thread (other bits than a daemon's)
-    BLAS[0](before)
+    return prefill_threads._Pool(1)  # its thread lives on, idle, like the process's own pool
 
 
 @pytest.fixture
 def two_threads(monkeypatch: pytest.MonkeyPatch, _one_helper: prefill_threads._Pool) -> prefill_threads._Pool:
     """This process's prefill threads made two (a caller and one helper), whatever BLAS's count is."""
     pool = _one_helper
+    prefill_threads.threads()  # decided once: BLAS's functions and own count read
     monkeypatch.setattr(prefill_threads, "_pool", pool)
     monkeypatch.setattr(prefill_threads, "_decided", True)
     return pool
@@ -70,30 +67,31 @@ def _stacked_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, past: int, s
 
 
 @needs_local_threads
-def test_the_pool_is_made_only_where_the_blas_count_is_per_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The pieces run on one BLAS thread wherever they run, which keeps a prefill's bits the same run after run
-    only if a count set on one thread stays that thread's. Session 8 assumed more (one BLAS thread gives the bits
-    of two, so the count would not matter): on this machine's scipy-openblas 0.3.31 (Haswell core) it does not hold
-    (8x768 @ 768x384 and 4-20 rows at 512x512 differ), and its "local" count is the process's. No pool then."""
-    set_local, get = BLAS  # type: ignore[misc]
-    monkeypatch.setattr(prefill_threads, "_pool", None)
-    monkeypatch.setattr(prefill_threads, "_decided", False)
-    monkeypatch.setenv("MESHD_PREFILL_THREADS", "2")
-    before = get()
-    set_local(2)
-    try:
-        seen: list[int] = []
-        probe = threading.Thread(target=lambda: seen.append(set_local(1)))
-        probe.start()
-        probe.join()
-        leaks = get() != 2
-        set_local(2)
-        assert prefill_threads.per_thread(set_local, get) == (not leaks)
-        assert get() == 2  # the probe puts the count back
-        assert (prefill_threads._get_pool() is None) == leaks
-        assert get() == 2
-    finally:
-        set_local(before)
+def test_pieces_run_on_single_threaded_blas_and_the_count_comes_back(two_threads: prefill_threads._Pool) -> None:
+    """Every piece's products run on single-threaded BLAS, also a piece still running on the helper after the
+    caller ran out of pieces (OpenBLAS's per-thread count is one count for the process: the caller restoring it
+    early gave that piece threaded BLAS, other bits on some CPUs), and BLAS's own count is back after ``run``
+    (the helper setting 1 when it started left the caller's q/k/v/o products single-threaded for good)."""
+    get = BLAS[1]  # type: ignore[index]
+    own = prefill_threads._blas_threads
+    assert get() == own
+    for _ in range(5):
+        started = threading.Event()
+        counts: list[int] = []
+
+        def first() -> None:  # the caller's (it claims first): waits until the helper holds the other piece
+            counts.append(get())
+            started.wait(10)
+
+        def second() -> None:
+            started.set()
+            time.sleep(0.05)  # the caller is out of pieces by now
+            counts.append(get())
+
+        prefill_threads.run([first, second])
+        assert counts == [1, 1]
+        assert get() == own
+    assert own == 1 or prefill_threads._single == 0
 
 
 CASES = [  # t, past, heads, kv heads, head dim, window
@@ -110,7 +108,8 @@ def test_attention_pieces_equal_the_stacked_computation(threads: str, request: p
         q = rng.standard_normal((t, h, hd), dtype=F32)
         k = rng.standard_normal((kv, past + t + 11, hd), dtype=F32)[:, : past + t]  # a cache's strided view
         v = rng.standard_normal((kv, past + t + 11, hd), dtype=F32)[:, : past + t]
-        want = _stacked_attention(q, k, v, past, hd**-0.5, window)
+        with prefill_threads.single_blas():  # the BLAS the pieces run on
+            want = _stacked_attention(q, k, v, past, hd**-0.5, window)
         got = ops.attention(q, k, v, past, hd**-0.5, window)
         assert got.tobytes() == want.tobytes(), (t, past, h, kv, hd, window)
         np.testing.assert_allclose(got, ops.naive_attention(q, k, v, past, hd**-0.5, window), rtol=1e-4, atol=1e-5)
@@ -233,6 +232,21 @@ def test_expert_ffn_many_on_the_threads_equals_one_thread(two_threads: prefill_t
     assert [g.tobytes() for g in got] == [moe.expert_ffn(*it).tobytes() for it in items]
 
 
+@needs_local_threads
+def test_an_expert_workers_lone_prefill_item_gets_the_pieces_bits(two_threads: prefill_threads._Pool) -> None:
+    """An expert worker asked for one prefill-sized item (or running without helpers) computes it on
+    single-threaded BLAS, as the local pass's piece does: with BLAS's own threads, a model-sized expert's
+    products differ in their last bits on CPUs where one and two OpenBLAS threads disagree (an AMD EPYC VM with
+    the Haswell kernels; where they agree the test cannot tell)."""
+    rng = np.random.default_rng(3)
+    gate, up = (rng.standard_normal((384, 768), dtype=F32) * F32(0.05) for _ in range(2))
+    down = rng.standard_normal((768, 384), dtype=F32) * F32(0.05)
+    x = rng.standard_normal((64, 768), dtype=F32)
+    with prefill_threads.single_blas():
+        want = moe.expert_ffn(x, gate, up, down).tobytes()
+    assert moe.expert_ffn_many([(x, gate, up, down)])[0].tobytes() == want
+    assert moe.expert_ffn_many([(x, gate, up, down), (x[:7], gate, up, down)])[0].tobytes() == want
+
 _REPEAT = """
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -248,11 +262,11 @@ print(sum(o == outs[0] for o in outs))
 
 
 def test_repeated_prefills_in_a_fresh_process_give_the_same_bits(tmp_path: Path) -> None:
-    """The same 5-token prefill four times in a new process (the pool, if any, made on first use): the same logits
-    and cache each time. Before (session 9), the helpers' ``set_num_threads_local(1)`` set every thread's OpenBLAS
+    """The same 5-token prefill four times in a new process (the pool made on first use): the same logits and
+    cache each time. Before (session 9), the helpers' ``set_num_threads_local(1)`` set every thread's OpenBLAS
     count (scipy-openblas 0.3.31), so the caller's products ran on one or two BLAS threads depending on timing,
     and the first prefill or two differed from the rest: 5 of 5 processes; tests/test_experts_plan.py's first test
-    in a process failed 19 of 20 runs."""
+    in a process failed 19 of 20 runs. (From the robust helper's branch, kept with the prefill2 fix.)"""
     import subprocess
     import sys
 
