@@ -35,6 +35,25 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default="/tmp/compact-bench", help="bench/engine.py's checkpoint directory (default /tmp/compact-bench)")
+    ap.add_argument("--threads", type=int, default=2, help="kernel threads (default 2)")
+    ap.add_argument("--rounds", type=int, default=8, help="alternations of the decode block and the probe (default 8)")
+    ap.add_argument("--steps", type=int, default=24, help="timed decode steps per round (default 24)")
+    ap.add_argument("--base", type=Path, default=None,
+                    help="another tree's engine package directory to A/B against in this process (default: none)")
+    return ap
+
+
+if __name__ == "__main__":
+    _parser().parse_args()  # --help and bad options answered before numba is imported
+try:
+    import numba  # noqa: F401 - the [fast] extra; everything below compiles with it
+except ImportError:
+    sys.exit("bench/decode_rounds.py needs numba: pip install '.[fast]'")
+
 from engine import kernel_pool as kp  # noqa: E402
 from engine import kernels  # noqa: E402
 from llvmlite import ir  # noqa: E402
@@ -212,14 +231,7 @@ def analyse(rec: np.ndarray, hz: float, steps: int) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", default="/tmp/compact-bench", help="bench/engine.py's checkpoint directory (default /tmp/compact-bench)")
-    ap.add_argument("--threads", type=int, default=2, help="kernel threads (default 2)")
-    ap.add_argument("--rounds", type=int, default=8, help="alternations of the decode block and the probe (default 8)")
-    ap.add_argument("--steps", type=int, default=24, help="timed decode steps per round (default 24)")
-    ap.add_argument("--base", type=Path, default=None,
-                    help="another tree's engine package directory to A/B against in this process (default: none)")
-    args = ap.parse_args()
+    args = _parser().parse_args()
     if args.base is not None:
         ab(args)
         return

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", type=Path, required=True, help="fp32 checkpoint dir (bench/engine.py --dir)")
+    ap.add_argument("--dir", type=Path, required=True, help="fp32 checkpoint dir (bench/engine.py --dir; required)")
     ap.add_argument("--rounds", type=int, default=15, help="rounds of the three sides (default 15)")
     ap.add_argument("--threads", type=int, default=2, help="BLAS, OpenMP and torch threads (default 2)")
     args = ap.parse_args()
