@@ -60,31 +60,36 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 def expert_ffn(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
     """SwiGLU feed-forward: [n, D] -> [n, D]. The one implementation every path calls."""
-    return _ffn_many([(x, gate, up, down)])[0]
+    return expert_ffn_many([(x, gate, up, down)])[0]
 
 
 def expert_ffn_many(items: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
-    """``[expert_ffn(x, gate, up, down) for ...]``, bit for bit (each product and each item's SwiGLU are the
-    same operations on the same arrays): decode-sized items with the products of all items in two rounds of
-    the compiled kernels' threads (every gate/up, then every down) instead of two per item; when an item has
-    more than ``KERNEL_MAX_ROWS`` rows (a prefill's, on an expert worker too), each item whole on the prefill
-    threads (``engine.prefill_threads``), the largest first. Items with prefill rows are computed on
-    single-threaded BLAS however many items or threads there are, as the local pass's pieces compute them
-    (``prefill_threads.single_blas``: one and two BLAS threads do not give the same bits on every CPU)."""
-    prefill = max(it[0].shape[0] for it in items) > KERNEL_MAX_ROWS
-    if prefill and len(items) > 1 and prefill_threads.threads() > 1:
-        res: list[np.ndarray | None] = [None] * len(items)
+    """``[expert_ffn(x, gate, up, down) for ...]``, bit for bit: an item's bits depend on the item alone, never
+    on the others in the call (an expert worker batches a request's items its own way). Decode-sized items
+    (at most ``KERNEL_MAX_ROWS`` rows) with the products of all of them in two rounds of the compiled kernels'
+    threads (every gate/up, then every down) instead of two per item, on BLAS's own thread count where they
+    use BLAS; items with more rows (a prefill's, on an expert worker too) each whole on single-threaded BLAS
+    (``prefill_threads.single_blas``: one and two BLAS threads do not give the same bits on every CPU), on the
+    prefill threads (``engine.prefill_threads``) when there are several, the largest first."""
+    big = [i for i, it in enumerate(items) if it[0].shape[0] > KERNEL_MAX_ROWS]
+    if not big:
+        return _ffn_many(items)
+    res: list[np.ndarray | None] = [None] * len(items)
+    if len(big) < len(items):
+        small = [i for i in range(len(items)) if items[i][0].shape[0] <= KERNEL_MAX_ROWS]
+        for i, y in zip(small, _ffn_many([items[i] for i in small])):
+            res[i] = y
+    if len(big) > 1 and prefill_threads.threads() > 1:
 
         def one(i: int) -> None:
             res[i] = _ffn_many([items[i]])[0]
 
-        order = sorted(range(len(items)), key=lambda i: -items[i][0].shape[0])
-        prefill_threads.run([functools.partial(one, i) for i in order])
-        return res  # type: ignore[return-value]
-    if prefill:
+        prefill_threads.run([functools.partial(one, i) for i in sorted(big, key=lambda i: -items[i][0].shape[0])])
+    else:
         with prefill_threads.single_blas():
-            return _ffn_many(items)
-    return _ffn_many(items)
+            for i, y in zip(big, _ffn_many([items[i] for i in big])):
+                res[i] = y
+    return res  # type: ignore[return-value]
 
 
 def _ffn_many(items: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]) -> list[np.ndarray]:

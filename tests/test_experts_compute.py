@@ -9,7 +9,6 @@ path does.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -38,12 +37,10 @@ def _request(x: np.ndarray, work: list[tuple[int, np.ndarray]]) -> object:
 
 
 def _one_by_one(shard: ExpertShard, x: np.ndarray, work: list[tuple[int, np.ndarray]]) -> bytes:
-    """Each item alone, as the local pass computes it: a prefill's items on single-threaded BLAS (the prefill
-    threads' pieces; one and two BLAS threads differ in the last bits on some CPUs)."""
-    from engine import prefill_threads
-
-    with prefill_threads.single_blas() if x.shape[0] > 4 else contextlib.nullcontext():
-        return b"".join(expert_ffn(x[rows], *shard.weights(0, e)).tobytes() for e, rows in work)
+    """Each item alone, as the local pass computes it (``expert_ffn``: an item of more than ``KERNEL_MAX_ROWS``
+    rows on single-threaded BLAS, whatever other items a call holds; one and two BLAS threads differ in the last
+    bits on some CPUs)."""
+    return b"".join(expert_ffn(x[rows], *shard.weights(0, e)).tobytes() for e, rows in work)
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -83,10 +80,10 @@ def test_prefill_request_and_its_batches_keep_the_bits(shard: ExpertShard, monke
     want = _one_by_one(shard, x, work)
     calls = _counting(monkeypatch)
     assert worker.compute_request(shard.weights, _request(x, work)).tobytes() == want  # type: ignore[arg-type]
-    assert calls == [8, 4]
+    assert calls == [6, 3, 2, 1]  # the decode-sized items in two rounds, then expert 2's 9 rows alone
     calls.clear()
     monkeypatch.setattr(worker, "BATCH_MAX_ROWS", 4)  # batches: (0, 2) 12 rows, (5, 7) 5 rows
     out = np.full((17, HIDDEN), np.nan, dtype=np.float32)
     worker.compute_request(shard.weights, _request(x, work), out=out)  # type: ignore[arg-type]
     assert out.tobytes() == want
-    assert calls == [4, 2, 4, 2]
+    assert calls == [2, 1, 2, 1, 4, 2]
