@@ -54,12 +54,13 @@ try:
 except ImportError:
     sys.exit("bench/decode_rounds.py needs numba: pip install '.[fast]'")
 
-from engine import kernel_pool as kp  # noqa: E402
-from engine import kernels  # noqa: E402
 from llvmlite import ir  # noqa: E402
 from numba import njit  # noqa: E402
 from numba.core import types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
+
+from engine import kernel_pool as kp  # noqa: E402
+from engine import kernels  # noqa: E402
 
 LOG_ROWS = 1 << 20  # chunk records per logging window (a token is ~330 chunks)
 

@@ -9,8 +9,6 @@ path does.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 from experts_util import make_moe_checkpoint
