@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 _DOMAIN = b"meshd/pipeline-fp/v1\x00"  # the wire and the gossip carry these bytes: keep the tag
-_READ = 8 * 1024 * 1024  # bytes per pread while hashing
+_READ = 1024 * 1024  # bytes per read while hashing, into one reused buffer (the hash's only memory)
 _CACHE_VERSION = 1
 _cache: dict[tuple[str, tuple[tuple[str, int, int], ...]], bytes] = {}
 
@@ -83,14 +83,16 @@ def compute(p: Path, gguf: bool, files: list[Path]) -> bytes:
     else:
         config = json.loads((p / "config.json").read_text("utf-8"))
         h.update(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
+    buf = bytearray(_READ)
+    view = memoryview(buf)
     for f in files:
         h.update(f"\x00{f.name}\x00{f.stat().st_size}\x00".encode())
         fd = os.open(f, os.O_RDONLY)
         try:
             pos = 0
-            while chunk := os.pread(fd, _READ, pos):
-                h.update(chunk)
-                pos += len(chunk)
+            while n := os.preadv(fd, [buf], pos):
+                h.update(view[:n])
+                pos += n
         finally:
             os.close(fd)
     return h.digest()
