@@ -60,7 +60,7 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 def expert_ffn(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
     """SwiGLU feed-forward: [n, D] -> [n, D]. The one implementation every path calls."""
-    return expert_ffn_many([(x, gate, up, down)])[0]
+    return _ffn_items([(x, gate, up, down)])[0]
 
 
 def expert_ffn_many(items: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
@@ -71,6 +71,10 @@ def expert_ffn_many(items: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np
     use BLAS; items with more rows (a prefill's, on an expert worker too) each whole on single-threaded BLAS
     (``prefill_threads.single_blas``: one and two BLAS threads do not give the same bits on every CPU), on the
     prefill threads (``engine.prefill_threads``) when there are several, the largest first."""
+    return _ffn_items(items)
+
+
+def _ffn_items(items: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
     big = [i for i, it in enumerate(items) if it[0].shape[0] > KERNEL_MAX_ROWS]
     if not big:
         return _ffn_many(items)
