@@ -117,12 +117,23 @@ def test_busy_node_is_skipped_before_first_byte(mesh: dict[str, NodeProcess]) ->
     asyncio.run(go())
 
 
+def _wait_idle(node: NodeProcess, timeout: float = 10.0) -> None:
+    """Wait until ``node`` runs no request: an earlier test's requests (the 64 holds above) may still be
+    finishing on a loaded machine, and a full node answers 429."""
+    deadline = time.monotonic() + timeout
+    while _health(node)["backend_in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def test_client_disconnect_cancels_on_serving_node(mesh: dict[str, NodeProcess]) -> None:
+    _wait_idle(mesh["a"])
+
     async def go() -> None:
         async with aiohttp.ClientSession() as s:
             r = await s.post(mesh["c"].url + "/chat/completions",
                              json={"model": "m1", "messages": MSGS, "max_tokens": 100000, "stream": True,
                                    "standin": {"token_delay_s": 0.02}})
+            assert r.status == 200, (r.status, await r.text(), r.headers.get("x-meshd-node"))
             assert r.headers["x-meshd-node"] == mesh["a"].node_id
             for _ in range(3):
                 await r.content.readline()
@@ -138,6 +149,8 @@ def test_client_disconnect_cancels_on_serving_node(mesh: dict[str, NodeProcess])
 
 def test_client_disconnect_while_model_thinks_cancels_on_serving_node(mesh: dict[str, NodeProcess]) -> None:
     """Non-streaming, nothing sent yet: closing the HTTP connection still cancels the remote request."""
+    _wait_idle(mesh["a"])
+
     async def go() -> None:
         async with aiohttp.ClientSession() as s:
             task = asyncio.create_task(s.post(mesh["c"].url + "/chat/completions",

@@ -50,6 +50,10 @@ def _record(lt: LoopThread) -> list[tuple[str, object, float]]:
     return events
 
 
+def _holds(events: list[tuple[str, object, float]]) -> int:
+    return sum(1 for e in events if e[0] == "hold")
+
+
 def _request(fx: Fixture) -> rpc.ExpertRequest:
     x = np.ones((1, fx.layout.hidden_size), np.float32)
     return rpc.ExpertRequest(0, x, np.array([[0, 1], [0, 2]], dtype=np.uint32))
@@ -207,7 +211,9 @@ def test_no_polling_with_poll_0_a_v2_worker_or_loopback_workers_needing_every_co
     ex._cores = 2
     out, events = _forward_events(fx, ex, x, lt)
     assert _equal(out, want) and old.stats.polls == 0  # a v2 worker gets no FLAG_POLL...
-    assert len(events) == 2 * layers  # ...while the coordinator still polls for its replies
+    # ...while the coordinator still holds a poll for each layer's reply (a hold that expires before its reply,
+    # on a loaded machine, is never released, so count the holds)
+    assert _holds(events) == layers
 
     here = RemoteExecutor(lt.loop, fx.fp, fx.layout)
     ws = [_worker(fx), _worker(fx)]
@@ -227,7 +233,7 @@ def test_no_polling_with_poll_0_a_v2_worker_or_loopback_workers_needing_every_co
     assert _equal(out, want) and events == [] and sum(w.stats.polls for w in ws) == 0
     here._cores = 3
     out, events = _forward_events(fx, here, x, lt)
-    assert _equal(out, want) and len(events) == 2 * layers and sum(w.stats.polls for w in ws) > 0
+    assert _equal(out, want) and _holds(events) == layers and sum(w.stats.polls for w in ws) > 0
     here.remove_worker("l1")
     here._cores = 2
     assert here._polling  # the map rebuilt: one loopback worker again
