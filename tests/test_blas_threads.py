@@ -19,6 +19,7 @@ from experts_util import make_moe_checkpoint
 _RUN = """
 import sys
 sys.path.insert(0, sys.argv[1])
+import hashlib
 from pathlib import Path
 import numpy as np
 from engine.model import Model
