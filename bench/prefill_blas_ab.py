@@ -1,7 +1,8 @@
 """Prefill A/B of this tree against another checkout, in the same rounds: each side (tree x weight form) is its
 own subprocess, loaded and warmed once, then in every round each side runs one timed 256-token prefill (the last
-position's logits, as serving does) in turn, the order rotating; prints wall and process CPU ms per side
-(median [min-max]) and this tree's speed against the base's per form, paired within rounds.
+position's logits, as serving does) and 16 greedy decode steps after it, in turn, the order rotating; prints
+prefill wall and process CPU ms and decode ms per token per side (median [min-max]) and this tree's speeds
+against the base's per form, paired within rounds.
 
     flock /tmp/meshd-bench.lock python bench/prefill_blas_ab.py --base DIR --model PATH [--model PATH ...]
         [--rounds 11] [--threads 2]
@@ -37,12 +38,16 @@ def once():
     cache = model.new_cache(512)
     w0, c0 = time.perf_counter(), time.process_time()
     out = model.forward(prompt, cache, last_only=True)
-    return time.perf_counter() - w0, time.process_time() - c0, hashlib.sha256(out.tobytes()).hexdigest()[:12]
+    w1, c1 = time.perf_counter(), time.process_time()
+    tok = int(out[-1].argmax())
+    for _ in range(16):  # decode steps after it
+        tok = int(model.forward([tok], cache)[-1].argmax())
+    w2 = time.perf_counter()
+    return w1 - w0, c1 - c0, hashlib.sha256(out.tobytes()).hexdigest()[:12], (w2 - w1) / 16
 once()
 print("ready", flush=True)
 for line in sys.stdin:
-    w, c, h = once()
-    print(json.dumps([w, c, h]), flush=True)
+    print(json.dumps(once()), flush=True)
 """
 
 
@@ -66,7 +71,7 @@ def main() -> None:
             if p.stdout.readline().strip() != "ready":
                 sys.exit(f"side {name} {m} failed to start")
             sides[f"{name}:{m.name}"] = p
-    res: dict[str, list[tuple[float, float, str]]] = {k: [] for k in sides}
+    res: dict[str, list[tuple[float, float, str, float]]] = {k: [] for k in sides}
     names = list(sides)
     load0 = os.getloadavg()[0]
     for i in range(args.rounds):
@@ -86,13 +91,14 @@ def main() -> None:
 
     print(f"{args.rounds} rounds, {args.threads} threads, load {load0:.1f} -> {os.getloadavg()[0]:.1f}")
     for k, v in res.items():
-        print(f"{k:28s} wall ms {ms([x[0] for x in v])}  process CPU ms {ms([x[1] for x in v])}"
-              f"  logits {sorted({x[2] for x in v})}")
+        print(f"{k:28s} prefill wall ms {ms([x[0] for x in v])}  CPU ms {ms([x[1] for x in v])}"
+              f"  decode ms/token {ms([x[3] for x in v])}  logits {sorted({x[2] for x in v})}")
     for m in args.model:
         a, b = res[f"this:{m.name}"], res[f"base:{m.name}"]
-        r = [y[0] / x[0] for x, y in zip(a, b)]
-        print(f"{m.name}: this tree's prefill speed against the base's {statistics.median(r):.2f}x"
-              f" [{min(r):.2f}-{max(r):.2f}]")
+        for i, what in ((0, "prefill"), (3, "decode")):
+            r = [y[i] / x[i] for x, y in zip(a, b)]
+            print(f"{m.name}: this tree's {what} speed against the base's {statistics.median(r):.2f}x"
+                  f" [{min(r):.2f}-{max(r):.2f}]")
 
 
 if __name__ == "__main__":
