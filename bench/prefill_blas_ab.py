@@ -5,7 +5,7 @@ prefill wall and process CPU ms and decode ms per token per side (median [min-ma
 against the base's per form, paired within rounds.
 
     flock /tmp/meshd-bench.lock python bench/prefill_blas_ab.py --base DIR --model PATH [--model PATH ...]
-        [--rounds 11] [--threads 2]
+        [--rounds 11] [--threads 2] [--numpy]
 
 --base: a checkout of meshd (``git archive main | tar -x -C DIR``). --model: checkpoint dirs or GGUF files
 (``bench/engine.py --dir``'s fp32 dir and its ``model-Q4_K_M.gguf``). Every side gets the same
@@ -58,17 +58,22 @@ def main() -> None:
                     help="a checkpoint dir or GGUF file (repeatable; required)")
     ap.add_argument("--rounds", type=int, default=11, help="rounds of every side (default 11)")
     ap.add_argument("--threads", type=int, default=2, help="BLAS, prefill and kernel threads (default 2)")
+    ap.add_argument("--numpy", action="store_true", help="every side with MESHD_KERNELS=numpy (default: off)")
     args = ap.parse_args()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MESHD_", "OPENBLAS_"))}
     env.update(OPENBLAS_NUM_THREADS=str(args.threads), MESHD_PREFILL_THREADS=str(args.threads),
                MESHD_KERNEL_THREADS=str(args.threads), OMP_NUM_THREADS=str(args.threads))
+    if args.numpy:
+        env["MESHD_KERNELS"] = "numpy"
     sides: dict[str, subprocess.Popen[str]] = {}
     for m in args.model:
         for tree, name in ((ROOT, "this"), (args.base.resolve(), "base")):
             p = subprocess.Popen([sys.executable, "-c", SIDE, str(tree), str(m)], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True, env=env, cwd=tree)
             assert p.stdout is not None
-            if p.stdout.readline().strip() != "ready":
+            while (line := p.stdout.readline()) and line.strip() != "ready":  # the engine's log lines before it
+                pass
+            if not line:
                 sys.exit(f"side {name} {m} failed to start")
             sides[f"{name}:{m.name}"] = p
     res: dict[str, list[tuple[float, float, str, float]]] = {k: [] for k in sides}
@@ -81,7 +86,10 @@ def main() -> None:
             p = sides[k]
             p.stdin.write("go\n")  # type: ignore[union-attr]
             p.stdin.flush()  # type: ignore[union-attr]
-            res[k].append(tuple(json.loads(p.stdout.readline())))  # type: ignore[union-attr,arg-type]
+            while not (line := p.stdout.readline()).startswith("["):  # type: ignore[union-attr]
+                if not line:
+                    sys.exit(f"side {k} died")
+            res[k].append(tuple(json.loads(line)))  # type: ignore[arg-type]
     for p in sides.values():
         p.stdin.close()  # type: ignore[union-attr]
         p.wait(30)
