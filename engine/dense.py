@@ -69,7 +69,7 @@ def matmul(x: np.ndarray, w: object) -> np.ndarray:
     """``x @ w.T``: [T, K] -> [T, N] fp32, for any weight the engine holds."""
     if _f32_kernel(x, w):
         return _f32(x, w)  # type: ignore[arg-type]
-    return x @ w.T  # type: ignore[attr-defined]
+    return quant.matmul(x, w)  # type: ignore[arg-type]  # a prefill's in column pieces (engine.products)
 
 
 def matmul_many(pairs: list[tuple[np.ndarray, object]]) -> list[np.ndarray]:
