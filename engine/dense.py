@@ -69,13 +69,13 @@ def matmul(x: np.ndarray, w: object) -> np.ndarray:
     """``x @ w.T``: [T, K] -> [T, N] fp32, for any weight the engine holds."""
     if _f32_kernel(x, w):
         return _f32(x, w)  # type: ignore[arg-type]
-    return x @ w.T  # type: ignore[attr-defined]
+    return quant.matmul(x, w)  # type: ignore[arg-type]  # a prefill's in column pieces (engine.products)
 
 
 def matmul_many(pairs: list[tuple[np.ndarray, object]]) -> list[np.ndarray]:
     """``[matmul(x, w) for x, w in pairs]``, bit for bit: every product with a compiled kernel (fp32 and packed
     alike) in one round of the kernel threads (``engine.kernels.run_products``), the others one by one."""
-    fast = [_f32_kernel(x, w) for x, w in pairs]
+    fast = [_f32_kernel(x, w) for x, w in pairs]  # decode rows only (<= KERNEL_MAX_ROWS)
     if not any(fast):
         return quant.matmul_many(pairs)  # type: ignore[arg-type]
     todo = []

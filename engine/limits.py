@@ -21,6 +21,13 @@ MATMUL_PREFILL_TILE_WEIGHTS = 1024 * 1024
 # activation rows up to which a product over K-quant/Q4_0 weights uses the compiled kernel (engine.kernels, if
 # numba is installed) instead of the numpy tiles: the kernel re-reads the weights per row, the tiles once per tile
 KERNEL_MAX_ROWS = 4
+# products of more than KERNEL_MAX_ROWS rows (engine.products) are cut into column pieces of about this many
+# multiply-adds (~1 ms on one core at ~35 GFLOP/s), each one single-threaded BLAS product on the prefill threads: a
+# 256-token q or o projection of a 768-wide model is 4 pieces, k/v 2 each, a 64-row expert product 1. Part of the
+# numerics (the cut changes the last bits of most products): every node cuts by this rule, whatever its cores
+PRODUCT_PIECE_MACS = 1 << 25
+# piece widths are a multiple of this many output columns (whole register tiles of the BLAS kernels)
+PRODUCT_PIECE_COLUMNS = 64
 # a model load that spends longer than this loading the compiled kernels logs that it is compiling them (the
 # first load on a machine), so a starting daemon does not sit silent for minutes
 KERNELS_SLOW_NOTICE_S = 5.0

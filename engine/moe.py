@@ -67,10 +67,10 @@ def expert_ffn_many(items: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np
     """``[expert_ffn(x, gate, up, down) for ...]``, bit for bit: an item's bits depend on the item alone, never
     on the others in the call (an expert worker batches a request's items its own way). Decode-sized items
     (at most ``KERNEL_MAX_ROWS`` rows) with the products of all of them in two rounds of the compiled kernels'
-    threads (every gate/up, then every down) instead of two per item, on BLAS's own thread count where they
-    use BLAS; items with more rows (a prefill's, on an expert worker too) each whole on single-threaded BLAS
-    (``prefill_threads.single_blas``: one and two BLAS threads do not give the same bits on every CPU), on the
-    prefill threads (``engine.prefill_threads``) when there are several, the largest first."""
+    threads (every gate/up, then every down) instead of two per item; items with more rows (a prefill's, on an
+    expert worker too) each on the prefill threads (``engine.prefill_threads``) when there are several, the
+    largest first, their products in column pieces by shape (``engine.products``). BLAS is single-threaded in
+    every process (pinned by ``engine.prefill_threads``), so no item's bits depend on a thread count."""
     return _ffn_items(items)
 
 
@@ -90,9 +90,8 @@ def _ffn_items(items: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndar
 
         prefill_threads.run([functools.partial(one, i) for i in sorted(big, key=lambda i: -items[i][0].shape[0])])
     else:
-        with prefill_threads.single_blas():
-            for i, y in zip(big, _ffn_many([items[i] for i in big])):
-                res[i] = y
+        for i, y in zip(big, _ffn_many([items[i] for i in big])):
+            res[i] = y
     return res  # type: ignore[return-value]
 
 
@@ -252,7 +251,7 @@ def combine(routing: Routing, outputs: Sequence[np.ndarray], t: int, d: int) -> 
         return weighted_sum(routing.weights, y)
     # a prefill: the items' copies (each writes its own rows of Y), then row ranges of the sum (elementwise:
     # the same bits per row), on the prefill threads
-    prefill_threads.run([functools.partial(scatter, i) for i in range(len(outputs))], blas=False)
+    prefill_threads.run([functools.partial(scatter, i) for i in range(len(outputs))])
     acc = np.empty((t, d), dtype=np.float32)
 
     def rows(a: int, b: int) -> None:

@@ -21,7 +21,10 @@ checked to compute with the same numerics as the node it serves.
 Not in the tag, because they do not change bits (each tested bit for bit, docs/kernels.md): the kernel
 threads' count (``MESHD_KERNEL_THREADS``), ``MESHD_KERNELS_LUT`` (the AVX-512 lookup kernels equal the generic
 ones), ``MESHD_KERNELS_AVX2`` (so do engine/kernels_avx2.py's), ``MESHD_DECODE_PLAN`` (the plan equals the general pass), BLAS's thread count
-(``OPENBLAS_NUM_THREADS``: OpenBLAS splits rows and columns, not the sum), the prefill threads' count
+(``OPENBLAS_NUM_THREADS`` and the core count: engine/prefill_threads.py holds OpenBLAS at one thread for the
+process, and engine/products.py cuts a big product into pieces by its shape alone; where BLAS cannot be held at one
+thread, another BLAS than OpenBLAS, the ``blas`` part ends ``+unpinned-<cores>``, so that such a node matches only
+one with the same core count), the prefill threads' count
 (``MESHD_PREFILL_THREADS``: engine/prefill_threads.py runs whole pieces per thread), ``MESHD_PIPELINE_BATCH`` and the
 other scheduling switches. Nodes with equal tags compute equal bits for equal inputs on the same CPU
 architecture; the tag does not name the CPU model beyond OpenBLAS's core, so it is not a proof, it is the
@@ -143,7 +146,8 @@ def _openblas_core() -> str | None:
 
 
 def blas_choice() -> str:
-    """``<name>-<version>:<core>`` of the BLAS numpy uses (``:?`` when the core is unknown)."""
+    """``<name>-<version>:<core>`` of the BLAS numpy uses (``:?`` when the core is unknown), ``+unpinned-<cores>``
+    after it when its thread count could not be held at one (see the module docstring)."""
     import numpy as np
 
     try:
@@ -153,7 +157,10 @@ def blas_choice() -> str:
         name = "unknown"
     np.ones((2, 2), dtype=np.float32) @ np.ones((2, 2), dtype=np.float32)  # BLAS loaded and initialised
     core = _openblas_core() if "openblas" in name.lower() else None
-    return f"{name}:{core or '?'}"
+    from . import prefill_threads  # here: it imports this module
+
+    pinned = "" if prefill_threads.pinned() else f"+unpinned-{os.cpu_count() or 0}"
+    return f"{name}:{core or '?'}{pinned}"
 
 
 @functools.cache

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .limits import KERNEL_MAX_ROWS, MATMUL_PREFILL_TILE_WEIGHTS, MATMUL_TILE_WEIGHTS
+from . import products
+from .limits import KERNEL_MAX_ROWS, MATMUL_TILE_WEIGHTS
 
 F32 = np.float32
 QK_K = 256
@@ -204,21 +205,12 @@ class Packed:
 
     def tiled(self, x: np.ndarray) -> np.ndarray:
         """``x @ W.T`` through the numpy tiles only (what a process without the compiled kernels computes)."""
+        if x.shape[0] > KERNEL_MAX_ROWS:  # a prefill's: column pieces on the prefill threads (engine.products)
+            return products.matmul(x, self)
         n, k = self.shape
-        # decode-sized products: small tiles that stay in L2; prefill-sized: few large tiles, so BLAS runs a
-        # few big GEMMs rather than many thin ones (each call wakes its threads: measured ~5x slower prefill)
-        tile = MATMUL_TILE_WEIGHTS if x.shape[0] <= KERNEL_MAX_ROWS else MATMUL_PREFILL_TILE_WEIGHTS
-        step = max(1, tile // k)
+        step = max(1, MATMUL_TILE_WEIGHTS // k)  # decode-sized products: small tiles that stay in L2
         if step >= n:
             return x @ self.rows(0, n).T
-        if x.shape[0] > KERNEL_MAX_ROWS:
-            # prefill: each tile's GEMM writes its columns of the [T, N] result in place (BLAS takes the row
-            # stride), no transpose copy of the whole output afterwards (10-20% of a 256-row product)
-            res = np.empty((x.shape[0], n), dtype=F32)
-            for a in range(0, n, step):
-                b = min(n, a + step)
-                np.matmul(x, self.rows(a, b).T, out=res[:, a:b])
-            return res
         out = np.empty((n, x.shape[0]), dtype=F32)  # [N, T]: each tile writes contiguous rows
         for a in range(0, n, step):
             b = min(n, a + step)
@@ -243,6 +235,8 @@ def matmul(x: np.ndarray, w: Weight) -> np.ndarray:
     """``x @ w.T`` for an fp32 array or a :class:`Packed` weight: [T, K] -> [T, N] fp32."""
     if isinstance(w, Packed):
         return w.matmul(x)
+    if x.shape[0] > KERNEL_MAX_ROWS and isinstance(w, np.ndarray):
+        return products.matmul(x, w)
     return x @ w.T
 
 
@@ -257,6 +251,15 @@ def warm_kernels(weights: Iterable[object]) -> None:
 def matmul_many(pairs: list[tuple[np.ndarray, Weight]]) -> list[np.ndarray]:
     """``[matmul(x, w) for x, w in pairs]``, bit for bit, with the compiled-kernel products among them run in
     one round of the kernel threads (``engine.kernels.gemm_many``): q/k/v of a layer, gate/up of an expert."""
+    big = [i for i, (x, w) in enumerate(pairs) if x.shape[0] > KERNEL_MAX_ROWS and isinstance(w, (np.ndarray, Packed))]
+    if big:  # a prefill's: every such product's column pieces in one run of the prefill threads
+        outs: list[np.ndarray | None] = [None] * len(pairs)
+        for i, y in zip(big, products.matmul_many([pairs[i] for i in big])):
+            outs[i] = y
+        rest = [i for i in range(len(pairs)) if outs[i] is None]
+        for i, y in zip(rest, matmul_many([pairs[i] for i in rest]) if rest else []):
+            outs[i] = y
+        return outs  # type: ignore[return-value]
     prods = [(x, w.qtype, w.data) for x, w in pairs if _uses_kernel(x, w)]  # type: ignore[union-attr]
     if len(prods) < 2 or not _kernels().AVAILABLE:
         return [matmul(x, w) for x, w in pairs]

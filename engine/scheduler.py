@@ -352,40 +352,68 @@ class Scheduler:
             self._decode_rolling(live)
             return
         if len(live) == 1 or not self._use_batch(len(live)):
-            for s in live:  # one single-token forward each; events go out as soon as each is ready
-                if s.handle.cancelled:
-                    self._end(s, s.state.cancelled())  # type: ignore[union-attr]
-                    continue
-                t0 = time.perf_counter()
-                if trace.ON:
-                    trace.mark("X.tok")
-                try:
-                    logits = self._forward_one(s.state.last_token, s.cache)  # type: ignore[union-attr]
-                    if trace.ON:
-                        trace.mark("X.fwd")
-                    dt = time.perf_counter() - t0
-                    self._note_cost(1, dt)
-                    ev = s.state.step(logits)  # type: ignore[union-attr]
-                except Exception as e:  # a model failure must reach the client, not kill the thread
-                    self._fail([s], e)
-                    continue
-                s.handle.stats.decode_s += time.perf_counter() - t0
-                self._emit(s, ev)
+            self._decode_each(live)
             return
         t0 = time.perf_counter()
         ids = np.asarray([s.state.last_token for s in live], dtype=np.int64)  # type: ignore[union-attr]
+        lengths = [getattr(s.cache, "length", None) for s in live]
         try:
             logits = self._forward_batch(ids, [s.cache for s in live])
-            self._note_cost(len(live), time.perf_counter() - t0)
-            self.batched_steps += 1
-            events = [s.state.step(logits[i]) for i, s in enumerate(live)]  # type: ignore[union-attr]
-        except Exception as e:
-            self._fail(live, e)
+        except Exception as e:  # noqa: BLE001 - which sequence failed is found by stepping each alone
+            self._after_failed_batch(live, lengths, e)
             return
         dt = time.perf_counter() - t0
-        for s, ev in zip(live, events):
+        self._note_cost(len(live), dt)
+        self.batched_steps += 1
+        for i, s in enumerate(live):
+            try:
+                ev = s.state.step(logits[i])  # type: ignore[union-attr]
+            except Exception as e:  # one sequence's failure (sampling, a constraint) ends that sequence only
+                self._fail([s], e)
+                continue
             s.handle.stats.decode_s += dt
             self._emit(s, ev)
+
+    def _decode_each(self, seqs: Sequence[_Seq]) -> None:
+        """One single-token forward per sequence; events go out as soon as each is ready, and a failure ends
+        only the sequence whose step failed."""
+        for s in seqs:
+            if s.handle.cancelled:
+                self._end(s, s.state.cancelled())  # type: ignore[union-attr]
+                continue
+            t0 = time.perf_counter()
+            if trace.ON:
+                trace.mark("X.tok")
+            try:
+                logits = self._forward_one(s.state.last_token, s.cache)  # type: ignore[union-attr]
+                if trace.ON:
+                    trace.mark("X.fwd")
+                dt = time.perf_counter() - t0
+                self._note_cost(1, dt)
+                ev = s.state.step(logits)  # type: ignore[union-attr]
+            except Exception as e:  # a model failure must reach the client, not kill the thread
+                self._fail([s], e)
+                continue
+            s.handle.stats.decode_s += time.perf_counter() - t0
+            self._emit(s, ev)
+
+    def _after_failed_batch(self, live: Sequence[_Seq], lengths: Sequence[int | None], e: Exception) -> None:
+        """A batched decode step raised: which sequence's step fails is not known, so each takes its step alone
+        (``_decode_each``), and only those that fail alone end with an error. A cache the failed batch advanced
+        anyway is put back (``truncate``) first; one that cannot be put back ends with the batch's error."""
+        log.warning("batched_step_failed", model=self.name, error=str(e), error_type=type(e).__name__,
+                    requests=len(live))
+        retry = []
+        for s, n in zip(live, lengths):
+            now = getattr(s.cache, "length", None)
+            if now != n:
+                try:
+                    s.cache.truncate(n)  # type: ignore[union-attr]
+                except Exception:  # noqa: BLE001 - no way back for this cache: its sequence ends here
+                    self._fail([s], e)
+                    continue
+            retry.append(s)
+        self._decode_each(retry)
 
     def _decode_rolling(self, live: list[_Seq]) -> None:
         """One rolling decode step (see the module docstring): for each sequence, oldest step first, take

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import reaper
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,6 +79,7 @@ def _in_xdist_worker(config: pytest.Config) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    reaper.start(config)  # no process a test starts outlives the run (tests/reaper.py)
     config.addinivalue_line("markers", "solo: runs alone in a parallel (xdist) run (a wall-clock target)")
     if getattr(config.option, "loadscopereorder", None) is not None:
         config.option.loadscopereorder = False  # keep LONG_FILES_FIRST's order (see above)
@@ -121,6 +123,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    reaper.finish(config)
     run_uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if run_uid is not None and _in_xdist_worker(config):  # a finished worker holds no lock any more
         base = Path(tempfile.gettempdir()) / f"meshd-pytest-{run_uid}"

@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
-from engine_gen_toy import ToyModel
+from engine_gen_toy import ToyCache, ToyModel
 
 from engine.generate import SamplingParams, generate
 from engine.scheduler import Busy, Scheduler, SchedulerClosed
@@ -249,3 +248,49 @@ def test_an_internal_failure_does_not_hang_clients(tok: Tokenizer, sched_factory
     monkeypatch.undo()
     assert len(list(sched.submit([1, 2], SamplingParams(max_tokens=3, ignore_eos=True)))) == 3
 
+
+
+class _PoisonModel(ToyModel):
+    """A toy model whose steps fail for one sequence (the one whose prompt starts with ``BAD``) from its fourth
+    decode step on, alone or in a batch: a batched step that includes it raises for the whole batch."""
+
+    BAD = 7
+
+    def forward(self, ids: np.ndarray, cache: ToyCache, executor: object = None, *,  # type: ignore[override]
+                last_only: bool = False) -> np.ndarray:
+        if cache.length == 0:
+            cache.poisoned = int(ids[0]) == self.BAD  # type: ignore[attr-defined]
+        self._check([cache])
+        return super().forward(ids, cache, executor, last_only=last_only)
+
+    def forward_batch(self, ids: np.ndarray, caches: list[ToyCache]) -> np.ndarray:
+        self.calls.append(("batch-try", len(ids)))
+        self._check(caches)
+        return super().forward_batch(ids, caches)
+
+    def _check(self, caches: list[ToyCache]) -> None:
+        for c in caches:
+            if getattr(c, "poisoned", False) and c.length >= 6:
+                raise RuntimeError("poisoned sequence")
+
+
+@pytest.mark.parametrize("batching", ["always", "auto"])
+def test_a_failing_sequence_in_a_batched_step_fails_alone(tok: Tokenizer, sched_factory: Make, batching: str) -> None:
+    """One sequence's step raising inside a batched decode step ends that sequence with the error; the others
+    of the batch go on to the tokens they give alone (before, every sequence of the batch ended with it)."""
+    model = _PoisonModel(vocab_size=768, gate=threading.Event())
+    sched = sched_factory(model, tok, max_active=8, batching=batching)
+    prompts = [[_PoisonModel.BAD, 1, 2], [1, 2, 3], [4, 5], [9, 9, 9, 9]]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    handles = [sched.submit(p, params) for p in prompts]
+    model.gate.set()  # type: ignore[union-attr]
+    got = [list(h) for h in handles]
+    assert got[0][-1].finish_reason == "error" and "poisoned sequence" in (got[0][-1].error or "")
+    assert [e.token_id for e in got[0][:-1]] == [e.token_id for e in list(generate(ToyModel(vocab_size=768), tok,
+                                                                             prompts[0], params))[:4]]
+    for p, evs in zip(prompts[1:], got[1:]):
+        assert evs == list(generate(ToyModel(vocab_size=768), tok, p, params))
+    calls = model.calls
+    failed = [i for i, c in enumerate(calls) if c[0] == "batch-try" and calls[i + 1] != ("batch", c[1])]
+    assert len(failed) == 1 and calls[failed[0]][1] > 1  # one batched step raised, with others in it
+    assert any(k == "batch" for k, _ in calls[failed[0] + 1 :])  # and batching went on without the failed one

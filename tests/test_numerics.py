@@ -100,6 +100,20 @@ def test_openblas_core_changes_the_tag_and_the_bits() -> None:
     assert same == base, (same, base)
 
 
+def test_a_blas_whose_thread_count_is_not_held_at_one_says_so_in_the_tag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With OpenBLAS held at one thread (engine/prefill_threads.py) the thread counts are not in the tag; where
+    it could not be held (another BLAS), the products' bits may follow the BLAS's threads, so the ``blas`` part
+    names the core count: such a node matches only a node with as many cores."""
+    from engine import prefill_threads
+
+    if not prefill_threads.pinned():
+        pytest.skip("numpy's BLAS is not an OpenBLAS this process could hold at one thread")
+    assert "unpinned" not in numerics.blas_choice()
+    monkeypatch.setattr(prefill_threads, "_blas", None)
+    assert numerics.blas_choice().endswith(f"+unpinned-{__import__('os').cpu_count()}")
+    assert numerics.parse(numerics.blas_choice()) is not None
+
+
 def test_kernels_switch_is_in_the_tag() -> None:
     off = _probe(MESHD_KERNELS="numpy")
     assert ";".join(off["tag"].split(";")[:1]) == "kernels=numpy", off

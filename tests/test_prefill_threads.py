@@ -67,31 +67,25 @@ def _stacked_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, past: int, s
 
 
 @needs_local_threads
-def test_pieces_run_on_single_threaded_blas_and_the_count_comes_back(two_threads: prefill_threads._Pool) -> None:
-    """Every piece's products run on single-threaded BLAS, also a piece still running on the helper after the
-    caller ran out of pieces (OpenBLAS's per-thread count is one count for the process: the caller restoring it
-    early gave that piece threaded BLAS, other bits on some CPUs), and BLAS's own count is back after ``run``
-    (the helper setting 1 when it started left the caller's q/k/v/o products single-threaded for good)."""
+def test_blas_stays_on_one_thread_on_every_thread(two_threads: prefill_threads._Pool) -> None:
+    """OpenBLAS is held at one thread for the process from the engine's import on, in the caller and on a
+    helper, during and after ``run`` (before, BLAS's own count came back outside the pieces: the products there
+    followed ``OPENBLAS_NUM_THREADS``, and one and two threads give other bits on some CPUs)."""
     get = BLAS[1]  # type: ignore[index]
-    own = prefill_threads._blas_threads
-    assert get() == own
-    for _ in range(5):
-        started = threading.Event()
-        counts: list[int] = []
+    assert prefill_threads.pinned() and get() == 1
+    counts: list[int] = []
+    started = threading.Event()
 
-        def first() -> None:  # the caller's (it claims first): waits until the helper holds the other piece
-            counts.append(get())
-            started.wait(10)
+    def first() -> None:
+        counts.append(get())
+        started.wait(10)
 
-        def second() -> None:
-            started.set()
-            time.sleep(0.05)  # the caller is out of pieces by now
-            counts.append(get())
+    def second() -> None:
+        started.set()
+        counts.append(get())
 
-        prefill_threads.run([first, second])
-        assert counts == [1, 1]
-        assert get() == own
-    assert own == 1 or prefill_threads._single == 0
+    prefill_threads.run([first, second])
+    assert counts == [1, 1] and get() == 1
 
 
 CASES = [  # t, past, heads, kv heads, head dim, window
@@ -108,8 +102,7 @@ def test_attention_pieces_equal_the_stacked_computation(threads: str, request: p
         q = rng.standard_normal((t, h, hd), dtype=F32)
         k = rng.standard_normal((kv, past + t + 11, hd), dtype=F32)[:, : past + t]  # a cache's strided view
         v = rng.standard_normal((kv, past + t + 11, hd), dtype=F32)[:, : past + t]
-        with prefill_threads.single_blas():  # the BLAS the pieces run on
-            want = _stacked_attention(q, k, v, past, hd**-0.5, window)
+        want = _stacked_attention(q, k, v, past, hd**-0.5, window)
         got = ops.attention(q, k, v, past, hd**-0.5, window)
         assert got.tobytes() == want.tobytes(), (t, past, h, kv, hd, window)
         np.testing.assert_allclose(got, ops.naive_attention(q, k, v, past, hd**-0.5, window), rtol=1e-4, atol=1e-5)
@@ -242,8 +235,7 @@ def test_an_expert_workers_lone_prefill_item_gets_the_pieces_bits(two_threads: p
     gate, up = (rng.standard_normal((384, 768), dtype=F32) * F32(0.05) for _ in range(2))
     down = rng.standard_normal((768, 384), dtype=F32) * F32(0.05)
     x = rng.standard_normal((64, 768), dtype=F32)
-    with prefill_threads.single_blas():
-        want = moe.expert_ffn(x, gate, up, down).tobytes()
+    want = moe.expert_ffn(x, gate, up, down).tobytes()
     assert moe.expert_ffn_many([(x, gate, up, down)])[0].tobytes() == want
     assert moe.expert_ffn_many([(x, gate, up, down), (x[:7], gate, up, down)])[0].tobytes() == want
 
@@ -280,3 +272,47 @@ def test_repeated_prefills_in_a_fresh_process_give_the_same_bits(tmp_path: Path)
         out = subprocess.run([sys.executable, "-c", _REPEAT, tests, str(ck)], capture_output=True, text=True,
                              timeout=300, env=env, check=True).stdout.split()
         assert out[-1] == "4", out
+
+
+def test_product_cuts_depend_on_the_shape_only() -> None:
+    """The column pieces of a product (engine/products.py): a table of the rule, every range covered once."""
+    from engine import products
+
+    assert products.cuts(256, 768, 768) == [(0, 192), (192, 384), (384, 576), (576, 768)]  # q, o of the bench model
+    assert products.cuts(64, 768, 384) == [(0, 384)]  # a typical expert item: one piece
+    assert products.cuts(5, 64, 96) == [(0, 96)]
+    assert products.cuts(256, 768, 16) == [(0, 16)]
+    assert len(products.cuts(8, 768, 32000)) == 24  # the 1 Mi-weight tile bound (a packed weight's fp32 tile)
+    for m, k, n in ((256, 768, 768), (300, 512, 1000), (5, 4096, 151936), (512, 2048, 64)):
+        got = products.cuts(m, k, n)
+        assert got[0][0] == 0 and got[-1][1] == n and all(a[1] == b[0] for a, b in zip(got, got[1:]))
+        assert all((b - a) % 64 == 0 for a, b in got[:-1])
+
+
+@needs_local_threads
+def test_products_in_pieces_are_the_same_bits_on_any_thread_count(two_threads: prefill_threads._Pool,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill product's pieces on the threads give the bits of the same pieces one after the other on one
+    thread, for fp32 and packed (bf16, Q8_0) weights; the pieces did run on the helper."""
+    from engine import products, quant
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((200, 768), dtype=F32)
+    w32 = rng.standard_normal((1000, 768), dtype=F32) * F32(0.05)
+    bf = quant.packed((w32.view(np.uint32) >> 16).astype(np.uint16), "BF16", w32.shape)
+    assert len(products.cuts(200, 768, 1000)) > 1
+    names: set[str] = set()
+    real = products._piece
+
+    def spy(*a: object) -> None:
+        names.add(threading.current_thread().name)
+        real(*a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(products, "_piece", spy)
+    got = quant.matmul_many([(x, w32), (x, bf), (x[:7], w32)])
+    assert any(n.startswith("meshd-prefill-") for n in names), names
+    monkeypatch.setattr(prefill_threads, "_pool", None)
+    want = [np.concatenate([xx @ ww[a:b].T for a, b in products.cuts(xx.shape[0], 768, 1000)], axis=1)
+            for xx, ww in ((x, w32), (x, bf.widen()), (x[:7], w32))]
+    assert [g.tobytes() for g in got] == [w.tobytes() for w in want]
+    assert quant.matmul(x, bf).tobytes() == want[1].tobytes()
