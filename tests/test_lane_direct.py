@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 from test_transport_lane import pair, roundtrip, wait_for
 
@@ -56,18 +57,22 @@ def test_direct_channel_carries_messages_beside_the_lane_and_closes_with_the_mem
 
             assert await asyncio.to_thread(use) == [b"hello", b"", big, b"x" * 5000]
 
-            def use_parts() -> list[Any]:  # parts joined on the way out; a long message read into its own buffer
-                out = []
-                for parts in ((b"ab", b"", b"c"), (big[:1000], memoryview(big)[1000:70000]), (big,)):
-                    n = sum(len(x) for x in parts)
+            def use_parts() -> list[Any]:  # parts joined on the way out (one record) or written corked where
+                out = []  # they lie (longer); a message read into its own buffer, after ``lead`` zero bytes
+                head, rows = b"h" * 36, np.arange(8192, dtype=np.float32).reshape(1, 8192)  # a RESULT's parts
+                for parts, lead in (((b"ab", b"", b"c"), 0), ((big[:1000], memoryview(big)[1000:70000]), 0),
+                                    ((big,), 0), ((head, rows), 12), ((b"", big[:20000]), 3), ((b"x",), 5)):
+                    n = sum(memoryview(x).nbytes for x in parts)
                     ch.send_parts(parts, n, 5.0)
-                    out.append(ch.recv_owned(5.0))
-                with pytest.raises(ValueError, match="said"):
-                    ch.send_parts((b"abc",), 4, 5.0)
+                    out.append(ch.recv_owned(5.0, lead))
+                for parts, n in (((b"abc",), 4), ((b"abc", big[:20000]), 20002)):
+                    with pytest.raises(ValueError, match="said"):
+                        ch.send_parts(parts, n, 5.0)
                 return out
 
             got = await asyncio.to_thread(use_parts)
-            assert got == [b"abc", big[:70000], big]
+            assert got == [b"abc", big[:70000], big, bytes(12) + b"h" * 36 + np.arange(8192, dtype=np.float32).tobytes(),
+                           bytes(3) + big[:20000], bytes(5) + b"x"]
             assert all(type(m) is bytearray for m in got)  # the caller's own buffers (a long one read into it)
             ch.send(b"abc", 5.0)
             assert type(await asyncio.to_thread(ch.recv, 5.0)) is bytes

@@ -53,7 +53,11 @@ assert len(DIRECT_MAGIC) + 1 == limits.LANE_DIRECT_MAGIC_BYTES  # noqa: S101 - m
 SERVICE_EXPERTS = 1  # expert RPC (engine.experts.direct)
 SERVICE_PIPELINE = 2  # a pipeline stage's decode hop (engine.pipeline.direct)
 _RECORD = struct.Struct(">I")
-_JOIN_BELOW_BYTES = 64 * 1024  # header and payload written as one (one TLS record up to 16 KiB)
+_ONE_RECORD_BYTES = 16 * 1024  # TLS's largest record (plaintext): a message up to this, header included, is
+#   written as one record (joined once); a longer one is written corked (``send_parts``)
+_SMALL_FIRST_BYTES = 256  # a longer message's first part up to this (a frame header) is joined with the record
+#   header; the rest is written from where it lies, not copied into one buffer first
+_CORK = getattr(socket, "TCP_CORK", None)  # Linux: hold the records of one message until the whole is written
 _RECV_BYTES = 256 * 1024  # one read's room: a per-channel buffer read into, not a new object per read (below)
 
 
@@ -85,6 +89,7 @@ class DirectChannel:
         # ~65 us per read against recv_into's, on a socket pair here; a 32 KiB reply takes 2-3 reads of TLS)
         self._scratch = bytearray(_RECV_BYTES)
         self._scratch_view = memoryview(self._scratch)
+        self._head = memoryview(bytearray(_RECORD.size))  # ``recv_owned`` reads a record header here
         self._timeout: float | None = -1.0
         self.max_record_bytes = limits.LANE_DIRECT_MAX_RECORD_BYTES
         self.on_close: list[Callable[[DirectChannel], None]] = []
@@ -108,26 +113,43 @@ class DirectChannel:
 
     def send_parts(self, parts: tuple[Any, ...], n: int, timeout: float | None = None) -> None:
         """Send one message made of ``parts`` (objects with the buffer protocol, C-contiguous, ``n`` bytes in
-        all), as ``send`` does: below ``_JOIN_BELOW_BYTES`` joined with the record header in one copy, so a
-        frame's header and its tensor's bits need not be joined first (a second copy of a 32 KiB logits row on
-        the hop). Raises ``TransportError`` and closes on failure (``BufferError`` for a part that cannot be
-        read as bytes, before anything is sent)."""
+        all), as ``send`` does. Up to one TLS record, joined with the record header in one copy (one record, one
+        segment). Longer: the record header (with the first part when it is small, a frame header) and then each
+        part from where it lies, the socket corked meanwhile (``TCP_CORK``), so the message leaves as one
+        segment on loopback and its reader wakes once for it, not once per 16 KiB record: a 32 KiB logits row
+        is neither copied into a joined buffer nor sent as three segments (measured: docs/pipeline.md, session
+        10). Raises ``TransportError`` and closes on failure (``BufferError`` for a part that cannot be read as
+        bytes, ``ValueError`` for parts that are not ``n`` bytes, before anything is sent)."""
         if self.closed:
             raise TransportError(f"direct channel closed: {self.close_reason}")
         if n > self.max_record_bytes:
             raise TransportError(f"direct message of {n} bytes")
-        if n <= _JOIN_BELOW_BYTES:
-            data = b"".join((_RECORD.pack(n), *parts))
+        head = _RECORD.pack(n)
+        whole = n + _RECORD.size <= _ONE_RECORD_BYTES
+        if whole:
+            data = b"".join((head, *parts))
             if len(data) != _RECORD.size + n:
                 raise ValueError(f"message parts of {len(data) - _RECORD.size} bytes, said {n}")
+        else:
+            views = [memoryview(p).cast("B") for p in parts]
+            if sum(v.nbytes for v in views) != n:
+                raise ValueError(f"message parts of {sum(v.nbytes for v in views)} bytes, said {n}")
+            if views and views[0].nbytes <= _SMALL_FIRST_BYTES:
+                head += views.pop(0)
+        sock = self._sock
         try:
             self._settimeout(timeout)
-            if n <= _JOIN_BELOW_BYTES:
-                self._sock.sendall(data)
+            if whole:
+                sock.sendall(data)
             else:
-                self._sock.sendall(_RECORD.pack(n))
-                for part in parts:
-                    self._sock.sendall(part)
+                if _CORK is not None:
+                    sock.setsockopt(socket.IPPROTO_TCP, _CORK, 1)
+                sock.sendall(head)
+                for v in views:
+                    if v.nbytes:
+                        sock.sendall(v)
+                if _CORK is not None:
+                    sock.setsockopt(socket.IPPROTO_TCP, _CORK, 0)  # out now, as one segment where it fits
         except (OSError, ValueError) as e:
             self.close(f"send failed: {e!r}")
             raise TransportError(f"direct channel: send failed: {e!r}") from None
@@ -139,11 +161,46 @@ class DirectChannel:
         out = self._recv(timeout, False)
         return out if out is None or type(out) is bytes else bytes(out)
 
-    def recv_owned(self, timeout: float | None = None) -> bytearray | None:
-        """``recv``, but the message is a ``bytearray`` the caller owns (nothing else refers to it), and one
-        longer than a read is read straight into it: its bytes are copied once on their way from TLS, not three
-        times (into this channel's buffer, out of it, and into a decoded tensor)."""
-        return self._recv(timeout, True)  # type: ignore[return-value]
+    def recv_owned(self, timeout: float | None = None, lead: int = 0) -> bytearray | None:
+        """``recv``, but the message is a ``bytearray`` the caller owns (nothing else refers to it), read straight
+        into it from TLS (its record header first, then its bytes: copied once on their way, not into this
+        channel's buffer and out again), after ``lead`` zero bytes: the message starts at ``out[lead]``, so a
+        caller can put a field it will view in place at the alignment it needs (a ``bytearray``'s bytes are
+        16-byte aligned)."""
+        if self._buf:  # bytes read ahead by ``recv`` (not on a request/reply channel): the buffered way
+            out = self._recv(timeout, True)
+            return out if out is None or not lead else bytearray(lead) + out
+        head = self._head
+        try:
+            self._settimeout(timeout)
+            got = self._read_into(head, _RECORD.size)
+            if not got:
+                self.close("peer closed")
+                return None
+            while got < _RECORD.size:
+                k = self._read_into(head[got:], _RECORD.size - got)
+                if not k:
+                    raise TransportError("direct channel ended inside a message")
+                got += k
+            (n,) = _RECORD.unpack_from(head)
+            if n > self.max_record_bytes:
+                raise TransportError(f"direct message of {n} bytes")
+            out = bytearray(lead + n)
+            end = lead + n
+            with memoryview(out) as view:
+                while lead < end:
+                    k = self._read_into(view[lead:], end - lead)
+                    if not k:
+                        raise TransportError("direct channel ended inside a message")
+                    lead += k
+        except TransportError as e:
+            self.close(str(e))
+            raise
+        except (OSError, ValueError) as e:  # TimeoutError is an OSError
+            self.close(f"recv failed: {e!r}")
+            raise TransportError(f"direct channel: recv failed: {e!r}") from None
+        self.messages_in += 1
+        return out
 
     def _recv(self, timeout: float | None, owned: bool) -> bytes | bytearray | None:
         buf = self._buf
