@@ -65,6 +65,8 @@ def test_direct_channel_carries_messages_beside_the_lane_and_closes_with_the_mem
                     n = sum(memoryview(x).nbytes for x in parts)
                     ch.send_parts(parts, n, 5.0)
                     out.append(ch.recv_owned(5.0, lead))
+                    if hasattr(socket, "TCP_CORK"):  # a corked message is pushed out whole, nothing held back
+                        assert ch._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CORK) == 0
                 for parts, n in (((b"abc",), 4), ((b"abc", big[:20000]), 20002)):
                     with pytest.raises(ValueError, match="said"):
                         ch.send_parts(parts, n, 5.0)
