@@ -77,6 +77,12 @@ class DirectChannel:
 
     def __init__(self, tls: ssl.SSLSocket, peer_id: str, service: int, is_client: bool) -> None:
         self._sock = tls
+        # the TLS object under ``tls``: its ``read``/``write`` called straight, not through ``ssl.SSLSocket``'s
+        # Python wrappers (``recv_into`` -> ``read`` -> ``_checkClosed`` twice; ``sendall`` -> ``send``): a hop makes
+        # 8-9 such calls, with cold caches, where each Python frame is a handful of misses (the socket's timeout,
+        # the TLS state and the errors raised are the same; a peer gone without a TLS close reads as an end, as
+        # the wrappers' ``suppress_ragged_eofs`` has it)
+        self._tls = getattr(tls, "_sslobj", None) or _Wrapped(tls)
         self.peer_id = peer_id
         self.service = service
         self.is_client = is_client
@@ -140,14 +146,14 @@ class DirectChannel:
         try:
             self._settimeout(timeout)
             if whole:
-                sock.sendall(data)
+                self._write(data)
             else:
                 if _CORK is not None:
                     sock.setsockopt(socket.IPPROTO_TCP, _CORK, 1)
-                sock.sendall(head)
+                self._write(head)
                 for v in views:
                     if v.nbytes:
-                        sock.sendall(v)
+                        self._write(v)
                 if _CORK is not None:
                     sock.setsockopt(socket.IPPROTO_TCP, _CORK, 0)  # out now, as one segment where it fits
         except (OSError, ValueError) as e:
@@ -255,9 +261,23 @@ class DirectChannel:
         return out, have
 
     def _read_into(self, view: memoryview, nbytes: int = 0) -> int:
+        """Up to ``nbytes`` (0: ``len(view)``) plaintext bytes into ``view`` -> how many (0: the peer ended)."""
         if self.closed:
             raise TransportError(f"direct channel closed: {self.close_reason}")
-        return self._sock.recv_into(view, nbytes)
+        try:
+            return int(self._tls.read(nbytes or len(view), view))
+        except ssl.SSLEOFError:  # the peer went without a TLS close (ours does too: ``close``): an end
+            return 0
+
+    def _write(self, data: bytes | memoryview) -> None:
+        """All of ``data`` (``bytes``, or a memoryview of format "B") through TLS, blocking up to the channel's
+        timeout."""
+        tls_write = self._tls.write
+        done = tls_write(data)
+        if done < len(data):  # (not with the modes ``ssl`` sets: a write is whole or raises)
+            with memoryview(data) as rest:
+                while done < len(data):
+                    done += tls_write(rest[done:])
 
     def _fill(self) -> bool:
         n = self._read_into(self._scratch_view)
@@ -278,6 +298,20 @@ class DirectChannel:
         for cb in list(self.on_close):
             with contextlib.suppress(Exception):
                 cb(self)
+
+
+class _Wrapped:
+    """``read``/``write`` of an ``ssl.SSLSocket`` through its public methods (an ``ssl`` without ``_sslobj``)."""
+
+    def __init__(self, tls: ssl.SSLSocket) -> None:
+        self._tls = tls
+
+    def read(self, n: int, buffer: Any) -> int:
+        return self._tls.recv_into(buffer, n)
+
+    def write(self, data: Any) -> int:
+        self._tls.sendall(data)
+        return memoryview(data).nbytes
 
 
 def _read_exact(tls: ssl.SSLSocket, n: int, deadline: float) -> bytes:
