@@ -255,3 +255,40 @@ def test_strangers_with_the_magic_are_dropped_within_the_deadline_and_forgotten(
             assert p.lb.lane_count() == 1 and p.peer_of_a.path == "lane"  # the member's lane is untouched
 
     asyncio.run(main())
+
+
+def _tls_channel_pair() -> tuple[DirectChannel, DirectChannel]:
+    """Two ends of a direct channel over real TLS on loopback, without a lane (the proof is not what is tested)."""
+    server_ctx = lane_conn._server_context(NodeIdentity.generate())
+    client_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client_ctx.check_hostname, client_ctx.verify_mode = False, ssl.CERT_NONE
+    listener = socket.create_server(("127.0.0.1", 0))
+    got: list[DirectChannel] = []
+
+    def accept() -> None:
+        s, _ = listener.accept()
+        got.append(DirectChannel(server_ctx.wrap_socket(s, server_side=True), "client", SERVICE, False))
+
+    t = threading.Thread(target=accept)
+    t.start()
+    c = socket.create_connection(listener.getsockname())
+    near = DirectChannel(client_ctx.wrap_socket(c), "server", SERVICE, True)
+    t.join(5)
+    listener.close()
+    return near, got[0]
+
+
+def test_recv_owned_ends_cleanly_between_messages_and_fails_inside_one() -> None:
+    """A peer that closes (without a TLS close, as ``close`` does) after a whole message: the message, then None;
+    inside a message: ``TransportError``, and the channel is closed."""
+    near, far = _tls_channel_pair()
+    far.send_parts((b"ab", b"c"), 3, 5.0)
+    far.close()
+    assert near.recv_owned(5.0, 2) == b"\0\0abc"
+    assert near.recv_owned(5.0) is None and near.closed
+    near, far = _tls_channel_pair()
+    far._write(b"\0\0\0\x64" + b"x" * 10)  # a record header of 100 bytes, then 10 of them
+    far.close()
+    with pytest.raises(TransportError, match="inside a message"):
+        near.recv_owned(5.0)
+    assert near.closed

@@ -176,15 +176,19 @@ class DirectChannel:
         if self._buf:  # bytes read ahead by ``recv`` (not on a request/reply channel): the buffered way
             out = self._recv(timeout, True)
             return out if out is None or not lead else bytearray(lead) + out
-        head = self._head
+        if self.closed:
+            raise TransportError(f"direct channel closed: {self.close_reason}")
+        head, read = self._head, self._tls.read  # (a ``close`` from another thread meanwhile: the read fails or
+        got = 0  # ends, as it does through ``_read_into``)
         try:
-            self._settimeout(timeout)
-            got = self._read_into(head, _RECORD.size)
+            if timeout != self._timeout:
+                self._settimeout(timeout)
+            got = read(_RECORD.size, head)
             if not got:
                 self.close("peer closed")
                 return None
             while got < _RECORD.size:
-                k = self._read_into(head[got:], _RECORD.size - got)
+                k = read(_RECORD.size - got, head[got:])
                 if not k:
                     raise TransportError("direct channel ended inside a message")
                 got += k
@@ -195,10 +199,15 @@ class DirectChannel:
             end = lead + n
             with memoryview(out) as view:
                 while lead < end:
-                    k = self._read_into(view[lead:], end - lead)
+                    k = read(end - lead, view[lead:])
                     if not k:
                         raise TransportError("direct channel ended inside a message")
                     lead += k
+        except ssl.SSLEOFError:  # the peer went without a TLS close (ours does too): an end, as in ``_read_into``
+            self.close("peer closed")
+            if got:
+                raise TransportError("direct channel ended inside a message") from None
+            return None
         except TransportError as e:
             self.close(str(e))
             raise
