@@ -137,14 +137,19 @@ class DirectChannel:
             if len(data) != _RECORD.size + n:
                 raise ValueError(f"message parts of {len(data) - _RECORD.size} bytes, said {n}")
         else:
-            views = [memoryview(p).cast("B") for p in parts]
-            if sum(v.nbytes for v in views) != n:
-                raise ValueError(f"message parts of {sum(v.nbytes for v in views)} bytes, said {n}")
+            views, total = [], 0  # (a loop, not comprehensions: each is one more frame, on the hop with cold caches)
+            for part in parts:
+                v = memoryview(part).cast("B")
+                views.append(v)
+                total += v.nbytes
+            if total != n:
+                raise ValueError(f"message parts of {total} bytes, said {n}")
             if views and views[0].nbytes <= _SMALL_FIRST_BYTES:
                 head += views.pop(0)
         sock = self._sock
         try:
-            self._settimeout(timeout)
+            if timeout != self._timeout:
+                self._settimeout(timeout)
             if whole:
                 self._write(data)
             else:

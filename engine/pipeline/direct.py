@@ -85,14 +85,15 @@ class DirectHop:
             if parts is None:  # a batched step (several spans): the general codec
                 data = wire.encode(wire.Forward(frame.run, step, frame.spans, frame.x, frame.last_only))
                 parts = (data,), len(data)
+            tracing = trace.ON and frame.x.shape[0] == 1
             t0 = time.perf_counter()
-            if trace.ON and frame.x.shape[0] == 1:
+            if tracing:
                 trace.mark("S.dsend")
             ch.send_parts(parts[0], parts[1], timeout)
-            if trace.ON and frame.x.shape[0] == 1:
+            if tracing:
                 trace.mark("S.dwrote")
             back = ch.recv_owned(timeout, wire.RESULT_LEAD)  # the rows land 16-byte aligned: viewed, not copied
-            if trace.ON and frame.x.shape[0] == 1:
+            if tracing:
                 trace.mark("S.drx")
             if back is None:
                 raise TransportError("the stage closed the direct channel")
