@@ -325,7 +325,7 @@ def _decode_step(data: bytes | bytearray, max_frame_bytes: int, owned: bool = Fa
             or dtype != _DT_F32 or ndim != 2 or rows > _MAX_DIM or not 0 < cols <= _MAX_DIM
             or n != size + 4 * rows * cols):
         return None
-    if owned and not (at + size) & 15 and type(data) is bytearray:
+    if owned and (at + size) % 16 == 0 and type(data) is bytearray:
         # the message's own buffer: writable, nothing else holds it, and the rows start 16-byte aligned, as a
         # copy's would (rows aligned otherwise, e.g. a RESULT's 36 bytes into a buffer: a numpy reduction over
         # them could round differently than over a copy's, so those are copied)
