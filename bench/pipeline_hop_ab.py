@@ -241,9 +241,17 @@ def hop(versions: dict[str, dict[str, ModuleType]], pairs: int) -> tuple[dict[st
             reports[name] = here
         try:
             for name, (h, link, _, w) in ends.items():  # warm up (first calls, the child's first sweeps)
+                # the first exchanges after the forks take copy-on-write faults on both sides (0.05-0.55 s here,
+                # more under load: longer than a hop's timeout, which closes the channel): pings with a long
+                # timeout first, then steps, each checked
+                for _ in range(3):
+                    h.channel.send(w.encode(w.Keepalive(1)), 10.0)
+                    if h.channel.recv(10.0) is None:
+                        raise RuntimeError(f"{name}: the stage ended during the warm-up")
                 for _ in range(5):
                     h._pinged = time.perf_counter()
-                    h.call(link, w.Forward(1, 0, (w.SeqSpan(1, 5, 1),), x, True), True)
+                    if h.call(link, w.Forward(1, 0, (w.SeqSpan(1, 5, 1),), x, True), True) is None:
+                        raise RuntimeError(f"{name}: a warm-up step failed ({h.channel.close_reason})")
             for i in range(pairs):
                 for name in _order(i):
                     h, link, _, w = ends[name]

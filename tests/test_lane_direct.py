@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 from test_transport_lane import pair, roundtrip, wait_for
 
@@ -56,18 +57,24 @@ def test_direct_channel_carries_messages_beside_the_lane_and_closes_with_the_mem
 
             assert await asyncio.to_thread(use) == [b"hello", b"", big, b"x" * 5000]
 
-            def use_parts() -> list[Any]:  # parts joined on the way out; a long message read into its own buffer
-                out = []
-                for parts in ((b"ab", b"", b"c"), (big[:1000], memoryview(big)[1000:70000]), (big,)):
-                    n = sum(len(x) for x in parts)
+            def use_parts() -> list[Any]:  # parts joined on the way out (one record) or written corked where
+                out = []  # they lie (longer); a message read into its own buffer, after ``lead`` zero bytes
+                head, rows = b"h" * 36, np.arange(8192, dtype=np.float32).reshape(1, 8192)  # a RESULT's parts
+                for parts, lead in (((b"ab", b"", b"c"), 0), ((big[:1000], memoryview(big)[1000:70000]), 0),
+                                    ((big,), 0), ((head, rows), 12), ((b"", big[:20000]), 3), ((b"x",), 5)):
+                    n = sum(memoryview(x).nbytes for x in parts)
                     ch.send_parts(parts, n, 5.0)
-                    out.append(ch.recv_owned(5.0))
-                with pytest.raises(ValueError, match="said"):
-                    ch.send_parts((b"abc",), 4, 5.0)
+                    out.append(ch.recv_owned(5.0, lead))
+                    if hasattr(socket, "TCP_CORK"):  # a corked message is pushed out whole, nothing held back
+                        assert ch._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CORK) == 0
+                for parts, n in (((b"abc",), 4), ((b"abc", big[:20000]), 20002)):
+                    with pytest.raises(ValueError, match="said"):
+                        ch.send_parts(parts, n, 5.0)
                 return out
 
             got = await asyncio.to_thread(use_parts)
-            assert got == [b"abc", big[:70000], big]
+            assert got == [b"abc", big[:70000], big, bytes(12) + b"h" * 36 + np.arange(8192, dtype=np.float32).tobytes(),
+                           bytes(3) + big[:20000], bytes(5) + b"x"]
             assert all(type(m) is bytearray for m in got)  # the caller's own buffers (a long one read into it)
             ch.send(b"abc", 5.0)
             assert type(await asyncio.to_thread(ch.recv, 5.0)) is bytes
@@ -248,3 +255,40 @@ def test_strangers_with_the_magic_are_dropped_within_the_deadline_and_forgotten(
             assert p.lb.lane_count() == 1 and p.peer_of_a.path == "lane"  # the member's lane is untouched
 
     asyncio.run(main())
+
+
+def _tls_channel_pair() -> tuple[DirectChannel, DirectChannel]:
+    """Two ends of a direct channel over real TLS on loopback, without a lane (the proof is not what is tested)."""
+    server_ctx = lane_conn._server_context(NodeIdentity.generate())
+    client_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client_ctx.check_hostname, client_ctx.verify_mode = False, ssl.CERT_NONE
+    listener = socket.create_server(("127.0.0.1", 0))
+    got: list[DirectChannel] = []
+
+    def accept() -> None:
+        s, _ = listener.accept()
+        got.append(DirectChannel(server_ctx.wrap_socket(s, server_side=True), "client", SERVICE, False))
+
+    t = threading.Thread(target=accept)
+    t.start()
+    c = socket.create_connection(listener.getsockname())
+    near = DirectChannel(client_ctx.wrap_socket(c), "server", SERVICE, True)
+    t.join(5)
+    listener.close()
+    return near, got[0]
+
+
+def test_recv_owned_ends_cleanly_between_messages_and_fails_inside_one() -> None:
+    """A peer that closes (without a TLS close, as ``close`` does) after a whole message: the message, then None;
+    inside a message: ``TransportError``, and the channel is closed."""
+    near, far = _tls_channel_pair()
+    far.send_parts((b"ab", b"c"), 3, 5.0)
+    far.close()
+    assert near.recv_owned(5.0, 2) == b"\0\0abc"
+    assert near.recv_owned(5.0) is None and near.closed
+    near, far = _tls_channel_pair()
+    far._write(b"\0\0\0\x64" + b"x" * 10)  # a record header of 100 bytes, then 10 of them
+    far.close()
+    with pytest.raises(TransportError, match="inside a message"):
+        near.recv_owned(5.0)
+    assert near.closed

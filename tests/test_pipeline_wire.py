@@ -211,8 +211,13 @@ def test_the_decode_steps_codec_equals_the_general_one(frame: wire.Frame, pos: i
     (head, x), n = wire.step_parts(type(frame)(**{**{f: getattr(frame, f) for f in frame.__slots__},  # type: ignore[misc]
                                                "x": strided}))
     assert b"".join((head, x)) == data and n == len(data)
-    buf = bytearray(data)
-    owned = wire.decode_one(buf, limits.MAX_FRAME_BYTES, owned=True)
-    assert _same(owned, frame) and owned.x.flags.writeable
-    assert np.shares_memory(owned.x, np.frombuffer(buf, np.uint8)) == isinstance(frame, wire.Forward)  # RESULT: copied
-    assert not np.shares_memory(wire.decode_one(buf, limits.MAX_FRAME_BYTES).x, np.frombuffer(buf, np.uint8))
+    # read after its lead (``recv_owned``), the rows are viewed in place, 16-byte aligned; at another offset (a
+    # FORWARD's rows 50 bytes in, a RESULT's 36) they are copied, so they are aligned as a copy's either way
+    lead = wire.FORWARD_LEAD if isinstance(frame, wire.Forward) else wire.RESULT_LEAD
+    for at in (lead, 0, lead + 1):
+        buf = bytearray(at) + bytearray(data)
+        owned = wire.decode_one(buf, limits.MAX_FRAME_BYTES, owned=True, at=at)
+        assert _same(owned, frame) and owned.x.flags.writeable and owned.x.flags.aligned
+        assert owned.x.ctypes.data % 16 == 0
+        assert np.shares_memory(owned.x, np.frombuffer(buf, np.uint8)) == (at == lead)
+        assert not np.shares_memory(wire.decode_one(buf, limits.MAX_FRAME_BYTES, at=at).x, np.frombuffer(buf, np.uint8))

@@ -53,7 +53,11 @@ assert len(DIRECT_MAGIC) + 1 == limits.LANE_DIRECT_MAGIC_BYTES  # noqa: S101 - m
 SERVICE_EXPERTS = 1  # expert RPC (engine.experts.direct)
 SERVICE_PIPELINE = 2  # a pipeline stage's decode hop (engine.pipeline.direct)
 _RECORD = struct.Struct(">I")
-_JOIN_BELOW_BYTES = 64 * 1024  # header and payload written as one (one TLS record up to 16 KiB)
+_ONE_RECORD_BYTES = 16 * 1024  # TLS's largest record (plaintext): a message up to this, header included, is
+#   written as one record (joined once); a longer one is written corked (``send_parts``)
+_SMALL_FIRST_BYTES = 256  # a longer message's first part up to this (a frame header) is joined with the record
+#   header; the rest is written from where it lies, not copied into one buffer first
+_CORK = getattr(socket, "TCP_CORK", None)  # Linux: hold the records of one message until the whole is written
 _RECV_BYTES = 256 * 1024  # one read's room: a per-channel buffer read into, not a new object per read (below)
 
 
@@ -73,6 +77,12 @@ class DirectChannel:
 
     def __init__(self, tls: ssl.SSLSocket, peer_id: str, service: int, is_client: bool) -> None:
         self._sock = tls
+        # the TLS object under ``tls``: its ``read``/``write`` called straight, not through ``ssl.SSLSocket``'s
+        # Python wrappers (``recv_into`` -> ``read`` -> ``_checkClosed`` twice; ``sendall`` -> ``send``): a hop makes
+        # 8-9 such calls, with cold caches, where each Python frame is a handful of misses (the socket's timeout,
+        # the TLS state and the errors raised are the same; a peer gone without a TLS close reads as an end, as
+        # the wrappers' ``suppress_ragged_eofs`` has it)
+        self._tls = getattr(tls, "_sslobj", None) or _Wrapped(tls)
         self.peer_id = peer_id
         self.service = service
         self.is_client = is_client
@@ -85,6 +95,7 @@ class DirectChannel:
         # ~65 us per read against recv_into's, on a socket pair here; a 32 KiB reply takes 2-3 reads of TLS)
         self._scratch = bytearray(_RECV_BYTES)
         self._scratch_view = memoryview(self._scratch)
+        self._head = memoryview(bytearray(_RECORD.size))  # ``recv_owned`` reads a record header here
         self._timeout: float | None = -1.0
         self.max_record_bytes = limits.LANE_DIRECT_MAX_RECORD_BYTES
         self.on_close: list[Callable[[DirectChannel], None]] = []
@@ -108,26 +119,48 @@ class DirectChannel:
 
     def send_parts(self, parts: tuple[Any, ...], n: int, timeout: float | None = None) -> None:
         """Send one message made of ``parts`` (objects with the buffer protocol, C-contiguous, ``n`` bytes in
-        all), as ``send`` does: below ``_JOIN_BELOW_BYTES`` joined with the record header in one copy, so a
-        frame's header and its tensor's bits need not be joined first (a second copy of a 32 KiB logits row on
-        the hop). Raises ``TransportError`` and closes on failure (``BufferError`` for a part that cannot be
-        read as bytes, before anything is sent)."""
+        all), as ``send`` does. Up to one TLS record, joined with the record header in one copy (one record, one
+        segment). Longer: the record header (with the first part when it is small, a frame header) and then each
+        part from where it lies, the socket corked meanwhile (``TCP_CORK``), so the message leaves as one
+        segment on loopback and its reader wakes once for it, not once per 16 KiB record: a 32 KiB logits row
+        is neither copied into a joined buffer nor sent as three segments (measured: docs/pipeline.md, session
+        10). Raises ``TransportError`` and closes on failure (``BufferError`` for a part that cannot be read as
+        bytes, ``ValueError`` for parts that are not ``n`` bytes, before anything is sent)."""
         if self.closed:
             raise TransportError(f"direct channel closed: {self.close_reason}")
         if n > self.max_record_bytes:
             raise TransportError(f"direct message of {n} bytes")
-        if n <= _JOIN_BELOW_BYTES:
-            data = b"".join((_RECORD.pack(n), *parts))
+        head = _RECORD.pack(n)
+        whole = n + _RECORD.size <= _ONE_RECORD_BYTES
+        if whole:
+            data = b"".join((head, *parts))
             if len(data) != _RECORD.size + n:
                 raise ValueError(f"message parts of {len(data) - _RECORD.size} bytes, said {n}")
+        else:
+            views, total = [], 0  # (a loop, not comprehensions: each is one more frame, on the hop with cold caches)
+            for part in parts:
+                v = memoryview(part).cast("B")
+                views.append(v)
+                total += v.nbytes
+            if total != n:
+                raise ValueError(f"message parts of {total} bytes, said {n}")
+            if views and views[0].nbytes <= _SMALL_FIRST_BYTES:
+                head += views.pop(0)
+        sock = self._sock
         try:
-            self._settimeout(timeout)
-            if n <= _JOIN_BELOW_BYTES:
-                self._sock.sendall(data)
+            if timeout != self._timeout:
+                self._settimeout(timeout)
+            if whole:
+                self._write(data)
             else:
-                self._sock.sendall(_RECORD.pack(n))
-                for part in parts:
-                    self._sock.sendall(part)
+                if _CORK is not None:
+                    sock.setsockopt(socket.IPPROTO_TCP, _CORK, 1)
+                self._write(head)
+                for v in views:
+                    if v.nbytes:
+                        self._write(v)
+                if _CORK is not None:
+                    sock.setsockopt(socket.IPPROTO_TCP, _CORK, 0)  # out now, as one segment where it fits
         except (OSError, ValueError) as e:
             self.close(f"send failed: {e!r}")
             raise TransportError(f"direct channel: send failed: {e!r}") from None
@@ -139,11 +172,55 @@ class DirectChannel:
         out = self._recv(timeout, False)
         return out if out is None or type(out) is bytes else bytes(out)
 
-    def recv_owned(self, timeout: float | None = None) -> bytearray | None:
-        """``recv``, but the message is a ``bytearray`` the caller owns (nothing else refers to it), and one
-        longer than a read is read straight into it: its bytes are copied once on their way from TLS, not three
-        times (into this channel's buffer, out of it, and into a decoded tensor)."""
-        return self._recv(timeout, True)  # type: ignore[return-value]
+    def recv_owned(self, timeout: float | None = None, lead: int = 0) -> bytearray | None:
+        """``recv``, but the message is a ``bytearray`` the caller owns (nothing else refers to it), read straight
+        into it from TLS (its record header first, then its bytes: copied once on their way, not into this
+        channel's buffer and out again), after ``lead`` zero bytes: the message starts at ``out[lead]``, so a
+        caller can put a field it will view in place at the alignment it needs (a ``bytearray``'s bytes are
+        16-byte aligned)."""
+        if self._buf:  # bytes read ahead by ``recv`` (not on a request/reply channel): the buffered way
+            out = self._recv(timeout, True)
+            return out if out is None or not lead else bytearray(lead) + out
+        if self.closed:
+            raise TransportError(f"direct channel closed: {self.close_reason}")
+        head, read = self._head, self._tls.read  # (a ``close`` from another thread meanwhile: the read fails or
+        got = 0  # ends, as it does through ``_read_into``)
+        try:
+            if timeout != self._timeout:
+                self._settimeout(timeout)
+            got = read(_RECORD.size, head)
+            if not got:
+                self.close("peer closed")
+                return None
+            while got < _RECORD.size:
+                k = read(_RECORD.size - got, head[got:])
+                if not k:
+                    raise TransportError("direct channel ended inside a message")
+                got += k
+            (n,) = _RECORD.unpack_from(head)
+            if n > self.max_record_bytes:
+                raise TransportError(f"direct message of {n} bytes")
+            out = bytearray(lead + n)
+            end = lead + n
+            with memoryview(out) as view:
+                while lead < end:
+                    k = read(end - lead, view[lead:])
+                    if not k:
+                        raise TransportError("direct channel ended inside a message")
+                    lead += k
+        except ssl.SSLEOFError:  # the peer went without a TLS close (ours does too): an end, as in ``_read_into``
+            self.close("peer closed")
+            if got:
+                raise TransportError("direct channel ended inside a message") from None
+            return None
+        except TransportError as e:
+            self.close(str(e))
+            raise
+        except (OSError, ValueError) as e:  # TimeoutError is an OSError
+            self.close(f"recv failed: {e!r}")
+            raise TransportError(f"direct channel: recv failed: {e!r}") from None
+        self.messages_in += 1
+        return out
 
     def _recv(self, timeout: float | None, owned: bool) -> bytes | bytearray | None:
         buf = self._buf
@@ -198,9 +275,23 @@ class DirectChannel:
         return out, have
 
     def _read_into(self, view: memoryview, nbytes: int = 0) -> int:
+        """Up to ``nbytes`` (0: ``len(view)``) plaintext bytes into ``view`` -> how many (0: the peer ended)."""
         if self.closed:
             raise TransportError(f"direct channel closed: {self.close_reason}")
-        return self._sock.recv_into(view, nbytes)
+        try:
+            return int(self._tls.read(nbytes or len(view), view))
+        except ssl.SSLEOFError:  # the peer went without a TLS close (ours does too: ``close``): an end
+            return 0
+
+    def _write(self, data: bytes | memoryview) -> None:
+        """All of ``data`` (``bytes``, or a memoryview of format "B") through TLS, blocking up to the channel's
+        timeout."""
+        tls_write = self._tls.write
+        done = tls_write(data)
+        if done < len(data):  # (not with the modes ``ssl`` sets: a write is whole or raises)
+            with memoryview(data) as rest:
+                while done < len(data):
+                    done += tls_write(rest[done:])
 
     def _fill(self) -> bool:
         n = self._read_into(self._scratch_view)
@@ -221,6 +312,20 @@ class DirectChannel:
         for cb in list(self.on_close):
             with contextlib.suppress(Exception):
                 cb(self)
+
+
+class _Wrapped:
+    """``read``/``write`` of an ``ssl.SSLSocket`` through its public methods (an ``ssl`` without ``_sslobj``)."""
+
+    def __init__(self, tls: ssl.SSLSocket) -> None:
+        self._tls = tls
+
+    def read(self, n: int, buffer: Any) -> int:
+        return self._tls.recv_into(buffer, n)
+
+    def write(self, data: Any) -> int:
+        self._tls.sendall(data)
+        return memoryview(data).nbytes
 
 
 def _read_exact(tls: ssl.SSLSocket, n: int, deadline: float) -> bytes:

@@ -85,18 +85,19 @@ class DirectHop:
             if parts is None:  # a batched step (several spans): the general codec
                 data = wire.encode(wire.Forward(frame.run, step, frame.spans, frame.x, frame.last_only))
                 parts = (data,), len(data)
+            tracing = trace.ON and frame.x.shape[0] == 1
             t0 = time.perf_counter()
-            if trace.ON and frame.x.shape[0] == 1:
+            if tracing:
                 trace.mark("S.dsend")
             ch.send_parts(parts[0], parts[1], timeout)
-            if trace.ON and frame.x.shape[0] == 1:
+            if tracing:
                 trace.mark("S.dwrote")
-            back = ch.recv_owned(timeout)
-            if trace.ON and frame.x.shape[0] == 1:
+            back = ch.recv_owned(timeout, wire.RESULT_LEAD)  # the rows land 16-byte aligned: viewed, not copied
+            if tracing:
                 trace.mark("S.drx")
             if back is None:
                 raise TransportError("the stage closed the direct channel")
-            reply = wire.decode_one(back, limits.DIRECT_MAX_MESSAGE_BYTES, owned=True)
+            reply = wire.decode_one(back, limits.DIRECT_MAX_MESSAGE_BYTES, owned=True, at=wire.RESULT_LEAD)
             if isinstance(reply, wire.Error) and reply.step == step:
                 self.fallbacks += 1  # the channel is in step; the stream's answer is the one that counts
                 log.debug("pipeline_direct_error", stage=ch.peer_id[:12], code=reply.code, text=reply.text)
@@ -123,11 +124,11 @@ def serve(hosts: list[Any], peer_id: str, channel: Any) -> None:
     channel.max_record_bytes = min(channel.max_record_bytes, limits.DIRECT_MAX_MESSAGE_BYTES)
     try:
         while not channel.closed:
-            data = channel.recv_owned()
+            data = channel.recv_owned(None, wire.FORWARD_LEAD)  # its rows land 16-byte aligned: viewed in place
             if data is None:
                 return
             t_rx = time.monotonic_ns() if trace.ON else 0
-            f = wire.decode_one(data, limits.DIRECT_MAX_MESSAGE_BYTES, owned=True)
+            f = wire.decode_one(data, limits.DIRECT_MAX_MESSAGE_BYTES, owned=True, at=wire.FORWARD_LEAD)
             if type(f) is not wire.Forward:
                 if not isinstance(f, wire.Keepalive):
                     raise wire.RemoteProtocolError(wire.ErrorCode.PROTOCOL, f"a direct channel does not take "

@@ -253,6 +253,9 @@ _FWD_FLAGS, _RES_FLAGS = _ALLOWED_FLAGS[Kind.FORWARD], _ALLOWED_FLAGS[Kind.RESUL
 # one more cold lookup)
 _K_FWD, _K_RES, _DT_F32, _MAX_DIM = int(Kind.FORWARD), int(Kind.RESULT), int(DType.F32), limits.MAX_DIM
 _FWD1_SIZE, _RES_SIZE = _FWD1.size, _RES.size
+# bytes to leave before a FORWARD (50-byte head) or a RESULT (36) read into an owned buffer (``decode_one(at=)``):
+# its rows then start 16-byte aligned (a ``bytearray``'s bytes are), as a copy's would, and are viewed in place
+FORWARD_LEAD, RESULT_LEAD = -_FWD1_SIZE % 16, -_RES_SIZE % 16
 
 
 def _encode_step(frame: Frame) -> bytes | None:
@@ -298,19 +301,21 @@ def step_parts(frame: Frame, step: int | None = None) -> tuple[tuple[bytes, Any]
     return (head, x), length + 4
 
 
-def _decode_step(data: bytes | bytearray, max_frame_bytes: int, owned: bool = False) -> Frame | None:
-    """``data`` as exactly one well-formed one-sequence FORWARD or RESULT with a 2-D fp32 tensor, or None (the
-    general decoder then decodes it, or says what is wrong with it). ``owned``: ``data`` is a ``bytearray``
-    nobody else refers to, and the tensor is a view of it rather than a copy."""
-    n = len(data)
-    if n >= _FWD1_SIZE and data[7] == _K_FWD:
+def _decode_step(data: bytes | bytearray, max_frame_bytes: int, owned: bool = False, at: int = 0) -> Frame | None:
+    """``data[at:]`` as exactly one well-formed one-sequence FORWARD or RESULT with a 2-D fp32 tensor, or None
+    (the general decoder then decodes it, or says what is wrong with it). ``owned``: ``data`` is a ``bytearray``
+    nobody else refers to, and the tensor is a view of it rather than a copy where its rows start 16-byte
+    aligned (a FORWARD at ``FORWARD_LEAD``, a RESULT at ``RESULT_LEAD``)."""
+    n = len(data) - at
+    if n >= _FWD1_SIZE and data[at + 7] == _K_FWD:
         (length, magic, version, _, flags, reserved, run, step, seqs, seq, start, count, dtype, ndim, rows,
-         cols) = _FWD1.unpack_from(data)
+         cols) = _FWD1.unpack_from(data, at)
         size = _FWD1_SIZE
         if seqs != 1 or count != rows or not count or flags & ~_FWD_FLAGS:
             return None
-    elif n >= _RES_SIZE and data[7] == _K_RES:
-        length, magic, version, _, flags, reserved, run, step, us, dtype, ndim, rows, cols = _RES.unpack_from(data)
+    elif n >= _RES_SIZE and data[at + 7] == _K_RES:
+        length, magic, version, _, flags, reserved, run, step, us, dtype, ndim, rows, cols = _RES.unpack_from(
+            data, at)
         size = _RES_SIZE
         if flags & ~_RES_FLAGS:
             return None
@@ -320,13 +325,13 @@ def _decode_step(data: bytes | bytearray, max_frame_bytes: int, owned: bool = Fa
             or dtype != _DT_F32 or ndim != 2 or rows > _MAX_DIM or not 0 < cols <= _MAX_DIM
             or n != size + 4 * rows * cols):
         return None
-    if owned and size == _FWD1_SIZE and type(data) is bytearray:
-        # the message's own buffer: writable, nothing else holds it, and the rows start 48 bytes in, so 16-byte
-        # aligned as a copy's would be (a RESULT's start 36 bytes in: a view of those rows would be aligned
-        # differently from a copy, and a numpy reduction over them could then round differently: copied)
-        x = np.ndarray((rows, cols), _F32, data, size)
+    if owned and (at + size) % 16 == 0 and type(data) is bytearray:
+        # the message's own buffer: writable, nothing else holds it, and the rows start 16-byte aligned, as a
+        # copy's would (rows aligned otherwise, e.g. a RESULT's 36 bytes into a buffer: a numpy reduction over
+        # them could round differently than over a copy's, so those are copied)
+        x = np.ndarray((rows, cols), _F32, data, at + size)
     else:
-        x = np.frombuffer(data, _F32, rows * cols, size).reshape(rows, cols).astype(np.float32)  # a copy of its own
+        x = np.frombuffer(data, _F32, rows * cols, at + size).reshape(rows, cols).astype(np.float32)  # a copy
     if size == _FWD1_SIZE:
         return Forward(run, step, (SeqSpan(seq, start, count),), x, bool(flags & FLAG_LAST_ONLY),
                        bool(flags & FLAG_POLL))
@@ -528,14 +533,17 @@ class FrameDecoder:
             raise
 
 
-def decode_one(data: bytes | bytearray, max_frame_bytes: int = limits.MAX_FRAME_BYTES, owned: bool = False) -> Frame:
-    """``data`` as exactly one whole frame (a direct channel's message: ``engine.pipeline.direct``). Raises
+def decode_one(data: bytes | bytearray, max_frame_bytes: int = limits.MAX_FRAME_BYTES, owned: bool = False,
+               at: int = 0) -> Frame:
+    """``data[at:]`` as exactly one whole frame (a direct channel's message: ``engine.pipeline.direct``). Raises
     ``RemoteProtocolError`` for anything else (a malformed frame, a partial one, bytes after it). ``owned``:
     ``data`` is a ``bytearray`` the caller hands over (``DirectChannel.recv_owned``): a step frame's tensor is
-    then a view of it, not a copy."""
-    fast = _decode_step(data, max_frame_bytes, owned)
+    then a view of it, not a copy, where its rows start 16-byte aligned (``FORWARD_LEAD``, ``RESULT_LEAD``)."""
+    fast = _decode_step(data, max_frame_bytes, owned, at)
     if fast is not None:
         return fast
+    if at:
+        data = data[at:]
     dec = FrameDecoder(max_frame_bytes)
     frames = dec.feed(data)
     if len(frames) != 1 or dec._buf or dec._need is not None:
