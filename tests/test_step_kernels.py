@@ -175,3 +175,22 @@ def test_attend_one_refuses_what_does_not_fit() -> None:
         kern.attend_one(q, k, v, none, none, 1e-6, cos, sin, kc[:, ::2], vc[:, ::2], 3, 0, 0.125, out)
     with pytest.raises(ValueError):  # query heads not a multiple of the KV heads
         kern.attend_one(q[:10], k, v, none, none, 1e-6, cos, sin, kc, vc, 3, 0, 0.125, out[:640])
+
+
+def test_general_pass_attention_takes_the_pool_with_the_serial_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    # engine.dense.attend_one (the general pass, pipeline batches, remote-expert steps) splits a long attention
+    # over the kernel threads; it must be the serial call's bits, and it must have taken the pool.
+    from engine import kernel_pool, kernels
+
+    pool = kernel_pool.Pool(1)
+    monkeypatch.setattr(kernels, "_get_pool", lambda: pool)
+    rounds = []
+    real = pool.run_table
+    monkeypatch.setattr(pool, "run_table", lambda *a: (rounds.append(a[1]), real(*a)))
+    q, k, v, qn, kn, cos, sin, kc, vc = _attend_inputs(12, 4, 64, 512, 400, 50)
+    want, kcw, vcw = np.empty(12 * 64, dtype=F32), kc.copy(), vc.copy()
+    kern.attend_one(q.copy(), k.copy(), v.copy(), qn, kn, 1e-6, cos, sin, kcw, vcw, 400, 0, 0.125, want)
+    got, kcg, vcg = np.empty(12 * 64, dtype=F32), kc.copy(), vc.copy()
+    dense.attend_one(q.copy(), k.copy(), v.copy(), qn, kn, 1e-6, cos, sin, kcg, vcg, 400, 0, 0.125, got)
+    assert rounds == [4]  # one round of the four KV heads
+    assert got.tobytes() == want.tobytes() and kcg.tobytes() == kcw.tobytes() and vcg.tobytes() == vcw.tobytes()
