@@ -82,17 +82,21 @@ class Round:
     ``engine.dense`` round, anything else through ``dense.matmul_many`` (the general pass's own call) and
     copied into the buffers."""
 
-    __slots__ = ("run",)
+    __slots__ = ("run", "table")
 
-    def __init__(self, run: Callable[[], None]) -> None:
+    def __init__(self, run: Callable[[], None], table: tuple[np.ndarray, int, object] | None = None) -> None:
         self.run = run
+        # (table, chunks, arrays to keep alive): a round big enough for the kernel threads, which a caller that
+        # holds the pool already (``DecodePlan._layers``) hands it directly; else None
+        self.table = table
 
     @staticmethod
     def build(products: list[tuple[np.ndarray, object, np.ndarray]]) -> Round:
         rows = table_rows(products, tail=True)
         if rows is not None:
             tbl, total, keep, weights = rows
-            return Round(_table_runner(tbl, total, keep, weights))
+            return Round(_table_runner(tbl, total, keep, weights),
+                         (tbl, total, keep) if weights >= KERNEL_POOL_MIN_WEIGHTS else None)
         prods = list(products)
         f32_run = getattr(dense, "_run", None)
         if f32_run is not None and all(dense._f32_kernel(x, w) for x, w, _ in prods):
@@ -353,14 +357,20 @@ class DecodePlan(OneRowBuffers):
         for j, lp in enumerate(self.layers):
             layer = lp.layer
             rms(x, layer.attn_norm, eps, h)
-            lp.qkv.run()
+            if pool is not None and lp.qkv.table is not None:  # lp.qkv.run() without looking the pool up again
+                pool.run_table(*lp.qkv.table)
+            else:
+                lp.qkv.run()
             i = j + m.first_layer - cache.first_layer
             attend_cache(lp.att_prm, cache.k[i], cache.v[i], cos, sin, pos, lo)  # attend_one's arguments
             if att_pool is None:
                 run_serial(lp.att_tbl, nkv)
             else:
                 att_pool.run_table(lp.att_tbl, nkv, None)
-            lp.o.run()
+            if pool is not None and lp.o.table is not None:
+                pool.run_table(*lp.o.table)
+            else:
+                lp.o.run()
             add_rms(x, o, layer.mlp_norm, eps, h)  # x += o; h = rmsnorm(x): the general pass's two steps
             if lp.dense_mlp:
                 x += expert_ffn(h, layer.gate, layer.up, layer.down)
