@@ -54,11 +54,13 @@ _NONE = np.zeros(0, dtype=F32)
 
 def packed_ops() -> tuple[Any, Any] | None:
     """(engine.kernels, engine.kernel_pool) when the compiled kernels are there (numba, the ``[fast]`` extra)."""
-    try:
-        from . import kernel_pool, kernels
-    except ImportError:  # pragma: no cover - no numba
+    from . import kernels
+
+    if not kernels.AVAILABLE:  # no numba, or MESHD_KERNELS=numpy (kernel_pool's modules then cannot load)
         return None
-    return (kernels, kernel_pool) if kernels.AVAILABLE else None
+    from . import kernel_pool
+
+    return kernels, kernel_pool
 
 
 def pool_of(kernels: Any) -> Any:

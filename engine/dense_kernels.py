@@ -13,9 +13,9 @@ differ from BLAS by rounding, ~1e-7 relative), the same on every machine running
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from llvmlite import ir
-import numba
 from numba import cfunc, njit
 from numba.core import cgutils, types
 from numba.extending import intrinsic
