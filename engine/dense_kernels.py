@@ -536,3 +536,6 @@ def warm() -> None:
         add_rmsnorm(x, x.copy(), v, 1e-6, np.empty_like(x))
         attend_one(q, k, k.copy(), v[:4], v[:4], 1e-6, cs, cs, c, c.copy(), 0, 0, 0.5, np.empty(8, np.float32))
         attend_one(q, k, k.copy(), v[:4], v[:0], 1e-6, cs, cs, c, c.copy(), 0, 0, 0.5, np.empty(8, np.float32))
+        prm = np.zeros(ATTEND_WORDS, dtype=np.int64)  # a decode plan's blocks (engine.decode_plan)
+        attend_params(prm, q, k, k.copy(), v[:4], v[:4], 1e-6, cs, cs, c, c.copy(), 0, 0, 0.5, np.empty(8, np.float32))
+        attend_cache(prm, c, c.copy(), cs, cs, 0, 0)
