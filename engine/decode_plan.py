@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import dense
-from .limits import KERNEL_MAX_ROWS, KERNEL_POOL_MIN_WEIGHTS
+from .limits import ATTEND_POOL_MIN_MACS, KERNEL_MAX_ROWS, KERNEL_POOL_MIN_WEIGHTS
 from .fp8 import Fp8Tensor
 from .moe import expert_ffn, make_routing, run_block
 from .quant import Packed
@@ -54,11 +54,13 @@ _NONE = np.zeros(0, dtype=F32)
 
 def packed_ops() -> tuple[Any, Any] | None:
     """(engine.kernels, engine.kernel_pool) when the compiled kernels are there (numba, the ``[fast]`` extra)."""
-    try:
-        from . import kernel_pool, kernels
-    except ImportError:  # pragma: no cover - no numba
+    from . import kernels
+
+    if not kernels.AVAILABLE:  # no numba, or MESHD_KERNELS=numpy (kernel_pool's modules then cannot load)
         return None
-    return (kernels, kernel_pool) if kernels.AVAILABLE else None
+    from . import kernel_pool
+
+    return kernels, kernel_pool
 
 
 def pool_of(kernels: Any) -> Any:
@@ -82,17 +84,21 @@ class Round:
     ``engine.dense`` round, anything else through ``dense.matmul_many`` (the general pass's own call) and
     copied into the buffers."""
 
-    __slots__ = ("run",)
+    __slots__ = ("run", "table")
 
-    def __init__(self, run: Callable[[], None]) -> None:
+    def __init__(self, run: Callable[[], None], table: tuple[np.ndarray, int, object] | None = None) -> None:
         self.run = run
+        # (table, chunks, arrays to keep alive): a round big enough for the kernel threads, which a caller that
+        # holds the pool already (``DecodePlan._layers``) hands it directly; else None
+        self.table = table
 
     @staticmethod
     def build(products: list[tuple[np.ndarray, object, np.ndarray]]) -> Round:
         rows = table_rows(products, tail=True)
         if rows is not None:
             tbl, total, keep, weights = rows
-            return Round(_table_runner(tbl, total, keep, weights))
+            return Round(_table_runner(tbl, total, keep, weights),
+                         (tbl, total, keep) if weights >= KERNEL_POOL_MIN_WEIGHTS else None)
         prods = list(products)
         f32_run = getattr(dense, "_run", None)
         if f32_run is not None and all(dense._f32_kernel(x, w) for x, w, _ in prods):
@@ -151,7 +157,7 @@ class _LayerPlan:
     __slots__ = ("layer", "qkv", "o", "gu_rows", "gu_chunks", "gu_weights", "down_rows", "down_chunks",
                  "down_weights", "dense_mlp", "q_norm", "k_norm", "f32_experts",
                  "general_experts", "gu_tbl", "down_tbl", "k_chunks", "gu_rows_t", "gu_chunks_t",
-                 "down_rows_t", "down_chunks_t")
+                 "down_rows_t", "down_chunks_t", "att_prm", "att_tbl")
 
     def __init__(self, layer: Layer) -> None:
         self.layer = layer
@@ -230,6 +236,7 @@ class DecodePlan(OneRowBuffers):
         if any(b is not None for b in (layer.q_bias, layer.k_bias, layer.v_bias, layer.o_bias)):
             return None
         lp = _LayerPlan(layer)
+        self._plan_attention(lp)
         qkv = Round.build([(self.h, layer.q, self.q), (self.h, layer.k, self.k), (self.h, layer.v, self.v)])
         o = Round.build([(self.att, layer.o, self.o)])
         lp.qkv, lp.o = qkv, o
@@ -282,6 +289,21 @@ class DecodePlan(OneRowBuffers):
         self.packed = True
         return lp
 
+    def _plan_attention(self, lp: _LayerPlan) -> None:
+        """The layer's attention as a kernel-pool round of its KV heads (``kernel_pool.attend_table``): a block of
+        ``attend_one``'s arguments (the plan's buffers; cache, position and angles set per step) and its table."""
+        ops = packed_ops()
+        if ops is None:  # pragma: no cover - a planned model has the compiled step kernels, hence numba
+            raise RuntimeError("a decode plan needs the compiled kernels")
+        c = self.model.config
+        mod = dense._kernels()
+        lp.att_prm = np.zeros(mod.ATTEND_WORDS, dtype=np.int64)
+        kc = np.zeros((c.num_kv_heads, 1, c.head_dim), dtype=F32)  # placeholders until the first step's cache
+        cos, sin = self.model.rope.span(0, 1)
+        mod.attend_params(lp.att_prm, self.q3, self.k3, self.v3, lp.q_norm, lp.k_norm, self.eps, cos[0], sin[0],
+                          kc, kc, 0, 0, self.model.scale, self.att1)
+        lp.att_tbl = ops[1].attend_table(lp.att_prm, c.num_kv_heads)[0]
+
     def step(self, token: np.ndarray, cache: KVCache) -> np.ndarray:
         """Logits [1, V] of one token (int64 [1], checked by the caller) after the cache's positions; writes
         its keys and values at ``cache.length`` (room reserved by the caller) and leaves ``length`` to it."""
@@ -316,30 +338,41 @@ class DecodePlan(OneRowBuffers):
         """Every planned layer over ``self.x`` (in place) at position ``cache.length``."""
         m = self.model
         c = m.config
-        ops = packed_ops() if self.packed else None
-        kernel_pool, pool = (ops[1], pool_of(ops[0])) if ops is not None else (None, None)
-        take_rows = kernel_pool.take_rows if kernel_pool is not None else None
+        ops = packed_ops()
+        kernel_pool, pool = ops[1], pool_of(ops[0])  # type: ignore[index]
+        take_rows, run_serial = kernel_pool.take_rows, kernel_pool.run_table_serial
         mod = dense._kernels()
-        rms, attend, add_rms, route = mod.rmsnorm_rows, mod.attend_one, mod.add_rmsnorm, mod.route_one
+        rms, attend_cache, add_rms, route = mod.rmsnorm_rows, mod.attend_cache, mod.add_rmsnorm, mod.route_one
         swiglu, swiglu_sel, combine_add = mod.swiglu, mod.swiglu_sel, mod.combine_add
         pos = cache.length
         cos, sin = m.rope.span(pos, pos + 1)
         cos, sin = cos[0], sin[0]
         window = c.sliding_window
         lo = 0 if window is None else max(0, pos - window + 1)
+        nkv = c.num_kv_heads
+        # attention split by KV head over the kernel threads when it is big enough (the same kernel either way)
+        att_pool = pool if c.num_heads * (pos + 1 - lo) * 2 * c.head_dim >= ATTEND_POOL_MIN_MACS else None
         x, h, eps, o = self.x, self.h, self.eps, self.o
-        q3, k3, v3, att1 = self.q3, self.k3, self.v3, self.att1
         g, u, y = self.g, self.u, self.y
         sel, wts, norm_topk = self.sel, self.wts, self.norm_topk
-        scale = m.scale
         f32_run = getattr(dense, "_run", None)
         for j, lp in enumerate(self.layers):
             layer = lp.layer
             rms(x, layer.attn_norm, eps, h)
-            lp.qkv.run()
+            if pool is not None and lp.qkv.table is not None:  # lp.qkv.run() without looking the pool up again
+                pool.run_table(*lp.qkv.table)
+            else:
+                lp.qkv.run()
             i = j + m.first_layer - cache.first_layer
-            attend(q3, k3, v3, lp.q_norm, lp.k_norm, eps, cos, sin, cache.k[i], cache.v[i], pos, lo, scale, att1)
-            lp.o.run()
+            attend_cache(lp.att_prm, cache.k[i], cache.v[i], cos, sin, pos, lo)  # attend_one's arguments
+            if att_pool is None:
+                run_serial(lp.att_tbl, nkv)
+            else:
+                att_pool.run_table(lp.att_tbl, nkv, None)
+            if pool is not None and lp.o.table is not None:
+                pool.run_table(*lp.o.table)
+            else:
+                lp.o.run()
             add_rms(x, o, layer.mlp_norm, eps, h)  # x += o; h = rmsnorm(x): the general pass's two steps
             if lp.dense_mlp:
                 x += expert_ffn(h, layer.gate, layer.up, layer.down)

@@ -17,7 +17,7 @@ from types import ModuleType
 import numpy as np
 
 from . import quant
-from .limits import DENSE_KERNEL_MIN_WEIGHTS, KERNEL_MAX_ROWS
+from .limits import ATTEND_POOL_MIN_MACS, DENSE_KERNEL_MIN_WEIGHTS, KERNEL_MAX_ROWS
 
 F32 = np.float32
 
@@ -123,9 +123,26 @@ def warm_step() -> None:
         mod.warm()
 
 
-def attend_one(*args: object) -> None:
-    """``engine.dense_kernels.attend_one`` (callers check ``step_kernels`` first)."""
-    _mod.attend_one(*args)  # type: ignore[union-attr]
+def attend_one(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray, eps: float,
+               cos: np.ndarray, sin: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos: int, lo: int, scale: float,
+               out: np.ndarray) -> None:
+    """``engine.dense_kernels.attend_one`` (callers check ``step_kernels`` first), split by KV head over the
+    kernel threads when it has at least ``ATTEND_POOL_MIN_MACS`` multiply-adds (``kernel_pool.attend_table``: the
+    same compiled kernel, so the same bits) and the thread may use the pool."""
+    nh, hd, vd = q.shape[0], q.shape[1], v.shape[1]
+    kern = quant._kernels()
+    pool = None
+    if nh * (pos + 1 - lo) * (hd + vd) >= ATTEND_POOL_MIN_MACS and not kern.is_single_threaded():
+        pool = kern._get_pool()
+    if pool is None:
+        _mod.attend_one(q, k, v, q_norm, k_norm, eps, cos, sin, kc, vc, pos, lo, scale, out)  # type: ignore[union-attr]
+        return
+    from . import kernel_pool
+
+    prm = np.empty(_mod.ATTEND_WORDS, dtype=np.int64)  # type: ignore[union-attr]
+    _mod.attend_params(prm, q, k, v, q_norm, k_norm, eps, cos, sin, kc, vc, pos, lo, scale, out)  # type: ignore[union-attr]
+    tbl, total = kernel_pool.attend_table(prm, k.shape[0])
+    pool.run_table(tbl, total, (prm, q, k, v, q_norm, k_norm, cos, sin, kc, vc, out))
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

@@ -13,9 +13,10 @@ differ from BLAS by rounding, ~1e-7 relative), the same on every machine running
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from llvmlite import ir
-from numba import njit
+from numba import cfunc, njit
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
@@ -168,10 +169,10 @@ def route_one(logits: np.ndarray, norm: bool, experts: np.ndarray, weights: np.n
 
 
 @njit(**_OPTS)
-def _head_norm(x: np.ndarray, w: np.ndarray, eps: float) -> None:
-    """In place: each row of x [n, hd] -> ``w * x / sqrt(mean(x**2) + eps)``."""
-    n, hd = x.shape
-    for h in range(n):
+def _head_norm(x: np.ndarray, r0: int, r1: int, w: np.ndarray, eps: float) -> None:
+    """In place: rows r0..r1-1 of x [n, hd] -> ``w * x / sqrt(mean(x**2) + eps)``."""
+    hd = x.shape[1]
+    for h in range(r0, r1):
         ss = np.float32(0.0)
         for i in range(hd):
             ss += x[h, i] * x[h, i]
@@ -194,55 +195,180 @@ def rmsnorm_rows(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> N
 
 
 @njit(**_OPTS)
-def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
-    """In place, rotate-half over the first ``2 * len(cos)`` dims of each row of x [n, hd]."""
+def _rope(x: np.ndarray, r0: int, r1: int, cos: np.ndarray, sin: np.ndarray) -> None:
+    """In place, rotate-half over the first ``2 * len(cos)`` dims of rows r0..r1-1 of x [n, hd]."""
     half = cos.shape[0]
-    for h in range(x.shape[0]):
+    for h in range(r0, r1):
         for i in range(half):
             a, b = x[h, i], x[h, i + half]
             x[h, i] = a * cos[i] - b * sin[i]
             x[h, i + half] = b * cos[i] + a * sin[i]
 
 
+# attend_one's arguments as one block of int64 words (addresses, sizes, and eps and scale as float64 bits): the
+# argument of the compiled per-KV-head kernel ``_c_attend``, which the serial call and the kernel threads' rounds
+# (engine/kernel_pool.py: one chunk per KV head) both call through its address, so that every path runs one
+# machine-code instance (a compiled function inlined into two callers may be scheduled, and round, differently)
+(A_Q, A_K, A_V, A_QN, A_KN, A_COS, A_SIN, A_KC, A_VC, A_OUT, A_NH, A_NKV, A_HD, A_VD, A_CAP, A_HALF, A_NQN, A_NKN,
+ A_POS, A_LO, A_EPS, A_SCALE) = range(22)
+ATTEND_WORDS = 22
+
+
+@intrinsic
+def _f32ptr(typingctx, addr):  # noqa: ANN001, ANN202
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.float32)))
+
+    return types.CPointer(types.float32)(types.int64), codegen
+
+
+@intrinsic
+def _f64ptr(typingctx, addr):  # noqa: ANN001, ANN202
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.float64)))
+
+    return types.CPointer(types.float64)(types.int64), codegen
+
+
+@intrinsic
+def _i64ptr(typingctx, addr):  # noqa: ANN001, ANN202
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.int64)))
+
+    return types.CPointer(types.int64)(types.int64), codegen
+
+
+@intrinsic
+def _call_heads(typingctx, fn, prm, h0, h1):  # noqa: ANN001, ANN202
+    """Call the C function at ``fn`` (``_c_attend``'s signature: ten int64) on the block ``prm`` for KV heads
+    ``h0..h1-1``: an indirect call, never inlined."""
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        i64 = ir.IntType(64)
+        f = builder.inttoptr(args[0], ir.FunctionType(ir.VoidType(), [i64] * 10).as_pointer())
+        z = ir.Constant(i64, 0)
+        builder.call(f, [args[1], z, z, z, z, z, z, args[2], args[3], z])
+        return context.get_dummy_value()
+
+    return types.none(types.int64, types.int64, types.int64, types.int64), codegen
+
+
+@njit(inline="always")
+def _dense3(a: np.ndarray) -> bool:
+    return a.strides[2] == 4 and a.strides[1] == 4 * a.shape[2] and a.strides[0] == a.strides[1] * a.shape[1]
+
+
 @njit(**_OPTS)
-def attend_one(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray, eps: float,
-               cos: np.ndarray, sin: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos: int, lo: int, scale: float,
-               out: np.ndarray) -> None:
-    """Attention of one new position ``pos`` (decode): q [H, hd], k [KV, hd], v [KV, vd] before their head
-    norms (``q_norm``/``k_norm`` [hd], or empty: none) and rotary embedding (cos/sin [r/2] of ``pos``); both
-    are applied in place, k and v are written into the cache kc [KV, cap, hd] / vc [KV, cap, vd] at ``pos``,
-    and out [H * vd] gets softmax(q k^T * scale) v over the cached positions ``lo..pos``."""
+def attend_params(prm: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm: np.ndarray,
+                  k_norm: np.ndarray, eps: float, cos: np.ndarray, sin: np.ndarray, kc: np.ndarray, vc: np.ndarray,
+                  pos: int, lo: int, scale: float, out: np.ndarray) -> None:
+    """Write :func:`attend_one`'s arguments into the block ``prm`` (int64 [ATTEND_WORDS]); the arrays must be
+    C-contiguous fp32 (ValueError otherwise) and stay alive, unmoved, until the kernel has run."""
     nh, hd = q.shape
-    nkv = k.shape[0]
-    vd = v.shape[1]
+    nkv, vd = k.shape[0], v.shape[1]
+    cap = kc.shape[1]
+    if (q.strides[1] != 4 or q.strides[0] != 4 * hd or k.strides[1] != 4 or k.strides[0] != 4 * hd
+            or v.strides[1] != 4 or v.strides[0] != 4 * vd or not _dense3(kc) or not _dense3(vc)
+            or (q_norm.size and q_norm.strides[0] != 4) or (k_norm.size and k_norm.strides[0] != 4)
+            or cos.strides[0] != 4 or sin.strides[0] != 4 or out.strides[0] != 4):
+        raise ValueError("attend_one: arrays must be C-contiguous")
+    if (nkv == 0 or nh % nkv or k.shape[1] != hd or v.shape[0] != nkv or kc.shape[0] != nkv or kc.shape[2] != hd
+            or vc.shape[0] != nkv or vc.shape[1] != cap or vc.shape[2] != vd or out.shape[0] != nh * vd
+            or not 0 <= lo <= pos < cap or 2 * cos.shape[0] > hd or sin.shape[0] != cos.shape[0]
+            or (q_norm.size and q_norm.shape[0] != hd) or (k_norm.size and k_norm.shape[0] != hd)):
+        raise ValueError("attend_one: shapes or positions do not fit")
+    prm[A_Q], prm[A_K], prm[A_V] = q.ctypes.data, k.ctypes.data, v.ctypes.data
+    prm[A_QN], prm[A_KN] = q_norm.ctypes.data, k_norm.ctypes.data
+    prm[A_COS], prm[A_SIN] = cos.ctypes.data, sin.ctypes.data
+    prm[A_KC], prm[A_VC], prm[A_OUT] = kc.ctypes.data, vc.ctypes.data, out.ctypes.data
+    prm[A_NH], prm[A_NKV], prm[A_HD], prm[A_VD], prm[A_CAP] = nh, nkv, hd, vd, cap
+    prm[A_HALF], prm[A_NQN], prm[A_NKN] = cos.shape[0], q_norm.size, k_norm.size
+    prm[A_POS], prm[A_LO] = pos, lo
+    f = prm.view(np.float64)
+    f[A_EPS], f[A_SCALE] = eps, scale
+
+
+@njit(**_OPTS)
+def attend_cache(prm: np.ndarray, kc: np.ndarray, vc: np.ndarray, cos: np.ndarray, sin: np.ndarray, pos: int,
+                 lo: int) -> None:
+    """Point a block written by :func:`attend_params` at another layer's cache, position and rotary angles
+    (a decode plan's per-step part; the same checks on what changes)."""
+    if (not _dense3(kc) or not _dense3(vc) or kc.shape[0] != prm[A_NKV] or kc.shape[2] != prm[A_HD]
+            or vc.shape[0] != prm[A_NKV] or vc.shape[1] != kc.shape[1] or vc.shape[2] != prm[A_VD]
+            or not 0 <= lo <= pos < kc.shape[1] or cos.shape[0] != prm[A_HALF] or sin.shape[0] != prm[A_HALF]
+            or cos.strides[0] != 4 or sin.strides[0] != 4):
+        raise ValueError("attend_cache: shapes or positions do not fit")
+    prm[A_COS], prm[A_SIN] = cos.ctypes.data, sin.ctypes.data
+    prm[A_KC], prm[A_VC], prm[A_CAP] = kc.ctypes.data, vc.ctypes.data, kc.shape[1]
+    prm[A_POS], prm[A_LO] = pos, lo
+
+
+@njit(**_OPTS)
+def _attend_heads(pa: int, h0: int, h1: int) -> None:
+    """KV heads ``h0..h1-1`` of the attention the block at ``pa`` describes: each head's g query heads and its
+    key get their head norms and rotary embedding, its key and value are written into the cache at ``pos``, and
+    its g output heads get softmax(q k^T * scale) v over the cached positions ``lo..pos``. Every head reads and
+    writes its own rows only, so heads may run on different threads at once."""
+    prm = numba.carray(_i64ptr(pa), (ATTEND_WORDS,))
+    f = numba.carray(_f64ptr(pa), (ATTEND_WORDS,))
+    nh, nkv, hd, vd, cap, half = prm[A_NH], prm[A_NKV], prm[A_HD], prm[A_VD], prm[A_CAP], prm[A_HALF]
+    pos, lo = prm[A_POS], prm[A_LO]
+    eps, scale = f[A_EPS], f[A_SCALE]
+    q = numba.carray(_f32ptr(prm[A_Q]), (nh, hd))
+    k = numba.carray(_f32ptr(prm[A_K]), (nkv, hd))
+    v = numba.carray(_f32ptr(prm[A_V]), (nkv, vd))
+    q_norm = numba.carray(_f32ptr(prm[A_QN]), (prm[A_NQN],))
+    k_norm = numba.carray(_f32ptr(prm[A_KN]), (prm[A_NKN],))
+    cos = numba.carray(_f32ptr(prm[A_COS]), (half,))
+    sin = numba.carray(_f32ptr(prm[A_SIN]), (half,))
+    kc = numba.carray(_f32ptr(prm[A_KC]), (nkv, cap, hd))
+    vc = numba.carray(_f32ptr(prm[A_VC]), (nkv, cap, vd))
+    out = numba.carray(_f32ptr(prm[A_OUT]), (nh * vd,))
     g = nh // nkv
-    ka, ks = kc.ctypes.data, kc.strides[1]
-    for j in range(lo, min(lo + PREFETCH_AHEAD, pos + 1), 4):  # the first KV head's first keys
+    ks = kc.strides[1]
+    ka = kc.ctypes.data + h0 * kc.strides[0]
+    for j in range(lo, min(lo + PREFETCH_AHEAD, pos + 1), 4):  # the first head's first keys
         _prefetch_rows(ka + j * ks, ks)
-    if q_norm.size:
-        _head_norm(q, q_norm, eps)
-    if k_norm.size:
-        _head_norm(k, k_norm, eps)
-    _rope(q, cos, sin)
-    _rope(k, cos, sin)
-    for h in range(nkv):
+    n = pos + 1 - lo
+    # one scratch block at fixed offsets (scores [g, n], then acc [g, vd], tot [g], the exponents [n]): where
+    # one lies from another decides a vectorised loop's run-time overlap check, so it must not depend on the
+    # heap (a helper thread allocates from another arena)
+    scratch = np.empty(g * n + g * vd + g + n, dtype=np.float32)
+    sc = scratch[:g * n].reshape(g, n)
+    acc = scratch[g * n:g * n + g * vd].reshape(g, vd)
+    tot = scratch[g * n + g * vd:g * n + g * vd + g]
+    kbits = scratch[g * n + g * vd + g:].view(np.int32)
+    for h in range(h0, h1):
+        if q_norm.size:
+            _head_norm(q, h * g, (h + 1) * g, q_norm, eps)
+        if k_norm.size:
+            _head_norm(k, h, h + 1, k_norm, eps)
+        _rope(q, h * g, (h + 1) * g, cos, sin)
+        _rope(k, h, h + 1, cos, sin)
         for i in range(hd):
             kc[h, pos, i] = k[h, i]
         for i in range(vd):
             vc[h, pos, i] = v[h, i]
-    n = pos + 1 - lo
-    sc = np.empty((g, n), dtype=np.float32)
-    acc = np.empty((g, vd), dtype=np.float32)
-    tot = np.empty(g, dtype=np.float32)
-    kbits = np.empty(n, dtype=np.int32)
-    for h in range(nkv):
         _scores(q, kc, vc, h, g, lo, n, scale, sc)
         _softmax_rows(sc, g, n, tot, kbits)
-        _weighted_values(vc, kc, h, g, lo, n, sc, acc)
-        for a in range(g):
-            o = (h * g + a) * vd
-            for i in range(vd):
-                out[o + i] = acc[a, i] / tot[a]
+        _weighted_values(vc, kc, h, g, lo, n, sc, acc, h + 1 < h1)
+        _divide_rows(out, h * g * vd, acc, tot)
+
+
+@njit(**_OPTS)
+def _divide_rows(out: np.ndarray, o: int, acc: np.ndarray, tot: np.ndarray) -> None:
+    """out[o + a * vd + i] = acc[a, i] / tot[a]: divided in place in acc (one array: no run-time overlap check),
+    then copied. Written straight into out, LLVM vectorised the loop behind a check of where out lies from acc
+    (the heap) and, with ``arcp``, multiplied by the reciprocal in the vector copy and divided in the scalar
+    one: the bits depended on the heap (numba compiles a callee with its caller's fastmath, so no flag can be
+    turned off here)."""
+    g, vd = acc.shape
+    for a in range(g):
+        t = tot[a]
+        for i in range(vd):
+            acc[a, i] = acc[a, i] / t
+    for a in range(g):
+        for i in range(vd):
+            out[o + a * vd + i] = acc[a, i]
 
 
 @njit(inline="always")
@@ -325,13 +451,12 @@ def _softmax_rows(sc: np.ndarray, g: int, n: int, tot: np.ndarray, kbits: np.nda
 
 @njit(**_OPTS)
 def _weighted_values(vc: np.ndarray, kc: np.ndarray, h: int, g: int, lo: int, n: int, p: np.ndarray,
-                     acc: np.ndarray) -> None:
+                     acc: np.ndarray, nxt: bool) -> None:
     """acc[a] = sum_j p[a, j] * vc[h, lo + j] for the g query heads of KV head h, four cached values per pass
-    (a quarter of the accumulator loads and stores)."""
+    (a quarter of the accumulator loads and stores); ``nxt``: the next KV head's keys are read next (prefetch)."""
     vd = acc.shape[1]
     acc[:] = 0.0
     ka, ks = kc.ctypes.data + (h + 1) * kc.strides[0], kc.strides[1]
-    nxt = h + 1 < kc.shape[0]
     j = 0
     while j + 4 <= n:
         if nxt:  # the next KV head's keys, read right after these values
@@ -348,6 +473,35 @@ def _weighted_values(vc: np.ndarray, kc: np.ndarray, h: int, g: int, lo: int, n:
             for i in range(vd):
                 acc[a, i] += pa * vc[h, lo + j, i]
         j += 1
+
+
+@cfunc(types.void(*([types.int64] * 10)), cache=True, nogil=True, boundscheck=False, error_model="numpy")
+def _c_attend(pa, t, k, wa, n, rb, oa, h0, h1, ha):  # noqa: ANN001, ANN202 - the kernel threads' signature
+    _attend_heads(pa, h0, h1)
+
+
+ATTEND_ADDR = int(_c_attend.address)  # a kernel-pool table row's kernel (engine/kernel_pool.attend_table)
+
+
+@njit(**_OPTS)
+def _attend_serial(fn: int, prm: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm: np.ndarray,
+                   k_norm: np.ndarray, eps: float, cos: np.ndarray, sin: np.ndarray, kc: np.ndarray,
+                   vc: np.ndarray, pos: int, lo: int, scale: float, out: np.ndarray) -> None:
+    attend_params(prm, q, k, v, q_norm, k_norm, eps, cos, sin, kc, vc, pos, lo, scale, out)
+    _call_heads(fn, prm.ctypes.data, 0, k.shape[0])  # (prm is the caller's: alive through the call)
+
+
+def attend_one(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm: np.ndarray, k_norm: np.ndarray, eps: float,
+               cos: np.ndarray, sin: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos: int, lo: int, scale: float,
+               out: np.ndarray) -> None:
+    """Attention of one new position ``pos`` (decode): q [H, hd], k [KV, hd], v [KV, vd] before their head
+    norms (``q_norm``/``k_norm`` [hd], or empty: none) and rotary embedding (cos/sin [r/2] of ``pos``); both
+    are applied in place, k and v are written into the cache kc [KV, cap, hd] / vc [KV, cap, vd] at ``pos``,
+    and out [H * vd] gets softmax(q k^T * scale) v over the cached positions ``lo..pos``. All C-contiguous fp32
+    (ValueError otherwise). On this thread, KV head after KV head, by the same compiled kernel as the kernel
+    threads' attention rounds (``engine.kernel_pool.attend_table``): the same bits."""
+    _attend_serial(ATTEND_ADDR, np.empty(ATTEND_WORDS, dtype=np.int64), q, k, v, q_norm, k_norm, eps, cos, sin,
+                   kc, vc, pos, lo, scale, out)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)  # no fastmath: engine.moe.combine's roundings exactly
@@ -382,3 +536,6 @@ def warm() -> None:
         add_rmsnorm(x, x.copy(), v, 1e-6, np.empty_like(x))
         attend_one(q, k, k.copy(), v[:4], v[:4], 1e-6, cs, cs, c, c.copy(), 0, 0, 0.5, np.empty(8, np.float32))
         attend_one(q, k, k.copy(), v[:4], v[:0], 1e-6, cs, cs, c, c.copy(), 0, 0, 0.5, np.empty(8, np.float32))
+        prm = np.zeros(ATTEND_WORDS, dtype=np.int64)  # a decode plan's blocks (engine.decode_plan)
+        attend_params(prm, q, k, k.copy(), v[:4], v[:4], 1e-6, cs, cs, c, c.copy(), 0, 0, 0.5, np.empty(8, np.float32))
+        attend_cache(prm, c, c.copy(), cs, cs, 0, 0)

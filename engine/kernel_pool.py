@@ -508,6 +508,20 @@ def table(products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]],
     return tbl, total, keep, weights
 
 
+def attend_table(prm: np.ndarray, heads: int) -> tuple[np.ndarray, int]:
+    """A round of attention (``dense_kernels.attend_one``'s compiled kernel over the block ``prm``, written by
+    ``dense_kernels.attend_params``), one chunk per KV head: the table and its number of chunks. The kernel is
+    the one the serial ``attend_one`` calls, and a head's work depends on the head alone: the same bits on any
+    number of threads. ``prm`` must stay alive (and describe live arrays) whenever the table runs."""
+    tbl = np.zeros((1, _COLS), dtype=np.int64)
+    tbl[0, 0] = dense_kernels.ATTEND_ADDR
+    tbl[0, 1] = prm.__array_interface__["data"][0]
+    tbl[0, 8] = heads
+    tbl[0, 9] = 1
+    tbl[0, 11] = heads
+    return tbl, heads
+
+
 def run_serial(products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]],
                rows_range: tuple[int, int] | None = None) -> None:
     """Every product (rows ``rows_range`` of each, default all) on this thread."""

@@ -42,6 +42,10 @@ KERNEL_TAIL_SPLIT = 4
 KERNEL_SPIN_US = 200
 # a round of kernel products smaller than this runs on the calling thread alone: waking a helper costs ~10-20 us
 KERNEL_POOL_MIN_WEIGHTS = 512 * 1024
+# a decode step's attention (one new position) of at least this many multiply-adds (query heads x cached positions x
+# (key + value width)) is split by KV head over the kernel threads; below, a round's hand-off (~3-5 us) costs more
+# than the second thread saves (the bench model's 12 heads of 64: from ~85 cached positions on)
+ATTEND_POOL_MIN_MACS = 128 * 1024
 # threads computing kernel products at most (MESHD_KERNEL_THREADS picks fewer): decode-sized products feed no more
 KERNEL_MAX_THREADS = 8
 # fp32 weights from this many weights up use the compiled decode kernel (engine.dense) for <= KERNEL_MAX_ROWS rows, and

@@ -95,7 +95,7 @@ class RemoteDecodePlan(OneRowBuffers):
         try:
             m = self.model
             mod = dense._kernels()
-            rms, attend = mod.rmsnorm_rows, mod.attend_one  # type: ignore[union-attr]
+            rms, attend = mod.rmsnorm_rows, dense.attend_one  # type: ignore[union-attr]
             pos = cache.length
             cos, sin = m.rope.span(pos, pos + 1)
             cos, sin = cos[0], sin[0]

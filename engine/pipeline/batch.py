@@ -120,7 +120,7 @@ class BatchStep:
         hd, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
         eps = c.rms_norm_eps
         mod = self._mod
-        rms, attend, swiglu, combine_add = mod.rmsnorm_rows, mod.attend_one, mod.swiglu, mod.combine_add
+        rms, attend, swiglu, combine_add = mod.rmsnorm_rows, dense.attend_one, mod.swiglu, mod.combine_add
         xs = np.array(x, dtype=F32, order="C")  # the residual stream
         h = np.empty((b, d), dtype=F32)
         q = np.empty((b, nh * hd), dtype=F32)
