@@ -2,7 +2,7 @@
 against an earlier revision's kernels (``--baseline``), all in one run.
 
     python bench/kernels.py [--rounds 200] [--baseline 5a404c5] [--main 8a5eab4] [--only 7,8] [--alternations 5]
-        [--decode /tmp/compact-bench/model-Q4_K_M.gguf] [--fp32 /tmp/compact-bench]
+        [--decode /tmp/compact-bench/model-Q4_K_M.gguf] [--fp32 /tmp/compact-bench] [--int-base main]
 
 Table 1, for every packed type on the two product shapes of the engine benchmark's checkpoint (1536x768,
 1024x1024) with 1 and 8 activation rows: G weights/s (weights of the matrix per second of one call, whatever
@@ -49,6 +49,12 @@ generic ones (same bits), one thread, 1 and 4 activation rows, weights in cache,
 per token in wall time and in the calling thread's CPU time (with ``MESHD_KERNEL_THREADS=1`` all the work; what
 other processes do to the core counts less), median [range] over ``--alternations`` rounds of 40 steps, and the
 Q4_K_M/fp32 ratios per side.
+
+Table 10 (session 10, AVX-512 VNNI): this tree's integer Q4_K/Q6_K kernels against ``--int-base``'s (default
+main; its engine/kernels_int.py imported beside this tree's), one thread, 1 and 4 activation rows, weights in
+cache, on one prepared activation buffer, the two sides' outputs compared bit for bit; with ``--decode`` the
+whole planned decode with either pair in the kernel threads' table (the first logits compared), and our fp32 with
+``--fp32``, rounds alternating as table 9; ratios paired per round.
 
 Median and range of ``--rounds`` timed calls, each side warmed up the same (20 calls) and timed alone (one
 process, one side at a time). The baseline is the revision's engine/kernels.py, loaded with ``git show``
@@ -529,6 +535,154 @@ def decode_avx2(path: str, fp32: str, alternations: int) -> None:
         print(line)
 
 
+def _int_base(rev: str) -> ModuleType | None:
+    """engine/kernels_int.py as of ``rev``, imported as ``engine._kernels_int_base`` (its numba cache beside it)."""
+    got = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:engine/kernels_int.py"], capture_output=True,
+                         text=True, check=False)
+    if got.returncode != 0:
+        print(f"integer kernels at {rev}: not available ({got.stderr.strip()[:100]})")
+        return None
+    d = Path(tempfile.gettempdir()) / f"meshd-bench-kernels-int-{rev.replace('/', '_')}"
+    d.mkdir(exist_ok=True)
+    f = d / "_kernels_int_base.py"
+    if not f.exists() or f.read_text() != got.stdout:
+        f.write_text(got.stdout)
+    spec = importlib.util.spec_from_file_location("engine._kernels_int_base", f)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def integer_base(rev: str, rounds: int, alternations: int, path: str, fp32: str, rng: np.random.Generator) -> None:
+    """Table 10 (session 10): this tree's integer Q4_K/Q6_K kernels against ``rev``'s (``--int-base``), one
+    thread, weights in cache, called directly on one prepared activation buffer (the same bits checked); with
+    ``--decode``, a whole planned decode with either pair in the kernel threads' table (and ``--fp32``'s
+    checkpoint) in one process, rounds alternating: wall and thread CPU ms per token, ratios paired per round."""
+    import numba
+
+    from engine import kernel_pool, kernels_int
+    from engine.model import Model
+
+    if not kernels_int.AVAILABLE:
+        print("integer kernels: not available (no AVX-512 VNNI, or MESHD_KERNELS_INT=0)")
+        return
+    base = _int_base(rev)
+    if base is None:
+        return
+    lay = {"Q4_K": kernels_int.LAYOUT_Q4_K, "Q6_K": kernels_int.LAYOUT_Q6_K}
+    print(f"| type | shape | rows | {rev}, G weights/s | this tree | this/{rev} (paired) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for qtype in ("Q4_K", "Q6_K"):
+        for n, k in ((1536, 768), (384, 768)):
+            data = quant.packed(quantize(rng.standard_normal((n, k)).astype(np.float32), qtype), qtype, (n, k)).data
+            for t in (1, 4):
+                x = rng.standard_normal((t, k)).astype(np.float32)
+                buf = np.empty(-(-kernels_int.buffer_bytes(t, k) // 8), dtype=np.float64)
+                kernels_int.prepare(lay[qtype], x.ctypes.data, t, k, buf.ctypes.data)
+                outs = {side: np.full((t, n), np.nan, dtype=np.float32) for side in ("base", "this")}
+                fns = {side: getattr(mod, f"{qtype.lower()}_buf") for side, mod in (("base", base),
+                                                                                    ("this", kernels_int))}
+                got: dict[str, list[float]] = {"base": [], "this": []}
+                for _ in range(alternations):
+                    for side, fn in fns.items():
+                        o = outs[side]
+                        got[side].append(_time(lambda fn=fn, o=o: fn(buf.ctypes.data, t, k, data, o, kernels.HALF,
+                                                                     0, n), rounds)[0])
+                assert outs["base"].tobytes() == outs["this"].tobytes(), (qtype, n, k, t)
+                paired = [a / b for a, b in zip(got["base"], got["this"])]
+
+                def g(v: list[float]) -> str:
+                    return (f"{n * k * t / statistics.median(v) / 1e9:.2f}"
+                            f" [{n * k * t / max(v) / 1e9:.2f}-{n * k * t / min(v) / 1e9:.2f}]")
+
+                print(f"| {qtype} | {n}x{k} | {t} | {g(got['base'])} | {g(got['this'])} |"
+                      f" {statistics.median(paired):.3f}x [{min(paired):.3f}-{max(paired):.3f}] |")
+    if not path:
+        return
+    sig = numba.cfunc(kernel_pool._KERNEL_SIG, cache=False, fastmath=kernels.FASTMATH, boundscheck=False,
+                      error_model="numpy")
+    u8p, f32p = kernel_pool._u8p, kernel_pool._f32p
+    q4b, q6b = base.q4_k_buf, base.q6_k_buf
+
+    @sig
+    def c_q4(xa, t, k, wa, n, rb, oa, r0, r1, ha):  # noqa: ANN001, ANN202
+        q4b(xa, t, k, numba.carray(u8p(wa), (n, rb)), numba.carray(f32p(oa), (t, n)),
+            numba.carray(f32p(ha), (65536,)), r0, r1)
+
+    @sig
+    def c_q6(xa, t, k, wa, n, rb, oa, r0, r1, ha):  # noqa: ANN001, ANN202
+        q6b(xa, t, k, numba.carray(u8p(wa), (n, rb)), numba.carray(f32p(oa), (t, n)),
+            numba.carray(f32p(ha), (65536,)), r0, r1)
+
+    kernel_pool._INT_LAYOUT[int(c_q4.address)] = kernels_int.LAYOUT_Q4_K
+    kernel_pool._INT_LAYOUT[int(c_q6.address)] = kernels_int.LAYOUT_Q6_K
+    addrs = {"base": {"Q4_K": int(c_q4.address), "Q6_K": int(c_q6.address)},
+             "this": {q: int(getattr(kernel_pool, f"_c_{q.lower()}_int").address) for q in ("Q4_K", "Q6_K")}}
+    q = Model.load(path)
+    seqs, plans, first = {}, {}, {}
+    try:
+        for side in ("base", "this"):
+            kernel_pool._ADDR.update(addrs[side])
+            q._plan = True  # rebuilt on the next step, with these kernels in its tables
+            cache = q.new_cache(1024)
+            tok = int(np.argmax(q.forward(list(range(10, 74)), cache)[-1]))
+            logits = q.forward([tok], cache)  # the first decode step builds the plan with these kernels
+            first[side] = logits.tobytes()
+            seqs[side] = [q, cache, int(np.argmax(logits[-1]))]
+            plans[side] = q._plan
+            assert type(plans[side]).__name__ == "DecodePlan", "the model does not take the decode plan"
+    finally:
+        kernel_pool._ADDR.update(addrs["this"])
+    assert first["base"] == first["this"], "the two kernel pairs gave other logits"
+    if fp32:
+        m = Model.load(fp32)
+        cache = m.new_cache(1024)
+        seqs["fp32"] = [m, cache, int(np.argmax(m.forward(list(range(10, 74)), cache)[-1]))]
+
+    def run(seq: list, n: int) -> tuple[float, float]:
+        m, cache, tok = seq
+        wall, cpu = [], []
+        for _ in range(n):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            logits = m.forward([tok], cache)
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
+            tok = int(np.argmax(logits[-1]))
+            if cache.length > 200:
+                cache.truncate(100)
+        seq[2] = tok
+        return statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3
+
+    res: dict[str, list[tuple[float, float]]] = {side: [] for side in seqs}
+    for a in range(alternations):
+        for side in (list(seqs) if a % 2 == 0 else list(seqs)[::-1]):
+            if side in plans:
+                q._plan = plans[side]
+            run(seqs[side], 5)
+            res[side].append(run(seqs[side], 40))
+    print()
+    print(f"| {Path(path).name}, {kernels.threads()} kernel threads | wall ms/token | thread CPU ms/token |")
+    print("| --- | --- | --- |")
+
+    def col(side: str, i: int) -> str:
+        v = [r[i] for r in res[side]]
+        return f"{statistics.median(v):.2f} [{min(v):.2f}-{max(v):.2f}]"
+
+    def ratio(num: str, den: str, i: int) -> str:
+        v = [a[i] / b[i] for a, b in zip(res[num], res[den])]
+        return f"{statistics.median(v):.3f}x [{min(v):.3f}-{max(v):.3f}]"
+
+    for side in res:
+        print(f"| {rev if side == 'base' else side} | {col(side, 0)} | {col(side, 1)} |")
+    for i, what in ((0, "wall"), (1, "CPU")):
+        line = f"{what}: this/{rev} {ratio('base', 'this', i)}"
+        if "fp32" in res:
+            line += f"; our fp32 over Q4_K_M: {rev} {ratio('fp32', 'base', i)}, this {ratio('fp32', 'this', i)}"
+        print(line)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=200, help="timed calls per side (default 200)")
@@ -543,6 +697,9 @@ def main() -> None:
     ap.add_argument("--decode", default="",
                     help="tables 6 and 8: a GGUF checkpoint to decode with either kernels, e.g."
                          " /tmp/compact-bench/model-Q4_K_M.gguf (default none: table 6 left out)")
+    ap.add_argument("--int-base", default="main",
+                    help="table 10: git revision whose engine/kernels_int.py this tree's is compared with (default"
+                         " main)")
     ap.add_argument("--fp32", default="",
                     help="table 9: bench/engine.py's fp32 checkpoint dir, decoded in the same rounds as --decode"
                          " (default none)")
@@ -550,13 +707,13 @@ def main() -> None:
     if not kernels.AVAILABLE:
         sys.exit("numba is not installed (pip install 'meshd[fast]'): nothing to compare")
     kernels.warm()
-    only = {int(v) for v in args.only.split(",") if v.strip()} or {1, 2, 3, 4, 5, 6, 7, 8, 9}
+    only = {int(v) for v in args.only.split(",") if v.strip()} or {1, 2, 3, 4, 5, 6, 7, 8, 9, 10}
     base = _baseline(args.baseline) if only & {1, 2} else None
     rng = np.random.default_rng(0)
     print(f"kernel threads {kernels.threads()}; baseline {args.baseline or '-'}; G weights/s, median [min-max] of"
           f" {args.rounds} calls")
     tables = ((products, base), (layer, base), (dequant, None), (f32, None), (lookup, None), (decode, None),
-              (integer, None), (decode_int, None), (avx2, None))
+              (integer, None), (decode_int, None), (avx2, None), (integer_base, None))
     for i, (fn, extra) in enumerate(tables, 1):
         if i not in only:
             continue
@@ -573,6 +730,8 @@ def main() -> None:
         elif i == 8:
             if args.decode:
                 decode_int(args.decode, args.alternations)
+        elif i == 10:
+            integer_base(args.int_base, args.rounds, args.alternations, args.decode, args.fp32, rng)
         elif i == 9:
             avx2(args.rounds, args.alternations, rng)
             if args.decode:

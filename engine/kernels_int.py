@@ -127,23 +127,43 @@ if AVAILABLE:
 
         return types.none(accp, at, qa, la, scp, pa, sa), codegen
 
+    def _half_pair_f64(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
+        """The two IEEE halves in the low 32 bits of the <4 x i32> ``v`` (low half first) as a <2 x double>:
+        ``vcvtph2ps`` then a widening, both exact (the same values as engine/kernels.py's HALF table, without
+        its two byte loads and a 256 KiB table lookup per half)."""
+        h2 = ir.VectorType(ir.HalfType(), 2)
+        return builder.fpext(builder.bitcast(builder.shuffle_vector(v, v, _idx([0])), h2), ir.VectorType(_D, 2))
+
     @intrinsic
-    def _k_scales_f64(typingctx, words, d, dmin, out):  # noqa: ANN001, ANN202
-        """out[0:8] = d * scale[SUB_ORDER], out[8:16] = dmin * min[SUB_ORDER], from the 16 bytes at ``words``."""
+    def _q4k_scales(typingctx, ba, out):  # noqa: ANN001, ANN202
+        """out[0:8] = d * scale[SUB_ORDER], out[8:16] = dmin * min[SUB_ORDER] of the Q4_K block at address ``ba``
+        (d, dmin, then the 12 scale bytes), in vector registers: llama.cpp's kmask unpacking of the three words
+        (engine/kernels.py's ``_k_scale_words``, the same integers) as one <4 x i32> (a per-lane shift, masks, one
+        shift and an or), the halves by ``vcvtph2ps``. Every value is the same as the scalar unpacking's, so the
+        products are too (exact in float64)."""
         def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
-            b = builder.load(builder.bitcast(args[0], _V16I8.as_pointer()), align=4)
+            v4 = ir.VectorType(_I32, 4)
+            v = builder.load(builder.inttoptr(args[0], v4.as_pointer()), align=1)  # [d|dmin, u0, u1, u2]
+
+            def c(vals: list[int]) -> ir.Constant:
+                return ir.Constant(v4, vals)
+
+            m1, m2, m3 = 0x3F3F3F3F, 0x0F0F0F0F, 0x03030303
+            # words: [u0 & m1, (u2 & m2) | ((u0 >> 6) & m3) << 4, u1 & m1, ((u2 >> 4) & m2) | ((u1 >> 6) & m3) << 4]
+            a = builder.shuffle_vector(v, v, _idx([1, 3, 2, 3]))
+            b = builder.shuffle_vector(v, v, _idx([1, 1, 2, 2]))
+            low = builder.and_(builder.lshr(a, c([0, 0, 0, 4])), c([m1, m2, m1, m2]))
+            high = builder.shl(builder.and_(builder.lshr(b, c([6] * 4)), c([0, m3, 0, m3])), c([4] * 4))
+            bts = builder.bitcast(builder.or_(low, high), _V16I8)  # 8 scales, then 8 mins
             order = list(SUB_ORDER) + [8 + j for j in SUB_ORDER]
-            b = builder.shuffle_vector(b, b, _idx(order))
-            v = builder.uitofp(builder.zext(b, _V16I32), _V16D)
-            d = builder.fpext(args[1], _D)
-            dmin = builder.fpext(args[2], _D)
-            one_d = builder.insert_element(ir.Constant(_V16D, ir.Undefined), d, ir.Constant(_I32, 0))
-            both = builder.insert_element(one_d, dmin, ir.Constant(_I32, 8))
-            both = builder.shuffle_vector(both, both, _idx([0] * 8 + [8] * 8))
-            builder.store(builder.fmul(v, both), builder.bitcast(args[3], _V16D.as_pointer()), align=8)
+            bts = builder.shuffle_vector(bts, bts, _idx(order))
+            f = builder.uitofp(builder.zext(bts, _V16I32), _V16D)
+            dd = _half_pair_f64(builder, v)
+            both = builder.shuffle_vector(dd, dd, _idx([0] * 8 + [1] * 8))
+            builder.store(builder.fmul(f, both), builder.bitcast(args[1], _V16D.as_pointer()), align=8)
             return context.get_dummy_value()
 
-        return types.none(words, d, dmin, out), codegen
+        return types.none(ba, out), codegen
 
     @intrinsic
     def _stack_f64(typingctx, n):  # noqa: ANN001, ANN202
@@ -154,6 +174,23 @@ if AVAILABLE:
             return cgutils.alloca_once(builder, _D, size=n.literal_value)
 
         return types.CPointer(types.float64)(n), codegen
+
+    @intrinsic
+    def _zero_f64(typingctx, p, n):  # noqa: ANN001, ANN202
+        """p[0:n] = 0.0 by n / 8 vector stores (``n`` a literal multiple of 8). The loop of scalar stores it replaces
+        became a call to ``memset`` per weight row, with a ``vzeroupper`` and the vector constants reloaded from
+        the stack after it: per row of three 256-blocks (K = 768) that is not small."""
+        if not isinstance(n, types.IntegerLiteral) or n.literal_value % 8:
+            return None
+
+        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+            zero = ir.Constant(_V8D, [0.0] * 8)
+            for j in range(n.literal_value // 8):
+                at = builder.gep(args[0], [ir.Constant(_I32, 8 * j)])
+                builder.store(zero, builder.bitcast(at, _V8D.as_pointer()), align=8)
+            return context.get_dummy_value()
+
+        return types.none(p, n), codegen
 
     @intrinsic
     def _q6k_block(typingctx, accp, at, qa, la, scp, pa, sa):  # noqa: ANN001, ANN202
@@ -189,18 +226,22 @@ if AVAILABLE:
         return types.none(accp, at, qa, la, scp, pa, sa), codegen
 
     @intrinsic
-    def _q6_scales_f64(typingctx, qa, d, out):  # noqa: ANN001, ANN202
-        """out[0:16] = d * scale[j] for the 16 signed bytes at address ``qa``."""
+    def _q6_scales_f64(typingctx, qa, out):  # noqa: ANN001, ANN202
+        """out[0:16] = d * scale[j] for the 16 signed bytes at address ``qa`` and the half d right after them
+        (``vcvtph2ps``: the HALF table's value)."""
         def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
             b = builder.load(builder.inttoptr(args[0], _V16I8.as_pointer()), align=1)
+            i16 = ir.IntType(16)  # the half alone: the block's last two bytes (a wider load could pass the row's end)
+            h = builder.load(builder.inttoptr(builder.add(args[0], ir.Constant(args[0].type, 16)), i16.as_pointer()),
+                             align=1)
+            one = builder.insert_element(ir.Constant(ir.VectorType(_D, 2), ir.Undefined),
+                                         builder.fpext(builder.bitcast(h, ir.HalfType()), _D), ir.Constant(_I32, 0))
             v = builder.sitofp(builder.sext(b, _V16I32), _V16D)
-            one = builder.insert_element(ir.Constant(_V16D, ir.Undefined), builder.fpext(args[1], _D),
-                                         ir.Constant(_I32, 0))
             d = builder.shuffle_vector(one, one, _idx([0] * 16))
-            builder.store(builder.fmul(v, d), builder.bitcast(args[2], _V16D.as_pointer()), align=8)
+            builder.store(builder.fmul(v, d), builder.bitcast(args[1], _V16D.as_pointer()), align=8)
             return context.get_dummy_value()
 
-        return types.none(qa, d, out), codegen
+        return types.none(qa, out), codegen
 
     @intrinsic
     def _q80_group(typingctx, accp, at, ga, la, scp, pa, nblk):  # noqa: ANN001, ANN202
@@ -381,28 +422,27 @@ if AVAILABLE:
     @njit(**_nopts)
     def q4_k_buf(buf: int, t: int, k: int, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int,
                  r1: int) -> None:
-        """Rows ``r0:r1`` of ``x @ W.T`` for Q4_K from x's buffer (:func:`prepare`, LAYOUT_Q4_K)."""
+        """Rows ``r0:r1`` of ``x @ W.T`` for Q4_K from x's buffer (:func:`prepare`, LAYOUT_Q4_K). ``tab`` (the
+        HALF table, the kernel threads' common signature) is not read: the halves are converted by ``vcvtph2ps``."""
         nb = k // 256
         accp = _stack_f64(32)
         acc = numba.carray(accp, 32)
         scp = _stack_f64(16)
-        wp = kernels._stack_u32(4)
-        words = numba.carray(wp, 4)
         pa = buf
         la = buf + t * k // 16 * 12
         ls = (k + 255) // 256 * 768  # limb_stride(k)
         rb = w.shape[1]
         for r in range(r0, r1):
-            row = w[r]
             ra = w.ctypes.data + r * rb
             for s0 in range(0, t, 4):  # at most four activation rows at a time (the stack lanes)
                 g = min(4, t - s0)
-                for i in range(8 * g):
-                    acc[i] = 0.0
+                if g == 1:  # decode's one row
+                    _zero_f64(accp, 8)
+                else:
+                    _zero_f64(accp, 32)
                 for b in range(nb):
                     o = b * 144
-                    kernels._k_scale_words(row, o + 4, words)
-                    _k_scales_f64(wp, kernels._h(tab, row, o), kernels._h(tab, row, o + 2), scp)
+                    _q4k_scales(ra + o, scp)
                     for s in range(s0, s0 + g):
                         _q4k_block(accp, 8 * (s - s0), ra + o + 16, la + s * ls + b * 768, scp,
                                    pa + (s * nb * 16 + b * 16) * 8, pa + (s * nb * 16 + b * 16 + 8) * 8)
@@ -417,7 +457,8 @@ if AVAILABLE:
     @njit(**_nopts)
     def q6_k_buf(buf: int, t: int, k: int, w: np.ndarray, out: np.ndarray, tab: np.ndarray, r0: int,
                  r1: int) -> None:
-        """Rows ``r0:r1`` of ``x @ W.T`` for Q6_K from x's buffer (:func:`prepare`, LAYOUT_Q6_K)."""
+        """Rows ``r0:r1`` of ``x @ W.T`` for Q6_K from x's buffer (:func:`prepare`, LAYOUT_Q6_K); ``tab`` is not
+        read (as in :func:`q4_k_buf`)."""
         nb = k // 256
         accp = _stack_f64(64)
         acc = numba.carray(accp, 64)
@@ -428,15 +469,16 @@ if AVAILABLE:
         ls = (k + 255) // 256 * 768  # limb_stride(k)
         rb = w.shape[1]
         for r in range(r0, r1):
-            row = w[r]
             ra = w.ctypes.data + r * rb
             for s0 in range(0, t, 4):  # at most four activation rows at a time (the stack lanes)
                 g = min(4, t - s0)
-                for i in range(16 * g):
-                    acc[i] = 0.0
+                if g == 1:
+                    _zero_f64(accp, 16)
+                else:
+                    _zero_f64(accp, 64)
                 for b in range(nb):
                     o = b * 210
-                    _q6_scales_f64(ra + o + 192, kernels._h(tab, row, o + 208), scp)
+                    _q6_scales_f64(ra + o + 192, scp)
                     for s in range(s0, s0 + g):
                         _q6k_block(accp, 16 * (s - s0), ra + o, la + s * ls + b * 768, scp,
                                    pa + (s * nb + b) * 128, sa + (s * nb + b) * 64)

@@ -87,6 +87,33 @@ def test_compiled_kernel_gives_the_reference_bits(qtype: str) -> None:
 
 
 @needs_vnni
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_every_scale_byte_and_half_gives_the_reference_bits(qtype: str) -> None:
+    """Blocks of random bytes (every 6-bit scale and min, their packed high bits, every code), with the halves
+    (d, dmin) drawn from every finite half including subnormals, zero and +-65504: the kernels unpack the scales
+    in vector registers and convert the halves by ``vcvtph2ps``, the reference by numpy, and the bits agree."""
+    bsz, halves = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}[qtype]
+    rng = np.random.default_rng(11)
+    n, k = 64, 1024
+    blocks = rng.integers(0, 256, (n, k // 256, bsz), dtype=np.uint8)
+    finite = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    finite = finite[np.isfinite(finite.view(np.float16))]
+    for o in halves:
+        h = rng.choice(finite, (n, k // 256)).astype(np.uint16)
+        h[0, 0], h[1, 0], h[2, 0], h[3, 0] = 0x0001, 0x83FF, 0x7BFF, 0xFBFF  # subnormals, +-65504
+        blocks[:, :, o:o + 2] = h.view(np.uint8).reshape(n, k // 256, 2)
+    data = blocks.reshape(n, -1)
+    kern = getattr(kernels_int, qtype.lower())
+    want = getattr(kernels_int, qtype.lower() + "_ref")
+    for t in (1, 4):
+        x = _activations(t, k, 5 + t)
+        got = np.full((t, n), np.nan, dtype=np.float32)
+        kern(x, data, got, kernels.HALF, 0, n)
+        assert np.isfinite(got).all()
+        assert got.tobytes() == want(x, data).tobytes(), (qtype, t)
+
+
+@needs_vnni
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("helpers", [1, 2])
 def test_kernel_threads_run_the_integer_kernels(qtype: str, helpers: int, monkeypatch: pytest.MonkeyPatch) -> None:
