@@ -49,6 +49,11 @@ KV_MAP_MIN_BYTES = 1 << 20
 # gathered rows and gate/up activations alive at once to ~rows * (D + 2I) * 4 bytes (1.5 MiB for D 768, I 384)
 # instead of the whole layer's T * top_k rows; a decode step (a few rows) is always one group, one kernel round
 EXPERT_GROUP_ROWS = 256
+# tokens per block of a prefill's MoE combination (engine.moe.combine): each block's Y [rows, top_k, D] is gathered
+# from the expert outputs and summed on its own, so ~rows * top_k * D * 4 bytes (384 KiB at 32 rows, k 4, D 768) are
+# alive per thread instead of the whole layer's Y (3 MiB for 256 tokens); 32 rows keep each copy and sum large
+# enough that the per-block Python (a few us per work item) stays under 1% of the layer
+COMBINE_BLOCK_ROWS = 32
 # Python threads a prefill spreads its independent pieces over (engine.prefill_threads; default BLAS's own thread
 # count): a routed layer has at most a few dozen work items and attention a few KV groups per block, so more
 # threads than that find nothing to claim, and each is a daemon thread for the process's life

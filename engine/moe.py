@@ -43,7 +43,7 @@ import numpy as np
 
 from . import prefill_threads
 from .dense import matmul_many, swiglu, swiglu_compiled
-from .limits import EXPERT_GROUP_ROWS, KERNEL_MAX_ROWS
+from .limits import COMBINE_BLOCK_ROWS, EXPERT_GROUP_ROWS, KERNEL_MAX_ROWS
 
 # One work item: (expert index, ascending row indices into x).
 WorkItem = tuple[int, np.ndarray]
@@ -238,27 +238,30 @@ def combine(routing: Routing, outputs: Sequence[np.ndarray], t: int, d: int) -> 
         for j in range(top_k):
             acc += routing.weights[:, j, None] * slot[j]
         return acc
-    # Y[t, j] gathered from the work outputs: position of (t, expert) inside its work item.
-    y = np.empty((t, top_k, d), dtype=np.float32)  # [T, k, D]
-    flat = y.reshape(t * top_k, d)  # a view: row t * k + j is Y[t, j]
-    threaded = t > KERNEL_MAX_ROWS and prefill_threads.threads() > 1
-
-    def scatter(i: int) -> None:
-        flat[slot_positions(routing, i)] = outputs[i]
-
-    if not threaded:
-        for i in range(len(outputs)):
-            scatter(i)
-        return weighted_sum(routing.weights, y)
-    # a prefill: the items' copies (each writes its own rows of Y), then row ranges of the sum (elementwise:
-    # the same bits per row), on the prefill threads
-    prefill_threads.run([functools.partial(scatter, i) for i in range(len(outputs))], blas=False)
+    # Y[t, j] gathered from the work outputs, one block of tokens at a time (never the whole [T, k, D]): the rows of
+    # item i that fall in tokens a..b-1 are a contiguous run of its outputs, since its flat slot indices ascend
+    # (the work list's rows ascend, module contract step 2)
+    pos = [slot_positions(routing, i) for i in range(len(outputs))]
     acc = np.empty((t, d), dtype=np.float32)
 
     def rows(a: int, b: int) -> None:
-        acc[a:b] = weighted_sum(routing.weights[a:b], y[a:b])
+        cuts = [np.searchsorted(p, np.arange(a, b + COMBINE_BLOCK_ROWS, COMBINE_BLOCK_ROWS).clip(max=b) * top_k)
+                for p in pos]
+        for n, lo in enumerate(range(a, b, COMBINE_BLOCK_ROWS)):
+            hi = min(b, lo + COMBINE_BLOCK_ROWS)
+            y = np.empty((hi - lo, top_k, d), dtype=np.float32)  # Y[lo:hi]
+            flat = y.reshape((hi - lo) * top_k, d)  # a view: row (t - lo) * k + j is Y[t, j]
+            for p, c, out in zip(pos, cuts, outputs):
+                r0, r1 = int(c[n]), int(c[n + 1])
+                if r1 > r0:
+                    flat[p[r0:r1] - lo * top_k] = out[r0:r1]
+            acc[lo:hi] = weighted_sum(routing.weights[lo:hi], y)
 
-    prefill_threads.run_rows(t, rows)
+    if t > KERNEL_MAX_ROWS and prefill_threads.threads() > 1:
+        # a prefill: row ranges on the prefill threads (a row's gather and sum are the same bits in any range)
+        prefill_threads.run_rows(t, rows)
+    else:
+        rows(0, t)
     return acc
 
 
