@@ -207,12 +207,17 @@ class RoutedExecutor(Protocol):
     def run_routed(self, layer: int, x: np.ndarray, routing: Routing) -> np.ndarray: ...
 
 
-def weighted_sum(weights: np.ndarray, y: np.ndarray) -> np.ndarray:
+def weighted_sum(weights: np.ndarray, y: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Step 4 for n rows: ``acc = 0``, then ``acc += w[:, j, None] * y[:, j]`` for j in slot order.
 
-    [n, k] fp32, [n, k, D] fp32 -> [n, D] fp32. Elementwise, so each row's bits depend only on that row.
+    [n, k] fp32, [n, k, D] fp32 -> [n, D] fp32 (into ``out`` if given). Elementwise, so each row's bits depend only
+    on that row.
     """
-    acc = np.zeros((y.shape[0], y.shape[2]), dtype=np.float32)  # [n, D]
+    if out is None:
+        acc = np.zeros((y.shape[0], y.shape[2]), dtype=np.float32)  # [n, D]
+    else:
+        acc = out
+        acc[...] = 0
     for j in range(y.shape[1]):
         acc += weights[:, j, None] * y[:, j, :]
     return acc
@@ -238,30 +243,35 @@ def combine(routing: Routing, outputs: Sequence[np.ndarray], t: int, d: int) -> 
         for j in range(top_k):
             acc += routing.weights[:, j, None] * slot[j]
         return acc
-    # Y[t, j] gathered from the work outputs, one block of tokens at a time (never the whole [T, k, D]): the rows of
-    # item i that fall in tokens a..b-1 are a contiguous run of its outputs, since its flat slot indices ascend
-    # (the work list's rows ascend, module contract step 2)
     pos = [slot_positions(routing, i) for i in range(len(outputs))]
+    if t <= COMBINE_BLOCK_ROWS:  # a batched decode step's few tokens: Y [T, k, D] gathered whole, then summed
+        y = np.empty((t, top_k, d), dtype=np.float32)
+        flat = y.reshape(t * top_k, d)  # a view: row t * k + j is Y[t, j]
+        for p, out in zip(pos, outputs):
+            flat[p] = out
+        return weighted_sum(routing.weights, y)
+    # a prefill: Y[t, j] gathered from the work outputs one block of tokens at a time (never the whole [T, k, D]):
+    # the rows of item i that fall in tokens a..b-1 are a contiguous run of its outputs, since its flat slot
+    # indices ascend (the work list's rows ascend, module contract step 2)
     acc = np.empty((t, d), dtype=np.float32)
 
     def rows(a: int, b: int) -> None:
-        cuts = [np.searchsorted(p, np.arange(a, b + COMBINE_BLOCK_ROWS, COMBINE_BLOCK_ROWS).clip(max=b) * top_k)
-                for p in pos]
-        for n, lo in enumerate(range(a, b, COMBINE_BLOCK_ROWS)):
+        starts = list(range(a, b, COMBINE_BLOCK_ROWS))
+        bounds = np.array([*starts, b], dtype=np.int64) * top_k
+        cuts = [np.searchsorted(p, bounds).tolist() for p in pos]  # per item: its rows in each block
+        for n, lo in enumerate(starts):
             hi = min(b, lo + COMBINE_BLOCK_ROWS)
             y = np.empty((hi - lo, top_k, d), dtype=np.float32)  # Y[lo:hi]
             flat = y.reshape((hi - lo) * top_k, d)  # a view: row (t - lo) * k + j is Y[t, j]
+            first = int(bounds[n])
             for p, c, out in zip(pos, cuts, outputs):
-                r0, r1 = int(c[n]), int(c[n + 1])
+                r0, r1 = c[n], c[n + 1]
                 if r1 > r0:
-                    flat[p[r0:r1] - lo * top_k] = out[r0:r1]
-            acc[lo:hi] = weighted_sum(routing.weights[lo:hi], y)
+                    flat[p[r0:r1] - first] = out[r0:r1]
+            weighted_sum(routing.weights[lo:hi], y, out=acc[lo:hi])
 
-    if t > KERNEL_MAX_ROWS and prefill_threads.threads() > 1:
-        # a prefill: row ranges on the prefill threads (a row's gather and sum are the same bits in any range)
-        prefill_threads.run_rows(t, rows)
-    else:
-        rows(0, t)
+    # row ranges on the prefill threads (a row's gather and sum are the same bits in any range)
+    prefill_threads.run_rows(t, rows)
     return acc
 
 

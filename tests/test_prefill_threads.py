@@ -242,7 +242,7 @@ def test_a_prefills_combination_is_the_whole_gathers_bits_without_the_whole_y(th
     256-token prefill of the bench model, on top of the layer's expert outputs)."""
     request.getfixturevalue(threads)
     rng = np.random.default_rng(4)
-    t, e, k, d = 300, 16, 4, 256  # 300: blocks and thread ranges that do not divide evenly
+    t, e, k, d = 600, 16, 4, 256  # 600: blocks and thread ranges that do not divide evenly
     routing = moe.route(rng.standard_normal((t, e), dtype=F32), k, True)
     outs = [rng.standard_normal((len(rows), d), dtype=F32) for _, rows in routing.work]
     y = np.empty((t, k, d), dtype=F32)
