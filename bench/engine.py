@@ -3,7 +3,7 @@ mid-size Qwen3-MoE it creates, plus the machine's memory read bandwidth measured
 
     python bench/engine.py [--threads 2] [--rounds 15] [--blocks 4] [--dir DIR] [--no-ref]
         [--variants fp32,bf16,Q8_0,Q4_K_M]
-        [--arch qwen3_moe|glm4_moe|deepseek_v3] [--base DIR]
+        [--arch qwen3_moe|glm4_moe|deepseek_v3] [--base DIR [--base-variants fp32,Q8_0,Q4_K_M]]
 
 Checkpoint: Qwen3-MoE, hidden 768, 8 layers, 12 heads over 4 KV heads, head_dim 64, 16 experts of
 width 384 with top-4, vocab 8192, fp32 (written once into --dir, default a temp dir), and from it a bf16
@@ -43,6 +43,8 @@ Every variant exists for every arch (GGUF: glm4moe / deepseek2 as llama.cpp's co
 ``--base DIR``: another checkout of meshd (e.g. ``git archive main | tar -x -C DIR``) whose engine runs the fp32
 checkpoint as one more side, ``fp32@base``, in the same rounds: the table gets its row and a line with this
 tree's fp32 against it (prefill and decode, paired within rounds), the same-run A/B a change is judged by.
+``--base-variants`` (default ``fp32``) names the forms the base tree runs as sides ``V@base``, each with its row
+(peak RSS / file included) and a line of this tree's V against it.
 """
 
 from __future__ import annotations
@@ -517,6 +519,8 @@ def main() -> None:
     ap.add_argument("--base", type=Path, default=None,
                     help="another meshd checkout whose engine runs the fp32 checkpoint as side fp32@base in the same"
                          " rounds, for a paired A/B against this tree (default: none)")
+    ap.add_argument("--base-variants", default="fp32",
+                    help="with --base: the weight forms the base tree runs too, each as side V@base (default fp32)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--root", type=Path, default=ROOT, help=argparse.SUPPRESS)
     ap.add_argument("--arch", choices=sorted(ARCHES), default="qwen3_moe",
@@ -549,11 +553,12 @@ def main() -> None:
     if args.base is not None:
         if not (args.base / "engine" / "model.py").exists():
             sys.exit(f"--base {args.base}: not a meshd checkout (no engine/model.py)")
-        kinds["fp32@base"], roots["fp32@base"] = "engine-fp32", args.base.resolve()
+        for v in [v for v in args.base_variants.split(",") if v in variants]:
+            kinds[f"{v}@base"], roots[f"{v}@base"] = f"engine-{v}", args.base.resolve()
     procs: dict[str, _Proc] = {}
     try:
         for name, kind in kinds.items():  # one at a time, so every load and warm-up runs alone too
-            procs[name] = _Proc(kind, variants.get(name, path), args.threads, roots[name])
+            procs[name] = _Proc(kind, variants.get(name.split("@")[0], path), args.threads, roots[name])
         t_loaded = time.perf_counter()
         res: dict[str, dict] = {name: {"prefill": [], "decode": [], "probe": []} for name in procs}
         idle: dict[str, list[float]] = {}
@@ -639,7 +644,8 @@ def main() -> None:
         dm, dl, dh = rate(ref, "decode", DECODE_LEN)
         lines.append(f"| transformers fp32 | {pm:.0f} [{pl:.0f}-{ph:.0f}] | 1.00x | {dm:.1f} [{dl:.1f}-{dh:.1f}] |"
                      f" 1.00x | | | | {ref['info']['peak_rss_mb']:.0f} MB |")
-    for v in [*variants, *(["fp32@base"] if "fp32@base" in res else [])]:
+    based = [v for v in variants if f"{v}@base" in res]
+    for v in [*variants, *(f"{v}@base" for v in based)]:
         r = res[v]
         pm, pl, ph = rate(r, "prefill", PROMPT_LEN)
         dm, dl, dh = rate(r, "decode", DECODE_LEN)
@@ -654,10 +660,11 @@ def main() -> None:
                      f" | {vs_ref_d} | {vs_fp32} | {bw * 1e9 / act:.0f} ({act / 2**20:.0f} MiB/token)"
                      f" | {_med(of):.2f} [{min(of):.2f}-{max(of):.2f}] | {rss:.0f} MiB ({rss / fmb:.2f}x;"
                      f" mapped {r['info']['rss_file_mb']:.0f}, anon {r['info']['rss_anon_mb']:.0f}) |")
-    if fp32 is not None and "fp32@base" in res:
-        base = res["fp32@base"]
-        lines.append(f"| fp32 (this tree) against fp32@base ({args.base}) | | {paired(fp32, base, 'prefill')} | |"
-                     f" {paired(fp32, base, 'decode')} | | | | |")
+    for v in based:
+        mine, base = res[v], res[f"{v}@base"]
+        rss = [r["info"]["peak_rss_mb"] - r["info"]["rss_before_load_mb"] for r in (mine, base)]
+        lines.append(f"| {v} (this tree) against {v}@base ({args.base}) | | {paired(mine, base, 'prefill')} | |"
+                     f" {paired(mine, base, 'decode')} | | | | {rss[0] - rss[1]:+.1f} MiB |")
     if fp32 is not None:
         for b in BATCHES:
             m, lo, hi = rate(fp32, f"batch{b}", b * BATCH_STEPS)

@@ -60,6 +60,12 @@ KV_MAP_MIN_BYTES = 1 << 20
 # gathered rows and gate/up activations alive at once to ~rows * (D + 2I) * 4 bytes (1.5 MiB for D 768, I 384)
 # instead of the whole layer's T * top_k rows; a decode step (a few rows) is always one group, one kernel round
 EXPERT_GROUP_ROWS = 256
+# tokens per block of a prefill's MoE combination (engine.moe.combine): each block's Y [rows, top_k, D] is gathered
+# from the expert outputs and summed on its own, so rows * top_k * D * 4 bytes (768 KiB at 64 rows, k 4, D 768) are
+# alive per prefill thread instead of the layer's whole Y (3 MiB at 256 tokens). Per block and work item the gather
+# costs a few numpy calls: 64 rows cost +0.3 ms per 256-token layer against the whole gather (32 rows +0.44-0.61,
+# 128 rows +0.13 but as much memory as the whole Y on two threads; bench in docs/engine-model.md, session 10)
+COMBINE_BLOCK_ROWS = 64
 # Python threads a prefill spreads its independent pieces over (engine.prefill_threads; default BLAS's own thread
 # count): a routed layer has at most a few dozen work items and attention a few KV groups per block, so more
 # threads than that find nothing to claim, and each is a daemon thread for the process's life

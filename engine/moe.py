@@ -43,7 +43,7 @@ import numpy as np
 
 from . import prefill_threads
 from .dense import matmul_many, swiglu, swiglu_compiled
-from .limits import EXPERT_GROUP_ROWS, KERNEL_MAX_ROWS
+from .limits import COMBINE_BLOCK_ROWS, EXPERT_GROUP_ROWS, KERNEL_MAX_ROWS
 
 # One work item: (expert index, ascending row indices into x).
 WorkItem = tuple[int, np.ndarray]
@@ -206,12 +206,17 @@ class RoutedExecutor(Protocol):
     def run_routed(self, layer: int, x: np.ndarray, routing: Routing) -> np.ndarray: ...
 
 
-def weighted_sum(weights: np.ndarray, y: np.ndarray) -> np.ndarray:
+def weighted_sum(weights: np.ndarray, y: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Step 4 for n rows: ``acc = 0``, then ``acc += w[:, j, None] * y[:, j]`` for j in slot order.
 
-    [n, k] fp32, [n, k, D] fp32 -> [n, D] fp32. Elementwise, so each row's bits depend only on that row.
+    [n, k] fp32, [n, k, D] fp32 -> [n, D] fp32 (into ``out`` if given). Elementwise, so each row's bits depend only
+    on that row.
     """
-    acc = np.zeros((y.shape[0], y.shape[2]), dtype=np.float32)  # [n, D]
+    if out is None:
+        acc = np.zeros((y.shape[0], y.shape[2]), dtype=np.float32)  # [n, D]
+    else:
+        acc = out
+        acc[...] = 0
     for j in range(y.shape[1]):
         acc += weights[:, j, None] * y[:, j, :]
     return acc
@@ -237,26 +242,34 @@ def combine(routing: Routing, outputs: Sequence[np.ndarray], t: int, d: int) -> 
         for j in range(top_k):
             acc += routing.weights[:, j, None] * slot[j]
         return acc
-    # Y[t, j] gathered from the work outputs: position of (t, expert) inside its work item.
-    y = np.empty((t, top_k, d), dtype=np.float32)  # [T, k, D]
-    flat = y.reshape(t * top_k, d)  # a view: row t * k + j is Y[t, j]
-    threaded = t > KERNEL_MAX_ROWS and prefill_threads.threads() > 1
-
-    def scatter(i: int) -> None:
-        flat[slot_positions(routing, i)] = outputs[i]
-
-    if not threaded:
-        for i in range(len(outputs)):
-            scatter(i)
+    pos = [slot_positions(routing, i) for i in range(len(outputs))]
+    if t <= COMBINE_BLOCK_ROWS:  # a batched decode step's few tokens: Y [T, k, D] gathered whole, then summed
+        y = np.empty((t, top_k, d), dtype=np.float32)
+        flat = y.reshape(t * top_k, d)  # a view: row t * k + j is Y[t, j]
+        for p, out in zip(pos, outputs):
+            flat[p] = out
         return weighted_sum(routing.weights, y)
-    # a prefill: the items' copies (each writes its own rows of Y), then row ranges of the sum (elementwise:
-    # the same bits per row), on the prefill threads
-    prefill_threads.run([functools.partial(scatter, i) for i in range(len(outputs))])
+    # a prefill: Y[t, j] gathered from the work outputs one block of tokens at a time (never the whole [T, k, D]):
+    # the rows of item i that fall in tokens a..b-1 are a contiguous run of its outputs, since its flat slot
+    # indices ascend (the work list's rows ascend, module contract step 2)
     acc = np.empty((t, d), dtype=np.float32)
 
     def rows(a: int, b: int) -> None:
-        acc[a:b] = weighted_sum(routing.weights[a:b], y[a:b])
+        starts = list(range(a, b, COMBINE_BLOCK_ROWS))
+        bounds = np.array([*starts, b], dtype=np.int64) * top_k
+        cuts = [np.searchsorted(p, bounds).tolist() for p in pos]  # per item: its rows in each block
+        for n, lo in enumerate(starts):
+            hi = min(b, lo + COMBINE_BLOCK_ROWS)
+            y = np.empty((hi - lo, top_k, d), dtype=np.float32)  # Y[lo:hi]
+            flat = y.reshape((hi - lo) * top_k, d)  # a view: row (t - lo) * k + j is Y[t, j]
+            first = int(bounds[n])
+            for p, c, out in zip(pos, cuts, outputs):
+                r0, r1 = c[n], c[n + 1]
+                if r1 > r0:
+                    flat[p[r0:r1] - first] = out[r0:r1]
+            weighted_sum(routing.weights[lo:hi], y, out=acc[lo:hi])
 
+    # row ranges on the prefill threads (a row's gather and sum are the same bits in any range)
     prefill_threads.run_rows(t, rows)
     return acc
 

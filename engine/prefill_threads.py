@@ -128,6 +128,10 @@ class _Pool:
             self._jobs.put(job)
         job.work()
         job.finished.wait()
+        # A helper that did not wake before the caller ran every task takes this job off the queue only when it
+        # next gets the GIL, up to a switch interval later, when the next layer already runs: the tasks (closures
+        # over a layer's expert outputs and gathered slots, ~6 MiB of a 256-token prefill) must not live that long.
+        job.tasks = ()
         if job.error is not None:
             raise job.error
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
+import tracemalloc
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -197,6 +199,59 @@ def test_callers_on_several_threads_share_the_pool(two_threads: prefill_threads.
     for th in threads:
         th.join(30)
     assert results == {c: [c * 1000 + i for i in range(50)] for c in range(3)}
+
+
+@needs_local_threads
+def test_a_job_the_helper_took_late_holds_none_of_its_tasks() -> None:
+    """A helper that had not woken before the caller ran every task takes the job off the queue only later (in a
+    prefill: when it next gets the GIL, with the next layer running). The tasks are closures over a routed layer's
+    expert outputs and gathered slots (~6 MiB at 256 tokens), so the job must no longer hold them once ``run``
+    has returned: the peak RSS of the next layer counted them."""
+    pool = prefill_threads._Pool(1)
+    busy, release = threading.Event(), threading.Event()
+    pool._jobs.put(prefill_threads._Job([lambda: (busy.set(), release.wait(10))]))  # the helper is held here
+    try:
+        assert busy.wait(10)
+
+        class Big:
+            pass
+
+        big = Big()
+        gone = weakref.ref(big)
+        done: list[int] = []
+        pool.run([lambda b=big: done.append(1), lambda b=big: done.append(2)], blas=False)  # both on this thread
+        del big
+        assert done == [1, 2]
+        assert gone() is None, "the job still on the helper's queue keeps its tasks' closures alive"
+    finally:
+        release.set()
+
+
+@pytest.mark.parametrize("threads", ["one_thread", pytest.param("two_threads", marks=needs_local_threads)])
+def test_a_prefills_combination_is_the_whole_gathers_bits_without_the_whole_y(threads: str,
+                                                                               request: pytest.FixtureRequest) -> None:
+    """``moe.combine`` of a prefill gathers Y [T, k, D] block by block: the same bytes as gathering all of Y and one
+    ``weighted_sum`` (the module contract's step 4 as written), while never holding the whole Y (3 MiB of a
+    256-token prefill of the bench model, on top of the layer's expert outputs)."""
+    request.getfixturevalue(threads)
+    rng = np.random.default_rng(4)
+    t, e, k, d = 600, 16, 4, 256  # 600: blocks and thread ranges that do not divide evenly
+    routing = moe.route(rng.standard_normal((t, e), dtype=F32), k, True)
+    outs = [rng.standard_normal((len(rows), d), dtype=F32) for _, rows in routing.work]
+    y = np.empty((t, k, d), dtype=F32)
+    for i, out in enumerate(outs):
+        y.reshape(t * k, d)[moe.slot_positions(routing, i)] = out
+    want = moe.weighted_sum(routing.weights, y).tobytes()
+    del y
+    tracemalloc.start()
+    try:
+        got = moe.combine(routing, outs, t, d)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert got.tobytes() == want
+    whole_y = t * k * d * 4
+    assert peak < got.nbytes + whole_y // 2, f"combine held {peak} bytes: the whole Y is {whole_y}"
 
 
 def test_thread_count_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
