@@ -219,7 +219,7 @@ def test_a_job_the_helper_took_late_holds_none_of_its_tasks() -> None:
         big = Big()
         gone = weakref.ref(big)
         done: list[int] = []
-        pool.run([lambda b=big: done.append(1), lambda b=big: done.append(2)], blas=False)  # both on this thread
+        pool.run([lambda b=big: done.append(1), lambda b=big: done.append(2)])  # both on this thread
         del big
         assert done == [1, 2]
         assert gone() is None, "the job still on the helper's queue keeps its tasks' closures alive"
