@@ -22,9 +22,17 @@ def meshd_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "meshd", *args]
 
 
+# The switches that choose which kernels compute (and so the numerics tag): a test process and the daemons it
+# starts must compute alike, or its workers and stages are refused for other numerics (a developer's
+# `MESHD_KERNELS=numpy pytest` with numba installed, the closest to CI's install without numba).
+KERNEL_SWITCHES = ("MESHD_KERNELS", "MESHD_KERNELS_INT", "MESHD_KERNELS_LUT", "MESHD_KERNELS_AVX2")
+
+
 def meshd_env(**extra: str) -> dict[str, str]:
-    """Environment for a meshd subprocess: this checkout first on the path, no inherited join token."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MESHD_", "NOTIFY_SOCKET"))}
+    """Environment for a meshd subprocess: this checkout first on the path, no inherited join token or other
+    ``MESHD_*`` setting but the kernel switches (``KERNEL_SWITCHES``)."""
+    env = {k: v for k, v in os.environ.items()
+           if k in KERNEL_SWITCHES or not k.startswith(("MESHD_", "NOTIFY_SOCKET"))}
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,13 @@ def _probe(**env: str) -> dict[str, str]:
     out = subprocess.run([sys.executable, "-c", PROBE], env=meshd_env(**env), capture_output=True, text=True,
                          timeout=60, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def _skip_when_numba_is_switched_off() -> None:
+    """numba against numpy needs numba on here: a run under ``MESHD_KERNELS=numpy`` (which its daemons inherit,
+    conftest.KERNEL_SWITCHES) has no numba side."""
+    if os.environ.get("MESHD_KERNELS", "").lower() == "numpy":
+        pytest.skip("this run switches the compiled kernels off (MESHD_KERNELS=numpy)")
 
 
 def _other_core() -> tuple[str, dict[str, str], dict[str, str]]:
@@ -122,6 +130,7 @@ def test_kernels_switch_is_in_the_tag() -> None:
     except ImportError:
         assert numerics.tag().startswith("kernels=numpy;")
         return
+    _skip_when_numba_is_switched_off()
     on = _probe()
     assert on["tag"].startswith(f"kernels=numba-{numba.__version__}"), on
     assert numerics.difference(on["tag"], off["tag"]).startswith("kernels numpy there"), (on, off)
@@ -270,6 +279,7 @@ def test_expert_worker_with_other_numerics_is_refused_by_name_and_the_other_serv
         env, says = {"OPENBLAS_CORETYPE": core}, f":{core} on the worker"
     else:
         pytest.importorskip("numba")
+        _skip_when_numba_is_switched_off()
         env, says = {"MESHD_KERNELS": "numpy"}, "kernels numpy on the worker"
         other = _probe(**env)
     mesh = MeshFixture()
