@@ -466,6 +466,24 @@ def avx2(rounds: int, alternations: int, rng: np.random.Generator) -> None:
                 print(f"| {qtype} | {n}x{k} | {t} | {g(got['generic'])} | {g(got['avx2'])} | {ratio:.2f}x |")
 
 
+def _greedy_steps(seq: list, n: int) -> tuple[float, float]:
+    """``n`` greedy decode steps of ``seq`` ([model, cache, last token], updated) -> median (wall, thread CPU) ms
+    per step; the cache is cut back to 100 positions whenever it passes 200."""
+    m, cache, tok = seq
+    wall, cpu = [], []
+    for _ in range(n):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        logits = m.forward([tok], cache)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
+        tok = int(np.argmax(logits[-1]))
+        if cache.length > 200:
+            cache.truncate(100)
+    seq[2] = tok
+    return statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3
+
+
+
 def decode_avx2(path: str, fp32: str, alternations: int) -> None:
     """Table 9's decode: the planned decode of ``path`` on the generic and the AVX2 kernels, and of the fp32
     checkpoint ``fp32`` (optional), in one process, rounds alternating; wall and thread CPU ms per token."""
@@ -497,27 +515,13 @@ def decode_avx2(path: str, fp32: str, alternations: int) -> None:
     if fp32:
         seqs["fp32"] = start(Model.load(fp32))
 
-    def run(seq: list, n: int) -> tuple[float, float]:
-        m, cache, tok = seq
-        wall, cpu = [], []
-        for _ in range(n):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            logits = m.forward([tok], cache)
-            wall.append(time.perf_counter() - t0)
-            cpu.append(time.thread_time() - c0)
-            tok = int(np.argmax(logits[-1]))
-            if cache.length > 200:
-                cache.truncate(100)
-        seq[2] = tok
-        return statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3
-
     got: dict[str, list[tuple[float, float]]] = {side: [] for side in seqs}
     for _ in range(alternations):
         for side, seq in seqs.items():
             if side in plans:
                 q._plan = plans[side]
-            run(seq, 5)
-            got[side].append(run(seq, 40))
+            _greedy_steps(seq, 5)
+            got[side].append(_greedy_steps(seq, 40))
     print(f"| {Path(path).name}, {kernels.threads()} kernel threads | wall ms/token | thread CPU ms/token |")
     print("| --- | --- | --- |")
 
@@ -641,27 +645,13 @@ def integer_base(rev: str, rounds: int, alternations: int, path: str, fp32: str,
         cache = m.new_cache(1024)
         seqs["fp32"] = [m, cache, int(np.argmax(m.forward(list(range(10, 74)), cache)[-1]))]
 
-    def run(seq: list, n: int) -> tuple[float, float]:
-        m, cache, tok = seq
-        wall, cpu = [], []
-        for _ in range(n):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            logits = m.forward([tok], cache)
-            wall.append(time.perf_counter() - t0)
-            cpu.append(time.thread_time() - c0)
-            tok = int(np.argmax(logits[-1]))
-            if cache.length > 200:
-                cache.truncate(100)
-        seq[2] = tok
-        return statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3
-
     res: dict[str, list[tuple[float, float]]] = {side: [] for side in seqs}
     for a in range(alternations):
         for side in (list(seqs) if a % 2 == 0 else list(seqs)[::-1]):
             if side in plans:
                 q._plan = plans[side]
-            run(seqs[side], 5)
-            res[side].append(run(seqs[side], 40))
+            _greedy_steps(seqs[side], 5)
+            res[side].append(_greedy_steps(seqs[side], 40))
     print()
     print(f"| {Path(path).name}, {kernels.threads()} kernel threads | wall ms/token | thread CPU ms/token |")
     print("| --- | --- | --- |")
