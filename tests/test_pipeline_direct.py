@@ -359,8 +359,12 @@ def test_the_timeline_traces_each_step_over_the_direct_channel(tmp_path: Path) -
         nodes.append(start_node(tmp_path / "a", "--stage", "tiny@2-3", "--join", invite(tmp_path / "s"), env=env))
         wait_plan(srv, [[0, 1], [2, 3]])
         wait_until(lambda: _link(srv)["direct"], 20, "the stage's direct channel")
-        events = list(stream(srv.run["api"], *COMPLETION))
+        # all 16 tokens: tiny's random weights often draw (or pick) the end token after a few steps, and a short
+        # stream leaves too few steps to read (CI saw 3 of 16)
+        events = list(stream(srv.run["api"], COMPLETION[0], {**COMPLETION[1], "ignore_eos": True}))
         assert "error" not in events[-1], events[-1]
+        assert [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")] \
+            == ["length"], events[-2:]
         assert _link(srv)["direct_calls"] > 0
     finally:
         for n in reversed(nodes):
