@@ -89,6 +89,15 @@ def test_other_checkpoint_is_refused_by_name() -> None:
     assert "node-x-1234" in plan.refused[0][1] and "bbbbbbbb" in plan.refused[0][1]
 
 
+def test_a_stage_node_holding_this_and_another_checkpoint_is_used_not_refused() -> None:
+    # `meshd serve --stage A@4-7 --stage B@4-7` gossips one offer per checkpoint: planning A, the offer of
+    # B is no refusal (status showed the node planned and refused at once)
+    offers = [off("x", 100, pin=(4, 7), fp="bb" * 32), off("x", 100, pin=(4, 7)), off("y", 100, fp="cc" * 32)]
+    plan = make_plan(need(), me(100), offers)
+    assert ranges(plan) == [("local", 0, 3), ("x", 4, 7)]
+    assert [n for n, _ in plan.refused] == ["y"]
+
+
 @pytest.mark.parametrize(
     ("offers", "reason"),
     [

@@ -208,10 +208,15 @@ def make_plan(need: Need, local: Offer, offers: list[Offer]) -> Plan:
 def _make_plan(need: Need, local: Offer, offers: list[Offer], refused: list[tuple[str, str]]) -> Plan:
     n = need.num_layers
     usable: list[Offer] = []
+    # a stage node may hold several checkpoints (--stage is repeatable): its offers of other ones are not
+    # refusals when it also offers this one
+    holders = {o.node_id for o in offers if o.fingerprint == need.fingerprint}
     for o in sorted(offers, key=lambda o: o.node_id):
         if o.node_id == local.node_id:
             continue
         if o.fingerprint != need.fingerprint:
+            if o.node_id in holders:
+                continue
             refused.append(
                 (
                     o.node_id,
