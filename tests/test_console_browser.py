@@ -123,6 +123,9 @@ def test_console_in_chromium(tmp_path: Path) -> None:
         assert drawer.is_displayed()
         text = texts("#drawer")[0]
         assert "alpha" in text and "serve" in text and "in flight" in text and "MiB free" in text, text
+        # nothing the page loads fails (the browser's own /favicon.ico was a 401 behind the key, 404 without)
+        errors = [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+        assert not errors, errors
 
         # kill b: the page shows it dead within 3 s
         b.kill()
