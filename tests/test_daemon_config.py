@@ -233,6 +233,38 @@ def test_bad_model_or_experts_spec_is_exit_2_before_any_state_is_written(tmp_pat
     assert not (state / "genesis.json").exists() and not (state / "identity.key").exists()
 
 
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """tiny (4 layers, dense none, 8 experts) as a directory and as a Q8_0 GGUF file."""
+    from engine.gguf_export import export_gguf
+    from engine.tiny import create_tiny
+
+    d = create_tiny(tmp_path_factory.mktemp("ck") / "ck")
+    g = d.parent / "ck.gguf"
+    export_gguf(d, g, "Q8_0")
+    return d, g
+
+
+@pytest.mark.parametrize(("flag", "suffix", "says", "form"), [
+    ("--stage", "@2-5", "the model has layers 0-3", 0),
+    ("--stage", "@2-5", "the model has layers 0-3", 1),
+    ("--experts", "@0-4/0-3", "layer 4 does not exist", 0),
+    ("--experts", "@0-3/6-8", "expert 8 does not exist", 1),
+])
+def test_ranges_a_checkpoint_lacks_are_exit_2_before_any_state_is_written(
+    tmp_path: Path, tiny_files: tuple[Path, Path], flag: str, suffix: str, says: str, form: int
+) -> None:
+    # refused with the same words before, but only after the node had made its key and founded a mesh
+    # (or redeemed its invite token): a user's typo left a mesh behind
+    state = tmp_path / "s"
+    out = subprocess.run(meshd_cmd("serve", "--state-dir", str(state), "--no-mdns", "--listen", "127.0.0.1:0",
+                                   "--api", "127.0.0.1:0", flag, f"{tiny_files[form]}{suffix}"),
+                         env=meshd_env(), capture_output=True, text=True, timeout=30, check=False)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr
+    assert out.stderr.startswith(f"meshd: {flag} ") and says in out.stderr, out.stderr
+    assert not state.exists()
+
+
 def test_pipeline_flags_and_file_keys(tmp_path: Path) -> None:
     cfg = _load([])
     assert cfg.stages == () and cfg.pipeline == "off" and cfg.pipeline_memory_mb == 0

@@ -213,17 +213,14 @@ def _fused_layer(path: Path, layout: MoeLayout, index: dict[str, TensorInfo], la
     return out
 
 
-def load_shard(spec: ShardSpec | str) -> ExpertShard:
-    """Validate and map a shard; raises :class:`ShardError` naming the first problem found."""
-    if isinstance(spec, str):
-        spec = parse_spec(spec)
+def check_ranges(spec: ShardSpec) -> tuple[MoeLayout, list[int], list[int]]:
+    """The checkpoint's MoE layout (from its config or GGUF metadata only: no tensor is read) and the
+    spec's layers and experts, checked against it. -> (layout, layers, experts); raises
+    :class:`ShardError` naming the first problem (a dense model, a layer or expert that does not exist)."""
     path = spec.path.expanduser()
-    if not path.is_dir() and not is_gguf(path):
-        raise ShardError(f"--experts: {path} is not a checkpoint directory or a .gguf file")
     try:
         layout = layout_from_config(read_config(path))
-        index = index_checkpoint(path)
-    except (LayoutError, TensorFileError) as e:
+    except LayoutError as e:
         raise ShardError(f"--experts {path}: {e}") from None
     if spec.layers is None:
         layers = list(layout.sparse_layers)
@@ -239,6 +236,21 @@ def load_shard(spec: ShardSpec | str) -> ExpertShard:
     if experts and experts[-1] >= layout.num_experts:
         raise ShardError(f"--experts {path}: expert {experts[-1]} does not exist (the model has "
                          f"{layout.num_experts} experts per layer)")
+    return layout, layers, experts
+
+
+def load_shard(spec: ShardSpec | str) -> ExpertShard:
+    """Validate and map a shard; raises :class:`ShardError` naming the first problem found."""
+    if isinstance(spec, str):
+        spec = parse_spec(spec)
+    path = spec.path.expanduser()
+    if not path.is_dir() and not is_gguf(path):
+        raise ShardError(f"--experts: {path} is not a checkpoint directory or a .gguf file")
+    layout, layers, experts = check_ranges(spec)
+    try:
+        index = index_checkpoint(path)
+    except TensorFileError as e:
+        raise ShardError(f"--experts {path}: {e}") from None
     tensors: dict[tuple[int, int], tuple[TensorInfo, TensorInfo, TensorInfo]] = {}
     scales: dict[tuple[int, int], tuple[TensorInfo, TensorInfo, TensorInfo]] = {}
     for layer in layers:

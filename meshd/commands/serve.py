@@ -39,8 +39,9 @@ def _is_checkpoint(path: Path) -> bool:
 
 
 def _check_specs(config: DaemonConfig) -> None:
-    """Refuse model and expert SPECs that cannot work (syntax, a checkpoint directory that does not
-    exist) with one line, before the node creates or touches anything. Loading errors come later."""
+    """Refuse model, expert and stage SPECs that cannot work (syntax, a checkpoint directory that does
+    not exist, layers or experts its config does not have) with one line, before the node creates or
+    touches anything (no key, no mesh, no redeemed token). Loading errors come later."""
     from engine.spec import parse_model_spec
 
     models = config.models if config.role == "serve" else []
@@ -63,12 +64,34 @@ def _check_specs(config: DaemonConfig) -> None:
         path = getattr(shard, "path", None)
         if path is not None and str(path) != "tiny" and not _is_checkpoint(Path(path)):
             raise UsageError(f"--experts {text}: {path} is not a checkpoint directory or .gguf file")
+        if path is not None and str(path) != "tiny":
+            from engine.experts.shard import check_ranges
+
+            try:  # layers and experts that the checkpoint has (its config only)
+                check_ranges(shard)
+            except ShardError as e:
+                raise UsageError(str(e)) from None
     for text in config.stages if config.role == "serve" else []:
         from meshd.pipeline_service import parse_stage_spec
 
-        stage_path, _pin = parse_stage_spec(text)
+        stage_path, pin = parse_stage_spec(text)
         if stage_path != "tiny" and not _is_checkpoint(Path(stage_path)):
             raise UsageError(f"--stage {text}: {stage_path} is not a checkpoint directory or .gguf file")
+        layers = _num_layers(Path(stage_path)) if pin is not None and stage_path != "tiny" else None
+        if pin is not None and layers is not None and pin[1] >= layers:
+            raise UsageError(f"--stage {text}: the model has layers 0-{layers - 1}")
+
+
+def _num_layers(path: Path) -> int | None:
+    """The checkpoint's layer count from its config (or GGUF metadata) alone; None when that cannot be
+    read here (the stage's load names the problem)."""
+    from engine.config import ModelConfig
+    from engine.experts.layout import read_config
+
+    try:
+        return int(ModelConfig.from_hf(read_config(path)).num_layers)
+    except Exception:  # noqa: BLE001 - any config problem is reported by the load, with its own words
+        return None
 
 
 def _probe_udp(config: DaemonConfig) -> None:
