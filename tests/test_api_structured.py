@@ -229,8 +229,9 @@ def test_unknown_and_unsupported_fields_are_400_naming_them(mesh: dict[str, Any]
             cl.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2, extra_body=extra)
         assert e.value.param == param, e.value.body
     assert cl.models.retrieve("tiny").id == "tiny"
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError) as nf:
         cl.models.retrieve("no-such-model")
+    assert nf.value.code == "model_not_found" and "served models: tiny" in nf.value.message  # as chat's 404
 
 
 @pytest.mark.parametrize("target", TARGETS)

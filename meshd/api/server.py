@@ -258,11 +258,13 @@ class ApiServer:
 
     def model_payload(self, model_id: str, local_only: bool) -> dict[str, Any]:
         """One entry of ``/v1/models`` (the OpenAI SDK's ``models.retrieve``); 404 if nothing serves it."""
-        for m in self.models_payload(local_only)["data"]:
+        data = self.models_payload(local_only)["data"]
+        for m in data:
             if m["id"] == model_id:
                 return m  # type: ignore[no-any-return]
-        raise ApiError(404, f"model '{model_id}' does not exist in this mesh", code="model_not_found",
-                       param="model")
+        listing = ", ".join(m["id"] for m in data) or "none"
+        raise ApiError(404, f"model '{model_id}' does not exist in this mesh; served models: {listing}",
+                       code="model_not_found", param="model")
 
     async def _model(self, request: web.Request) -> web.Response:
         return web.json_response(self.model_payload(request.match_info["model_id"], False))
