@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -136,3 +137,24 @@ def test_scheduler_batched_equals_unbatched_on_real_model(tmp_path: Path) -> Non
         sched.close()
     for p, q, g in zip(prompts, params, got):
         assert g == [e.token_id for e in generate(model, tok, tok.encode(p), q)]
+
+
+def test_generate_says_when_it_compiles_the_kernels_and_nothing_else(tmp_path: Path) -> None:
+    # the first `meshd generate` of a GGUF file on a machine sat ~50 s silent (numba compiling the kernels
+    # at load, load_s 51 s here under load): the model's `kernels_compiling` notice now reaches stderr,
+    # the other info events still do not, stdout stays the result's alone
+    code = ("import time, structlog\n"
+            "from meshd.commands.generate import _quiet_logs\n"
+            "from engine.model import _said_if_slow\n"
+            "_quiet_logs()\n"
+            "structlog.get_logger('engine.model').info('model_loaded', path='p')\n"
+            "with _said_if_slow('/m.gguf', after_s=0.01):\n"
+            "    time.sleep(0.3)\n"
+            "structlog.get_logger('x').warning('a_warning')\n")
+    out = subprocess.run([sys.executable, "-c", code], env=meshd_env(), capture_output=True, text=True, timeout=60,
+                         check=True, cwd=tmp_path)
+    assert out.stdout == ""
+    lines = out.stderr.splitlines()
+    assert [e for e in ("kernels_compiling", "kernels_ready", "a_warning") if any(e in ln for ln in lines)] == [
+        "kernels_compiling", "kernels_ready", "a_warning"], out.stderr
+    assert "model_loaded" not in out.stderr and "/m.gguf" in out.stderr

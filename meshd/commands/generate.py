@@ -81,14 +81,30 @@ def load_model(path: Path, name: str, stream: Any = None, min_bytes: int = LARGE
             bar.close()
 
 
+# info events that still reach stderr: the first load of a GGUF or bf16 model on a machine compiles the
+# kernels (a minute here under load) and would otherwise leave the command silent as if it hung
+SAID_EVENTS = frozenset({"kernels_compiling", "kernels_ready"})
+
+
+def _keep_said(_logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+    import structlog
+
+    if method in ("debug", "info") and event.get("event") not in SAID_EVENTS:
+        raise structlog.DropEvent
+    return event
+
+
 def _quiet_logs() -> None:
-    # stdout carries the result (one JSON object with --json): engine logs go to stderr, warnings only.
+    # stdout carries the result (one JSON object with --json): engine logs go to stderr, warnings only,
+    # and the few info events a user waits on (SAID_EVENTS).
     import logging
 
     import structlog
 
+    structlog.reset_defaults()
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-                        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+                        processors=[_keep_said, *structlog.get_config()["processors"]],
+                        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
 
 
 def run(args: argparse.Namespace) -> int:
