@@ -49,6 +49,9 @@ async def probe(config: dict) -> dict:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-") or not Path(sys.argv[1]).is_file():
+        print(__doc__.strip())  # a helper of bench/hostile.py: one CONFIG.json, no options
+        sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))

@@ -49,6 +49,9 @@ def rss_mb() -> float:
 
 def main() -> int:
     names = sys.argv[1:] or DAEMON_ORDER
+    if any(n.startswith("-") for n in names):  # no options: -h/--help prints the usage
+        print(__doc__.strip())
+        return 0 if names[0] in ("-h", "--help") else 2
     prev = rss_mb()
     print(f"{'interpreter':32s} {prev:6.1f} MB")
     for name in names:

@@ -63,3 +63,15 @@ def test_the_bench_check_can_fail(tmp_path: Path) -> None:
                       "ap.add_argument('--m', default=1, help='m things')\nap.parse_args()\n")
     res = _check([script])
     assert res[str(script)] == {"parser": True, "missing": ["--n: no help", "--m: help does not say its default"]}
+
+
+def test_bench_children_without_a_parser_answer_help_without_a_traceback() -> None:
+    # hostile_probe.py read '--help' as its CONFIG file and pipeline_imports.py imported a module '--help':
+    # both printed a traceback to a user trying `python bench/X.py --help`
+    kids = sorted(p for p in (REPO_ROOT / "bench").glob("*.py")
+                  if "ArgumentParser(" not in p.read_text() and "__main__" in p.read_text())
+    assert {p.name for p in kids} >= {"hostile_probe.py", "pipeline_imports.py"}
+    for p in kids:
+        out = subprocess.run([sys.executable, str(p), "--help"], cwd=REPO_ROOT, capture_output=True, text=True,
+                             timeout=60, check=False)
+        assert out.returncode == 0 and "Traceback" not in out.stderr and out.stdout.strip(), (p.name, out.stderr[-500:])
