@@ -45,6 +45,7 @@ def _check_specs(config: DaemonConfig) -> None:
     from engine.spec import parse_model_spec
 
     models = config.models if config.role == "serve" else []
+    names: dict[str, str] = {}  # served name -> the --model that took it
     for text in models:
         try:
             spec = parse_model_spec(text)
@@ -52,6 +53,11 @@ def _check_specs(config: DaemonConfig) -> None:
             raise UsageError(f"--model {text}: {e}") from None
         if spec.kind == "path" and spec.path is not None and not _is_checkpoint(spec.path):
             raise UsageError(f"--model {text}: {spec.path} is not a checkpoint directory or .gguf file")
+        if spec.kind in ("tiny", "path"):  # an openai: server's names are known once it answers
+            if spec.name in names:
+                raise UsageError(f"--model {text}: the name '{spec.name}' is taken by --model {names[spec.name]} "
+                                 f"(give one of them another with NAME=)")
+            names[spec.name] = text
     experts = config.experts if config.role == "serve" else []
     for text in experts:
         from engine.experts.shard import ShardError, parse_spec
