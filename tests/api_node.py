@@ -128,6 +128,12 @@ async def run(args: argparse.Namespace) -> None:
     assert daemon.transport is not None and daemon.quic_address is not None
     assert api.server is not None
     api.server.config.extra_fields = frozenset({"standin"})  # the stand-in backend's per-request knobs
+    if args.stage_offer:  # FP@FIRST-LAST: gossip a --stage offer as a stage node does (nothing is held)
+        from meshd.membership.records import StageOffer
+
+        fp, _, rng = args.stage_offer.partition("@")
+        first, _, last = rng.partition("-")
+        membership.set_local_stages([StageOffer(fp, 1048576, (int(first), int(last)))])
     for c in args.connect or []:  # a seed: membership learns everyone else from it
         addr, _, nid = c.partition("@")
         h, _, p = addr.rpartition(":")
@@ -154,6 +160,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--creds", required=True)
     ap.add_argument("--standin", default="")
+    ap.add_argument("--stage-offer", default="")
     ap.add_argument("--model", action="append")
     ap.add_argument("--role", default="serve")
     ap.add_argument("--connect", action="append")

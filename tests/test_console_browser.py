@@ -67,7 +67,7 @@ def test_console_in_chromium(tmp_path: Path) -> None:
 
     creds = make_mesh(tmp_path, 3)
     a = NodeProcess(creds[0][0], "--standin", "alpha", "--token-delay", "0.01", *FAST)
-    b = NodeProcess(creds[1][0], "--standin", "beta", "--connect", a.addr, *FAST)
+    b = NodeProcess(creds[1][0], "--standin", "beta", "--connect", a.addr, "--stage-offer", "ab" * 32 + "@2-3", *FAST)
     c = NodeProcess(creds[2][0], "--role", "client", "--connect", a.addr, "--api-key", KEY, *FAST)
     nodes = {a.node_id: "alpha", b.node_id: "beta", c.node_id: ""}
     base = f"http://127.0.0.1:{c.api}"
@@ -123,6 +123,10 @@ def test_console_in_chromium(tmp_path: Path) -> None:
         assert drawer.is_displayed()
         text = texts("#drawer")[0]
         assert "alpha" in text and "serve" in text and "in flight" in text and "MiB free" in text, text
+        # a stage offer reads as status names it (it was the record's raw JSON)
+        driver.execute_script(f"document.querySelector('#nodes tbody tr[data-node-id=\"{b.node_id}\"]').click()")
+        text = texts("#drawer")[0]
+        assert "layers 2-3 of abababababababab, 1000 MiB offered" in text, text
         # nothing the page loads fails (the browser's own /favicon.ico was a 401 behind the key, 404 without)
         errors = [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
         assert not errors, errors

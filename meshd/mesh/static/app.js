@@ -100,6 +100,21 @@
 
   function openDrawer(id) { selected = id; renderDrawer(); }
 
+  // a --stage offer: its layers (a pin, or any the planner gives), the checkpoint as status names it (the
+  // first 16 hex digits, and the model some node serves from it), the memory offered
+  function stageText(s) {
+    const fp = String(s.model_fp || "").slice(0, 16);
+    const names = [];
+    for (const x of (mesh && mesh.nodes) || []) {
+      for (const m of x.models || []) {
+        if (String(m.fingerprint || "").slice(0, 16) === fp && !names.includes(m.name)) names.push(m.name);
+      }
+    }
+    const layers = Array.isArray(s.pin) ? `layers ${s.pin[0]}-${s.pin[1]}` : "any layers";
+    const mib = typeof s.free_kb === "number" ? `, ${Math.round(s.free_kb * 1000 / 1048576)} MiB offered` : "";
+    return `${layers} of ${fp}${names.length ? " (" + names.join(", ") + ")" : ""}${mib}`;
+  }
+
   function renderDrawer() {
     const d = $("#drawer");
     const n = mesh && mesh.nodes.find((x) => x.node_id === selected);
@@ -111,7 +126,7 @@
       ["api", n.api], ["addresses", (n.addrs || []).join(", ")],
       ["models", (n.models || []).map((m) => `${m.name} [${m.kind}, ctx ${m.ctx}, ${String(m.fingerprint).slice(0, 12)}]`).join("; ") || "-"],
       ["expert shards", (n.experts || []).map((e) => `layers ${e.layers.join("-")} experts ${e.experts.join("-")}`).join("; ") || "-"],
-      ["stages", n.stages ? JSON.stringify(n.stages) : "-"],
+      ["stages", (n.stages || []).map(stageText).join("; ") || "-"],
       ["load", n.load ? `${n.load.in_flight} in flight, ${n.load.queue} queued, ${fmt(n.load.tok_s, 1)} tok/s, ${n.load.slots} slots` : "-"],
       ["memory", n.capacity ? `${n.capacity.free_mb} MiB free of ${n.capacity.ram_mb} MiB, ${n.capacity.cpus} cores` : "-"],
       ["round trip", n.rtt_ms === null ? "-" : fmt(n.rtt_ms, 2) + " ms"], ["path", n.path || "-"],
