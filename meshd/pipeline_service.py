@@ -543,8 +543,9 @@ class PipelineService:
                 break
         first = frames[0]
         host = self.hosts[0]
-        if isinstance(first, wire.Open):
-            host = next((h for h in self.hosts if h.fingerprint == first.fingerprint), host)
+        if isinstance(first, wire.Open):  # the checkpoint's host, the one pinned to that range if several
+            same = [h for h in self.hosts if h.fingerprint == first.fingerprint] or [host]
+            host = next((h for h in same if h.pin == (first.first, first.last)), same[0])
         await host.serve(_Prefixed(stream, head), peer.node_id)
 
     # --- serving side ------------------------------------------------------------------------------

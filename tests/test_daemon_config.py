@@ -222,6 +222,7 @@ def test_bad_config_process_exits_2_with_one_line(tmp_path: Path, content: str, 
 @pytest.mark.parametrize("flags", [["--model", "/nonexistent/ckpt"], ["--model", "openai:notaurl"],
                                    ["--experts", "/nonexistent/ckpt@0-1/0-3"], ["--stage", "/nonexistent/ckpt"],
                                    ["--stage", "tiny@3-1"], ["--model", "tiny", "--model", "tiny"],
+                                   ["--stage", "tiny@0-1", "--stage", "tiny@2-3"],
                                    ["--model", "a=tiny", "--model", f"a={Path(__file__).parent}"],
                                    ["--pipeline-memory", "-1"], ["--pipeline-memory", "nan"]])
 def test_bad_model_or_experts_spec_is_exit_2_before_any_state_is_written(tmp_path: Path, flags: list[str]) -> None:

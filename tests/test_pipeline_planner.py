@@ -98,6 +98,15 @@ def test_a_stage_node_holding_this_and_another_checkpoint_is_used_not_refused() 
     assert [n for n, _ in plan.refused] == ["y"]
 
 
+def test_a_second_offer_of_this_checkpoint_from_one_node_is_refused_not_planned() -> None:
+    # `--stage ck@0-1 --stage ck@2-3` on one node: both ranges in one run reached the node's first host
+    # ("pinned to layers 0-1, asked for 2-3") and the serving node fell back to running alone
+    offers = [off("x", 100, pin=(4, 7)), off("x", 100, pin=(0, 3))]
+    plan = make_plan(need(), me(100), offers)
+    assert ranges(plan) == [("local", 0, 3), ("x", 4, 7)]
+    assert [n for n, _ in plan.refused] == ["x"] and "again (layers 0-3)" in plan.refused[0][1]
+
+
 @pytest.mark.parametrize(
     ("offers", "reason"),
     [

@@ -211,8 +211,15 @@ def _make_plan(need: Need, local: Offer, offers: list[Offer], refused: list[tupl
     # a stage node may hold several checkpoints (--stage is repeatable): its offers of other ones are not
     # refusals when it also offers this one
     holders = {o.node_id for o in offers if o.fingerprint == need.fingerprint}
+    taken: set[str] = set()  # nodes whose offer of this checkpoint is used: one per node (a stage node
+    # serves a run's steps by run id, so two ranges of one run on one node cannot be told apart)
     for o in sorted(offers, key=lambda o: o.node_id):
         if o.node_id == local.node_id:
+            continue
+        if o.fingerprint == need.fingerprint and o.node_id in taken:
+            again = f" (layers {o.pin[0]}-{o.pin[1]})" if o.pin else ""
+            refused.append((o.node_id, f"stage {o.node_id[:12]} offers this checkpoint again{again}: one range "
+                            "per node is used"))
             continue
         if o.fingerprint != need.fingerprint:
             if o.node_id in holders:
@@ -238,6 +245,7 @@ def _make_plan(need: Need, local: Offer, offers: list[Offer], refused: list[tupl
             )
         else:
             usable.append(o)
+            taken.add(o.node_id)
     pinned = sorted((o for o in usable if o.pin is not None), key=lambda o: o.pin)  # type: ignore[arg-type,return-value]
     for a, b in itertools.pairwise(pinned):
         assert a.pin is not None and b.pin is not None

@@ -77,12 +77,18 @@ def _check_specs(config: DaemonConfig) -> None:
                 check_ranges(shard)
             except ShardError as e:
                 raise UsageError(str(e)) from None
+    offered: dict[str, str] = {}  # checkpoint -> the --stage that offers it
     for text in config.stages if config.role == "serve" else []:
         from meshd.pipeline_service import parse_stage_spec
 
         stage_path, pin = parse_stage_spec(text)
         if stage_path != "tiny" and not _is_checkpoint(Path(stage_path)):
             raise UsageError(f"--stage {text}: {stage_path} is not a checkpoint directory or .gguf file")
+        key = "tiny" if stage_path == "tiny" else str(Path(stage_path).resolve())
+        if key in offered:  # a run's steps reach a stage node by run id: one range of a checkpoint per node
+            raise UsageError(f"--stage {text}: --stage {offered[key]} offers this checkpoint already; a node "
+                             f"holds one range of it (give one --stage with the whole range, or none for any)")
+        offered[key] = text
         layers = _num_layers(Path(stage_path)) if pin is not None and stage_path != "tiny" else None
         if pin is not None and layers is not None and pin[1] >= layers:
             raise UsageError(f"--stage {text}: the model has layers 0-{layers - 1}")
