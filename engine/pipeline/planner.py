@@ -218,8 +218,8 @@ def _make_plan(need: Need, local: Offer, offers: list[Offer], refused: list[tupl
             continue
         if o.fingerprint == need.fingerprint and o.node_id in taken:
             again = f" (layers {o.pin[0]}-{o.pin[1]})" if o.pin else ""
-            refused.append((o.node_id, f"stage {o.node_id[:12]} offers this checkpoint again{again}: one range "
-                            "per node is used"))
+            why = f"stage {o.node_id[:12]} offers this checkpoint again{again}: one range per node is used"
+            refused.append((o.node_id, why))
             continue
         if o.fingerprint != need.fingerprint:
             if o.node_id in holders:
