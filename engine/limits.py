@@ -28,6 +28,13 @@ KERNEL_MAX_ROWS = 4
 PRODUCT_PIECE_MACS = 1 << 25
 # piece widths are a multiple of this many output columns (whole register tiles of the BLAS kernels)
 PRODUCT_PIECE_COLUMNS = 64
+# products of at most this many rows and at least PRODUCT_TRANSPOSED_MIN_COLUMNS columns (engine.products) run as
+# ``w @ x.T`` (the output transposed into place) rather than ``x @ w.T``: OpenBLAS's SkylakeX sgemm is 1.2-2x
+# faster that way round for 5-64 rows (a prefill's lightly routed experts), 0.8-1.1x from ~96 rows, and slower
+# for a narrow output (a 16-expert router). Part of the numerics: the two give equal bits with SkylakeX kernels,
+# other last bits with Haswell/Zen ones (80 of 104 shapes tried)
+PRODUCT_TRANSPOSED_MAX_ROWS = 64
+PRODUCT_TRANSPOSED_MIN_COLUMNS = 128
 # a model load that spends longer than this loading the compiled kernels logs that it is compiling them (the
 # first load on a machine), so a starting daemon does not sit silent for minutes
 KERNELS_SLOW_NOTICE_S = 5.0
