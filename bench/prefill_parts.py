@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import random
 import statistics
@@ -35,9 +36,9 @@ from pathlib import Path
 os.environ["MESHD_PREFILL_THREADS"] = "1"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from engine import prefill_threads, products  # noqa: E402
+from engine import prefill_threads, products
 
 SHAPES = [  # m, k, n, where (the bench model: hidden 768, 12 heads over 4 KV heads of 64, experts of 384)
     (256, 768, 768, "q, o"), (256, 768, 256, "k, v"), (256, 768, 16, "router"),
@@ -71,8 +72,9 @@ def shapes(rounds: int) -> None:
         tx, tw = torch.from_numpy(x), torch.from_numpy(w)
         calls = max(5, int(2e7 / (m * k * n)))
         sides: dict[str, Callable[[], object]] = {
-            "plain": lambda: np.matmul(x, w.T), "transposed": lambda: np.ascontiguousarray(np.matmul(w, x.T).T),
-            "pieces": lambda: products.matmul(x, w), "torch": lambda: F.linear(tx, tw)}
+            "plain": functools.partial(np.matmul, x, w.T),
+            "transposed": lambda x=x, w=w: np.ascontiguousarray(np.matmul(w, x.T).T),
+            "pieces": functools.partial(products.matmul, x, w), "torch": functools.partial(F.linear, tx, tw)}
         got: dict[str, list[float]] = {s: [] for s in sides}
         for _ in range(rounds):
             for s, f in sides.items():
