@@ -9,8 +9,11 @@ from __future__ import annotations
 
 # --- engine (issue 4) -------------------------------------------------------------------------
 # model forward pass (engine-model)
-# queries per attention score matrix: bounds it to H*256*L*4 bytes (48 MB at H=12 heads, L=4096)
-ATTENTION_QUERY_BLOCK = 256
+# queries per attention score matrix: bounds it to H*64*L*4 bytes (12 MB at H=12 heads, L=4096); a block sees only
+# the keys up to its last query, so smaller blocks skip more of the causal mask's upper triangle (a 256-token
+# prefill's attention: 64 -> 5/8 of the products and softmax of one 256 block, 1.5x faster on one core). Part of the
+# numerics (softmax sums rows of other lengths): every node blocks by this constant
+ATTENTION_QUERY_BLOCK = 64
 # weights dequantized per tile in a matmul over packed (bf16/f16/GGUF-quantized) weights: 64 Ki weights are a
 # 256 KiB fp32 tile, which stays in a core's L2 (1 MiB here) while the BLAS product reads it
 MATMUL_TILE_WEIGHTS = 64 * 1024
@@ -28,6 +31,13 @@ KERNEL_MAX_ROWS = 4
 PRODUCT_PIECE_MACS = 1 << 25
 # piece widths are a multiple of this many output columns (whole register tiles of the BLAS kernels)
 PRODUCT_PIECE_COLUMNS = 64
+# products of at most this many rows and at least PRODUCT_TRANSPOSED_MIN_COLUMNS columns (engine.products) run as
+# ``w @ x.T`` (the output transposed into place) rather than ``x @ w.T``: OpenBLAS's SkylakeX sgemm is 1.2-2x
+# faster that way round for 5-64 rows (a prefill's lightly routed experts), 0.8-1.1x from ~96 rows, and slower
+# for a narrow output (a 16-expert router). Part of the numerics: the two give equal bits with SkylakeX kernels,
+# other last bits with Haswell/Zen ones (80 of 104 shapes tried)
+PRODUCT_TRANSPOSED_MAX_ROWS = 64
+PRODUCT_TRANSPOSED_MIN_COLUMNS = 128
 # a model load that spends longer than this loading the compiled kernels logs that it is compiling them (the
 # first load on a machine), so a starting daemon does not sit silent for minutes
 KERNELS_SLOW_NOTICE_S = 5.0

@@ -206,7 +206,8 @@ def _attention_pieces(q: np.ndarray, k: np.ndarray, v: np.ndarray, past: int, sc
         o = np.matmul(scores, v[j, : past + b])  # [G*n, hd]
         out[a:b, j * g * hd : (j + 1) * g * hd] = o.reshape(g, n, hd).transpose(1, 0, 2).reshape(n, g * hd)
 
-    prefill_threads.run([functools.partial(piece, a, b, mask, j) for (a, b), mask in zip(blocks, masks)
+    # the last blocks (the most keys) first, so the threads end on small pieces
+    prefill_threads.run([functools.partial(piece, a, b, mask, j) for (a, b), mask in reversed(list(zip(blocks, masks)))
                          for j in range(kv)])
     return out
 

@@ -23,7 +23,13 @@ from typing import Protocol
 import numpy as np
 
 from . import prefill_threads
-from .limits import MATMUL_PREFILL_TILE_WEIGHTS, PRODUCT_PIECE_COLUMNS, PRODUCT_PIECE_MACS
+from .limits import (
+    MATMUL_PREFILL_TILE_WEIGHTS,
+    PRODUCT_PIECE_COLUMNS,
+    PRODUCT_PIECE_MACS,
+    PRODUCT_TRANSPOSED_MAX_ROWS,
+    PRODUCT_TRANSPOSED_MIN_COLUMNS,
+)
 
 F32 = np.float32
 
@@ -47,9 +53,20 @@ def cuts(m: int, k: int, n: int) -> list[tuple[int, int]]:
     return [(a, min(n, a + step)) for a in range(0, n, step)]
 
 
+def transposed(m: int, n: int) -> bool:
+    """Whether an [m, k] @ [k, n] product's pieces run as ``w @ x.T`` (few rows, wide output: OpenBLAS packs and
+    blocks that way round much better, ``PRODUCT_TRANSPOSED_MAX_ROWS``). A function of the shape alone: the bits."""
+    return m <= PRODUCT_TRANSPOSED_MAX_ROWS and n >= PRODUCT_TRANSPOSED_MIN_COLUMNS
+
+
 def _piece(x: np.ndarray, w: np.ndarray | RowsWeight, a: int, b: int, out: np.ndarray) -> None:
     rows = w[a:b] if isinstance(w, np.ndarray) else w.rows(a, b)  # [b - a, K] fp32
     np.matmul(x, rows.T, out=out[:, a:b])
+
+
+def _piece_t(x: np.ndarray, w: np.ndarray | RowsWeight, a: int, b: int, out: np.ndarray) -> None:
+    rows = w[a:b] if isinstance(w, np.ndarray) else w.rows(a, b)  # [b - a, K] fp32
+    out[:, a:b] = np.matmul(rows, x.T).T  # [b - a, m] computed, written transposed
 
 
 def tasks(x: np.ndarray, w: np.ndarray | RowsWeight) -> tuple[np.ndarray, list[Callable[[], None]]]:
@@ -58,7 +75,8 @@ def tasks(x: np.ndarray, w: np.ndarray | RowsWeight) -> tuple[np.ndarray, list[C
         x = np.ascontiguousarray(x, dtype=F32)
     n, k = w.shape
     out = np.empty((x.shape[0], n), dtype=F32)
-    return out, [functools.partial(_piece, x, w, a, b, out) for a, b in cuts(x.shape[0], k, n)]
+    piece = _piece_t if transposed(x.shape[0], n) else _piece
+    return out, [functools.partial(piece, x, w, a, b, out) for a, b in cuts(x.shape[0], k, n)]
 
 
 def matmul_many(pairs: Sequence[tuple[np.ndarray, np.ndarray | RowsWeight]]) -> list[np.ndarray]:

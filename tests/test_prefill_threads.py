@@ -344,6 +344,27 @@ def test_product_cuts_depend_on_the_shape_only() -> None:
         assert all((b - a) % 64 == 0 for a, b in got[:-1])
 
 
+def test_few_row_products_run_the_other_way_round() -> None:
+    """Products of 5-64 rows into at least 128 columns (a prefill's lightly routed experts) run as ``w @ x.T``
+    (OpenBLAS's SkylakeX sgemm 1.2-2x faster that way, docs/engine-model.md), by the shape alone: their pieces
+    are those products' bits, transposed into place; more rows or a narrow output (a router) stay ``x @ w.T``."""
+    from engine import products
+
+    assert products.transposed(5, 384) and products.transposed(64, 768) and products.transposed(64, 128)
+    assert not products.transposed(65, 768) and not products.transposed(256, 768)
+    assert not products.transposed(32, 16) and not products.transposed(64, 127)
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((1000, 768), dtype=F32)
+    for m in (5, 37, 64, 65, 200):
+        x = rng.standard_normal((m, 768), dtype=F32)
+        got = products.matmul(x, w)
+        assert got.flags.c_contiguous and got.shape == (m, 1000)
+        cuts = products.cuts(m, 768, 1000)
+        want = np.concatenate([(w[a:b] @ x.T).T if m <= 64 else x @ w[a:b].T for a, b in cuts], axis=1)
+        assert got.tobytes() == want.tobytes(), m
+        np.testing.assert_allclose(got, x @ w.T, rtol=1e-4, atol=1e-3)
+
+
 @needs_local_threads
 def test_products_in_pieces_are_the_same_bits_on_any_thread_count(two_threads: prefill_threads._Pool,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
@@ -367,7 +388,11 @@ def test_products_in_pieces_are_the_same_bits_on_any_thread_count(two_threads: p
     got = quant.matmul_many([(x, w32), (x, bf), (x[:7], w32)])
     assert any(n.startswith("meshd-prefill-") for n in names), names
     monkeypatch.setattr(prefill_threads, "_pool", None)
-    want = [np.concatenate([xx @ ww[a:b].T for a, b in products.cuts(xx.shape[0], 768, 1000)], axis=1)
+
+    def piece(xx: np.ndarray, ww: np.ndarray) -> np.ndarray:  # a few rows' pieces run the other way round
+        return (ww @ xx.T).T if products.transposed(xx.shape[0], 1000) else xx @ ww.T
+
+    want = [np.concatenate([piece(xx, ww[a:b]) for a, b in products.cuts(xx.shape[0], 768, 1000)], axis=1)
             for xx, ww in ((x, w32), (x, bf.widen()), (x[:7], w32))]
     assert [g.tobytes() for g in got] == [w.tobytes() for w in want]
     assert quant.matmul(x, bf).tobytes() == want[1].tobytes()
