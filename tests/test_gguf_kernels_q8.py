@@ -75,3 +75,15 @@ def test_every_finite_half_scale_gives_the_generic_bits() -> None:
         got = np.full((t, n), np.nan, dtype=np.float32)
         q8.q8_0(x, data, got, kernels.HALF, 0, n)
         assert got.tobytes() == want.tobytes(), t
+
+
+def test_switch_keeps_the_generic_kernel() -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = "from engine import kernel_pool as k; print(k._CFUNCS['Q8_0'].__name__)"
+    env = {**os.environ, "MESHD_KERNELS_Q8": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         check=True).stdout.split()
+    assert out == ["_c_q8_0"]
