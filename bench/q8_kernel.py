@@ -139,7 +139,8 @@ def decode(path: str, fp32: str, alternations: int) -> None:
     for i, what in ((0, "wall"), (1, "CPU")):
         line = f"{what}: AVX-512/generic {ratio('generic', 'AVX-512', i)}"
         if "fp32" in res:
-            line += f"; our fp32 over {Path(path).stem}: generic {ratio('fp32', 'generic', i)}, AVX-512 {ratio('fp32', 'AVX-512', i)}"
+            line += (f"; our fp32 over {Path(path).stem}: generic {ratio('fp32', 'generic', i)},"
+                     f" AVX-512 {ratio('fp32', 'AVX-512', i)}")
         print(line)
 
 
@@ -147,7 +148,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=100, help="calls per side and alternation (default 100)")
     ap.add_argument("--alternations", type=int, default=7, help="times the sides alternate (default 7)")
-    ap.add_argument("--decode", default="", help="table 2: a GGUF checkpoint, e.g. /tmp/compact-bench/model-Q4_K_M.gguf")
+    ap.add_argument("--decode", default="",
+                    help="table 2: a GGUF checkpoint, e.g. /tmp/compact-bench/model-Q4_K_M.gguf")
     ap.add_argument("--fp32", default="", help="table 2: bench/engine.py's fp32 checkpoint dir, in the same rounds")
     ap.add_argument("--only", default="", help="'1' or '2' (default both)")
     args = ap.parse_args()
