@@ -10,7 +10,8 @@ import pytest
 pytest.importorskip("gguf")
 
 from engine import kernels, quant  # noqa: E402
-from engine.gguf_export import quantize  # noqa: E402
+from engine.gguf_export import export_gguf, quantize  # noqa: E402
+from gguf_helpers import decode_hash  # noqa: E402
 
 q8 = pytest.importorskip("engine.kernels_q8") if kernels.AVAILABLE else None
 pytestmark = pytest.mark.skipif(q8 is None or not q8.AVAILABLE,
@@ -87,3 +88,18 @@ def test_switch_keeps_the_generic_kernel() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
                          check=True).stdout.split()
     assert out == ["_c_q8_0"]
+
+
+def test_decode_bytes_are_the_generic_kernels(tmp_path) -> None:  # noqa: ANN001
+    """A Q4_K_M file whose experts' down projections (rows of 384) are Q8_0: its decode gives the same bytes with
+    this kernel as with the generic one (a node on another CPU), in fresh processes."""
+    from experts_util import make_moe_checkpoint
+
+    src = make_moe_checkpoint(tmp_path / "src", family="qwen3_moe", layers=2, experts=4, hidden=256, inter=384,
+                              top_k=2, vocab=256)
+    g = tmp_path / "m.gguf"
+    export_gguf(src, g, "Q4_K_M")
+    import gguf
+
+    assert "Q8_0" in {gguf.GGMLQuantizationType(t.tensor_type).name for t in gguf.GGUFReader(g).tensors}
+    assert decode_hash(g) == decode_hash(g, MESHD_KERNELS_Q8="0")
