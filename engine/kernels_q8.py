@@ -10,12 +10,13 @@ of ``kernels._total``. That is ``_q8_0``'s arithmetic; what differs is the work 
   ``t`` rows it widens, converts and scales every weight ``t`` times; here each block's weights are computed
   once per pass and multiplied into every row's lanes (per 16 weights and row one fused multiply-add, plus
   three operations shared by the rows).
-- **The lanes in registers for the whole row.** The lanes are SSA values of one intrinsic per block pair,
-  stored to the stack once per pass, not zeroed through ``memset``.
+- **The lanes in registers for the whole row.** One intrinsic per block pair loads and stores them from a stack
+  array that aliases nothing, so LLVM keeps them in registers across the row's loop; they are zeroed by vector
+  stores (a loop of scalar stores became a ``memset`` call per row) and summed by one intrinsic.
 - The half ``d`` is widened by ``vcvtph2ps`` (exact), not read from the 256 KiB table.
 
-tests/test_gguf_kernels_q8.py checks the bits against ``_q8_0`` (1-4 activation rows, odd and even block
-counts, row ranges, scales over the half's range, through the kernel threads). ``AVAILABLE``: numba compiling
+tests/test_gguf_kernels_q8.py checks the bits against ``_q8_0`` (1-8 activation rows, odd and even block
+counts, row ranges, every finite half as a scale, through the kernel threads, a whole decode). ``AVAILABLE``: numba compiling
 for this host, AVX-512F there, and ``MESHD_KERNELS_Q8`` not ``0`` (the A/B switch; the bits are the same, so the
 numerics tag does not name it).
 """
