@@ -149,8 +149,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=100, help="calls per side and alternation (default 100)")
     ap.add_argument("--alternations", type=int, default=7, help="times the sides alternate (default 7)")
     ap.add_argument("--decode", default="",
-                    help="table 2: a GGUF checkpoint, e.g. /tmp/compact-bench/model-Q4_K_M.gguf")
-    ap.add_argument("--fp32", default="", help="table 2: bench/engine.py's fp32 checkpoint dir, in the same rounds")
+                    help="table 2: a GGUF checkpoint, e.g. /tmp/compact-bench/model-Q4_K_M.gguf (default none: no"
+                         " table 2)")
+    ap.add_argument("--fp32", default="",
+                    help="table 2: bench/engine.py's fp32 checkpoint dir, in the same rounds (default none)")
     ap.add_argument("--only", default="", help="'1' or '2' (default both)")
     args = ap.parse_args()
     if not kernels.AVAILABLE:
