@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from . import dense_kernels, kernels, kernels_avx2, kernels_int, kernels_lut
+from . import dense_kernels, kernels, kernels_avx2, kernels_int, kernels_lut, kernels_q8
 from .limits import KERNEL_CHUNK_WEIGHTS, KERNEL_SPIN_US, KERNEL_TAIL_SPLIT
 
 import numba  # noqa: E402 - only imported when kernels.AVAILABLE (engine.kernels imports this lazily)
@@ -174,6 +174,13 @@ if kernels_lut.AVAILABLE:  # compiled only where the CPU has the instructions (A
                          numba.carray(_f32p(oa), (t, n)), numba.carray(_f32p(ha), (65536,)), r0, r1)
 
 
+if kernels_q8.AVAILABLE:  # AVX-512: explicit 16-lane Q8_0 code (_c_q8_0's bits)
+    @_cfunc
+    def _c_q8_0_v(xa, t, k, wa, n, rb, oa, r0, r1, ha):  # noqa: ANN001, ANN202 - _c_q8_0's bits
+        kernels_q8.q8_0(numba.carray(_f32p(xa), (t, k)), numba.carray(_u8p(wa), (n, rb)),
+                        numba.carray(_f32p(oa), (t, n)), numba.carray(_f32p(ha), (65536,)), r0, r1)
+
+
 if kernels_avx2.AVAILABLE:  # AVX2 without AVX-512: explicit 8-lane code (the generic kernels' bits)
     @_cfunc
     def _c_q4_k_avx2(xa, t, k, wa, n, rb, oa, r0, r1, ha):  # noqa: ANN001, ANN202 - _c_q4_k's bits
@@ -231,6 +238,8 @@ _CFUNCS = {"F32": _c_f32, "BF16": _c_bf16, "Q8_0": _c_q8_0, "Q4_0": _c_q4_0, "Q4
            "Q6_K": _c_q6_k}
 if kernels_lut.AVAILABLE:  # AVX-512: the table-lookup kernels (same bits, fewer operations per weight)
     _CFUNCS.update(Q4_K=_c_q4_k_lut, Q5_K=_c_q5_k_lut, Q6_K=_c_q6_k_lut)
+if kernels_q8.AVAILABLE:  # AVX-512: Q8_0's weights shared by the activation rows, lanes in registers (same bits)
+    _CFUNCS.update(Q8_0=_c_q8_0_v)
 if kernels_avx2.AVAILABLE:  # (never with the two above: those need AVX-512)
     _CFUNCS.update(Q4_K=_c_q4_k_avx2, Q6_K=_c_q6_k_avx2, Q8_0=_c_q8_0_avx2)
 if kernels_int.AVAILABLE:  # AVX-512 VNNI and MESHD_KERNELS_INT not 0: integer dot products (kernels_int's bits)

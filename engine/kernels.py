@@ -17,8 +17,10 @@ whichever thread computes it, so the thread count never changes a bit. Claiming 
 loaded machine safe: a helper that has not been scheduled yet simply gets nothing, and the caller never waits
 for work it could do itself. IEEE halves (block scales) are read through a 65536-entry
 table (``HALF``, 256 KiB: stays in L2), exact for every pattern. On AVX-512 CPUs the kernel threads run
-engine/kernels_lut.py's Q4_K/Q5_K/Q6_K kernels instead of ``_q45_k``/``_q6_k``: the same bits, fewer operations
-(on AVX2 CPUs without AVX-512, engine/kernels_avx2.py's Q4_K/Q6_K/Q8_0 ones: the same bits, no spilled lanes);
+engine/kernels_lut.py's Q4_K/Q5_K/Q6_K kernels instead of ``_q45_k``/``_q6_k``: the same bits, fewer operations,
+and engine/kernels_q8.py's Q8_0 kernel instead of ``_q8_0`` (the same bits, a block's weights shared by the
+activation rows) (on AVX2 CPUs without AVX-512, engine/kernels_avx2.py's Q4_K/Q6_K/Q8_0 ones: the same bits, no
+spilled lanes);
 with AVX-512 VNNI (and ``MESHD_KERNELS_INT`` not 0) Q4_K and Q6_K take engine/kernels_int.py's integer dot products
 instead (other bits: those of its numpy reference, on every CPU that runs them).
 """

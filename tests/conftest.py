@@ -25,7 +25,7 @@ def meshd_cmd(*args: str) -> list[str]:
 # The switches that choose which kernels compute (and so the numerics tag): a test process and the daemons it
 # starts must compute alike, or its workers and stages are refused for other numerics (a developer's
 # `MESHD_KERNELS=numpy pytest` with numba installed, the closest to CI's install without numba).
-KERNEL_SWITCHES = ("MESHD_KERNELS", "MESHD_KERNELS_INT", "MESHD_KERNELS_LUT", "MESHD_KERNELS_AVX2")
+KERNEL_SWITCHES = ("MESHD_KERNELS", "MESHD_KERNELS_INT", "MESHD_KERNELS_LUT", "MESHD_KERNELS_AVX2", "MESHD_KERNELS_Q8")
 
 
 def meshd_env(**extra: str) -> dict[str, str]:
