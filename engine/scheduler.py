@@ -457,15 +457,42 @@ class Scheduler:
             self._start_group(ready)
 
     def _start_group(self, group: list[_Seq]) -> None:
-        """One batched step of ``group`` (``model.start_many``); its time counts to each member's decode."""
+        """One batched step of ``group`` (``model.start_many``); its time counts to each member's decode.
+        If it raises, which member's step failed is not known: as after a failed batched step
+        (``_after_failed_batch``) each member's cache the group advanced anyway is put back (``truncate``;
+        one that cannot be ends with the group's error) and each starts its step alone
+        (``model.start_one``), so only a member whose lone step fails ends, with its own error."""
         t0 = time.perf_counter()
+        lengths = [getattr(s.cache, "length", None) for s in group]
         try:
             started = self.model.start_many([s.state.last_token for s in group],  # type: ignore[union-attr]
                                             [s.cache for s in group], self.executor)
-        except Exception as e:  # a model failure must reach the client, not kill the thread
-            self._fail(group, e)
+        except Exception as e:  # noqa: BLE001 - which member failed is found by starting each alone
+            self._after_failed_group(group, lengths, e)
             return
         dt = time.perf_counter() - t0
         for s, pending in zip(group, started):
             s.inflight = pending
             s.handle.stats.decode_s += dt
+
+    def _after_failed_group(self, group: Sequence[_Seq], lengths: Sequence[int | None], e: Exception) -> None:
+        log.warning("group_step_failed", model=self.name, error=str(e), error_type=type(e).__name__,
+                    requests=len(group))
+        for s, n in zip(group, lengths):
+            if s.handle.cancelled:
+                self._end(s, s.state.cancelled())  # type: ignore[union-attr]
+                continue
+            if getattr(s.cache, "length", None) != n:
+                try:
+                    s.cache.truncate(n)  # type: ignore[union-attr]
+                except Exception:  # noqa: BLE001 - no way back for this cache: its sequence ends here
+                    self._fail([s], e)
+                    continue
+            t0 = time.perf_counter()
+            tok = s.state.last_token  # type: ignore[union-attr]
+            try:
+                s.inflight = self.model.start_one(tok, s.cache, self.executor)
+            except Exception as e1:  # noqa: BLE001 - a model failure must reach the client, not kill the thread
+                self._fail([s], e1)
+                continue
+            s.handle.stats.decode_s += time.perf_counter() - t0

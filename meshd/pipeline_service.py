@@ -247,7 +247,7 @@ class Serving:
                         self._retire(cur)
                     return
                 self._failing_since = None
-                if cur is not None and not cur.dead and cur.plan.stages == plan.stages:
+                if cur is not None and not cur.dead and cur.plan.stages == plan.stages and not self._off_lane(cur):
                     return
                 try:
                     run = await self._open(plan)
@@ -268,6 +268,20 @@ class Serving:
                 if cur is not None:
                     self._retire(cur)
                 return
+
+    def _off_lane(self, run: Run) -> bool:
+        """Whether a stage link of ``run`` runs over QUIC while a data lane to that stage is up now. A run
+        opened before the lane came up (planned right after the stage joined; on a loaded machine the lane
+        can take a second more) stayed on QUIC for its life, without a direct channel (those need the lane):
+        the plan is then opened again, over the lane, for new sequences."""
+        from transport.stream_api import PATH_LANE
+
+        transport = self.svc.transport
+        for lk in run.links:
+            peer = transport.peer(lk.node_id) if transport is not None else None
+            if getattr(peer, "path", None) == PATH_LANE and getattr(lk.channel, "path", None) != PATH_LANE:
+                return True
+        return False
 
     def _plan(self) -> Plan | None:
         now = self.loop.time()
@@ -427,6 +441,9 @@ class PipelineService:
                 self._publish()
             self._membership.on_change(lambda _e: self._wake.set())
         self.transport.on_peer_up.append(self._peer_up)
+        lanes = getattr(self.transport, "lane", None)
+        if lanes is not None:  # a lane up: a run on QUIC to that stage moves onto it (Serving._off_lane)
+            lanes.on_path_change.append(self._path_changed)
         self._spawn(self._loop())
 
     def _load_hosts(self, experts: Any) -> list[StageHost]:
@@ -484,6 +501,8 @@ class PipelineService:
         if self.transport is not None:
             with contextlib.suppress(ValueError):
                 self.transport.on_peer_up.remove(self._peer_up)
+            with contextlib.suppress(ValueError, AttributeError):
+                self.transport.lane.on_path_change.remove(self._path_changed)
             for node in self._kept:
                 with contextlib.suppress(Exception):
                     self.transport.forget(node)
@@ -512,6 +531,10 @@ class PipelineService:
                     log.warning("pipeline_replan_failed", model=s.name, error=repr(e))
                 if s.current_run is not None and not s.current_run.dead:
                     self.attach_direct(s.current_run)  # a channel that closed is dialled again
+
+    def _path_changed(self, peer: Any) -> None:
+        if self.serving:
+            self._wake.set()
 
     def _peer_up(self, peer: Any) -> None:
         for s in self.serving:

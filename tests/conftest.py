@@ -79,6 +79,11 @@ LONG_FILES_FIRST = (
 SOLO_TESTS = (
     "test_transport_hostile.py::test_members_connect_while_a_stranger_holds_200_silent_connections",
     "test_transport_latency_path.py::test_replies_sent_with_send",  # send_now and send: ACK within 25 ms
+    # token-to-fully-joined within 2 s, left everywhere within 1.5 s (session 11: 2.08 s at load 12.5, and at
+    # load 14 the five nodes' 0.25 s probes timed out and declared each other dead again and again)
+    "test_membership_e2e.py::test_mesh_join_detect_leave_rejoin_ban",
+    # a killed stage's stream ends with an error within 2 s (session 11: 2.89 s at load 11-15)
+    "test_pipeline_daemon.py::test_kill_without_spare_ends_stream_with_error_within_2s",
 )
 
 

@@ -151,11 +151,16 @@ def test_overloaded_is_429_with_retry_after(loop: LoopThread, node: ApiServer) -
     assert node.address is not None
     url = f"http://127.0.0.1:{node.address[1]}/v1/chat/completions"
     slow = {"model": "gen", "messages": MSGS, "max_tokens": 2, "standin": {"think_s": 1.0}}
+    gen = next(b for b in node.backends if "gen" in b.models())
 
     async def go() -> None:
         async with aiohttp.ClientSession() as s:
             busy = [asyncio.create_task(s.post(url, json=slow)) for _ in range(2)]
-            await asyncio.sleep(0.3)
+            # both slots taken before the third asks (a fixed 0.3 s sleep was a race on a loaded machine)
+            deadline = time.monotonic() + 10
+            while gen.in_flight() < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert gen.in_flight() == 2
             async with s.post(url, json=dict(slow, standin={})) as r:
                 assert r.status == 429 and r.headers["Retry-After"] == "1"
                 assert (await r.json())["error"]["type"] == "rate_limit_error"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -294,3 +295,72 @@ def test_a_failing_sequence_in_a_batched_step_fails_alone(tok: Tokenizer, sched_
     failed = [i for i, c in enumerate(calls) if c[0] == "batch-try" and calls[i + 1] != ("batch", c[1])]
     assert len(failed) == 1 and calls[failed[0]][1] > 1  # one batched step raised, with others in it
     assert any(k == "batch" for k, _ in calls[failed[0] + 1 :])  # and batching went on without the failed one
+
+
+@dataclass
+class _RollCache(ToyCache):
+    """A toy cache that keeps its past states, so ``truncate`` can put it back."""
+
+    past: list[np.ndarray] = field(default_factory=list)
+    poisoned: bool = False
+
+    def truncate(self, n: int) -> None:
+        self.state = self.past[n]
+        del self.past[n:]
+        self.length = n
+
+
+class _RollingPoisonModel(ToyModel):
+    """A toy model with the rolling decode API of a pipeline (``start_one``/``finish_one``, and steps in
+    one group: ``decode_groups``/``start_many``). Steps fail for the sequence whose prompt starts with
+    ``BAD`` from its fourth decode step on; a group step steps its members in order, so one that includes
+    it raises after the members before it were advanced."""
+
+    BAD = 7
+
+    def new_cache(self) -> _RollCache:
+        return _RollCache(np.zeros(self.hidden, dtype=np.float32))
+
+    def _step(self, tok: int, cache: _RollCache) -> np.ndarray:  # type: ignore[override]
+        if cache.length == 0:
+            cache.poisoned = tok == self.BAD
+        if cache.poisoned and cache.length >= 6:
+            raise RuntimeError("poisoned sequence")
+        cache.past.append(cache.state)
+        return super()._step(tok, cache)
+
+    def start_one(self, tok: int, cache: _RollCache, executor: object = None) -> np.ndarray:
+        self._tick("start_one", 1)
+        return self._step(int(tok), cache)
+
+    def finish_one(self, pending: np.ndarray, executor: object = None) -> np.ndarray:
+        return pending
+
+    def decode_groups(self, caches: list[_RollCache]) -> int:
+        return 1 if len(caches) > 1 else 0
+
+    def start_many(self, toks: list[int], caches: list[_RollCache],
+                   executor: object = None) -> list[np.ndarray]:
+        self._tick("group", len(toks))
+        return [self._step(int(t), c) for t, c in zip(toks, caches)]
+
+
+def test_a_failing_sequence_in_a_group_step_fails_alone(tok: Tokenizer, sched_factory: Make) -> None:
+    """One sequence's step raising inside a group step of the rolling decode (``start_many``) ends that
+    sequence with the error; the others, put back where the failed group advanced them, go on to the
+    tokens they give alone (before, every sequence of the group ended with the error)."""
+    model = _RollingPoisonModel(vocab_size=768, gate=threading.Event())
+    sched = sched_factory(model, tok, max_active=8, batching="always")
+    prompts = [[1, 2, 3], [_RollingPoisonModel.BAD, 1, 2], [4, 5], [9, 9, 9, 9]]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    handles = [sched.submit(p, params) for p in prompts]
+    model.gate.set()  # type: ignore[union-attr]
+    got = [list(h) for h in handles]
+    assert got[1][-1].finish_reason == "error" and "poisoned sequence" in (got[1][-1].error or "")
+    alone = [list(generate(ToyModel(vocab_size=768), tok, p, params)) for p in prompts]
+    assert [e.token_id for e in got[1][:-1]] == [e.token_id for e in alone[1][:4]]
+    for i in (0, 2, 3):
+        assert got[i] == alone[i]
+    groups = [n for k, n in model.calls if k == "group"]
+    last4 = len(groups) - 1 - groups[::-1].index(4)  # the group step that failed: the last one of all four
+    assert 3 in groups[last4 + 1 :], groups  # the three others went on stepping in groups

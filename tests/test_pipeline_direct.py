@@ -256,6 +256,39 @@ def test_batched_group_step_over_the_direct_channel_and_a_lost_reply_rewinds_eve
 
 pytest.importorskip("meshd.membership.service")
 
+
+def test_a_run_on_quic_is_opened_again_once_a_lane_to_its_stage_is_up() -> None:
+    """``Serving._off_lane``: a run whose stage link went over QUIC (opened before the lane to that stage
+    was up: a run planned right after the stage joined, seen under load in
+    test_switched_off_no_direct_channel) is found off the lane once the lane is up, so the next re-plan
+    opens the plan again over it; a link on the lane, or on QUIC to a stage with no lane, is left alone.
+    Real transports and streams."""
+    from types import SimpleNamespace
+
+    from meshd.pipeline_service import Serving
+
+    async def main() -> list[bool]:
+        got = []
+        for lane_b in (True, False):
+            async with pair(lane_b=lane_b) as p:
+                if lane_b:
+                    await wait_for(lambda: p.peer_of_b.path == "lane")
+                svc: Any = SimpleNamespace(transport=p.a)
+                need: Any = None
+                serving = Serving(svc, "tiny", None, b"", need, "on", asyncio.get_running_loop())
+                b_id = p.b.identity.node_id
+                for lane in (False, True):
+                    stream = await p.peer_of_b.open_stream(StreamType.PIPELINE, lane=lane)
+                    assert stream.path == ("lane" if lane and lane_b else "quic")
+                    run: Any = SimpleNamespace(links=[StageLink(b_id, stream, 2, 3)])
+                    got.append(serving._off_lane(run))
+                    stream.reset(0)
+        return got
+
+    # with a lane: a QUIC link is off it, a lane link is not; without a lane: both on QUIC, as they must be
+    assert asyncio.run(main()) == [True, False, False, False]
+
+
 from conftest import meshd_env
 from daemon_testlib import Node, start_node
 from pipeline_mesh import (

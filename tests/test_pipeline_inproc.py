@@ -282,3 +282,28 @@ def test_serving_node_that_only_embeds(tiny: Path, lt: LoopThread) -> None:
     prov = InprocProvider(lt, model, tiny, [[("local", 0, -1), ("s1", 0, 3)]])
     assert _run(prov.pipelined(), tok, params, ids) == _run(model, tok, params, ids)
     assert sorted(prov.hosts["s1"].parts) == [(0, 3)]
+
+
+def test_a_failing_step_in_start_many_fails_only_its_sequence(tiny: Path, lt: LoopThread) -> None:
+    """Sequences stepping alone inside ``start_many`` (a test-sized model has no batch step): one whose step
+    cannot start (a token outside the vocabulary) gets its error from its own ``finish_one``; the others' steps
+    give the logits of their lone steps (before, start_many raised for all after the first had started)."""
+    model, tok = Model.load(tiny), Tokenizer.load(tiny)
+    prov = InprocProvider(lt, model, tiny, [[("local", 0, 1), ("s1", 2, 3)]])
+    pm = prov.pipelined()
+    prompts = [tok.encode(p) for p in ("one two", "the mesh holds", "a b c d")]
+    caches, ref = [], []
+    for ids in prompts:
+        c = pm.new_cache()
+        pm.forward(ids, c, last_only=True)
+        caches.append(c)
+        r = model.new_cache()
+        model.forward(np.asarray(ids), r, last_only=True)
+        ref.append(model.forward(np.asarray([5]), r, last_only=True)[-1])
+    started = pm.start_many([5, model.config.vocab_size, 5], caches)
+    with pytest.raises(ValueError):
+        pm.finish_one(started[1])
+    for i in (0, 2):
+        assert pm.finish_one(started[i]).tobytes() == ref[i].tobytes()
+        assert caches[i].length == len(prompts[i]) + 1
+    assert caches[1].length == len(prompts[1])

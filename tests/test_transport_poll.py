@@ -35,18 +35,28 @@ def _record_selects(loop: asyncio.AbstractEventLoop) -> list[float | None]:
     return timeouts
 
 
+def _unyielding(loop: asyncio.AbstractEventLoop) -> poll.Poller:
+    """A poller that never sees itself descheduled (CPU time counted as wall time). On a loaded machine a real
+    poll is preempted within milliseconds and rightly yields (holds dropped, new ones refused for 50 ms),
+    which is the yield tests' subject: the tests of holds and releases use this one."""
+    return poll.Poller(loop, cpu_clock=time.perf_counter)
+
+
 def test_a_hold_polls_until_its_deadline_then_the_loop_sleeps(loop: asyncio.AbstractEventLoop) -> None:
     timeouts = _record_selects(loop)
-    p = poll.poller(loop)
+    p = _unyielding(loop)
 
-    async def go() -> tuple[bool, bool]:
-        p.hold("a", 0.03)
+    async def go() -> tuple[bool, bool, float]:
+        t0 = time.perf_counter()
+        p.hold("a", 0.2)  # a margin for the 10 ms sleep on a loaded machine (a 30 ms hold failed there)
         await asyncio.sleep(0.01)
-        during = p.polling
-        await asyncio.sleep(0.05)  # past the deadline
-        return during, p.polling
+        during, looked = p.polling, time.perf_counter() - t0
+        await asyncio.sleep(0.25)  # past the deadline
+        return during, p.polling, looked
 
-    during, after = loop.run_until_complete(go())
+    during, after, looked = loop.run_until_complete(go())
+    assert looked < 0.2, looked  # else the check below would be moot
+
     assert during and not after
     # polled: many iterations with a zero timeout while asyncio.sleep waited, then slept until its timer
     slept = [i for i, t in enumerate(timeouts) if t is not None and t > 0.005]
@@ -63,7 +73,7 @@ def test_without_a_hold_the_loop_does_not_poll(loop: asyncio.AbstractEventLoop) 
 
 
 def test_release_ends_a_hold_and_the_loop_polls_while_any_hold_is_live(loop: asyncio.AbstractEventLoop) -> None:
-    p = poll.poller(loop)
+    p = _unyielding(loop)
 
     async def go() -> list[bool]:
         seen = []
@@ -88,10 +98,7 @@ def test_release_ends_a_hold_and_the_loop_polls_while_any_hold_is_live(loop: asy
 
 
 def test_a_second_hold_of_a_key_replaces_its_deadline(loop: asyncio.AbstractEventLoop) -> None:
-    # CPU time counted as wall time: the poller never sees itself descheduled. On a loaded machine a real
-    # poll is preempted 3 times within 10 ms and the poller rightly yields (holds dropped, new ones refused
-    # for 50 ms), which is the yield tests' subject, not this one's.
-    p = poll.Poller(loop, cpu_clock=time.perf_counter)
+    p = _unyielding(loop)
 
     async def go() -> tuple[bool, bool]:
         p.hold("k", 5.0)
@@ -114,7 +121,7 @@ def test_a_packet_is_taken_while_polling(loop: asyncio.AbstractEventLoop) -> Non
     a.setblocking(False)
     b.setblocking(False)
     got: list[bytes] = []
-    p = poll.poller(loop)
+    p = _unyielding(loop)
     try:
         loop.add_reader(b.fileno(), lambda: got.append(b.recv(64)))
 

@@ -501,6 +501,8 @@ class PipelinedModel:
     def finish_one(self, pending: Pending, executor: Any = None) -> np.ndarray:
         """The logits [V] of a step from ``start_one``; a stage that failed meanwhile is recovered from
         (re-plan, replay) and the step runs again, so the result is the same either way."""
+        if pending.error is not None:
+            raise pending.error
         if pending.fut is None:
             return pending.logits  # type: ignore[return-value]
         cache = pending.cache
@@ -546,7 +548,8 @@ class PipelinedModel:
         layers over all their rows at once, then one FORWARD with a row per sequence to each stage; every row
         has the bits of its lone step. Take each sequence's result with ``finish_one``. Sequences that cannot
         join (on another run, replaying, a prefill chunk still out, a run with no stages, experts delegated
-        from this node) step alone."""
+        from this node) step alone, and then the failure of one's step is raised by its ``finish_one``, not
+        here (the others' steps stand). Raising here, it has advanced no cache."""
         if len(caches) != len(toks):
             raise ValueError(f"{len(toks)} tokens for {len(caches)} caches")
         run = caches[0].run if caches else None
@@ -555,7 +558,7 @@ class PipelinedModel:
         if run is not None and run.links and not run.dead and local_experts:
             step = batch_step(run.local)
         if step is None or len(caches) < 2 or any(c.run is not run or c.replay or c.inflight for c in caches):
-            return [self._start(int(t), c, executor, False) for t, c in zip(toks, caches)]
+            return [self._start_or_error(int(t), c, executor) for t, c in zip(toks, caches)]
         arrs = [self.model._check_ids([int(t)]) for t in toks]
         pasts = [c.local.length for c in caches]
         x = self.model.embed(np.concatenate(arrs))
@@ -572,6 +575,15 @@ class PipelinedModel:
                 self.provider.submit(run.forward(x, span, False))
         self._out.append(fut)
         return [Pending(c, a, p, fut, row=i) for i, (c, a, p) in enumerate(zip(caches, arrs, pasts))]
+
+    def _start_or_error(self, tok: int, cache: PipeCache, executor: Any) -> Pending:
+        """``_start`` of one sequence stepping alone inside ``start_many``: a failure of its step is kept in its
+        ``Pending`` (``finish_one`` raises it), so it ends that sequence only; the others' steps, started or
+        run already (their caches advanced), stand."""
+        try:
+            return self._start(tok, cache, executor, False)
+        except Exception as e:  # noqa: BLE001 - handed to this sequence's finish_one
+            return Pending(cache, np.zeros(0, dtype=np.int64), -1, None, error=e)
 
     def forward_batch(
         self, ids: Sequence[int] | np.ndarray, caches: Sequence[PipeCache], executor: Any = None
@@ -618,3 +630,4 @@ class Pending:
     fut: concurrent.futures.Future[Any] | None
     logits: np.ndarray | None = None
     row: int = -1  # this sequence's row of the future's logits (a batched step: ``start_many``)
+    error: Exception | None = None  # this sequence's step failed to start (``start_many``): finish_one raises it
