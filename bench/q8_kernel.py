@@ -31,7 +31,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine import kernels  # noqa: E402
+from engine import kernels
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # after the engine package: bench/ has an engine.py
+from kernels import _greedy_steps as _steps  # (bench/kernels.py: the same timer as its tables 8-10)
 
 
 def _blocks(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
@@ -75,23 +78,6 @@ def products(rounds: int, alternations: int) -> None:
                 r = [b / a for a, b in zip(got["generic"], got["AVX-512"])]
                 print(f"| {n}x{k} | {t} | {where} | {g(got['generic'])} | {g(got['AVX-512'])} |"
                       f" {statistics.median(r):.3f}x [{min(r):.3f}-{max(r):.3f}] |", flush=True)
-
-
-def _steps(seq: list, n: int) -> tuple[float, float]:
-    """``n`` greedy steps of ``seq`` ([model, cache, token], updated): median (wall, thread CPU) ms a step; the
-    cache is cut back to 100 positions when it passes 200."""
-    m, cache, tok = seq
-    wall, cpu = [], []
-    for _ in range(n):
-        t0, c0 = time.perf_counter(), time.thread_time()
-        logits = m.forward([tok], cache)
-        wall.append(time.perf_counter() - t0)
-        cpu.append(time.thread_time() - c0)
-        tok = int(np.argmax(logits[-1]))
-        if cache.length > 200:
-            cache.truncate(100)
-    seq[2] = tok
-    return statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3
 
 
 def decode(path: str, fp32: str, alternations: int) -> None:
