@@ -52,7 +52,7 @@ ROUNDS = 7
 N_CTX = 512
 
 
-def _bench_engine():  # noqa: ANN202
+def _bench_engine():
     """bench/engine.py as a module (its sides, prompt, probe and timing helpers)."""
     spec = importlib.util.spec_from_file_location("bench_engine", ROOT / "bench" / "engine.py")
     assert spec is not None and spec.loader is not None
@@ -117,7 +117,7 @@ class _LlamaSide:
         lc = self.lc
         lc.llama_memory_clear(lc.llama_get_memory(self.ctx), True)
 
-    def _decode(self, arr, n: int) -> int:  # noqa: ANN001
+    def _decode(self, arr, n: int) -> int:
         """Decode ``n`` tokens at the cache's end; -> argmax of the last position's logits."""
         lc = self.lc
         rc = lc.llama_decode(self.ctx, lc.llama_batch_get_one(arr, n))
@@ -158,7 +158,7 @@ class _LlamaSide:
                 "version": getattr(lc, "__version__", "?")}
 
 
-def _serve(kind: str, path: Path, threads: int, proto) -> None:  # noqa: ANN001
+def _serve(kind: str, path: Path, threads: int, proto) -> None:
     if kind == "bandwidth":
         side = EB._BandwidthSide(path, threads)
         side.probe()
@@ -184,7 +184,7 @@ def _serve(kind: str, path: Path, threads: int, proto) -> None:  # noqa: ANN001
 class _Proc(EB._Proc):
     """One side's process (this script as its worker), alive for the whole run."""
 
-    def __init__(self, kind: str, path: Path, threads: int) -> None:  # noqa: D107
+    def __init__(self, kind: str, path: Path, threads: int) -> None:
         env = dict(os.environ)
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "MESHD_KERNEL_THREADS"):
             env[var] = str(threads)
@@ -211,6 +211,8 @@ class _Proc(EB._Proc):
 
 def _forms(path: Path, forms: list[str]) -> dict[str, Path]:
     """``model-<FORM>.gguf`` of the checkpoint in ``path``, written by engine.gguf_export when missing."""
+    import gguf
+
     out = {}
     for f in forms:
         g = path / f"model-{f}.gguf"
@@ -218,6 +220,9 @@ def _forms(path: Path, forms: list[str]) -> dict[str, Path]:
             from engine.gguf_export import export_gguf
 
             export_gguf(path, g, f)
+        if "tokenizer.ggml.model" not in gguf.GGUFReader(str(g)).fields:
+            sys.exit(f"{g} has no tokenizer.ggml.model (written before gguf_export wrote 'none' for a checkpoint"
+                     " without tokenizer), which llama.cpp refuses: delete it and it is written again")
         out[f] = g
     return out
 
@@ -298,7 +303,7 @@ def main() -> None:
     sys.stdout.write(_report(args, forms, files, res, idle, loads, load0, t_start, t_loaded) + "\n")
 
 
-def _report(args, forms, files, res, idle, loads, load0, t_start, t_loaded) -> str:  # noqa: ANN001, PLR0913
+def _report(args, forms, files, res, idle, loads, load0, t_start, t_loaded) -> str:
     med = EB._med
     bws = [x["read_gb_s"] for x in res["bandwidth"]["probe"]]
     bw = med(bws)

@@ -110,9 +110,10 @@ def test_export_without_a_tokenizer_writes_model_none(tmp_path: Path) -> None:
     """A checkpoint with no tokenizer.json is written with tokenizer.ggml.model "none", the key llama.cpp
     requires of every file (it refused ours with 'key not found in model: tokenizer.ggml.model'); the engine
     still loads the weights, and asking the file for its tokenizer says there is none."""
+    from gguf_helpers import QWEN3_MOE, build
+
     from engine.gguf_export import export_gguf
     from engine.model import Model
-    from gguf_helpers import QWEN3_MOE, build
 
     build("Qwen3MoeConfig", "Qwen3MoeForCausalLM", tmp_path / "src", **QWEN3_MOE)
     assert not (tmp_path / "src" / "tokenizer.json").exists()
