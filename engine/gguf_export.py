@@ -197,8 +197,13 @@ def _tensors(cfg: ModelConfig, get: Callable[[str], np.ndarray]) -> dict[str, np
 
 def _eos_meta(w: Any, src: Path, cfg: ModelConfig) -> None:
     """Tokenizer metadata when ``src`` has a tokenizer, and one ``eos_token_id``: config.json's first
-    eos id, else the tokenizer's ``eos_token`` (written once: GGUFWriter overwrites a repeated key)."""
-    eos = _tokenizer_meta(w, src) if (src / "tokenizer.json").is_file() else None
+    eos id, else the tokenizer's ``eos_token`` (written once: GGUFWriter overwrites a repeated key).
+    Without a tokenizer, ``tokenizer.ggml.model = "none"``: llama.cpp requires the key and reads "none" as
+    a model without a vocabulary (``vocab_size`` dummy tokens), as its converter writes such models."""
+    has_tokenizer = (src / "tokenizer.json").is_file()
+    if not has_tokenizer:
+        w.add_tokenizer_model("none")
+    eos = _tokenizer_meta(w, src) if has_tokenizer else None
     if cfg.eos_token_ids:
         eos = cfg.eos_token_ids[0]
     if eos is not None:

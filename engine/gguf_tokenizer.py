@@ -47,6 +47,8 @@ def _pre_tokenizer(pattern: str | None) -> Any:
 def build_hf_tokenizer(meta: dict[str, Any]) -> _HFTokenizer:
     """A ``tokenizers.Tokenizer`` from GGUF metadata. Raises TokenizerError naming what is unsupported."""
     kind = meta.get("tokenizer.ggml.model")
+    if kind in (None, "none", "no_vocab"):
+        raise TokenizerError(f"the file has no tokenizer (tokenizer.ggml.model {kind!r})")
     if kind != "gpt2":
         raise TokenizerError(f"tokenizer.ggml.model {kind!r} is not supported (supported: gpt2, byte-level BPE)")
     tokens = meta.get("tokenizer.ggml.tokens")

@@ -106,6 +106,28 @@ def test_unsupported_tokenizer_is_named(tmp_path: Path) -> None:
         Tokenizer.load(tmp_path / "spm.gguf")
 
 
+def test_export_without_a_tokenizer_writes_model_none(tmp_path: Path) -> None:
+    """A checkpoint with no tokenizer.json is written with tokenizer.ggml.model "none", the key llama.cpp
+    requires of every file (it refused ours with 'key not found in model: tokenizer.ggml.model'); the engine
+    still loads the weights, and asking the file for its tokenizer says there is none."""
+    from gguf_helpers import QWEN3_MOE, build
+
+    from engine.gguf_export import export_gguf
+    from engine.model import Model
+
+    build("Qwen3MoeConfig", "Qwen3MoeForCausalLM", tmp_path / "src", **QWEN3_MOE)
+    assert not (tmp_path / "src" / "tokenizer.json").exists()
+    g = tmp_path / "no-vocab.gguf"
+    export_gguf(tmp_path / "src", g, "Q8_0")
+    fields = gguf.GGUFReader(str(g)).fields
+    assert fields["tokenizer.ggml.model"].contents() == "none"
+    assert fields["qwen3moe.vocab_size"].contents() == QWEN3_MOE["vocab_size"]
+    m = Model.load(g)
+    assert m.forward([1, 2, 3], m.new_cache(8)).shape == (3, QWEN3_MOE["vocab_size"])
+    with pytest.raises(TokenizerError, match=r"has no tokenizer \(tokenizer.ggml.model 'none'\)"):
+        Tokenizer.load(g)
+
+
 def test_export_writes_one_eos_id(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from engine.gguf_export import export_gguf
 
