@@ -533,7 +533,13 @@ class PipelineService:
                     self.attach_direct(s.current_run)  # a channel that closed is dialled again
 
     def _path_changed(self, peer: Any) -> None:
-        if self.serving:
+        """A lane came up: a run on QUIC to that peer may move onto it (``Serving._off_lane``). A lane going
+        down wakes nothing: a stage killed mid-stream drops its lane at once, and a re-plan then, with gossip
+        still listing the stage, would OPEN on it and hold the plan lock until membership declares it dead
+        (2.6 s of a recovery that takes 0.4 s when the failing step reports the stage first)."""
+        from transport.stream_api import PATH_LANE
+
+        if self.serving and getattr(peer, "path", None) == PATH_LANE:
             self._wake.set()
 
     def _peer_up(self, peer: Any) -> None:
