@@ -2,7 +2,8 @@
 engine computes, so that every node computing part of one result (pipeline stages, expert workers) can be
 checked to compute with the same numerics as the node it serves.
 
-``tag()`` -> ``"kernels=<k>;numpy=<version>;blas=<name>-<version>:<core>"`` (fixed key order, ASCII):
+``tag()`` -> ``"kernels=<k>;numpy=<version>;blas=<name>-<version>:<core>;engine=<revision>"`` (fixed key order,
+ASCII):
 
 - ``kernels``: ``numpy`` (no numba, or ``MESHD_KERNELS=numpy``: numpy tiles and BLAS everywhere) or
   ``numba-<version>`` (the compiled kernels of engine/kernels.py, engine/dense_kernels.py and the compiled
@@ -17,6 +18,13 @@ checked to compute with the same numerics as the node it serves.
   ``KERNEL_MAX_ROWS`` (prefill) run on BLAS with or without numba, and OpenBLAS's kernels for different cores
   block and accumulate differently (measured: ``Haswell`` and ``SkylakeX`` give other bits for a 7x64 @ 64x128
   product). ``:?`` when the core cannot be read (another BLAS, another OS).
+- ``engine``: ``REVISION``, the engine's own numerics: the choices in meshd's code that change bits for the
+  same inputs and the same libraries (how products are cut into pieces and which way round they run, the
+  attention's query blocks, the kernels' accumulation order, the reductions' order, ...). Two meshd versions
+  with equal libraries but another revision compute other bits, and without this key their tags were equal
+  (session 11's attention blocks changed every CPU's bits and no tag said so). Bump ``REVISION`` with every
+  change that alters bits; tests/test_numerics_revision.py holds the tiny models' logits hashes per tag and
+  fails when they change while the revision does not.
 
 Not in the tag, because they do not change bits (each tested bit for bit, docs/kernels.md): the kernel
 threads' count (``MESHD_KERNEL_THREADS``), ``MESHD_KERNELS_LUT`` (the AVX-512 lookup kernels equal the generic
@@ -50,7 +58,10 @@ from typing import Any
 
 from .limits import NUMERICS_MAX_CHARS
 
-KEYS = ("kernels", "numpy", "blas")
+KEYS = ("kernels", "numpy", "blas", "engine")
+# The engine's numerics revision (see the module docstring): 1 = the numerics of session 11 (2026-12-02:
+# products of 5-64 rows run transposed, attention query blocks of 64, the AVX-512 Q8_0 decode kernel).
+REVISION = 1
 MALFORMED = "malformed"  # stands for a peer's tag that ``parse`` rejected: equal to no real tag
 _TEXT = re.compile(r"[\x21-\x7e]+")  # printable ASCII without spaces
 
@@ -169,7 +180,7 @@ def tag() -> str:
     llvmlite's CPU features where numba is installed)."""
     import numpy as np
 
-    parts = {"kernels": kernels_choice(), "numpy": np.__version__, "blas": blas_choice()}
+    parts = {"kernels": kernels_choice(), "numpy": np.__version__, "blas": blas_choice(), "engine": str(REVISION)}
     text = ";".join(f"{k}={_clean(parts[k])}" for k in KEYS)
     return text[:NUMERICS_MAX_CHARS]
 
