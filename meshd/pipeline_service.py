@@ -273,15 +273,23 @@ class Serving:
         """Whether a stage link of ``run`` runs over QUIC while a data lane to that stage is up now. A run
         opened before the lane came up (planned right after the stage joined; on a loaded machine the lane
         can take a second more) stayed on QUIC for its life, without a direct channel (those need the lane):
-        the plan is then opened again, over the lane, for new sequences."""
+        the plan is then opened again, over the lane, for new sequences. Not a link whose lane was up when
+        the run was opened: the lane was full then (its stream limit; the transport falls back to QUIC), and
+        opening again would only find it full again, once per re-plan, each time a new run on every stage."""
+        from transport.stream_api import PATH_LANE
+
+        tried = getattr(run, "lane_was_up", frozenset())
+        for lk in run.links:
+            if lk.node_id not in tried and self._lane_up(lk.node_id) and getattr(lk.channel, "path", None) != PATH_LANE:
+                return True
+        return False
+
+    def _lane_up(self, node_id: str) -> bool:
         from transport.stream_api import PATH_LANE
 
         transport = self.svc.transport
-        for lk in run.links:
-            peer = transport.peer(lk.node_id) if transport is not None else None
-            if getattr(peer, "path", None) == PATH_LANE and getattr(lk.channel, "path", None) != PATH_LANE:
-                return True
-        return False
+        peer = transport.peer(node_id) if transport is not None else None
+        return getattr(peer, "path", None) == PATH_LANE
 
     def _plan(self) -> Plan | None:
         now = self.loop.time()
@@ -313,11 +321,15 @@ class Serving:
         here = plan.stages[0]
         local = self.model.part(here.first, here.last) if here.layers else self.model.part(0, -1)
         links: list[StageLink] = []
+        lane_was_up: set[str] = set()
         try:
             for st in plan.stages[1:]:
                 quick = st.node_id in self.retrying  # a failed stage asked again: a client is waiting
                 wait_s = limits.SILENCE_S if quick else CONNECT_TIMEOUT_S
+                lane_up = self._lane_up(st.node_id)
                 channel = await self.svc.open_stream(st.node_id, wait_s)
+                if lane_up:
+                    lane_was_up.add(st.node_id)
                 link = StageLink(st.node_id, channel, st.first, st.last)
                 links.append(link)
                 await link.open(
@@ -330,7 +342,9 @@ class Serving:
             for link in links:
                 link.close("plan abandoned")
             raise
-        return Run(run_id, plan, local, links)
+        run = Run(run_id, plan, local, links)
+        run.lane_was_up = frozenset(lane_was_up)  # type: ignore[attr-defined]
+        return run
 
     def status(self) -> dict[str, Any]:
         run = self.current_run

@@ -261,8 +261,9 @@ def test_a_run_on_quic_is_opened_again_once_a_lane_to_its_stage_is_up() -> None:
     """``Serving._off_lane``: a run whose stage link went over QUIC (opened before the lane to that stage
     was up: a run planned right after the stage joined, seen under load in
     test_switched_off_no_direct_channel) is found off the lane once the lane is up, so the next re-plan
-    opens the plan again over it; a link on the lane, or on QUIC to a stage with no lane, is left alone.
-    Real transports and streams."""
+    opens the plan again over it; a link on the lane, on QUIC to a stage with no lane, or on QUIC while the
+    lane was already up when the run was opened (the lane was full: opening again would find it full again,
+    once per re-plan) is left alone. Real transports and streams."""
     from types import SimpleNamespace
 
     from meshd.pipeline_service import Serving
@@ -282,11 +283,14 @@ def test_a_run_on_quic_is_opened_again_once_a_lane_to_its_stage_is_up() -> None:
                     assert stream.path == ("lane" if lane and lane_b else "quic")
                     run: Any = SimpleNamespace(links=[StageLink(b_id, stream, 2, 3)])
                     got.append(serving._off_lane(run))
+                    run.lane_was_up = frozenset({b_id})  # opened while the lane was up: it was full then
+                    got.append(serving._off_lane(run))
                     stream.reset(0)
         return got
 
-    # with a lane: a QUIC link is off it, a lane link is not; without a lane: both on QUIC, as they must be
-    assert asyncio.run(main()) == [True, False, False, False]
+    # with a lane: a QUIC link is off it (unless the lane was up, hence full, when the run was opened), a
+    # lane link is not; without a lane: both on QUIC, as they must be
+    assert asyncio.run(main()) == [True, False, False, False, False, False, False, False]
 
 
 from conftest import meshd_env
