@@ -279,6 +279,12 @@ class DecodePlan(OneRowBuffers):
                     (pk.L_DN_PLAIN, lp.down_rows, lp.down_rows_t, lp.down_tbl, lp.k_chunks[1], lp.down_weights)):
                 row[first:first + 7] = (_addr(plain), _addr(last), plain.shape[1], last.shape[1], _addr(tbl), total,
                                         weights * k >= KERNEL_POOL_MIN_WEIGHTS)
+        # each router's x @ w.T when dense.matmul would compute exactly that (an fp32 array off the fp32 kernel:
+        # quant.matmul's one-row case), as a product with its transposed view made here; else None
+        self._routers = [lp.layer.router.T if (type(lp.layer.router) is np.ndarray and lp.layer.router.dtype == F32
+                                               and lp.layer.router.ndim == 2
+                                               and not dense._f32_kernel(self.h, lp.layer.router)) else None
+                         for lp in self.layers]
         g = np.zeros(pk.PLAN_WORDS, dtype=np.int64)
         self._eps64 = np.array([self.eps], dtype=np.float64)  # rmsnorm's eps, read by address
         self._route_p = np.zeros(max(1, c.num_experts), dtype=F32)  # routing's scratch
@@ -417,29 +423,39 @@ class DecodePlan(OneRowBuffers):
         g[pk.G_ATT_POOL] = pool is not None and c.num_heads * (pos + 1 - lo) * 2 * c.head_dim >= ATTEND_POOL_MIN_MACS
         g[pk.G_CTL] = 0 if pool is None else pool._addr
         g[pk.G_HEAD] = head = self._head_addr if head else 0
-        part, h, matmul = pk.part, self.h, dense.matmul
+        part, h, matmul, routers = pk.part, self.h, dense.matmul, self._routers
         GEN_SHIFT = pk.kp.GEN_SHIFT  # noqa: N806
         off = m.first_layer - cache.first_layer
         ks, vs = cache.k, cache.v
         n = len(self.layers)
         logits = self._no_logits
+        if pool is not None and pool._ctl[5]:  # a helper went to sleep between tokens: part() cannot wake it
+            with pool._round:
+                pool.wake()
         for j in range(n + 1):
             kc, vc = (ks[j + off], vs[j + off]) if j < n else (ks[off], vs[off])  # (the last call attends nowhere)
             if pool is None:
                 part(prog, g, j, j > 0, logits, kc, vc, cos, sin, 0)
             else:
                 with pool._round:
-                    if pool._ctl[5]:  # a helper went to sleep (between tokens): part() cannot wake it
-                        pool.wake()
                     try:
-                        pool._gen = part(prog, g, j, j > 0, logits, kc, vc, cos, sin, pool._gen)
+                        gen = part(prog, g, j, j > 0, logits, kc, vc, cos, sin, pool._gen)
                     except BaseException:  # (attend_cache's checks) the rounds it published are counted
                         pool._gen = int(pool._ctl[0]) >> GEN_SHIFT
                         raise
-            if j < n:
-                logits = matmul(h, self.layers[j].layer.router)  # the router: numpy's product, as _layers
-                if not (logits.flags.c_contiguous and logits.dtype == F32):
-                    logits = np.ascontiguousarray(logits, dtype=F32)
+                    if gen < 0:  # it found a helper asleep (preempted for 200 us): wake it for the next call
+                        pool._gen = ~gen
+                        pool.wake()
+                    else:
+                        pool._gen = gen
+            if j < n:  # the router: numpy's product, as _layers computes it (dense.matmul's own x @ w.T when
+                rt = routers[j]  # that is what it runs: the transposed view made once)
+                if rt is not None:
+                    logits = h @ rt
+                else:
+                    logits = matmul(h, self.layers[j].layer.router)
+                    if not (logits.flags.c_contiguous and logits.dtype == F32):
+                        logits = np.ascontiguousarray(logits, dtype=F32)
         return bool(head)
 
     def _head(self) -> np.ndarray:

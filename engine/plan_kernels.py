@@ -116,17 +116,18 @@ def _cycles(typingctx):  # noqa: ANN001, ANN202 - the CPU's cycle counter (G_STA
 @njit(**kp._opts)
 def _run(ctl: int, ha: int, addr: int, rows: int, total: int, shared: int, gen: int, stats: int) -> int:
     """One round of the table at ``addr`` (``rows`` rows): on the kernel threads (``ctl``, the pool's words; 0:
-    none) when ``shared``, as ``Pool.run_table`` runs it, else on this thread; returns the last round's number.
-    A helper found asleep is not woken here (that needs Python): this thread then computes every chunk itself
-    and :func:`part`'s caller wakes the helper before its next call."""
+    none) when ``shared``, as ``Pool.run_table`` runs it, else on this thread; returns the last round's number,
+    as ``~number`` (negative) once a helper was found asleep: a helper is not woken here (that needs Python),
+    this thread computes every chunk itself, and :func:`part`'s caller wakes the helper after the call."""
     tbl = numba.carray(_i64p(addr), (rows, kp._COLS))
     t0 = _cycles() if stats else 0
     if ctl == 0 or shared == 0:
         kp._serial(tbl, ha, total)
     else:
-        gen += 1
+        gen = (gen if gen >= 0 else ~gen) + 1
         if not kp._round(ctl, tbl, ha, gen, total):
             kp._work(ctl, tbl, ha, gen, total, True)
+            gen = ~gen  # (negative: a helper is asleep, part()'s caller wakes it)
     if stats:
         st = numba.carray(_i64p(stats), (3,))
         st[1] += _cycles() - t0
@@ -150,7 +151,8 @@ def part(prog: np.ndarray, g: np.ndarray, j: int, routed: bool, logits: np.ndarr
     down round, the combination added to x), then layer ``j``'s attention half (norm, q/k/v round, attention over
     the cache kc/vc at position ``g[G_POS]`` with angles cos/sin, o round, x += o and the MLP's norm into h), or,
     when ``j`` is past the last layer, the final norm and the head's round if the plan has one (``g[G_HEAD]``).
-    ``gen``: the kernel threads' last round number; returns theirs after this call's rounds."""
+    ``gen``: the kernel threads' last round number; returns theirs after this call's rounds (``~number`` if a
+    helper was found asleep: see :func:`_run`)."""
     ctl, ha, stats = g[G_CTL], g[G_HA], g[G_STATS]
     t0 = _cycles() if stats else 0
     d, e, k = g[G_D], g[G_E], g[G_K]

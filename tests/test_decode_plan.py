@@ -247,3 +247,32 @@ def test_layer_range_plan_gives_span_steps_bits(form: str, checkpoint: Path, spa
         got_kv, want_kv = ([a[:, : cc.length].tobytes() for a in (*cc.k, *cc.v)] for cc in caches)
         assert got_kv == want_kv
     assert forward_span(planned, rows[0], caches[0], executor=lambda *a: None) is None  # another executor
+
+
+@needs_numba
+def test_program_round_with_the_helper_asleep_runs_on_the_caller_and_says_so() -> None:
+    """engine.plan_kernels' rounds cannot wake a sleeping helper (that needs Python): the caller computes every
+    chunk itself and the round number comes back as ``~number``, so that ``DecodePlan._parts`` wakes it."""
+    import time
+
+    from engine import kernel_pool as kp
+    from engine import plan_kernels as pk
+
+    pool = kp.Pool(1)
+    deadline = time.monotonic() + 5
+    while not pool._ctl[5] and time.monotonic() < deadline:  # the helper spins 200 us, then sleeps
+        time.sleep(0.005)
+    assert pool._ctl[5] == 1
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, 256)).astype(np.float32)
+    w = rng.standard_normal((512, 256)).astype(np.float32)
+    out = np.zeros((1, 512), dtype=np.float32)
+    tbl, total, _keep, _ = kp.table([(x, "F32", w, out)])
+    with pool._round:
+        got = pk._run(pool._addr, kp._HALF_ADDR, tbl.ctypes.data, tbl.shape[0], total, 1, pool._gen, 0)
+        assert got == ~(pool._gen + 1)  # asleep: said so, as the next round's number
+        pool._gen = ~got
+        pool.wake()
+    want = np.zeros_like(out)
+    kp.run_serial([(x, "F32", w, want)])
+    assert out.tobytes() == want.tobytes()
