@@ -17,7 +17,13 @@ of it, without changing an operation:
 Everything else is the function the general pass calls: ``dense.rmsnorm``'s kernel, ``attend_one``,
 ``route_one``, the compiled SwiGLU, ``dense.matmul`` for the router and the output head. So the logits are
 the general pass's bits (tested), and a pipeline stage (which runs the plan's layer-range form, below) or an
-expert worker (the general pass) still computes exactly what the local pass does. A model (or a round) the
+expert worker (the general pass) still computes exactly what the local pass does.
+
+When every layer is of that form with every round a kernel-pool table (``DecodePlan.program``), a step runs
+its layers as ``engine.plan_kernels.part`` calls instead of the Python loop of ``_layers``: one compiled call per
+layer (the last layer's routed half, then this layer's attention half, the rounds published from compiled code)
+with the router's numpy product between them, the same kernels through their addresses (the same bits;
+``MESHD_PLAN_PARTS=0`` keeps the loop). A model (or a round) the
 plan does not cover runs the general pass: batched decode, prefill, remote executors, latent attention,
 sigmoid routers, shared experts, biases, and products that are not all on the packed kernels or all on the
 fp32 kernel.
