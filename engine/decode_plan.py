@@ -430,7 +430,7 @@ class DecodePlan(OneRowBuffers):
         g[pk.G_CTL] = 0 if pool is None else pool._addr
         g[pk.G_HEAD] = head = self._head_addr if head else 0
         part, h, matmul, routers = pk.part, self.h, dense.matmul, self._routers
-        GEN_SHIFT = pk.kp.GEN_SHIFT  # noqa: N806
+        gen_shift = pk.kp.GEN_SHIFT
         off = m.first_layer - cache.first_layer
         ks, vs = cache.k, cache.v
         n = len(self.layers)
@@ -447,7 +447,7 @@ class DecodePlan(OneRowBuffers):
                     try:
                         gen = part(prog, g, j, j > 0, logits, kc, vc, cos, sin, pool._gen)
                     except BaseException:  # (attend_cache's checks) the rounds it published are counted
-                        pool._gen = int(pool._ctl[0]) >> GEN_SHIFT
+                        pool._gen = int(pool._ctl[0]) >> gen_shift
                         raise
                     if gen < 0:  # it found a helper asleep (preempted for 200 us): wake it for the next call
                         pool._gen = ~gen
