@@ -14,6 +14,12 @@ idle) and the caller's wait (its last chunk done -> every chunk done); the time 
 weight bytes read against the probe (the whole step's and the rounds' own rate). Medians [min-max] over
 rounds. The logging costs two cycle-counter reads and one atomic add per chunk.
 
+When the plan runs its layers in ``engine.plan_kernels``' compiled calls (the default), their rounds do not go
+through the logging pool; the split is then from those calls' own cycle counts (their ``G_STATS`` word): the
+rounds (the caller's view: publish to every chunk done), the time in the compiled calls outside the rounds
+(norms, routing, SwiGLU, the combination) and the time outside the rounds in all. ``MESHD_PLAN_PARTS=0`` runs
+the Python loop instead, with the per-thread split above.
+
 ``--base PACKAGE_DIR``: instead, an in-process A/B of the whole planned step against another tree's engine
 package (e.g. ``git archive main engine | tar -x -C /tmp/b && mv /tmp/b/engine /tmp/b/engine_base``, then
 ``--base /tmp/b/engine_base``; a copy, so numba's cache files do not go into a checkout), imported under its
@@ -250,13 +256,22 @@ def main() -> None:
     buf = np.ones(1 << 28, dtype=np.float32)
     hz = _cycle_rate()
     rows: list[dict[str, float]] = []
+    # the planned step's layers in engine.plan_kernels' compiled calls: their rounds bypass LogPool.run_table,
+    # so only the compiled calls' own cycle counts (G_STATS) split the step (MESHD_PLAN_PARTS=0: the loop's)
+    program = getattr(m._plan, "program", None)
+    stats = np.zeros(3, dtype=np.int64)
+    if program is not None:
+        pk, _, words = program
+        words[pk.G_STATS] = stats.ctypes.data
     print(f"threads={args.threads} rounds={args.rounds} steps={args.steps} load average {_load():.1f}"
-          f" active bytes/token {active / 1e6:.1f} MB")
+          f" active bytes/token {active / 1e6:.1f} MB; layers in "
+          f"{'compiled parts (engine.plan_kernels)' if program is not None else 'the Python loop'}")
     for _ in range(args.rounds):
         while cache.length > 320:
             cache.truncate(256)
         if pool is not None:
             pool.reset()
+        stats[:] = 0
         ts = []
         for _ in range(args.steps):
             t = time.perf_counter()
@@ -267,7 +282,12 @@ def main() -> None:
         mean_us = float(np.mean(ts)) * 1e6
         bw = be._bandwidth(args.threads, buf)["read_gb_s"]
         row = {"step": step_us, "probe_gb_s": bw, "step_frac": active / (step_us * 1e-6) / 1e9 / bw}
-        if pool is not None:
+        if program is not None:  # rounds: publish to every chunk done (caller's view), per token
+            us = 1e6 / hz / args.steps
+            row.update(rounds=stats[1] * us, n_rounds=stats[2] / args.steps, in_parts=stats[0] * us,
+                       parts_not_rounds=(stats[0] - stats[1]) * us, outside=mean_us - stats[1] * us,
+                       rounds_frac=active / (stats[1] * us * 1e-6) / 1e9 / bw)
+        elif pool is not None:
             a = analyse(pool.records(), hz, args.steps)
             row.update(a)
             row["outside"] = mean_us - a["rounds"]

@@ -17,7 +17,13 @@ of it, without changing an operation:
 Everything else is the function the general pass calls: ``dense.rmsnorm``'s kernel, ``attend_one``,
 ``route_one``, the compiled SwiGLU, ``dense.matmul`` for the router and the output head. So the logits are
 the general pass's bits (tested), and a pipeline stage (which runs the plan's layer-range form, below) or an
-expert worker (the general pass) still computes exactly what the local pass does. A model (or a round) the
+expert worker (the general pass) still computes exactly what the local pass does.
+
+When every layer is of that form with every round a kernel-pool table (``DecodePlan.program``), a step runs
+its layers as ``engine.plan_kernels.part`` calls instead of the Python loop of ``_layers``: one compiled call per
+layer (the last layer's routed half, then this layer's attention half, the rounds published from compiled code)
+with the router's numpy product between them, the same kernels through their addresses (the same bits;
+``MESHD_PLAN_PARTS=0`` keeps the loop). A model (or a round) the
 plan does not cover runs the general pass: batched decode, prefill, remote executors, latent attention,
 sigmoid routers, shared experts, biases, and products that are not all on the packed kernels or all on the
 fp32 kernel.
@@ -34,6 +40,7 @@ pass.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +57,9 @@ if TYPE_CHECKING:
 
 F32 = np.float32
 _NONE = np.zeros(0, dtype=F32)
+# MESHD_PLAN_PARTS=0: the planned step's layers in the Python loop (DecodePlan._layers) instead of
+# engine.plan_kernels' compiled calls (same bits; an A/B switch for bench/decode_rounds.py)
+MESHD_PLAN_PARTS = os.environ.get("MESHD_PLAN_PARTS", "1")
 
 
 def packed_ops() -> tuple[Any, Any] | None:
@@ -84,13 +94,15 @@ class Round:
     ``engine.dense`` round, anything else through ``dense.matmul_many`` (the general pass's own call) and
     copied into the buffers."""
 
-    __slots__ = ("run", "table")
+    __slots__ = ("run", "table", "rows")
 
-    def __init__(self, run: Callable[[], None], table: tuple[np.ndarray, int, object] | None = None) -> None:
+    def __init__(self, run: Callable[[], None], table: tuple[np.ndarray, int, object] | None = None,
+                 rows: tuple[np.ndarray, int, int] | None = None) -> None:
         self.run = run
         # (table, chunks, arrays to keep alive): a round big enough for the kernel threads, which a caller that
         # holds the pool already (``DecodePlan._layers``) hands it directly; else None
         self.table = table
+        self.rows = rows  # (table, chunks, weights) of a kernel-pool round, shared or not (engine.plan_kernels)
 
     @staticmethod
     def build(products: list[tuple[np.ndarray, object, np.ndarray]]) -> Round:
@@ -98,7 +110,7 @@ class Round:
         if rows is not None:
             tbl, total, keep, weights = rows
             return Round(_table_runner(tbl, total, keep, weights),
-                         (tbl, total, keep) if weights >= KERNEL_POOL_MIN_WEIGHTS else None)
+                         (tbl, total, keep) if weights >= KERNEL_POOL_MIN_WEIGHTS else None, (tbl, total, weights))
         prods = list(products)
         f32_run = getattr(dense, "_run", None)
         if f32_run is not None and all(dense._f32_kernel(x, w) for x, w, _ in prods):
@@ -144,6 +156,10 @@ def table_rows(products: list[tuple[np.ndarray, object, np.ndarray]],
             return None
     tbl, total, keep, weights = kernel_pool.table(prods, tail=tail)
     return tbl, total, [prods, keep], weights
+
+
+def _addr(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
 
 
 def _table_runner(tbl: np.ndarray, total: int, keep: object, weights: int) -> Callable[[], None]:
@@ -211,6 +227,8 @@ class DecodePlan(OneRowBuffers):
         self.logits = np.zeros((1, c.vocab_size if model.lm_head is not None else 1), dtype=F32)
         self.packed = False  # some layer's experts run from prebuilt kernel-pool table rows
         self.keep: list[object] = []
+        self.program: tuple[Any, np.ndarray, np.ndarray] | None = None  # engine.plan_kernels' form (_program)
+        self._head_addr = 0  # the head's round table in the program (0: none)
 
     @classmethod
     def make(cls, model: Model) -> DecodePlan | None:
@@ -230,7 +248,66 @@ class DecodePlan(OneRowBuffers):
             plan.layers.append(lp)
         if model.lm_head is not None:  # prebuilt like every other product (no kernel table built per token)
             plan.head = Round.build([(plan.h, model.lm_head, plan.logits)])
+        plan.program = plan._program()
         return plan
+
+    def _program(self) -> tuple[Any, np.ndarray, np.ndarray] | None:
+        """The layers as ``engine.plan_kernels``' program (its module, the layers' words, the plan's words), or
+        None when some layer is not of the form it runs (every round a kernel-pool table, routed experts on
+        prebuilt rows of one shape, fp32 norms): then the Python loop of :meth:`_layers` runs every step."""
+        ops = packed_ops()
+        if ops is None or not self.layers or MESHD_PLAN_PARTS == "0":
+            return None
+        c = self.model.config
+        d = c.hidden_size
+
+        def vec(a: object) -> bool:
+            return type(a) is np.ndarray and a.dtype == F32 and a.shape == (d,) and a.flags.c_contiguous
+
+        for lp in self.layers:
+            if (lp.dense_mlp or lp.general_experts or lp.f32_experts or lp.k_chunks is None or lp.qkv.rows is None
+                    or lp.o.rows is None or not vec(lp.layer.attn_norm) or not vec(lp.layer.mlp_norm)):
+                return None
+        if self.model.lm_head is not None and not vec(self.model.norm):
+            return None
+        from . import plan_kernels as pk
+
+        k = len(self.sel)
+        prog = np.zeros((len(self.layers), pk.LAYER_WORDS), dtype=np.int64)
+        for row, lp in zip(prog, self.layers):
+            (qkv, qkv_total, qkv_w), (o, o_total, o_w) = lp.qkv.rows, lp.o.rows  # type: ignore[misc]
+            row[pk.L_ATTN_NORM], row[pk.L_MLP_NORM] = _addr(lp.layer.attn_norm), _addr(lp.layer.mlp_norm)
+            row[pk.L_QKV:pk.L_QKV_POOL + 1] = _addr(qkv), qkv.shape[0], qkv_total, qkv_w >= KERNEL_POOL_MIN_WEIGHTS
+            row[pk.L_O:pk.L_O_POOL + 1] = _addr(o), o.shape[0], o_total, o_w >= KERNEL_POOL_MIN_WEIGHTS
+            row[pk.L_ATT_PRM], row[pk.L_ATT_TBL] = _addr(lp.att_prm), _addr(lp.att_tbl)
+            for first, plain, last, tbl, total, weights in (
+                    (pk.L_GU_PLAIN, lp.gu_rows, lp.gu_rows_t, lp.gu_tbl, lp.k_chunks[0], lp.gu_weights),
+                    (pk.L_DN_PLAIN, lp.down_rows, lp.down_rows_t, lp.down_tbl, lp.k_chunks[1], lp.down_weights)):
+                row[first:first + 7] = (_addr(plain), _addr(last), plain.shape[1], last.shape[1], _addr(tbl), total,
+                                        weights * k >= KERNEL_POOL_MIN_WEIGHTS)
+        # each router's x @ w.T when dense.matmul would compute exactly that (an fp32 array off the fp32 kernel:
+        # quant.matmul's one-row case), as a product with its transposed view made here; else None
+        self._routers = [lp.layer.router.T if (type(lp.layer.router) is np.ndarray and lp.layer.router.dtype == F32
+                                               and lp.layer.router.ndim == 2
+                                               and not dense._f32_kernel(self.h, lp.layer.router)) else None
+                         for lp in self.layers]
+        g = np.zeros(pk.PLAN_WORDS, dtype=np.int64)
+        self._eps64 = np.array([self.eps], dtype=np.float64)  # rmsnorm's eps, read by address
+        self._route_p = np.zeros(max(1, c.num_experts), dtype=F32)  # routing's scratch
+        g[[pk.G_X, pk.G_H, pk.G_O, pk.G_G, pk.G_U, pk.G_Y, pk.G_SEL, pk.G_WTS, pk.G_P, pk.G_EPS]] = [
+            _addr(a) for a in (self.x, self.h, self.o, self.g, self.u, self.y, self.sel, self.wts, self._route_p,
+                               self._eps64)]
+        g[[pk.G_D, pk.G_E, pk.G_I, pk.G_K, pk.G_NKV, pk.G_NORM_TOPK]] = (d, self.g.shape[0], self.g.shape[2], k,
+                                                                       c.num_kv_heads, bool(self.norm_topk))
+        if self.head is not None and self.head.rows is not None:
+            head, head_total, head_w = self.head.rows
+            g[[pk.G_HEAD_NORM, pk.G_HEAD_ROWS, pk.G_HEAD_TOTAL, pk.G_HEAD_POOL]] = (
+                _addr(self.model.norm), head.shape[0], head_total, head_w >= KERNEL_POOL_MIN_WEIGHTS)
+            self._head_addr = _addr(head)
+        g[pk.G_HA] = ops[1]._HALF_ADDR
+        g[[pk.G_RMS, pk.G_ADD_RMS, pk.G_ROUTE, pk.G_SWIGLU_SEL, pk.G_COMBINE]] = pk.FUNCS
+        self._no_logits = np.zeros((1, self.g.shape[0]), dtype=F32)  # part()'s router logits when it routes nothing
+        return pk, prog, g
 
     def _plan_layer(self, layer: Layer) -> _LayerPlan | None:
         if any(b is not None for b in (layer.q_bias, layer.k_bias, layer.v_bias, layer.o_bias)):
@@ -311,7 +388,10 @@ class DecodePlan(OneRowBuffers):
         if m.lm_head is None:
             raise ValueError("this pipeline stage does not hold the output head")
         self.x[:] = m.embed(token)
-        self._layers(cache)
+        if self.program is None:
+            self._layers(cache)
+        elif self._parts(cache, True):
+            return self.logits.copy()  # (the caller keeps it past the next step)
         return self._head()
 
     def span(self, x: np.ndarray, cache: KVCache, logits: bool = False) -> np.ndarray:
@@ -323,8 +403,66 @@ class DecodePlan(OneRowBuffers):
         if logits and self.model.lm_head is None:
             raise ValueError("this pipeline stage does not hold the output head")
         self.x[:] = x
-        self._layers(cache)
+        if self.program is None:
+            self._layers(cache)
+        elif logits and self._parts(cache, True):
+            return self.logits.copy()
+        elif not logits:
+            self._parts(cache, False)
         return self._head() if logits else self.x.copy()
+
+    def _parts(self, cache: KVCache, head: bool) -> bool:
+        """:meth:`_layers` (then, with ``head``, the final norm and the head's round into ``self.logits`` if the
+        head is a kernel-pool round: returns whether it ran) as ``engine.plan_kernels.part`` calls: one per
+        layer, with the router's product between them here, as :meth:`_layers` computes it. The same operations
+        in the same order on the same buffers."""
+        pk, prog, g = self.program  # type: ignore[misc]
+        m = self.model
+        c = m.config
+        pool = pool_of(packed_ops()[0])  # type: ignore[index]
+        pos = cache.length
+        cos, sin = m.rope.span(pos, pos + 1)
+        cos, sin = cos[0], sin[0]
+        window = c.sliding_window
+        lo = 0 if window is None else max(0, pos - window + 1)
+        g[pk.G_POS], g[pk.G_LO] = pos, lo
+        g[pk.G_ATT_POOL] = pool is not None and c.num_heads * (pos + 1 - lo) * 2 * c.head_dim >= ATTEND_POOL_MIN_MACS
+        g[pk.G_CTL] = 0 if pool is None else pool._addr
+        g[pk.G_HEAD] = head = self._head_addr if head else 0
+        part, h, matmul, routers = pk.part, self.h, dense.matmul, self._routers
+        gen_shift = pk.kp.GEN_SHIFT
+        off = m.first_layer - cache.first_layer
+        ks, vs = cache.k, cache.v
+        n = len(self.layers)
+        logits = self._no_logits
+        if pool is not None and pool._ctl[5]:  # a helper went to sleep between tokens: part() cannot wake it
+            with pool._round:
+                pool.wake()
+        for j in range(n + 1):
+            kc, vc = (ks[j + off], vs[j + off]) if j < n else (ks[off], vs[off])  # (the last call attends nowhere)
+            if pool is None:
+                part(prog, g, j, j > 0, logits, kc, vc, cos, sin, 0)
+            else:
+                with pool._round:
+                    try:
+                        gen = part(prog, g, j, j > 0, logits, kc, vc, cos, sin, pool._gen)
+                    except BaseException:  # (attend_cache's checks) the rounds it published are counted
+                        pool._gen = int(pool._ctl[0]) >> gen_shift
+                        raise
+                    if gen < 0:  # it found a helper asleep (preempted for 200 us): wake it for the next call
+                        pool._gen = ~gen
+                        pool.wake()
+                    else:
+                        pool._gen = gen
+            if j < n:  # the router: numpy's product, as _layers computes it (dense.matmul's own x @ w.T when
+                rt = routers[j]  # that is what it runs: the transposed view made once)
+                if rt is not None:
+                    logits = h @ rt
+                else:
+                    logits = matmul(h, self.layers[j].layer.router)
+                    if not (logits.flags.c_contiguous and logits.dtype == F32):
+                        logits = np.ascontiguousarray(logits, dtype=F32)
+        return bool(head)
 
     def _head(self) -> np.ndarray:
         m = self.model

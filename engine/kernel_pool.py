@@ -569,6 +569,9 @@ def _calibrate() -> int:
     return max(1000, int(KERNEL_SPIN_US * 1e-6 / per))
 
 
+_EMPTY = np.zeros((0, _COLS), dtype=np.int64)  # Pool.wake's round
+
+
 class Pool:
     """``helpers`` threads that share each round with the caller; one round at a time (a lock serialises
     callers from several threads)."""
@@ -594,6 +597,15 @@ class Pool:
                 while int(self._ctl[0]) >> GEN_SHIFT == seen:
                     self._cv.wait()
                 _sleeping(self._addr, -1)
+
+    def wake(self) -> None:
+        """Wake sleeping helpers with an empty round (the caller holds ``self._round``): for rounds published by
+        compiled code (engine.plan_kernels), which cannot signal the condition variable; a helper then spins
+        through them as through ``run_table``'s."""
+        self._gen += 1
+        _publish(self._addr, self._gen, _EMPTY, 0)
+        with self._cv:
+            self._cv.notify_all()
 
     def run(self, products: list[tuple[np.ndarray, str, np.ndarray, np.ndarray]]) -> None:
         tbl, total, keep, _ = table(products)

@@ -74,8 +74,10 @@ def test_plan_gives_the_general_pass_bits(form: str, checkpoint: Path, sparse_ch
     assert not any(lp.general_experts for lp in sparse)  # experts on the fp32 rounds or prebuilt table rows
     if form == "F32":
         assert len(sparse) == 2 and planned._plan.layers[0].dense_mlp
+        assert planned._plan.program is None  # (a dense MLP layer: the Python loop; test_program_... below)
     else:
         assert planned._plan.packed
+        assert planned._plan.program is not None  # every step in engine.plan_kernels' compiled calls
     want_logits, want_kv = _decode(general, 12)
     assert general._plan is False
     assert got_logits == want_logits
@@ -148,6 +150,57 @@ def test_prefill_experts_in_groups_give_the_same_bits(tmp_path: Path, monkeypatc
 
 @needs_numba
 @pytest.mark.parametrize("form", ["F32", "Q4_K_M"])
+def test_program_gives_the_loop_and_general_bits(form: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine.plan_kernels' compiled layer calls give the Python loop's and the general pass's bits (logits and
+    cache), on the kernel threads and inside ``single_threaded()``, with the kernel threads' helper asleep
+    before a step (woken by the step), and across a cache that grows (moves) during the decode. (Hidden 576:
+    k [288, 576] is on the fp32 kernel, so every F32 round is a kernel-pool table; the head [96, 576] is not,
+    so the program ends before it.)"""
+    import time
+
+    from experts_util import make_moe_checkpoint
+
+    from engine import kernels
+
+    path = make_moe_checkpoint(tmp_path / "src", family="qwen3_moe", layers=3, experts=8, hidden=576, inter=512,
+                               top_k=4, vocab=96, seed=6)
+    if form != "F32":
+        from engine.gguf_export import export_gguf
+
+        export_gguf(path, tmp_path / f"m-{form}.gguf", form)
+        path = tmp_path / f"m-{form}.gguf"
+    import engine.decode_plan as dp
+
+    loop = Model.load(path)
+    planned, general = _both(path, monkeypatch)
+    runs = []
+    for m in (planned, loop, general):
+        monkeypatch.setattr(dp, "MESHD_PLAN_PARTS", "0" if m is loop else "1")  # (read when the plan is made)
+        cache = m.new_cache(4)
+        out = [m.forward([3, 17, 40, 2, 88], cache).tobytes()]
+        tok = 11
+        for n in range(10):
+            if n == 4:
+                time.sleep(0.01)  # the helper spins 200 us, then sleeps: the next step's round wakes it
+            with kernels.single_threaded() if n in (2, 7) else contextlib.nullcontext():
+                lg = m.forward(np.array([tok]), cache)
+            out.append(lg.tobytes())
+            tok = int(np.argmax(lg[-1]))
+        runs.append((out, [a[:, : cache.length].tobytes() for a in (*cache.k, *cache.v)]))
+    assert isinstance(planned._plan, DecodePlan) and planned._plan.program is not None
+    assert isinstance(loop._plan, DecodePlan) and loop._plan.program is None
+    assert general._plan is False
+    assert runs[0] == runs[1]
+    assert runs[0] == runs[2]
+    pool = kernels._get_pool()
+    if pool is not None:  # the compiled calls kept the kernel threads' round count
+        from engine.kernel_pool import GEN_SHIFT
+
+        assert int(pool._ctl[0]) >> GEN_SHIFT == pool._gen
+
+
+@needs_numba
+@pytest.mark.parametrize("form", ["F32", "Q4_K_M"])
 def test_layer_range_plan_gives_span_steps_bits(form: str, checkpoint: Path, sparse_checkpoint: Path,
                                                 tmp_path: Path) -> None:
     """The plan's layer-range form (a pipeline stage's one-token step, the serving node's own range): hidden
@@ -182,6 +235,7 @@ def test_layer_range_plan_gives_span_steps_bits(form: str, checkpoint: Path, spa
             with kernels.single_threaded() if n % 2 else contextlib.nullcontext():
                 got = forward_span(planned, x, caches[0], None, head)
             assert got is not None and isinstance(planned._plan, DecodePlan)
+            assert (planned._plan.program is not None) == (form != "F32")  # (F32 here: k is not on the kernel)
             c = caches[1]
             c.reserve(c.length + 1)
             want = drive(general.span_steps(x, c, c.length), general.local_executor, general.warm)
@@ -193,3 +247,32 @@ def test_layer_range_plan_gives_span_steps_bits(form: str, checkpoint: Path, spa
         got_kv, want_kv = ([a[:, : cc.length].tobytes() for a in (*cc.k, *cc.v)] for cc in caches)
         assert got_kv == want_kv
     assert forward_span(planned, rows[0], caches[0], executor=lambda *a: None) is None  # another executor
+
+
+@needs_numba
+def test_program_round_with_the_helper_asleep_runs_on_the_caller_and_says_so() -> None:
+    """engine.plan_kernels' rounds cannot wake a sleeping helper (that needs Python): the caller computes every
+    chunk itself and the round number comes back as ``~number``, so that ``DecodePlan._parts`` wakes it."""
+    import time
+
+    from engine import kernel_pool as kp
+    from engine import plan_kernels as pk
+
+    pool = kp.Pool(1)
+    deadline = time.monotonic() + 5
+    while not pool._ctl[5] and time.monotonic() < deadline:  # the helper spins 200 us, then sleeps
+        time.sleep(0.005)
+    assert pool._ctl[5] == 1
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, 256)).astype(np.float32)
+    w = rng.standard_normal((512, 256)).astype(np.float32)
+    out = np.zeros((1, 512), dtype=np.float32)
+    tbl, total, _keep, _ = kp.table([(x, "F32", w, out)])
+    with pool._round:
+        got = pk._run(pool._addr, kp._HALF_ADDR, tbl.ctypes.data, tbl.shape[0], total, 1, pool._gen, 0)
+        assert got == ~(pool._gen + 1)  # asleep: said so, as the next round's number
+        pool._gen = ~got
+        pool.wake()
+    want = np.zeros_like(out)
+    kp.run_serial([(x, "F32", w, want)])
+    assert out.tobytes() == want.tobytes()
