@@ -117,9 +117,15 @@ def _kernels_alone() -> object:
     kernel threads, whose helpers would spin on the cores the run's other threads are using (the same bits: a
     row's never depend on the kernel threads). Imported here, not at the top: engine.kernels imports engine.quant,
     which imports engine.products, which imports this module."""
-    from . import kernels
+    global _kernels
+    if _kernels is None:
+        from . import kernels
 
-    return kernels.single_threaded()
+        _kernels = kernels
+    return _kernels.single_threaded()
+
+
+_kernels = None
 
 
 class _Pool:
