@@ -29,14 +29,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine import prefill_threads as pt  # noqa: E402
+from engine import prefill_threads as pt
 
 pc, tt = time.perf_counter_ns, time.thread_time_ns
 EVENTS: list[tuple] = []  # ("task", thread, t0, t1, site, cpu) and ("run", thread, t0, t1, site, caller's wait)
 _depth = threading.local()
 
 
-def _site(f) -> str:  # noqa: ANN001 - the frame that called run (or run_rows / matmul_many above it)
+def _site(f) -> str:
     site = f.f_code.co_name
     if site == "run_rows":
         site = "rows: " + f.f_back.f_code.co_name
@@ -74,7 +74,7 @@ def _work(self: pt._Job) -> None:  # _Job.work, each top-level task timed
                 self.finished.set()
 
 
-def _pool_run(self: pt._Pool, tasks) -> None:  # noqa: ANN001 - _Pool.run, timed
+def _pool_run(self: pt._Pool, tasks) -> None:
     job = pt._Job(tasks)
     job.site = _site(sys._getframe(2))  # type: ignore[attr-defined]
     t0 = pc()
@@ -96,7 +96,7 @@ class _Serial:  # the pool's interface, every task on the caller
     def __init__(self, helpers: int) -> None:
         self.helpers = helpers
 
-    def run(self, tasks) -> None:  # noqa: ANN001
+    def run(self, tasks) -> None:
         job = pt._Job(tasks)
         job.site = _site(sys._getframe(2))  # type: ignore[attr-defined]
         t0 = pc()
@@ -156,7 +156,7 @@ def main() -> None:
     print(f"{args.rounds} prefills per mode of {args.tokens} tokens, {1 + pool.helpers} threads, "
           f"load {load0:.2f} -> {os.getloadavg()[0]:.2f}")
 
-    def med(mode: str, f) -> float:  # noqa: ANN001
+    def med(mode: str, f) -> float:
         return statistics.median(f(d) for d in got[mode]) / 1e6
 
     for mode in ("one", "two"):

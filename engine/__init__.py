@@ -23,15 +23,16 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", BLAS_THREAD_TIMEOUT)
 # that), the heap keeps what a prefill frees for the next layer's arrays: ~1,000 faults per prefill; the peak
 # is the same (a prefill's live set), what stays resident between requests is at most what the last one freed.
 # Process-wide, set once at import (mallopt works at any time); skipped where the environment already tunes
-# malloc (MALLOC_*_ variables, GLIBC_TUNABLES) or the C library is not glibc.
+# malloc (MALLOC_*_ variables, GLIBC_TUNABLES), with MESHD_HEAP=glibc (glibc's own dynamic thresholds: a few MiB
+# less resident between requests, docs/engine-model.md "Session 12 (prefill4)"), or where the C library is not glibc.
 MALLOC_MMAP_THRESHOLD = 32 << 20
 MALLOC_TRIM_THRESHOLD = 2 * MALLOC_MMAP_THRESHOLD
 
 
 def _hold_heap() -> bool:
     """Set glibc's mmap and trim thresholds (above); -> whether they were set."""
-    if any(k.startswith("MALLOC_") and k.endswith("_") for k in os.environ) or "malloc" in os.environ.get(
-            "GLIBC_TUNABLES", ""):
+    if (os.environ.get("MESHD_HEAP") == "glibc" or any(k.startswith("MALLOC_") and k.endswith("_") for k in os.environ)
+            or "malloc" in os.environ.get("GLIBC_TUNABLES", "")):
         return False
     import ctypes
 

@@ -31,7 +31,7 @@ print(engine.HEAP_HELD, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
 
 
 def _faults_per_layer(**env: str) -> tuple[str, int]:
-    e = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    e = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "MESHD_HEAP")}
     e.update(env)
     out = subprocess.run([sys.executable, "-c", LAYERS], env=e, capture_output=True, text=True, timeout=60, check=True)
     held, faults = out.stdout.split()
@@ -52,4 +52,6 @@ def test_freed_activations_are_reused_without_page_faults_unless_the_environment
     # MALLOC_PERTURB_=0 changes nothing in malloc but is one of its variables: engine leaves the heap alone, and
     # the same layers fault their pages in again every time (the test's check that it can tell the two apart)
     held, faults = _faults_per_layer(MALLOC_PERTURB_="0")
+    assert held == "False" and faults > 1000, faults
+    held, faults = _faults_per_layer(MESHD_HEAP="glibc")  # the switch back to glibc's own thresholds
     assert held == "False" and faults > 1000, faults
