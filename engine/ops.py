@@ -182,33 +182,36 @@ def attention(
 def _attention_pieces(q: np.ndarray, k: np.ndarray, v: np.ndarray, past: int, scale: float,
                       window: int | None) -> np.ndarray:
     """:func:`attention` of T > 1 queries as independent pieces, one per block of ``ATTENTION_QUERY_BLOCK``
-    queries and KV group, on the prefill threads (``engine.prefill_threads``). A piece computes its rows of
-    ``attention``'s stacked products and softmax: the same BLAS product per group and the same per-row
-    operations, so the same bits as one call over every group."""
+    queries, on the prefill threads (``engine.prefill_threads``). A piece computes its rows of ``attention``'s
+    stacked products (every KV group in one batched ``matmul``: the same BLAS product per group as a call per
+    group) and softmax (per row), so the same bits as one call over every group and block.
+
+    One piece per block, not per block and KV group: the pieces' numpy calls hand the GIL between the threads,
+    and a quarter of the calls (4 KV groups) scaled a two-thread prefill's attention 1.1x -> see
+    docs/engine-model.md "Session 12 (prefill4)". A block's work grows with its keys (1 : 2 : 3 : 4 for a
+    256-token prefill), so the largest first leave two threads even."""
     t, h, hd = q.shape
     kv = k.shape[0]
     g = h // kv
     out = np.empty((t, h * hd), dtype=F32)
     blocks = [(a, min(t, a + ATTENTION_QUERY_BLOCK)) for a in range(0, t, ATTENTION_QUERY_BLOCK)]
-    # queries a..b-1 (positions past+a..past+b-1) see keys up to past+b-1
-    masks = [causal_mask(past + a, b - a, window) if b - a > 1 or window is not None else None for a, b in blocks]
 
-    def piece(a: int, b: int, mask: np.ndarray | None, j: int) -> None:
+    def piece(a: int, b: int) -> None:
         n = b - a
-        qg = q[a:b, j * g : (j + 1) * g].transpose(1, 0, 2).reshape(g * n, hd)  # [G*n, hd]
-        scores = np.matmul(qg, k[j, : past + b].T)  # [G*n, L]
+        # queries a..b-1 (positions past+a..past+b-1) see keys up to past+b-1
+        qg = q[a:b].reshape(n, kv, g, hd).transpose(1, 2, 0, 3).reshape(kv, g * n, hd)  # [KV, G*n, hd]
+        scores = np.matmul(qg, k[:, : past + b].transpose(0, 2, 1))  # [KV, G*n, L]
         scores *= F32(scale)
-        if mask is not None:
-            scores = scores.reshape(g, n, past + b)
-            scores += mask
-            scores = scores.reshape(g * n, past + b)
+        if n > 1 or window is not None:
+            scores = scores.reshape(kv, g, n, past + b)
+            scores += causal_mask(past + a, n, window)
+            scores = scores.reshape(kv, g * n, past + b)
         softmax_(scores)
-        o = np.matmul(scores, v[j, : past + b])  # [G*n, hd]
-        out[a:b, j * g * hd : (j + 1) * g * hd] = o.reshape(g, n, hd).transpose(1, 0, 2).reshape(n, g * hd)
+        o = np.matmul(scores, v[:, : past + b])  # [KV, G*n, hd]
+        out[a:b] = o.reshape(kv, g, n, hd).transpose(2, 0, 1, 3).reshape(n, h * hd)
 
     # the last blocks (the most keys) first, so the threads end on small pieces
-    prefill_threads.run([functools.partial(piece, a, b, mask, j) for (a, b), mask in reversed(list(zip(blocks, masks)))
-                         for j in range(kv)])
+    prefill_threads.run([functools.partial(piece, a, b) for a, b in reversed(blocks)])
     return out
 
 

@@ -111,6 +111,23 @@ class _Job:
                     self.finished.set()
 
 
+def _kernels_alone() -> object:
+    """``engine.kernels.single_threaded()``: a run's tasks compute their compiled-kernel products (a prefill's
+    expert items of at most ``KERNEL_MAX_ROWS`` rows, quantized tiles) on their own thread, not in a round of the
+    kernel threads, whose helpers would spin on the cores the run's other threads are using (the same bits: a
+    row's never depend on the kernel threads). Imported here, not at the top: engine.kernels imports engine.quant,
+    which imports engine.products, which imports this module."""
+    global _kernels
+    if _kernels is None:
+        from . import kernels
+
+        _kernels = kernels
+    return _kernels.single_threaded()
+
+
+_kernels = None
+
+
 class _Pool:
     def __init__(self, helpers: int) -> None:
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
@@ -119,14 +136,16 @@ class _Pool:
         self.helpers = helpers
 
     def _helper(self) -> None:
-        while True:
-            self._jobs.get().work()
+        with _kernels_alone():  # a helper only ever runs a run's tasks
+            while True:
+                self._jobs.get().work()
 
     def run(self, tasks: Sequence[Task]) -> None:
         job = _Job(tasks)
         for _ in range(min(self.helpers, len(tasks) - 1)):
             self._jobs.put(job)
-        job.work()
+        with _kernels_alone():
+            job.work()
         job.finished.wait()
         # A helper that did not wake before the caller ran every task takes this job off the queue only when it
         # next gets the GIL, up to a switch interval later, when the next layer already runs: the tasks (closures

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import moe, ops, prefill_threads
+from engine import kernels, moe, ops, prefill_threads
 from engine.limits import ATTENTION_QUERY_BLOCK
 from engine.model import Model
 from engine.tiny import create_tiny
@@ -163,6 +163,33 @@ def test_run_uses_the_helpers_and_returns_when_all_are_done(two_threads: prefill
     prefill_threads.run([a, b] + [lambda i=i: done.append(i) for i in range(2, 20)])
     assert seen == [True, True]
     assert sorted(done) == list(range(20))
+
+
+@needs_local_threads
+def test_a_runs_tasks_keep_their_compiled_kernels_on_their_own_thread(two_threads: prefill_threads._Pool,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a run on the pool, on the caller and on the helper, a task's compiled-kernel products skip the
+    kernel threads (``kernels.single_threaded``: their helpers would spin on the cores the run's threads use);
+    outside it, and in a run without a pool (the run's threads idle then), they do not."""
+    first, second = threading.Event(), threading.Event()
+    seen: dict[str, bool] = {}
+
+    def a() -> None:
+        first.set()
+        second.wait(10)
+        seen["a"] = kernels.is_single_threaded()
+
+    def b() -> None:
+        second.set()
+        first.wait(10)
+        seen["b"] = kernels.is_single_threaded()
+
+    prefill_threads.run([a, b])  # they wait for each other: one ran on the helper
+    assert seen == {"a": True, "b": True}
+    assert not kernels.is_single_threaded()
+    monkeypatch.setattr(prefill_threads, "_pool", None)
+    prefill_threads.run([a, b])
+    assert seen == {"a": False, "b": False}
 
 
 @needs_local_threads
