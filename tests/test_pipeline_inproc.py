@@ -307,3 +307,28 @@ def test_a_failing_step_in_start_many_fails_only_its_sequence(tiny: Path, lt: Lo
         assert pm.finish_one(started[i]).tobytes() == ref[i].tobytes()
         assert caches[i].length == len(prompts[i]) + 1
     assert caches[1].length == len(prompts[1])
+
+
+def test_a_serve_coroutine_closed_unfinished_frees_its_runs_and_awaits_nothing(tiny: Path, lt: LoopThread) -> None:
+    """A stage session's coroutine closed while it waits (what the garbage collector does to a task nobody
+    holds) frees the runs it opened and awaits nothing in its cleanup: an await there is "coroutine ignored
+    GeneratorExit", the session's runs then held until the idle sweep."""
+    model, tok = Model.load(tiny), Tokenizer.load(tiny)
+    prov = InprocProvider(lt, model, tiny, [[("local", 0, 1), ("s1", 2, 3)]])
+    pm = prov.pipelined()
+    cache = pm.new_cache()
+    pm.forward(tok.encode(PROMPT), cache, last_only=True)
+    host = prov.hosts["s1"]
+    assert host.live() == 1 and len(host.runs) == 1
+    (task,) = prov.tasks
+    near, far = prov.channels["s1"]
+
+    async def close_it() -> None:
+        # the stage's side of the socket full and the serving side not reading: an await on a send in the
+        # cleanup would suspend (it does not when the send completes at once)
+        near.pause_receiving()
+        far._writer.write(bytes(8 << 20))
+        task.get_coro().close()  # raises RuntimeError("coroutine ignored GeneratorExit") if the cleanup awaits
+
+    lt.run(close_it())
+    assert host.live() == 0 and host.runs == {}

@@ -180,6 +180,7 @@ class StageHost:
         gap = limits.POLL_MAX_S / 4  # moving average of the wait from such an answer to the next frame
 
         refused = False  # this stream went over the stage's buffer budget: nothing more is read
+        closed = False  # the coroutine is being closed: its finally may not await
 
         def on_data(data: bytes) -> None:
             nonlocal answered, gap, refused
@@ -240,13 +241,17 @@ class StageHost:
                     busy = False
         except Exception as e:  # noqa: BLE001 - a broken stream ends the session, never the daemon
             log.info("pipeline_stage_stream_ended", peer=peer_id[:12], error=repr(e))
+        except GeneratorExit:  # closed, not cancelled (a task destroyed pending): free, but await nothing
+            closed = True
+            raise
         finally:
             poller.release(hold)
             self._buffered.pop(id(dec), None)
             freed = sum(self.free(r) for r in list(mine))
             log.info("pipeline_stage_session_closed", peer=peer_id[:12], runs=len(mine), freed=freed)
-            with contextlib.suppress(Exception):
-                await channel.send(b"", end=True)  # our side is done too (the serving node's reader ends)
+            if not closed:
+                with contextlib.suppress(Exception):
+                    await channel.send(b"", end=True)  # our side is done too (the serving node's reader ends)
 
     def _hold(self, stream: int, held: int) -> bool:
         """Account ``held`` bytes of a partial frame on ``stream`` (loop thread); False (and nothing held) if
