@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,12 @@ from engine.pipeline.client import PipelinedModel, PipelineUnavailable, Run, Sta
 from engine.pipeline.layout import fingerprint
 from engine.pipeline.planner import Plan, Stage
 from engine.pipeline.stage import StageHost
+
+# The stage hosts' serve tasks of every provider, held as long as its loop thread: a test that drops a
+# provider (a new one per plan) would otherwise leave its tasks referenced by nothing but the loop's weak set,
+# and the garbage collector would destroy them pending ("Task was destroyed but it is pending!") in the middle
+# of a later test; LoopThread.stop cancels them all.
+_HELD: weakref.WeakKeyDictionary[LoopThread, list[Any]] = weakref.WeakKeyDictionary()
 
 
 class InprocProvider:
@@ -31,7 +38,7 @@ class InprocProvider:
         self.run: Run | None = None
         self.released: list[tuple[int, int]] = []
         self.channels: dict[str, list[Any]] = {}
-        self.tasks: list[Any] = []
+        self.tasks: list[Any] = _HELD.setdefault(lt, [])
 
     def current(self) -> Run:
         if self.run is None or self.run.dead:
