@@ -5,6 +5,7 @@ Parity is byte equality of generated token ids, their logprobs and the text agai
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import time
@@ -329,6 +330,12 @@ def test_a_serve_coroutine_closed_unfinished_frees_its_runs_and_awaits_nothing(t
         near.pause_receiving()
         far._writer.write(bytes(8 << 20))
         task.get_coro().close()  # raises RuntimeError("coroutine ignored GeneratorExit") if the cleanup awaits
+        # the task around it is still pending: end it here and take its error ("cannot reuse already awaited
+        # coroutine"), or the loop thread's stop would cancel it and log "Task exception was never retrieved"
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        assert task.done()
 
     lt.run(close_it())
     assert host.live() == 0 and host.runs == {}
