@@ -38,7 +38,8 @@ def _stop_all(nodes: list[NodeProcess]) -> None:
 
 def test_request_to_unconnected_member_is_dialled_on_demand(tmp_path: Path) -> None:
     """c keeps at most one connection (idle ones closed after 50 ms), so most of the time it is not
-    connected to the node serving the model asked for: the request dials it and is answered."""
+    connected to the node serving the model asked for: the request dials it and is answered. (CI once saw
+    1 of 12 requests find its server unconnected, the others dialled by gossip: hence up to 40 requests.)"""
     creds = make_mesh(tmp_path, 6)
     a = NodeProcess(creds[0][0], "--standin", "m1")
     more = [NodeProcess(creds[i][0], "--standin", f"m{i + 1}", "--connect", a.addr) for i in range(1, 5)]
@@ -48,7 +49,11 @@ def test_request_to_unconnected_member_is_dialled_on_demand(tmp_path: Path) -> N
         assert wait_models(c.url, set(servers), timeout=20) == set(servers)
         cl = openai.OpenAI(base_url=c.url, api_key="x", max_retries=0, timeout=20)
         unconnected = 0
-        for _ in range(12):
+        # 12 requests, more (up to 40) while fewer than 3 found their server unconnected: the servers'
+        # gossip dials c too, and on a loaded machine (CI's two workers) its links are up more often
+        for i in range(40):
+            if i >= 12 and unconnected >= 3:
+                break
             peers = {p["node_id"]: p for p in c.status()["peers"]}
             model = next((m for m, n in servers.items() if not peers[n.node_id]["connected"]), "m1")
             if not peers[servers[model].node_id]["connected"]:
